@@ -1,0 +1,96 @@
+"""Process group and device mesh from torchrun's or Slurm's (via submitit) environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def export_launcher_env() -> str:
+    """Make RANK/WORLD_SIZE/MASTER_* available; return which launcher provided them."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "torchrun"
+    if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # Slurm already narrows CUDA_VISIBLE_DEVICES to the allocation; we pick cuda:LOCAL_RANK inside it.
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        return "slurm"
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return "single"
+
+
+def init_distributed(device_kind: str) -> DistEnv:
+    export_launcher_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: cuda was asked for but torch sees no GPU on this node")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device=device,
+        backend=dist.get_backend(),
+    )
+
+
+def build_mesh(env: DistEnv, replicate: int = 1) -> DeviceMesh:
+    """1-D mesh over all ranks, or 2-D (replicate, shard) for hybrid sharding."""
+    if replicate == 1:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        env.device.type, (replicate, env.world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def all_reduce_max(value: float, env: DistEnv) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def all_gather_objects(value: object) -> list[object]:
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

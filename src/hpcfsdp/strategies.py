@@ -1,0 +1,176 @@
+"""One small function per strategy: it takes a model and a spec and returns the wrapped model.
+
+Strategies never own a loop. Activation checkpointing and compilation are applied per decoder
+layer before wrapping, so every strategy shards, checkpoints and compiles the same units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.nn.parallel import DistributedDataParallel
+
+from .distributed import DistEnv, build_mesh
+from .models import decoder_layers
+from .spec import RunSpec
+
+Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
+
+
+def apply_activation_checkpointing(model: nn.Module, spec: RunSpec) -> None:
+    """Wrap decoder layers in non-reentrant checkpointing: all of them, or every k-th (selective)."""
+    if spec.activation_checkpointing == "none":
+        return
+    every = 1 if spec.activation_checkpointing == "full" else spec.checkpoint_every
+    layers = decoder_layers(model)
+    for index in range(len(layers)):
+        if index % every == 0:
+            layers[index] = checkpoint_wrapper(layers[index])
+
+
+def apply_compile(model: nn.Module, spec: RunSpec) -> None:
+    """torch.compile each decoder layer: same graph for every layer, so one compilation is reused."""
+    if not spec.compile:
+        return
+    layers = decoder_layers(model)
+    for index in range(len(layers)):
+        layers[index] = torch.compile(layers[index], fullgraph=False)
+
+
+def ddp(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def fsdp2(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    """fully_shard per decoder layer, then the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = build_mesh(env, replicate=_replicas(spec, env))
+    mp_policy = MixedPrecisionPolicy()
+    if spec.precision == "bf16_mixed":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype))
+    offload = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
+    reshard = spec.strategy != "fsdp2_zero2"
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    layers = list(decoder_layers(model))
+    for index, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keep them gathered.
+        shard(layer, reshard_after_forward=reshard and index < len(layers) - 1)
+    shard(model, reshard_after_forward=reshard)
+    if spec.prefetch_depth:
+        _set_explicit_prefetch(layers, spec.prefetch_depth)
+    return model
+
+
+def _set_explicit_prefetch(layers: list[nn.Module], depth: int) -> None:
+    for index, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[index + 1 : index + 1 + depth])
+        layer.set_modules_to_backward_prefetch(layers[max(0, index - depth) : index][::-1])
+
+
+def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if env.device.type != "cuda":
+        raise RuntimeError(f"strategy: {spec.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use an fsdp2_* strategy on CPU")
+    sharding = {
+        "fsdp1_full_shard": ShardingStrategy.FULL_SHARD,
+        "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+        "fsdp1_hybrid_shard": ShardingStrategy.HYBRID_SHARD,
+        "fsdp1_hybrid_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2,
+        "fsdp1_no_shard": ShardingStrategy.NO_SHARD,
+    }[spec.strategy]
+    layer_class = type(_unwrapped(decoder_layers(model)[0]))
+    policy = {
+        "layer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class}),
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=spec.min_num_params),
+        "none": None,
+    }[spec.wrap_policy]
+    mixed = None
+    if spec.precision == "bf16_mixed":
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype), buffer_dtype=torch.bfloat16)
+    prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+    mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy in ("fsdp1_hybrid_shard", "fsdp1_hybrid_zero2") else None
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=sharding,
+        auto_wrap_policy=policy,
+        mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=spec.cpu_offload),
+        backward_prefetch=prefetch[spec.backward_prefetch],
+        forward_prefetch=spec.forward_prefetch,
+        limit_all_gathers=spec.limit_all_gathers,
+        use_orig_params=spec.use_orig_params,
+        device_id=env.device,
+        device_mesh=mesh,
+    )
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "ddp": ddp,
+    "fsdp1_full_shard": fsdp1,
+    "fsdp1_shard_grad_op": fsdp1,
+    "fsdp1_hybrid_shard": fsdp1,
+    "fsdp1_hybrid_zero2": fsdp1,
+    "fsdp1_no_shard": fsdp1,
+    "fsdp2_zero3": fsdp2,
+    "fsdp2_zero2": fsdp2,
+    "fsdp2_hsdp": fsdp2,
+}
+
+
+def parallelize(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    apply_activation_checkpointing(model, spec)
+    apply_compile(model, spec)
+    return STRATEGIES[spec.strategy](model, spec, env)
+
+
+def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> ContextManager:
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation window."""
+    if enabled or spec.sync_every_microbatch:
+        return _set_fsdp2_sync(model, True) if spec.family == "fsdp2" else contextlib.nullcontext()
+    if spec.family == "fsdp2":
+        return _set_fsdp2_sync(model, False)
+    return model.no_sync()
+
+
+@contextlib.contextmanager
+def _set_fsdp2_sync(model: nn.Module, enabled: bool):
+    model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def autocast(spec: RunSpec, device: torch.device) -> ContextManager:
+    """DDP has no mixed-precision policy: bf16_mixed means autocast around forward there."""
+    if spec.strategy == "ddp" and spec.precision == "bf16_mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def param_dtype(spec: RunSpec) -> torch.dtype:
+    """The dtype the model is built in: bf16 only for pure-bf16 training; fp32 master weights otherwise."""
+    return torch.bfloat16 if spec.precision == "bf16" else torch.float32
+
+
+def _replicas(spec: RunSpec, env: DistEnv) -> int:
+    if spec.strategy not in ("fsdp2_hsdp", "fsdp1_hybrid_shard", "fsdp1_hybrid_zero2"):
+        return 1
+    shard = spec.hsdp_shard_size or spec.gpus_per_node
+    return env.world_size // shard
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+    return _unwrapped(inner) if inner is not None else module

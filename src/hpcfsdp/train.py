@@ -1,0 +1,70 @@
+"""The one training loop: warm-up, gradient accumulation, per-step timing. Strategy-agnostic."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed import DistEnv
+from .spec import RunSpec
+from .strategies import autocast, gradient_sync
+
+
+@dataclass
+class TrainLog:
+    """Per-step measurements on this rank. Losses are averaged over ranks and micro-batches."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_times_s: list[float] = field(default_factory=list)
+
+    def timed(self, warmup: int) -> tuple[list[float], list[float]]:
+        return self.step_times_s[warmup:], self.data_times_s[warmup:]
+
+
+def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
+    impl = {"plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl])
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[torch.Tensor],
+    spec: RunSpec,
+    env: DistEnv,
+    on_step_end: Callable[[int], None] = lambda step: None,
+) -> TrainLog:
+    log = TrainLog()
+    model.train()
+    for step in range(spec.steps):
+        _synchronize(env.device)
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=env.device)
+        data_time = 0.0
+        for micro in range(spec.grad_accum):
+            fetch_started = time.perf_counter()
+            tokens = next(batches)
+            data_time += time.perf_counter() - fetch_started
+            with gradient_sync(model, spec, enabled=micro == spec.grad_accum - 1), autocast(spec, env.device):
+                loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
+                loss.backward()
+            loss_sum += loss.detach().float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # the .item() below synchronizes the device too
+        log.losses.append(loss_sum.item() / env.world_size)
+        log.step_times_s.append(time.perf_counter() - started)
+        log.data_times_s.append(data_time)
+        on_step_end(step)
+    return log
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
