@@ -84,13 +84,16 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         record = _ok_record(spec, env, log, flops.flops_per_token, memory)
         record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
                       optimizer_tracks_model=optimizer_tracks_model)
+        if spec.record_param_norm:
+            record["final_param_norm"] = full_param_norm(model)
         status = "ok"
     except Exception as exc:  # noqa: BLE001 - every failure must become a record
         status = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
         record = {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(), "failed_rank": env.rank}
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {stage}: {type(exc).__name__}: {exc}", flush=True)
-    hosts = all_gather_objects(socket.gethostname()) if status == "ok" else [socket.gethostname()]
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    hosts = all_gather_objects(node) if status == "ok" else [node]
     if env.is_main or status != "ok":
         record.update(_context(spec, env, cell_id, sweep, hosts, started))
         write_record(cell_dir / RECORD_NAME, record)
@@ -118,6 +121,14 @@ def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv):
     model_params = {id(p) for p in model.parameters()}
     tracked = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return model, optimizer, model_params == tracked
+
+
+def full_param_norm(model) -> float:
+    """L2 norm over the full (unsharded) parameters: equal across strategies when training is equal."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return float(sum(t.double().pow(2).sum() for t in state.values()) ** 0.5)
 
 
 def _progress(env: DistEnv, spec: RunSpec, step: int) -> None:

@@ -80,6 +80,7 @@ class RunSpec:
     steps: int = 10
     warmup_steps: int = 2
     seed: int = 0
+    record_param_norm: bool = False  # gathers the full model once at the end: for tests and small models
 
     @property
     def world_size(self) -> int:

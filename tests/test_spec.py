@@ -1,0 +1,101 @@
+"""Validation of jobs YAML and RunSpec: clear one-line errors, stable ids, derived fields."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hpcfsdp.cli import main
+from hpcfsdp.matrix import load_sweep
+from hpcfsdp.spec import RunSpec, SpecError
+
+from conftest import ROOT
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def cli_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_unknown_axis_names_file_line_and_suggestion(tmp_path, capsys):
+    path = write(tmp_path, """
+        name: t
+        matrix:
+          strategy: [ddp]
+          batch_sizes: [1, 2]
+        """)
+    err = cli_error(capsys, "plan", str(path))
+    assert f"{path}:5" in err and "matrix.batch_sizes" in err and "did you mean 'batch_size'" in err
+
+
+def test_non_positive_batch_names_file_and_key(tmp_path, capsys):
+    path = write(tmp_path, """
+        matrix:
+          batch_size: [2, 0]
+        """)
+    err = cli_error(capsys, "plan", str(path))
+    assert str(path) in err and "batch_size" in err and "positive" in err and "got 0" in err
+
+
+def test_missing_jobs_file(tmp_path, capsys):
+    err = cli_error(capsys, "submit", str(tmp_path / "nope.yaml"), "--executor", "print")
+    assert "nope.yaml: no such jobs file" in err
+
+
+def test_wrong_type_and_unknown_strategy(tmp_path):
+    with pytest.raises(SpecError, match=r"grad_accum: expected an integer, got 'two'"):
+        load_sweep(write(tmp_path, "base: {grad_accum: two}\n"))
+    with pytest.raises(SpecError, match=r"did you mean 'fsdp2_zero3'"):
+        load_sweep(write(tmp_path, "matrix: {strategy: [fsdp2_zer03]}\n"))
+
+
+def test_impossible_combinations_are_refused_at_plan_time(tmp_path):
+    with pytest.raises(SpecError, match="needs a GPU"):
+        RunSpec.from_dict({"strategy": "fsdp1_full_shard", "device": "cpu"})
+    with pytest.raises(SpecError, match="does not divide"):
+        RunSpec.from_dict({"strategy": "fsdp2_hsdp", "gpus_per_node": 4, "hsdp_shard_size": 3})
+    with pytest.raises(SpecError, match="DDP has no CPU offload"):
+        RunSpec.from_dict({"strategy": "ddp", "cpu_offload": True})
+
+
+def test_global_batch_size_derives_grad_accum():
+    spec = RunSpec.from_dict({"global_batch_size": 32, "batch_size": 2, "nodes": 2, "gpus_per_node": 4})
+    assert spec.grad_accum == 2
+    with pytest.raises(SpecError, match="not a multiple of batch_size x world size = 2 x 8 = 16"):
+        RunSpec.from_dict({"global_batch_size": 24, "batch_size": 2, "nodes": 2, "gpus_per_node": 4})
+
+
+def test_matrix_expansion_include_exclude_and_stable_ids(tmp_path):
+    text = """
+        name: t
+        base: {device: cpu}
+        matrix:
+          strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
+          batch_size: [1, 2]
+        exclude:
+          - {strategy: ddp, batch_size: 2}
+        include:
+          - {strategy: fsdp2_zero3, batch_size: 4, activation_checkpointing: true}
+        """
+    first, second = load_sweep(write(tmp_path, text)), load_sweep(write(tmp_path, text))
+    assert len(first.cells) == 3 * 2 - 1 + 1
+    assert [c.id for c in first.cells] == [c.id for c in second.cells]
+    assert len({c.id for c in first.cells}) == len(first.cells)
+    assert first.cells[-1].spec.activation_checkpointing == "full"
+
+
+def test_plan_prints_every_cell(capsys):
+    assert main(["plan", str(ROOT / "jobs/smoke.yaml")]) == 0
+    out = capsys.readouterr().out
+    sweep = load_sweep(ROOT / "jobs/smoke.yaml")
+    assert f"{len(sweep.cells)} cell(s) in 1 array(s)" in out
+    assert all(cell.id in out for cell in sweep.cells)
