@@ -63,7 +63,9 @@ if ! munge_ok; then
     # No systemd here: start it by hand, as the munge user, like the packaged service does.
     install -d -o munge -g munge -m 0755 /run/munge
     install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
-    runuser -u munge -- /usr/sbin/munged
+    # Daemons must not inherit our stdout/stderr or fd 3: a caller's `start.sh | tail -1` would
+    # otherwise wait for them forever (munged keeps inherited descriptors open).
+    runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&-
     for _ in $(seq 50); do munge_ok && break; sleep 0.2; done
     munge_ok || die "munged does not answer; see /var/log/munge/munged.log"
 fi
@@ -115,6 +117,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
+# batch_sched_delay (default 3 s) holds every new batch job back until the next pass; tests want
+# jobs to start at once.
+SchedulerParameters=batch_sched_delay=0
 SelectType=select/cons_tres
 # CPUs only; memory is not a consumable, so jobs need not ask for --mem.
 SelectTypeParameters=CR_CPU
@@ -197,7 +202,7 @@ if ours "$DIR/run/slurmctld.pid"; then
 else
     log "starting slurmctld (port $PORT)"
     rm -f "$DIR/run/slurmctld.pid"
-    slurmctld -f "$CONF" || die "slurmctld failed to start; see $DIR/log/slurmctld.log"
+    slurmctld -f "$CONF" </dev/null >>"$DIR/log/slurmctld.out" 2>&1 3>&- || die "slurmctld failed to start; see $DIR/log/slurmctld.log"
 fi
 for n in "${NODES[@]}"; do
     if ours "$DIR/run/slurmd-$n.pid"; then
@@ -205,7 +210,7 @@ for n in "${NODES[@]}"; do
     else
         log "starting slurmd $n"
         rm -f "$DIR/run/slurmd-$n.pid"
-        slurmd -f "$CONF" -N "$n" || die "slurmd $n failed to start; see $DIR/log/slurmd-$n.log"
+        slurmd -f "$CONF" -N "$n" </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 3>&- || die "slurmd $n failed to start; see $DIR/log/slurmd-$n.log"
         fresh+=("$n")
     fi
 done
@@ -237,7 +242,7 @@ while :; do
         resumed=1
     fi
     if ((SECONDS >= deadline)); then
-        echo "$states" | sed 's/^/    /'
+        printf '    %s\n' "$states"
         die "nodes not idle after ${TIMEOUT}s; logs are in $DIR/log/"
     fi
     sleep 1

@@ -49,9 +49,13 @@ if [[ -d $DIR/run ]]; then
     ctld_pid=$(our_pid "$DIR/run/slurmctld.pid") || ctld_pid=""
 
     # Cancel jobs first so no job steps (slurmstepd, user processes) outlive their slurmd.
-    if [[ -n $ctld_pid ]] && jobs=$(SLURM_CONF=$CONF squeue -h -t RUNNING,PENDING,SUSPENDED,CONFIGURING,COMPLETING -o %A 2>/dev/null) && [[ -n $jobs ]]; then
-        log "cancelling jobs: $(echo $jobs)"
-        SLURM_CONF=$CONF scancel $jobs 2>/dev/null || true
+    jobs=()
+    if [[ -n $ctld_pid ]]; then
+        mapfile -t jobs < <(SLURM_CONF=$CONF squeue -h -t RUNNING,PENDING,SUSPENDED,CONFIGURING,COMPLETING -o %A 2>/dev/null || true)
+    fi
+    if ((${#jobs[@]})); then
+        log "cancelling jobs: ${jobs[*]}"
+        SLURM_CONF=$CONF scancel "${jobs[@]}" 2>/dev/null || true
         # Wait (KillWait=5 s plus a margin) until they are gone.
         for _ in $(seq 30); do
             left=$(SLURM_CONF=$CONF squeue -h -t RUNNING,COMPLETING,CONFIGURING -o %A 2>/dev/null) || break
