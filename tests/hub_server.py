@@ -10,7 +10,7 @@ It answers, over real HTTP on 127.0.0.1, the endpoints that the unmodified `hugg
     HEAD/GET /datasets/{repo}/resolve/{rev}/{file}           dataset files
 
 Errors carry the `X-Error-Code` header the client maps to its exceptions (RepoNotFound,
-RevisionNotFound, EntryNotFound). Authorization headers are ignored (and never logged).
+RevisionNotFound, EntryNotFound). Authorization is not checked; the log notes only that it was sent.
 
 Use it with `HF_ENDPOINT=server.url` in the client's environment:
 
@@ -81,6 +81,9 @@ class HubServer:
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str, dict]] = []
         self.cut_after: dict[str, int] = {}  # file path -> bytes to send before dropping, once
+        self.delay = 0.0  # seconds to wait before each file body (to make downloads overlap)
+        self.slow: dict[str, float] = {}  # file path -> extra seconds before its body (to interrupt it)
+        self.tamper: dict[str, bytes] = {}  # file path -> bytes served instead (listings keep the true hash)
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -122,7 +125,7 @@ class HubServer:
             self._httpd = None
 
     def __enter__(self) -> "HubServer":
-        return self.start()
+        return self if self._httpd is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -158,7 +161,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         split = urlsplit(self.path)
         path, query = split.path, parse_qs(split.query)
-        kept = {k: v for k, v in self.headers.items() if k.lower() in ("range", "user-agent")}
+        kept = {k.title(): v for k, v in self.headers.items() if k.lower() in ("range", "user-agent")}
+        if self.headers.get("Authorization"):
+            kept["Authorization"] = "<present>"  # the value is never kept
         self.hub.log(method, self.path, kept)
         try:
             if path.startswith("/api/"):
@@ -255,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         if file not in repo.files:
             return self._error(404, "EntryNotFound", f"{file} does not exist", sha=sha)
-        data = repo.files[file]
+        data = self.hub.tamper.get(file, repo.files[file]) if method == "GET" else repo.files[file]
         start, end = 0, len(data) - 1
         status = 200
         rng = self.headers.get("Range")
@@ -281,6 +286,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method == "HEAD":
             return
+        pause = self.hub.delay + self.hub.slow.get(file, 0.0)
+        if pause:
+            time.sleep(pause)
         cut = self.hub.cut_after.pop(file, None) if method == "GET" else None
         if cut is not None and cut < len(body):
             # Simulate a dropped connection mid-download (for resume tests).
@@ -328,9 +336,13 @@ SENTENCES = [
 
 
 def build_model_folder(folder: Path, preset_json: Path, weights: bool = True) -> Path:
-    """config.json (tiny Qwen2), a tokenizer trained here on a few sentences, model.safetensors."""
+    """config.json (tiny Qwen2), a tokenizer trained here on a few sentences, model.safetensors.
+
+    The tokenizer is a byte-level BPE (as Qwen2's is), so AutoTokenizer, which picks Qwen2Tokenizer
+    for a qwen2 config, encodes exactly as the trained tokenizer does.
+    """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     folder = Path(folder)
@@ -338,11 +350,13 @@ def build_model_folder(folder: Path, preset_json: Path, weights: bool = True) ->
     values = json.loads(Path(preset_json).read_text())
     config = AutoConfig.for_model(**values)
 
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<eos>"], vocab_size=config.vocab_size)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(SENTENCES * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>")
     fast.save_pretrained(folder)
 
     config.eos_token_id = fast.eos_token_id

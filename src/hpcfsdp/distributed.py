@@ -64,9 +64,9 @@ def init_distributed(device_kind: str) -> DistEnv:
     )
 
 
-def build_mesh(env: DistEnv, replicate: int = 1) -> DeviceMesh:
-    """1-D mesh over all ranks, or 2-D (replicate, shard) for hybrid sharding."""
-    if replicate == 1:
+def build_mesh(env: DistEnv, replicate: int = 0) -> DeviceMesh:
+    """1-D mesh over all ranks (replicate=0), or 2-D (replicate, shard) for hybrid sharding."""
+    if not replicate:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(
         env.device.type, (replicate, env.world_size // replicate), mesh_dim_names=("replicate", "shard")

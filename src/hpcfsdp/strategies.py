@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import DistEnv, build_mesh
 from .models import decoder_layers
-from .spec import RunSpec
+from .spec import HYBRID_STRATEGIES, RunSpec
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 
@@ -98,7 +98,7 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     if spec.precision == "bf16_mixed":
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype), buffer_dtype=torch.bfloat16)
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-    mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy in ("fsdp1_hybrid_shard", "fsdp1_hybrid_zero2") else None
+    mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy in HYBRID_STRATEGIES else None
     return FullyShardedDataParallel(
         model,
         sharding_strategy=sharding,
@@ -161,8 +161,9 @@ def param_dtype(spec: RunSpec) -> torch.dtype:
 
 
 def _replicas(spec: RunSpec, env: DistEnv) -> int:
-    if spec.strategy not in ("fsdp2_hsdp", "fsdp1_hybrid_shard", "fsdp1_hybrid_zero2"):
-        return 1
+    """Replica groups of a hybrid strategy (a 2-D mesh even when 1); 0 for a flat 1-D mesh."""
+    if spec.strategy not in HYBRID_STRATEGIES:
+        return 0
     shard = spec.hsdp_shard_size or spec.gpus_per_node
     return env.world_size // shard
 

@@ -1,0 +1,323 @@
+"""The pre-downloaded cache, as seen from a compute node: names, manifest, offline resolvers.
+
+This module is light on purpose (standard library only): `hpcfsdp run` calls it before building
+a model, and it must answer, without the network, within a fraction of a second, either with a
+local path or with a one-line error that names the missing item and the command that fetches it.
+
+Cache layout (everything under one folder, default $HPCFSDP_CACHE, else ~/.cache/hpcfsdp):
+
+    manifest.json                      what was downloaded: item, kind, revision sha, files
+    hub/models--ORG--NAME/...          huggingface_hub cache (snapshots/<sha>/ holds the files)
+    datasets/ORG--NAME/CONFIG/SPLIT/   datasets.save_to_disk of one split
+    tokenized/ORG--NAME/CONFIG/SPLIT/MODELORG--MODELNAME[@REV]/seqN/   packed `input_ids` blocks
+    hf-datasets/, hub/datasets--*      intermediates of `datasets.load_dataset` (may be deleted)
+    .locks/                            file locks of concurrent downloaders
+
+The downloader (hpcfsdp.download) writes the cache; this module only reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "HPCFSDP_CACHE"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+DOWNLOAD_COMMAND = "python download_models.py"
+
+DATASET_PRESETS = {
+    "tinystories": "roneneldan/TinyStories",
+    "chess": "laion/strategic_game_chess",
+}
+DEFAULT_REVISION = "main"
+DEFAULT_CONFIG = "default"
+DEFAULT_SPLIT = "train"
+
+_REPO_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+_MODEL_RE = re.compile(rf"^(?P<repo>{_REPO_ID})(?:@(?P<rev>[^\s@]+))?$")
+_DATASET_RE = re.compile(rf"^(?P<repo>{_REPO_ID})(?::(?P<config>[^\s:@]+))?(?:@(?P<split>[^\s@]+))?$")
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+class CacheMissError(FileNotFoundError):
+    """An item is not (completely) in the cache. str() is one line: the item and the command to run."""
+
+
+# -- names -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A hub model repo: `ORG/NAME[@revision]` (revision: branch, tag or commit sha; default main)."""
+
+    repo_id: str
+    revision: str = DEFAULT_REVISION
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelRef":
+        m = _MODEL_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"model: {text!r}: expected a hub repo id ORG/NAME or ORG/NAME@REVISION")
+        return cls(m["repo"], m["rev"] or DEFAULT_REVISION)
+
+    @property
+    def name(self) -> str:
+        """What the user writes: the revision is left out when it is the default."""
+        return self.repo_id if self.revision == DEFAULT_REVISION else f"{self.repo_id}@{self.revision}"
+
+    @property
+    def key(self) -> str:
+        return f"model:{self.repo_id}@{self.revision}"
+
+    @property
+    def slug(self) -> str:
+        rev = "" if self.revision == DEFAULT_REVISION else "@" + _safe(self.revision)
+        return self.repo_id.replace("/", "--") + rev
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """A hub dataset: `ORG/NAME[:config][@split]` or a preset name (tinystories, chess).
+
+    The split may carry a slice, as `datasets` understands it: `roneneldan/TinyStories@train[:10000]`.
+    """
+
+    repo_id: str
+    config: str = DEFAULT_CONFIG
+    split: str = DEFAULT_SPLIT
+
+    @classmethod
+    def parse(cls, text: str) -> "DatasetRef":
+        text = text.strip()
+        head, sep, split = text.partition("@")
+        base, _, config = head.partition(":")
+        base = DATASET_PRESETS.get(base.lower(), base)
+        full = base + (f":{config}" if config else "") + (f"@{split}" if sep else "")
+        m = _DATASET_RE.match(full)
+        if not m or (sep and not split):
+            presets = ", ".join(DATASET_PRESETS)
+            raise ValueError(f"dataset: {text!r}: expected ORG/NAME[:config][@split] or a preset ({presets})")
+        return cls(m["repo"], m["config"] or DEFAULT_CONFIG, m["split"] or DEFAULT_SPLIT)
+
+    @property
+    def name(self) -> str:
+        return f"{self.repo_id}:{self.config}@{self.split}"
+
+    @property
+    def key(self) -> str:
+        return f"dataset:{self.name}"
+
+    @property
+    def load_config(self) -> str | None:
+        """The `name` argument of datasets.load_dataset (None for the default configuration)."""
+        return None if self.config == DEFAULT_CONFIG else self.config
+
+    @property
+    def relpath(self) -> str:
+        return f"datasets/{self.repo_id.replace('/', '--')}/{_safe(self.config)}/{_safe(self.split)}"
+
+
+@dataclass(frozen=True)
+class TokenizedRef:
+    """A dataset split tokenized with a model's tokenizer and packed into blocks of seq_len tokens."""
+
+    dataset: DatasetRef
+    model: ModelRef
+    seq_len: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.dataset.name} tokenized for {self.model.name}, seq_len {self.seq_len}"
+
+    @property
+    def key(self) -> str:
+        return f"tokenized:{self.dataset.name}|{self.model.repo_id}@{self.model.revision}|seq_len={self.seq_len}"
+
+    @property
+    def relpath(self) -> str:
+        return "tokenized/" + self.dataset.relpath.split("/", 1)[1] + f"/{self.model.slug}/seq{self.seq_len}"
+
+
+def _safe(text: str) -> str:
+    """A folder-safe form of a revision, config or split (slices like train[:10%] included)."""
+    return re.sub(r"[^A-Za-z0-9._+-]", lambda m: "%%%02X" % ord(m.group()), text)
+
+
+def is_hub_model(model: str) -> bool:
+    """True when `model` (a RunSpec.model value) names a hub repo, not a shipped preset or local folder."""
+    # The shipped presets, as models.preset_names() lists them (not imported: it pulls in torch).
+    presets = {p.stem for p in (Path(__file__).parent / "presets").glob("*.json")}
+    if model.lower() in presets or Path(model).exists():
+        return False
+    return bool(_MODEL_RE.match(model))
+
+
+# -- cache folder and manifest -----------------------------------------------------------------
+
+def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """--cache-dir if given, else $HPCFSDP_CACHE, else ~/.cache/hpcfsdp."""
+    if cache_dir:
+        return Path(cache_dir).expanduser().resolve()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    return (Path.home() / ".cache" / "hpcfsdp").resolve()
+
+
+def read_manifest(cache_dir: Path) -> dict[str, Any]:
+    """The manifest as a dict {"version": 1, "items": {key: entry}}; empty when there is none yet."""
+    path = Path(cache_dir) / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"version": MANIFEST_VERSION, "items": {}}
+    except json.JSONDecodeError as exc:
+        raise CacheMissError(f"{path}: manifest is not valid JSON ({exc.msg}); rerun {DOWNLOAD_COMMAND}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("items"), dict):
+        raise CacheMissError(f"{path}: not an hpcfsdp manifest; rerun {DOWNLOAD_COMMAND}")
+    return data
+
+
+@dataclass(frozen=True)
+class CachedItem:
+    """One manifest entry, resolved to a local folder."""
+
+    key: str
+    kind: str
+    item: str
+    sha: str
+    path: Path
+    entry: dict
+
+    def provenance(self) -> dict[str, Any]:
+        """What a result record should carry about this input: name, kind and revision sha."""
+        out = {"item": self.item, "kind": self.kind, "sha": self.sha}
+        for extra in ("seq_len", "num_rows", "num_blocks", "tokenizer_sha"):
+            if extra in self.entry:
+                out[extra] = self.entry[extra]
+        return out
+
+
+# -- offline resolution (compute nodes) --------------------------------------------------------
+
+def offline_mode() -> None:
+    """Forbid network access by huggingface_hub, datasets and transformers in this process.
+
+    Sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE / TRANSFORMERS_OFFLINE for this process and its
+    children. The libraries read these when first imported, so where one is already imported its
+    documented offline flag is set to match as well.
+    """
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[var] = "1"
+    hub_constants = sys.modules.get("huggingface_hub.constants")
+    if hub_constants is not None:
+        hub_constants.HF_HUB_OFFLINE = True
+    ds_config = sys.modules.get("datasets.config")
+    if ds_config is not None:
+        ds_config.HF_HUB_OFFLINE = True
+        ds_config.HF_DATASETS_OFFLINE = True
+
+
+def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:
+    """A hub model `ORG/NAME[@rev]` -> its snapshot folder (config.json, tokenizer files[, weights]).
+
+    Offline only: reads the manifest and checks that the recorded files exist with their sizes.
+    weights=True also requires *.safetensors (for `init: pretrained`).
+    """
+    offline_mode()
+    return lookup_model(name, cache_dir, weights)
+
+
+def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:
+    """resolve_model without switching the process offline (for the downloader itself)."""
+    ref = ModelRef.parse(name)
+    cache = default_cache_dir(cache_dir)
+    flags = " --weights" if weights else ""
+    command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --model {ref.name}{flags}"
+    entry_key, entry = _find_model_entry(cache, ref)
+    if entry is None:
+        raise CacheMissError(f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+    item = _checked(cache, entry_key, entry, ref.name, command)
+    if weights and not entry.get("weights"):
+        raise CacheMissError(
+            f"model {ref.name!r} is in the cache {cache} without weights (needed for pretrained init); "
+            f"on a machine with internet run: {command}"
+        )
+    return item
+
+
+def resolve_model_dir(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> Path:
+    """resolve_model(...).path: the folder to give to AutoConfig / AutoTokenizer / from_pretrained."""
+    return resolve_model(name, cache_dir, weights).path
+
+
+def resolve_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> CachedItem:
+    """A dataset `ORG/NAME[:config][@split]` or preset -> the folder for datasets.load_from_disk."""
+    offline_mode()
+    return lookup_dataset(name, cache_dir)
+
+
+def lookup_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> CachedItem:
+    ref = DatasetRef.parse(name)
+    cache = default_cache_dir(cache_dir)
+    command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.name}"
+    entry = read_manifest(cache)["items"].get(ref.key)
+    if entry is None:
+        raise CacheMissError(f"dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+    return _checked(cache, ref.key, entry, ref.name, command)
+
+
+def resolve_dataset_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    return resolve_dataset(name, cache_dir).path
+
+
+def resolve_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> CachedItem:
+    """A dataset tokenized with `model`'s tokenizer, packed into `seq_len` blocks (column input_ids)."""
+    offline_mode()
+    return lookup_tokenized(dataset, model, seq_len, cache_dir)
+
+
+def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> CachedItem:
+    ref = TokenizedRef(DatasetRef.parse(dataset), ModelRef.parse(model), int(seq_len))
+    cache = default_cache_dir(cache_dir)
+    command = (f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.dataset.name} "
+               f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}")
+    entry = read_manifest(cache)["items"].get(ref.key)
+    if entry is None:
+        raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+    return _checked(cache, ref.key, entry, ref.name, command)
+
+
+def resolve_tokenized_dir(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    return resolve_tokenized(dataset, model, seq_len, cache_dir).path
+
+
+def _find_model_entry(cache: Path, ref: ModelRef) -> tuple[str, dict | None]:
+    items = read_manifest(cache)["items"]
+    if ref.key in items:
+        return ref.key, items[ref.key]
+    if _SHA_RE.match(ref.revision):  # a commit sha: any download of that repo that resolved to it
+        for key, entry in items.items():
+            if entry.get("kind") == "model" and entry.get("repo_id") == ref.repo_id and entry.get("sha") == ref.revision:
+                return key, entry
+    return ref.key, None
+
+
+def _checked(cache: Path, key: str, entry: dict, name: str, command: str) -> CachedItem:
+    """Every recorded file exists with its recorded size (a quick check: --verify hashes them)."""
+    folder = cache / entry["path"]
+    for f in entry.get("files", []):
+        path = folder / f["path"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CacheMissError(f"{entry.get('kind', 'item')} {name!r}: file {path} is missing from the cache; "
+                                 f"on a machine with internet run: {command}") from None
+        if size != f["size"]:
+            raise CacheMissError(f"{entry.get('kind', 'item')} {name!r}: file {path} has {size} bytes, expected "
+                                 f"{f['size']}; on a machine with internet run: {command} --force")
+    return CachedItem(key=key, kind=entry["kind"], item=entry["item"], sha=entry.get("sha", ""), path=folder, entry=entry)
