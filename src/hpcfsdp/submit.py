@@ -24,7 +24,7 @@ from typing import Iterable
 import yaml
 
 from .matrix import Cell, Sweep
-from .record import RECORD_NAME, RecordError, read_record
+from .record import RECORD_NAME, RecordError, read_record, write_record
 from .run import CellJob, write_cell_spec
 from .spec import Resources
 
@@ -45,7 +45,14 @@ class Submission:
 
 
 def default_executor() -> str:
-    return "slurm" if shutil.which("sbatch") else "local"
+    """slurm when a Slurm controller answers here, else local (this machine's processes)."""
+    if not shutil.which("sinfo"):
+        return "local"
+    try:
+        probe = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "local"
+    return "slurm" if probe.returncode == 0 else "local"
 
 
 def cell_dir(sweep_dir: Path, cell: Cell) -> Path:
@@ -215,6 +222,16 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
             proc = subprocess.run(torchrun_command(directory, cell.spec.world_size), stdout=out, stderr=subprocess.STDOUT, env=env)
         status = cell_status(sub.sweep_dir, cell)
         if status == "missing":
-            log(f"    {cell.id}: exited {proc.returncode} without a record; see {directory / 'log.txt'}")
-        else:
-            log(f"    {status}")
+            _record_launch_failure(sweep, cell, directory, proc.returncode)
+            status = f"error (exited {proc.returncode} without a record; see {directory / 'log.txt'})"
+        log(f"    {status}")
+
+
+def _record_launch_failure(sweep: Sweep, cell: Cell, directory: Path, returncode: int) -> None:
+    """A cell that died before it could write its record (killed, import error) still gets one."""
+    tail = (directory / "log.txt").read_text(errors="replace")[-4000:]
+    write_record(directory / RECORD_NAME, {
+        "status": "error", "stage": "launch", "error": f"torchrun exited {returncode} without a record",
+        "traceback": tail, "cell_id": cell.id, "sweep": sweep.name, "spec": cell.spec.to_dict(),
+        "world_size": cell.spec.world_size, "nodes": cell.spec.nodes,
+    })

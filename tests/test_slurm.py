@@ -1,0 +1,75 @@
+"""End to end against the real local Slurm cluster (slurm/local/start.sh): arrays, two nodes, sbatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpcfsdp.cli import main
+from hpcfsdp.matrix import load_sweep
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slurm
+
+SWEEP = """
+name: slurm_e2e
+base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 4, warmup_steps: 1, gpus_per_node: 2}
+slurm: {partition: gpu, time_min: 10, cpus_per_task: 1}
+matrix:
+  strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
+include:
+  - {strategy: fsdp2_zero3, grad_accum: 2}
+  - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
+"""
+
+
+def records(sweep_dir: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in sweep_dir.glob("cells/*/result.json")}
+
+
+def test_sweep_runs_as_arrays_including_a_two_node_cell(slurm_cluster, tmp_path, capsys):
+    jobs = tmp_path / "e2e.yaml"
+    jobs.write_text(SWEEP)
+    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 0
+    out = capsys.readouterr().out
+    assert "submitted array" in out and "4 cell(s) on 1 node(s) x 2 GPU(s)" in out and "1 cell(s) on 2 node(s) x 2 GPU(s)" in out
+
+    sweep_dir = tmp_path / "results" / "slurm_e2e"
+    sweep = load_sweep(jobs)
+    got = records(sweep_dir)
+    assert set(got) == {cell.id for cell in sweep.cells}
+    assert all(r["status"] == "ok" for r in got.values()), {k: r.get("error") for k, r in got.items()}
+    single = [r for r in got.values() if r["nodes"] == 1]
+    assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
+    assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3]
+    (two_node,) = [r for r in got.values() if r["nodes"] == 2]
+    assert two_node["world_size"] == 4 and two_node["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"]
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
+    # Resubmitting the same YAML finds every record ok and queues nothing.
+    assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
+    assert "skipping 5 cell(s)" in capsys.readouterr().out
+
+
+def test_plain_sbatch_template_trains_across_two_nodes(slurm_cluster, tmp_path):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "TOTAL_BATCH_SIZE": "4", "BATCH_SIZE_PER_DEVICE": "1", "HPCFSDP_RESULTS": str(tmp_path / "results"),
+           "PYTHONPATH": str(ROOT / "src")}
+    cmd = ["sbatch", "--wait", "--nodes=2", "--gres=gpu:1", "--cpus-per-task=2", f"--output={tmp_path}/job.out",
+           str(ROOT / "slurm/fsdp_job.sbatch"), "strategy=fsdp2_zero3", "model=tiny", "device=cpu",
+           "precision=fp32", "seq_len=32", "steps=3", "warmup_steps=1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert proc.returncode == 0, textwrap.shorten(proc.stderr + log[-3000:], 4000)
+    assert "grad accum=2" in log
+    (record_path,) = (tmp_path / "results" / "sbatch" / "cells").glob("*/result.json")
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "ok" and record["world_size"] == 2 and record["spec"]["grad_accum"] == 2
+    assert record["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"]
