@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,116 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class NvmlSampler:
+    """Samples GPU utilisation, SM clock and power of one GPU in a background thread.
+
+    Used as a context manager around the timed steps; does nothing when NVML is absent or the
+    run is on CPU, so a record simply has no GPU-utilisation fields then.
+    """
+
+    def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []  # (util %, SM clock MHz, power W)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handle = None
+
+    def __enter__(self) -> "NvmlSampler":
+        if self.device.type != "cuda":
+            return self
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(_cuda_uuid(self.device))
+        except Exception:  # noqa: BLE001 - no NVML (library, driver or permissions): measure without it
+            return self
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import pynvml
+
+        while not self._stop.wait(self.interval_s):
+            util = pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            clock = pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_SM)
+            power = pynvml.nvmlDeviceGetPowerUsage(self._handle) / 1000
+            self.samples.append((float(util), float(clock), float(power)))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {}
+        util, clock, power = zip(*self.samples)
+        return {"gpu_util_mean": statistics.fmean(util), "gpu_util_min": min(util),
+                "sm_clock_mhz_mean": statistics.fmean(clock), "power_w_mean": statistics.fmean(power),
+                "nvml_samples": float(len(self.samples))}
+
+
+def _cuda_uuid(device: torch.device) -> str:
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+COMM_MARKERS = ("nccl", "gloo:")
+
+
+def communication_breakdown(events, steps: int) -> dict[str, float]:
+    """Seconds per step in collectives, and the part not hidden behind compute.
+
+    On a GPU: collective kernels (NCCL) against all other kernels on the device timeline; the
+    exposed part is the time covered by collectives and by no compute kernel. On CPU (gloo) the
+    collectives run on helper threads and there is no device timeline: all of it counts as exposed.
+    """
+    comm, compute = [], []
+    on_device = any(_is_device_event(e) for e in events)
+    for event in events:
+        if on_device and not _is_device_event(event):
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        if any(marker in event.name.lower() for marker in COMM_MARKERS):
+            comm.append(span)
+        elif on_device:
+            compute.append(span)
+    comm_us = _union_length(comm)
+    exposed_us = _union_length(comm) - _overlap(_merge(comm), _merge(compute)) if on_device else comm_us
+    return {"comm_s_per_step": comm_us / 1e6 / steps, "comm_exposed_s_per_step": exposed_us / 1e6 / steps}
+
+
+def _is_device_event(event) -> bool:
+    return "cuda" in str(event.device_type).lower()
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in _merge(spans))
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, merged span lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, end - start)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

@@ -6,8 +6,10 @@ A failing cell still leaves a record that says why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -22,9 +24,19 @@ import transformers
 from . import __version__
 from .data import synthetic_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
-from .metrics import device_name, flops_per_token, median, memory_reading, peak_tflops, percentile, reset_peak_memory
+from .metrics import (
+    NvmlSampler,
+    communication_breakdown,
+    device_name,
+    flops_per_token,
+    median,
+    memory_reading,
+    peak_tflops,
+    percentile,
+    reset_peak_memory,
+)
 from .models import build_model
-from .record import RECORD_NAME, write_record
+from .record import RECORD_NAME, RecordError, read_record, write_record
 from .spec import RunSpec
 from .strategies import param_dtype, parallelize
 from .train import TrainLog, build_optimizer, train
@@ -55,46 +67,27 @@ def run_cell_dir(cell_dir: Path) -> str:
     return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
 
 
+class CellTimeout(Exception):
+    """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
+
+
 def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     """Train one cell on this process's rank and write the record; returns the status."""
     started = time.time()
     env = init_distributed(spec.device)
-    stage = "setup"
+    progress = _Progress()
+    previous_handlers = _raise_on_time_limit()
     try:
-        if env.world_size != spec.world_size:
-            raise RuntimeError(
-                f"world size {env.world_size} does not match the spec's nodes x gpus_per_node = "
-                f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
-            )
-        stage = "model"
-        model = build_model(spec.model, param_dtype(spec), env.device, spec.seed)
-        flops = flops_per_token(model, spec.seq_len)
-        vocab_size = model.config.vocab_size
-        memory = {"after_model": memory_reading(env.device)}
-        stage = "shard"
-        model, optimizer, optimizer_tracks_model = _parallelize_with_optimizer(model, spec, env)
-        memory["after_shard_and_optimizer"] = memory_reading(env.device)
-        stage = "train"
-        reset_peak_memory(env.device)
-        batches = synthetic_batches(vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.device)
-        if env.is_main:
-            print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
-        log = train(model, optimizer, batches, spec, env, on_step_end=lambda s: _progress(env, spec, s))
-        memory["end"] = memory_reading(env.device)
-        record = _ok_record(spec, env, log, flops.flops_per_token, memory)
-        record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
-                      optimizer_tracks_model=optimizer_tracks_model)
-        if spec.record_param_norm:
-            record["final_param_norm"] = full_param_norm(model)
-        status = "ok"
+        record = _measure(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # noqa: BLE001 - every failure must become a record
-        status = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
-        record = {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(), "failed_rank": env.rank}
-        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {stage}: {type(exc).__name__}: {exc}", flush=True)
+        record = _failure_record(exc, progress.stage, env)
+        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
+    finally:
+        _restore(previous_handlers)
+    status = record["status"]
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hosts = all_gather_objects(node) if status == "ok" else [node]
-    if env.is_main or status != "ok":
+    if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
         record.update(_context(spec, env, cell_id, sweep, hosts, started))
         write_record(cell_dir / RECORD_NAME, record)
     shutdown()
@@ -104,16 +97,201 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     return status
 
 
-def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv):
+@dataclass
+class _Progress:
+    stage: str = "setup"
+
+
+def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> dict[str, Any]:
+    """The run proper, stage by stage; memory is read after each stage (max over ranks later)."""
+
+    def enter(stage: str) -> None:
+        progress.stage = stage
+        _inject_fault(stage, env)
+
+    enter("setup")
+    if env.world_size != spec.world_size:
+        raise RuntimeError(
+            f"world size {env.world_size} does not match the spec's nodes x gpus_per_node = "
+            f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
+        )
+    if spec.memory_snapshot and env.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    enter("model")
+    model = build_model(spec.model, param_dtype(spec), env.device, spec.seed)
+    flops = flops_per_token(model, spec.seq_len)
+    vocab_size = model.config.vocab_size
+    memory = {"after_model": memory_reading(env.device)}
+    enter("shard")
+    model, optimizer, optimizer_tracks_model = _parallelize_with_optimizer(model, spec, env, memory)
+    memory["after_optimizer"] = memory_reading(env.device)
+    enter("train")
+    reset_peak_memory(env.device)
+    batches = synthetic_batches(vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.device)
+    if env.is_main:
+        print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
+
+    def on_step_end(step: int) -> None:
+        if step == 0:
+            _inject_fault("train_step", env)
+        if step == spec.warmup_steps - 1:
+            memory["after_warmup"] = memory_reading(env.device)
+        _print_progress(env, spec, step)
+
+    use_nvml = spec.nvml and env.device.type == "cuda"
+    with NvmlSampler(env.device) if use_nvml else contextlib.nullcontext() as sampler:
+        log = train(model, optimizer, batches, spec, env, spec.steps, spec.warmup_steps, on_step_end)
+    memory["end"] = memory_reading(env.device)
+    record = _ok_record(spec, env, log, flops.flops_per_token, memory)
+    record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
+                  optimizer_tracks_model=optimizer_tracks_model)
+    if sampler is not None:
+        record.update(_gpu_utilisation(sampler.summary(), env))
+    if spec.comm_profile_steps:
+        enter("comm_profile")
+        record.update(_profile_communication(model, optimizer, batches, spec, env, record["step_time_s"]))
+    if spec.profile:
+        enter("profile")
+        record["profile_trace_dir"] = _write_trace(model, optimizer, batches, spec, env, cell_dir)
+    if spec.memory_snapshot and env.device.type == "cuda":
+        record["memory_snapshot"] = _dump_memory_snapshot(cell_dir, env)
+    if spec.record_param_norm:
+        record["final_param_norm"] = full_param_norm(model)
+    return record
+
+
+def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv, step_time: float) -> dict:
+    """A few extra steps under torch.profiler: collective time per step and its exposed part."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train(model, optimizer, batches, spec, env, spec.comm_profile_steps)
+    comm = communication_breakdown(prof.events(), spec.comm_profile_steps)
+    comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
+    comm["comm_fraction"] = comm["comm_s_per_step"] / step_time
+    comm["comm_exposed_fraction"] = comm["comm_exposed_s_per_step"] / step_time
+    comm["comm_profile_steps"] = spec.comm_profile_steps
+    return comm
+
+
+def _write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir: Path) -> str:
+    """A TensorBoard-readable trace of 1 wait + 1 warm-up + 2 active steps, one file per rank."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    trace_dir = cell_dir / "profile"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2),
+                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{env.rank}"),
+                 profile_memory=True, record_shapes=True) as prof:
+        train(model, optimizer, batches, spec, env, 4, on_step_end=lambda step: prof.step())
+    return str(trace_dir)
+
+
+def _dump_memory_snapshot(cell_dir: Path, env: DistEnv) -> str:
+    path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
+    torch.cuda.memory._dump_snapshot(str(path))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return str(path)
+
+
+def _gpu_utilisation(summary: dict[str, float], env: DistEnv) -> dict[str, Any]:
+    """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
+    per_gpu = [s for s in all_gather_objects(summary) if s]
+    if not per_gpu:
+        return {}
+    return {
+        "gpu_util_mean": sum(s["gpu_util_mean"] for s in per_gpu) / len(per_gpu),
+        "gpu_util_min": min(s["gpu_util_min"] for s in per_gpu),
+        "sm_clock_mhz_mean": sum(s["sm_clock_mhz_mean"] for s in per_gpu) / len(per_gpu),
+        "power_w_mean": sum(s["power_w_mean"] for s in per_gpu) / len(per_gpu),
+        "gpu_utilisation_per_rank": per_gpu,
+    }
+
+
+def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
+    if isinstance(exc, CellTimeout):
+        status = "timeout"
+    elif isinstance(exc, torch.OutOfMemoryError):
+        status = "oom"
+    else:
+        status = "error"
+    return {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(), "failed_rank": env.rank,
+            "memory_at_failure": memory_reading(env.device)}
+
+
+def _launch_id() -> str:
+    """Identifies one launch of the cell across its ranks (torchrun's run id, or the Slurm job)."""
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        return f"slurm-{slurm}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
+
+
+def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
+    """The first failing rank's record says why the cell failed; ranks that fail after it (a peer
+    closed the connection, the launcher sent SIGTERM) must not overwrite it."""
+    if status == "ok":
+        return False
+    try:
+        earlier = read_record(cell_dir / RECORD_NAME)
+    except (RecordError, FileNotFoundError):
+        return False
+    return earlier["status"] != "ok" and earlier.get("launch_id") == _launch_id()
+
+
+def _raise_on_time_limit() -> dict:
+    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`."""
+
+    def handler(signum, frame):
+        raise CellTimeout(f"received {signal.Signals(signum).name} (time limit)")
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+FAULT_ENV = "HPCFSDP_FAULT"
+
+
+def _inject_fault(stage: str, env: DistEnv) -> None:
+    """Test-only hook: HPCFSDP_FAULT=stage:kind[:rank] raises a real exception (or signal) there.
+
+    kind is oom (torch.OutOfMemoryError), error (RuntimeError) or timeout (SIGTERM to itself).
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    fault_stage, kind, *rank = spec.split(":")
+    if fault_stage != stage or (rank and int(rank[0]) != env.rank):
+        return
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
+    if kind == "timeout":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    raise RuntimeError(f"injected fault at {stage}")
+
+
+def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv, memory: dict):
     """Build the optimizer after sharding (right), before it (the known broken way), or before it
     with its parameter references remapped to the sharded parameters (the fix)."""
     if spec.optimizer_order == "after_shard":
         model = parallelize(model, spec, env)
+        memory["after_shard"] = memory_reading(env.device)
         optimizer = build_optimizer(model, spec)
     else:
         optimizer = build_optimizer(model, spec)
         unsharded = list(model.parameters())
         model = parallelize(model, spec, env)
+        memory["after_shard"] = memory_reading(env.device)
         if spec.optimizer_order == "before_shard_fixed":
             remap = dict(zip(map(id, unsharded), model.parameters()))
             for group in optimizer.param_groups:
@@ -131,7 +309,7 @@ def full_param_norm(model) -> float:
     return float(sum(t.double().pow(2).sum() for t in state.values()) ** 0.5)
 
 
-def _progress(env: DistEnv, spec: RunSpec, step: int) -> None:
+def _print_progress(env: DistEnv, spec: RunSpec, step: int) -> None:
     if env.is_main and (step + 1) % max(1, spec.steps // 5) == 0:
         print(f"[hpcfsdp]   step {step + 1}/{spec.steps}", flush=True)
 
@@ -139,11 +317,12 @@ def _progress(env: DistEnv, spec: RunSpec, step: int) -> None:
 def _ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> dict[str, Any]:
     step_times, data_times = log.timed(spec.warmup_steps)
     slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends
-    step_time = median(slowest)
+    window_step_time = all_reduce_max(log.window_s, env) / len(step_times)
+    step_time = median(slowest) if spec.sync_each_step else window_step_time
     tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * env.world_size
     tokens_per_s = tokens_per_step / step_time
     name = device_name(env.device)
-    peak = peak_tflops(name) if env.device.type == "cuda" else 0.0
+    peak = peak_tflops(name, spec.peak_tflops) if env.device.type == "cuda" else spec.peak_tflops
     tflops = tokens_per_s / env.world_size * flops / 1e12
     memory_max = {stage: {k: all_reduce_max(v, env) for k, v in reading.items()} for stage, reading in memory.items()}
     return {
@@ -155,6 +334,7 @@ def _ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory:
         "step_time_s": step_time,
         "step_time_p90_s": percentile(slowest, 0.9),
         "step_times_s": slowest,
+        "window_step_time_s": window_step_time,
         "warmup_steps": spec.warmup_steps,
         "timed_steps": len(slowest),
         "data_time_fraction": sum(data_times) / sum(step_times) if step_times else float("nan"),
@@ -164,6 +344,7 @@ def _ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory:
         "mfu": tflops / peak if peak else None,
         "memory": memory_max,
         "peak_memory_gib": memory_max["end"].get("peak_allocated_gib", memory_max["end"]["cpu_max_rss_gib"]),
+        "peak_memory_kind": "cuda_peak_allocated" if env.device.type == "cuda" else "cpu_max_rss",
         "losses": log.losses,
         "final_loss": log.losses[-1],
     }
@@ -178,6 +359,7 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "nodes": spec.nodes,
         "device_type": env.device.type,
         "device_name": device_name(env.device),
+        "gpu_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
         "backend": env.backend,
         "hostnames": sorted(set(hosts)),
         "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "array_job_id", "array_task_id", "job_nodelist")},
@@ -189,6 +371,7 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         },
         "git_commit": _git_commit(),
+        "launch_id": _launch_id(),
         "started_at": started,
         "duration_s": time.time() - started,
     }

@@ -80,6 +80,12 @@ class RunSpec:
     steps: int = 10
     warmup_steps: int = 2
     seed: int = 0
+    sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
+    nvml: bool = True  # sample GPU utilisation during timed steps
+    comm_profile_steps: int = 2  # extra steps under torch.profiler for communication time; 0: off
+    profile: bool = False  # TensorBoard trace of a window of steps in the cell folder
+    memory_snapshot: bool = False  # CUDA memory snapshot pickle (pytorch.org/memory_viz) in the cell folder
+    peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
     record_param_norm: bool = False  # gathers the full model once at the end: for tests and small models
 
     @property
@@ -116,7 +122,8 @@ class RunSpec:
         for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{where}: {name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("warmup_steps", "global_batch_size", "hsdp_shard_size", "prefetch_depth", "min_num_params"):
+        for name in ("warmup_steps", "global_batch_size", "hsdp_shard_size", "prefetch_depth", "min_num_params",
+                     "comm_profile_steps"):
             if getattr(self, name) < 0:
                 raise SpecError(f"{where}: {name}: expected an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps >= self.steps:

@@ -22,6 +22,7 @@ class TrainLog:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     data_times_s: list[float] = field(default_factory=list)
+    window_s: float = 0.0  # wall time of the steps after warm-up, between two device syncs
 
     def timed(self, warmup: int) -> tuple[list[float], list[float]]:
         return self.step_times_s[warmup:], self.data_times_s[warmup:]
@@ -38,13 +39,22 @@ def train(
     batches: Iterator[torch.Tensor],
     spec: RunSpec,
     env: DistEnv,
+    steps: int,
+    warmup: int = 0,
     on_step_end: Callable[[int], None] = lambda step: None,
 ) -> TrainLog:
+    """Run `steps` optimizer steps. With `spec.sync_each_step` every step is timed between device
+    syncs; without, the device is synced only around the window after `warmup` steps."""
     log = TrainLog()
+    pending_losses: list[torch.Tensor] = []
     model.train()
-    for step in range(spec.steps):
-        _synchronize(env.device)
+    window_start = 0.0
+    for step in range(steps):
+        if step == warmup or spec.sync_each_step:
+            _synchronize(env.device)
         started = time.perf_counter()
+        if step == warmup:
+            window_start = started
         loss_sum = torch.zeros((), device=env.device)
         data_time = 0.0
         for micro in range(spec.grad_accum):
@@ -57,11 +67,17 @@ def train(
             loss_sum += loss.detach().float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # the .item() below synchronizes the device too
-        log.losses.append(loss_sum.item() / env.world_size)
+        dist.all_reduce(loss_sum)
+        if spec.sync_each_step:
+            log.losses.append(loss_sum.item() / env.world_size)  # .item() waits for the device
+        else:
+            pending_losses.append(loss_sum)
         log.step_times_s.append(time.perf_counter() - started)
         log.data_times_s.append(data_time)
         on_step_end(step)
+    _synchronize(env.device)
+    log.window_s = time.perf_counter() - window_start
+    log.losses += [t.item() / env.world_size for t in pending_losses]
     return log
 
 

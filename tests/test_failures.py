@@ -1,0 +1,46 @@
+"""A failing cell ends all ranks promptly and leaves a record saying why (oom / error / timeout).
+
+The faults are real exception types (torch.OutOfMemoryError, RuntimeError) or a real SIGTERM,
+raised at a chosen stage and rank through the runner's HPCFSDP_FAULT test hook.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import run_torchrun_cell
+
+
+@pytest.mark.parametrize(
+    "fault, status, stage, rank",
+    [
+        ("train_step:oom:1", "oom", "train", 1),
+        ("shard:error:0", "error", "shard", 0),
+        ("train_step:timeout:0", "timeout", "train", 0),
+    ],
+)
+def test_failure_leaves_a_record_and_no_hang(tmp_path, monkeypatch, fault, status, stage, rank):
+    monkeypatch.setenv("HPCFSDP_FAULT", fault)
+    started = time.monotonic()
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", comm_profile_steps=0)
+    assert time.monotonic() - started < 120  # the other rank did not hang in a collective
+    assert record["status"] == status and record["stage"] == stage and record["failed_rank"] == rank
+    assert "injected" in record["error"] or "SIGTERM" in record["error"]
+    assert record["memory_at_failure"]["cpu_max_rss_gib"] > 0
+    assert record["spec"]["strategy"] == "fsdp2_zero3" and record["world_size"] == 2
+
+
+def test_measurements_of_an_ok_cell(tmp_path):
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", steps=5, warmup_steps=2)
+    assert record["status"] == "ok"
+    assert record["timed_steps"] == 3 and len(record["losses"]) == 5
+    assert record["step_time_s"] <= record["step_time_p90_s"]
+    assert record["tokens_per_s"] == pytest.approx(record["tokens_per_step"] / record["step_time_s"])
+    assert set(record["memory"]) == {"after_model", "after_shard", "after_optimizer", "after_warmup", "end"}
+    # gloo collectives were seen by the profiler, and cost a fraction of the step.
+    assert record["comm_s_per_step"] > 0 and 0 < record["comm_fraction"] < 1
+    assert record["mfu"] is None  # no GPU peak on CPU
+    assert record["versions"]["torch"] and record["launch_id"]
