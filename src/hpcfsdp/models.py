@@ -27,13 +27,25 @@ def load_config(model: str) -> PretrainedConfig:
     raise ValueError(f"model: {model!r} is neither a preset ({', '.join(preset_names())}) nor a directory with config.json")
 
 
-def build_model(model: str, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
+def build_model(model: str, dtype: torch.dtype, device: torch.device, seed: int, kernels: str = "none") -> nn.Module:
     """Random init from the config, identical on every rank (same seed), directly on the device."""
     config = load_config(model)
     config.use_cache = False
     torch.manual_seed(seed)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        built = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    if kernels == "liger":
+        apply_liger_kernels(built)
+    return built
+
+
+def apply_liger_kernels(model: nn.Module) -> None:
+    """Swap in Liger's Triton kernels; the fused linear cross-entropy never materialises the logits."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise RuntimeError("kernels: liger needs the liger-kernel package (pip install 'hpcfsdp[liger]')") from exc
+    _apply_liger_kernel_to_instance(model=model)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

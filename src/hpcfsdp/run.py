@@ -74,6 +74,8 @@ class CellTimeout(Exception):
 def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     """Train one cell on this process's rank and write the record; returns the status."""
     started = time.time()
+    if spec.expandable_segments:  # read when CUDA initialises, so before the process group
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     env = init_distributed(spec.device)
     progress = _Progress()
     previous_handlers = _raise_on_time_limit()
@@ -118,7 +120,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if spec.memory_snapshot and env.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     enter("model")
-    model = build_model(spec.model, param_dtype(spec), env.device, spec.seed)
+    model = build_model(spec.model, param_dtype(spec), env.device, spec.seed, spec.kernels)
     flops = flops_per_token(model, spec.seq_len)
     vocab_size = model.config.vocab_size
     memory = {"after_model": memory_reading(env.device)}

@@ -31,6 +31,7 @@ OPTIMIZER_ORDERS = ("after_shard", "before_shard", "before_shard_fixed")
 BACKWARD_PREFETCH = ("pre", "post", "none")
 WRAP_POLICIES = ("layer", "size", "none")
 GPU_REQUESTS = ("gres", "gpus_per_node", "none")
+KERNELS = ("none", "liger")
 
 
 class SpecError(ValueError):
@@ -72,6 +73,8 @@ class RunSpec:
     checkpoint_every: int = 2  # for selective: checkpoint every k-th decoder layer
     precision: str = "bf16_mixed"
     compile: bool = False
+    kernels: str = "none"  # liger: Liger's fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (GPU)
+    expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
     adamw_impl: str = "foreach"
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -119,6 +122,7 @@ class RunSpec:
         _require_choice(where, "wrap_policy", self.wrap_policy, WRAP_POLICIES)
         _require_choice(where, "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         _require_choice(where, "data", self.data, ("synthetic",))
+        _require_choice(where, "kernels", self.kernels, KERNELS)
         for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{where}: {name}: expected a positive integer, got {getattr(self, name)}")
@@ -148,6 +152,8 @@ class RunSpec:
     def _check_combinations(self, where: str) -> None:
         if self.family == "fsdp1" and self.device == "cpu":
             raise SpecError(f"{where}: strategy: {self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy")
+        if self.kernels == "liger" and self.device == "cpu":
+            raise SpecError(f"{where}: kernels: liger needs a GPU (Triton kernels); use kernels: none on CPU")
         if self.cpu_offload and self.strategy == DDP:
             raise SpecError(f"{where}: cpu_offload: DDP has no CPU offload; use an fsdp1_* or fsdp2_* strategy")
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
