@@ -99,8 +99,8 @@ def percentile(values: list[float], q: float) -> float:
 class NvmlSampler:
     """Samples GPU utilisation, SM clock and power of one GPU in a background thread.
 
-    Used as a context manager around the timed steps; does nothing when NVML is absent or the
-    run is on CPU, so a record simply has no GPU-utilisation fields then.
+    `start()` when the timed steps begin (after warm-up and compilation), `stop()` after them;
+    does nothing when NVML is absent, so a record simply has no GPU-utilisation fields then.
     """
 
     def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
@@ -111,19 +111,18 @@ class NvmlSampler:
         self._thread: threading.Thread | None = None
         self._handle = None
 
-    def __enter__(self) -> "NvmlSampler":
-        if self.device.type != "cuda":
-            return self
+    def start(self) -> None:
+        if self.device.type != "cuda" or self._thread is not None:
+            return
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByUUID(_cuda_uuid(self.device))
         except Exception:  # noqa: BLE001 - no NVML (library, driver or permissions): measure without it
-            return self
+            return
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
         self._thread.start()
-        return self
 
     def _run(self) -> None:
         import pynvml
@@ -134,7 +133,7 @@ class NvmlSampler:
             power = pynvml.nvmlDeviceGetPowerUsage(self._handle) / 1000
             self.samples.append((float(util), float(clock), float(power)))
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -6,7 +6,6 @@ A failing cell still leaves a record that says why.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -133,16 +132,24 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if env.is_main:
         print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
 
+    sampler = NvmlSampler(env.device) if spec.nvml else None
+
     def on_step_end(step: int) -> None:
         if step == 0:
             _inject_fault("train_step", env)
         if step == spec.warmup_steps - 1:
             memory["after_warmup"] = memory_reading(env.device)
+            if sampler is not None:
+                sampler.start()  # utilisation of the timed steps only
         _print_progress(env, spec, step)
 
-    use_nvml = spec.nvml and env.device.type == "cuda"
-    with NvmlSampler(env.device) if use_nvml else contextlib.nullcontext() as sampler:
+    if sampler is not None and spec.warmup_steps == 0:
+        sampler.start()
+    try:
         log = train(model, optimizer, batches, spec, env, spec.steps, spec.warmup_steps, on_step_end)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     memory["end"] = memory_reading(env.device)
     record = _ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
