@@ -1,4 +1,4 @@
-"""`hpcfsdp plan | submit | run | status | collect`."""
+"""`hpcfsdp plan | submit | run | status | collect | download`."""
 
 from __future__ import annotations
 
@@ -60,9 +60,41 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.set_defaults(func=_status)
 
-    collect = sub.add_parser("collect", help="records -> comparison table (report/results.csv, report/summary.md)")
+    collect = sub.add_parser("collect", help="records -> tables, plots and report/index.html (docs/collector.md)")
     collect.add_argument("sweep_dir", help="e.g. results/smoke")
+    collect.add_argument("--baseline", metavar="STRATEGY",
+                         help="strategy for speed-ups and memory savings (default ddp, or fsdp2_zero3 without ddp cells)")
+    collect.add_argument("--compare", metavar="REFERENCE_SWEEP_DIR",
+                         help="print per-cell deltas against another sweep and flag regressions (exit status 1 if any)")
+    collect.add_argument("--threshold", type=float, default=0.05,
+                         help="with --compare: relative change counted as a regression (default 0.05)")
+    collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
     collect.set_defaults(func=_collect)
+
+    download = sub.add_parser(
+        "download", help="pre-download models, tokenizers and datasets into the cache (where there is internet)",
+        description="Fetch what a jobs YAML's cells need (hub models ORG/NAME[@REV]), or the items named by "
+                    "--model / --dataset, into the cache folder that compute nodes read offline; record "
+                    "them in manifest.json. Rerun the same command to resume. Tokens: HF_TOKEN or `hf auth login`.")
+    download.add_argument("jobs", nargs="?", help="jobs YAML file: fetch the hub models (and datasets) of its cells")
+    download.add_argument("--model", action="append", default=[], metavar="ORG/NAME[@REV]",
+                          help="a hub model: config and tokenizer files (repeatable)")
+    download.add_argument("--dataset", action="append", default=[], metavar="ORG/NAME[:CONFIG][@SPLIT]",
+                          help="a hub dataset split (default split train) or a preset: tinystories, chess (repeatable)")
+    download.add_argument("--weights", action="store_true", help="also the *.safetensors weights (pretrained init)")
+    download.add_argument("--tokenize-for", action="append", default=[], metavar="ORG/NAME[@REV]",
+                          help="also tokenize each --dataset with this model's tokenizer, packed into --seq-len blocks")
+    download.add_argument("--seq-len", action="append", default=[], type=int, metavar="N",
+                          help="block length for --tokenize-for (repeatable)")
+    download.add_argument("--text-column", default="text", help="the dataset column to tokenize (default text)")
+    download.add_argument("--allow-pattern", action="append", default=[], metavar="GLOB",
+                          help="extra model files to fetch, e.g. '*.bin' (repeatable)")
+    download.add_argument("--cache-dir", help="the cache folder (default $HPCFSDP_CACHE, else ~/.cache/hpcfsdp)")
+    download.add_argument("--verify", action="store_true",
+                          help="download nothing: re-hash the cached files (all, or the items named) against the manifest")
+    download.add_argument("--force", action="store_true", help="download and rebuild the items again")
+    download.add_argument("--num-proc", type=int, help="processes for dataset loading and tokenization")
+    download.set_defaults(func=_download)
     return parser
 
 
@@ -91,7 +123,7 @@ def _submit(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.jobs)
     executor = args.executor or default_executor()
     if args.executor is None and executor == "local":
-        print("note: sbatch not found on PATH; running cells on this machine (--executor local)")
+        print("note: no Slurm controller answers here; running cells on this machine (--executor local)")
     sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed)
     print(f"sweep folder: {sub.sweep_dir}")
     if executor == "slurm" and args.wait and sub.jobs:
@@ -143,17 +175,51 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    return _print_collection(Path(args.sweep_dir))
+    if not 0 < args.threshold < 1:
+        raise SpecError(f"collect: --threshold: expected a fraction between 0 and 1, got {args.threshold}")
+    return _print_collection(Path(args.sweep_dir), baseline=args.baseline, plots=not args.no_plots,
+                             compare=Path(args.compare) if args.compare else None, threshold=args.threshold)
 
 
-def _print_collection(sweep_dir: Path) -> int:
-    from .collect import markdown_table, write_report
+def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool = True,
+                      compare: Path | None = None, threshold: float = 0.05) -> int:
+    """Write the report, print the comparison against `compare` if given, then the cell table."""
+    from .collect import markdown_table, write_comparison, write_report
 
-    if not sweep_dir.is_dir():
-        raise SpecError(f"{sweep_dir}: no such sweep folder")
-    table, report, unreadable = write_report(sweep_dir)
-    print(markdown_table(table))
-    for message in unreadable:
+    for folder in (sweep_dir, compare):
+        if folder is not None and not folder.is_dir():
+            raise SpecError(f"{folder}: no such sweep folder")
+    report = write_report(sweep_dir, baseline=baseline, plots=plots)
+    for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
-    print(f"wrote {report / 'results.csv'} and {report / 'summary.md'}")
-    return 0
+    regressions = 0
+    if compare is not None:
+        comparison, text, path = write_comparison(sweep_dir, compare, threshold)
+        regressions = len(comparison.regressions)
+        print(text)
+        print(f"wrote {path}\n")
+    print(markdown_table(report.table))
+    tables = [p.name for p in report.files if p.suffix != ".png"]
+    plots_drawn = len(report.files) - len(tables)
+    skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
+    print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
+    return 1 if regressions else 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    from .download import DownloadError, download_main
+    from .hubcache import CacheMissError
+
+    try:
+        return download_main(
+            jobs=args.jobs, models=args.model, datasets=args.dataset, weights=args.weights,
+            tokenize_for=args.tokenize_for, seq_lens=args.seq_len, cache_dir=args.cache_dir,
+            verify_only=args.verify, allow_patterns=args.allow_pattern, text_column=args.text_column,
+            num_proc=args.num_proc, force=args.force,
+        )
+    except (DownloadError, CacheMissError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume (complete files are kept)", file=sys.stderr)
+        return 130

@@ -1,0 +1,289 @@
+"""Figures of a collected sweep, written as PNG files.
+
+Figures use matplotlib's object API (`Figure`, never pyplot): they render with Agg and leave no
+global state behind, so collecting works on a login node without a display. A figure whose data
+is absent raises NoData and is skipped with a note instead of failing the report.
+
+Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the
+ok cells of one workload run by most strategies; both carry `variant` and `setting` labels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator, NullLocator
+
+DPI = 100
+MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
+MARKERS = "osD^vP*Xh<>p"
+LINESTYLES = ("-", "--", ":", "-.")
+
+# Device memory in GiB as nvidia-smi reports it, by a fragment of the CUDA device name; the first
+# match wins, so specific names come first. GH200 ships with 96 or 144 GB: no line.
+GPU_MEMORY_GIB: tuple[tuple[str, float | None], ...] = (
+    ("GH200", None),
+    ("H200", 140.4),
+    ("H100 NVL", 93.6),
+    ("H100", 79.6),
+    ("A100-SXM4-80GB", 80.0),
+    ("A100 80GB", 80.0),
+    ("A100", 40.0),
+)
+TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
+
+
+class NoData(Exception):
+    """The sweep has nothing to draw for this figure; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class PlotData:
+    configs: pd.DataFrame
+    reference: pd.DataFrame
+    reference_label: str
+    styles: dict[str, dict[str, Any]]  # variant -> line style, the same in every figure
+
+    @classmethod
+    def of(cls, configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str) -> "PlotData":
+        return cls(configs, reference, reference_label, _styles([*configs["variant"], *reference["variant"]]))
+
+
+def gpu_memory_gib(device_name: str) -> float | None:
+    for fragment, gib in GPU_MEMORY_GIB:
+        if fragment.lower() in device_name.lower():
+            return gib
+    return None
+
+
+def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str,
+                out_dir: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+    """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = PlotData.of(configs, reference, reference_label)
+    written, skipped = [], {}
+    for name, caption, draw in PLOTS:
+        path = out_dir / f"{name}.png"
+        try:
+            figure = draw(data)
+        except NoData as exc:
+            skipped[name] = str(exc)
+            path.unlink(missing_ok=True)  # do not leave a figure of an earlier collection behind
+            continue
+        figure.savefig(path, dpi=DPI)
+        written.append((caption, path))
+    return written, skipped
+
+
+def throughput(data: PlotData) -> Figure:
+    return _lines(data, "tokens_per_s_per_gpu", "tokens/s per GPU", "Throughput per GPU vs per-device batch")
+
+
+def memory(data: PlotData) -> Figure:
+    on_gpu = (data.configs["device_type"] == "cuda").any() if "device_type" in data.configs else False
+    ylabel = "peak allocated (GiB)" if on_gpu else "peak process RSS (GiB)"
+    names = data.configs["device_name"].dropna().unique() if "device_name" in data.configs else []
+    capacities = {name: gib for name in names if (gib := gpu_memory_gib(str(name)))}
+    title = "Peak memory per device vs per-device batch"
+    if on_gpu and not capacities:
+        title += "\n(device memory size unknown: no capacity line)"
+    return _lines(data, "peak_memory_gib", ylabel, title, {f"{name}: {gib:g} GiB": gib for name, gib in capacities.items()})
+
+
+def mfu(data: PlotData) -> Figure:
+    return _heatmap(data, "mfu", "Model FLOPs utilisation by strategy and per-device batch", "MFU", "{x:.0%}")
+
+
+def gpu_utilisation(data: PlotData) -> Figure:
+    return _heatmap(data, "gpu_util_mean", "Mean GPU utilisation by strategy and per-device batch",
+                    "GPU utilisation (%)", "{x:.0f}")
+
+
+def time_breakdown(data: PlotData) -> Figure:
+    frame = data.configs.dropna(subset=["data_time_fraction"])
+    if frame.empty:
+        raise NoData("no ok cell recorded data_time_fraction")
+    has_comm = frame["comm_exposed_fraction"].notna().any()
+    data_part = frame["data_time_fraction"].clip(0, 1)
+    comm_part = frame["comm_exposed_fraction"].fillna(0).clip(0, 1)
+    parts = pd.DataFrame({"compute": (1 - data_part - comm_part).clip(lower=0), "exposed communication": comm_part,
+                          "data loading": data_part, "variant": frame["variant"], "batch_size": frame["batch_size"]})
+    title = "Step time breakdown" + ("" if has_comm else "\n(exposed communication not recorded: shown as 0)")
+    rows = pd.MultiIndex.from_frame(frame[["variant", "batch_size"]].drop_duplicates().sort_values(["variant", "batch_size"]))
+    figure, panels = _facets(frame, title, panel=(5.5, 0.25 * len(rows) + 1.2))
+    for setting, ax, part in panels:
+        shares = parts.loc[part.index].groupby(["variant", "batch_size"]).mean().reindex(rows).fillna(0)
+        left = np.zeros(len(rows))
+        for name, colour in TIME_PARTS:
+            ax.barh(np.arange(len(rows)), shares[name].to_numpy(), left=left, color=colour, height=0.75)
+            left += shares[name].to_numpy()
+        ax.set(xlim=(0, 1), title=setting)
+    ax.set_yticks(np.arange(len(rows)), [f"{v}, b{_number(b)}" for v, b in rows])
+    ax.invert_yaxis()  # shared: the first row at the top of every panel
+    figure.supxlabel("fraction of step time")
+    figure.legend(handles=[Patch(color=c, label=n) for n, c in TIME_PARTS], loc="outside right upper")
+    return figure
+
+
+def loss_curves(data: PlotData) -> Figure:
+    cells = data.reference
+    if cells.empty or "losses" not in cells:
+        raise NoData("no ok cell recorded losses")
+    cells = cells[cells["losses"].map(lambda v: isinstance(v, list) and len(v) > 0)]
+    if cells.empty:
+        raise NoData("no ok cell recorded losses")
+    figure = Figure(figsize=(9, 5), layout="constrained")
+    ax = figure.subplots()
+    for variant, group in cells.groupby("variant", sort=True):
+        for i, losses in enumerate(group["losses"]):
+            values = pd.to_numeric(pd.Series(losses), errors="coerce")
+            ax.plot(np.arange(1, len(values) + 1), values, **data.styles[variant], markersize=4,
+                    label=variant if i == 0 else "_nolegend_")
+    ax.set(title=f"Training loss per step at {data.reference_label}\n(the workload most strategies ran; one line per cell)",
+           xlabel="step", ylabel="training loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    figure.legend(loc="outside right upper", title="strategy")
+    return figure
+
+
+def memory_stages(data: PlotData) -> Figure:
+    cells = data.reference
+    columns = [c for c in cells.columns if c.startswith("memory.") and pd.to_numeric(cells[c], errors="coerce").notna().any()]
+    on_gpu = any(c.endswith(".allocated_gib") for c in columns)
+    key = "allocated_gib" if on_gpu else "cpu_max_rss_gib"
+    stages = dict.fromkeys(c.split(".")[1] for c in columns)  # as stored: record files sort their keys
+    bars = [(stage, f"memory.{stage}.{key}") for stage in stages if f"memory.{stage}.{key}" in columns]
+    if on_gpu and "memory.end.peak_allocated_gib" in columns:
+        bars.append(("training peak", "memory.end.peak_allocated_gib"))
+    if not bars:
+        raise NoData("no ok cell recorded memory by stage")
+    means = cells[[c for _, c in bars]].apply(pd.to_numeric, errors="coerce").groupby(cells["variant"]).mean()
+    figure = Figure(figsize=(max(8.0, 0.4 * len(bars) * len(means) + 4), 5), layout="constrained")
+    ax = figure.subplots()
+    width = 0.8 / len(means)
+    for i, (variant, row) in enumerate(means.iterrows()):
+        ax.bar(np.arange(len(bars)) + (i - (len(means) - 1) / 2) * width, row.to_numpy(), width,
+               color=data.styles[variant]["color"], label=variant)
+    ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
+    what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"
+    note = "" if on_gpu else " (CPU run: max RSS only grows)"
+    ax.set(title=f"Memory by stage at {data.reference_label}{note}", xlabel="stage", ylabel=what)
+    ax.grid(axis="y", alpha=0.3)
+    figure.legend(loc="outside right upper", title="strategy")
+    return figure
+
+
+PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
+    ("throughput", "Tokens/s per GPU vs per-device batch, per strategy", throughput),
+    ("memory", "Peak memory vs per-device batch, with the GPU's capacity when known", memory),
+    ("mfu", "MFU heatmap: strategy x per-device batch", mfu),
+    ("gpu_utilisation", "Mean GPU utilisation: strategy x per-device batch", gpu_utilisation),
+    ("time_breakdown", "Step time: compute, exposed communication, data loading", time_breakdown),
+    ("loss", "Training loss per strategy at one common workload (line styles tell overlapping curves apart)", loss_curves),
+    ("memory_stages", "Memory by stage per strategy at one common workload", memory_stages),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def _styles(variants: list[str]) -> dict[str, dict[str, Any]]:
+    names = sorted({str(v) for v in variants if pd.notna(v)})
+    colours = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    return {name: {"color": colours(i % colours.N), "marker": MARKERS[i % len(MARKERS)],
+                   "linestyle": LINESTYLES[i % len(LINESTYLES)]} for i, name in enumerate(names)}
+
+
+def _facets(frame: pd.DataFrame, title: str, panel: tuple[float, float] = (5.0, 3.6)) -> tuple[Figure, list[tuple[str, Axes, pd.DataFrame]]]:
+    """One panel per setting (grad_accum, checkpointing, ...), at most MAX_PANELS of them, on
+    shared axes: panels compare at a glance, and only the outer ones carry tick labels."""
+    groups = list(frame.groupby("setting", observed=True, sort=True))
+    if len(groups) > MAX_PANELS:
+        kept = set(sorted(range(len(groups)), key=lambda i: -len(groups[i][1]))[:MAX_PANELS])
+        title += f"\n({MAX_PANELS} of {len(groups)} settings, those with the most cells; all are in summary.md)"
+        groups = [group for i, group in enumerate(groups) if i in kept]
+    cols = min(3, len(groups))
+    rows = math.ceil(len(groups) / cols)
+    figure = Figure(figsize=(panel[0] * cols + 2.5, panel[1] * rows + 1.2), layout="constrained")
+    axes = figure.subplots(rows, cols, squeeze=False, sharex=True, sharey=True).ravel()
+    for i in range(len(groups), len(axes)):
+        axes[i].set_visible(False)
+        axes[i - cols].xaxis.set_tick_params(labelbottom=True)  # now the bottom panel of its column
+    figure.suptitle(title, fontsize=13, fontweight="bold")
+    return figure, [(str(setting), ax, part) for (setting, part), ax in zip(groups, axes)]
+
+
+def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
+    """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
+    labelled horizontal lines (a GPU's memory capacity)."""
+    frame = data.configs.dropna(subset=[column])
+    if frame.empty:
+        raise NoData(f"no ok cell recorded {column}")
+    figure, panels = _facets(frame, title)
+    for setting, ax, part in panels:
+        for variant, line in part.groupby("variant", sort=True):
+            line = line.sort_values("batch_size")
+            ax.plot(line["batch_size"], line[column], **data.styles[variant], label=variant)
+        for level in (levels or {}).values():
+            ax.axhline(level, color="crimson", linestyle="--", linewidth=1.2)
+        ax.set_title(setting)
+        ax.grid(alpha=0.3)
+    _batch_axis(ax, frame["batch_size"])
+    ax.set_ylim(0, 1.08 * max([frame[column].max(), *(levels or {}).values()]))  # from 0, headroom over every panel
+    figure.supxlabel("per-device batch size")
+    figure.supylabel(ylabel)
+    handles = [Line2D([], [], **data.styles[name], label=name) for name in sorted(set(frame["variant"]))]
+    handles += [Line2D([], [], color="crimson", linestyle="--", label=label) for label in (levels or {})]
+    figure.legend(handles=handles, loc="outside right upper", title="strategy")
+    return figure
+
+
+def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: str) -> Figure:
+    """column as a strategy x batch grid per setting; cell_format ("{x:.0%}") labels cells and colour bar."""
+    frame = data.configs.dropna(subset=[column])
+    if frame.empty:
+        raise NoData(f"no ok cell recorded {column}")
+    low, high = frame[column].min(), frame[column].max()
+    if low == high:  # one value everywhere: centre it in the colour map instead of an undefined scale
+        low, high = low - (abs(low) * 0.05 or 1.0), high + (abs(high) * 0.05 or 1.0)
+    variants, batches = sorted(frame["variant"].unique()), sorted(frame["batch_size"].unique())
+    figure, panels = _facets(frame, title, panel=(0.75 * len(batches) + 1.5, 0.4 * len(variants) + 1.0))
+    for setting, ax, part in panels:
+        grid = part.pivot_table(index="variant", columns="batch_size", values=column, aggfunc="mean")
+        values = grid.reindex(index=variants, columns=batches).to_numpy(dtype=float)
+        image = ax.imshow(values, cmap="viridis", vmin=low, vmax=high, aspect="auto")
+        for (i, j), value in np.ndenumerate(values):
+            if not np.isnan(value):
+                ax.text(j, i, cell_format.format(x=value), ha="center", va="center", fontsize=8,
+                        color="white" if value < (low + high) / 2 else "black")
+        ax.set_title(setting)
+    ax.set_xticks(np.arange(len(batches)), [_number(b) for b in batches])
+    ax.set_yticks(np.arange(len(variants)), variants)
+    figure.supxlabel("per-device batch size")
+    figure.colorbar(image, ax=[ax for _, ax, _ in panels], label=label, shrink=0.85, format=cell_format)
+    return figure
+
+
+def _batch_axis(ax: Axes, batches: pd.Series) -> None:
+    """Batch sizes usually double: a log2 axis with a tick at each batch run."""
+    values = sorted(batches.unique())
+    if values[0] > 0 and values[-1] / values[0] >= 4:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(values, [_number(v) for v in values])
+
+
+def _number(value: Any) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"

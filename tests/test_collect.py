@@ -1,0 +1,409 @@
+"""The collector: records written by hand (no training) -> tables, plots, report, comparison."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from hpcfsdp import plots
+from hpcfsdp.cli import main
+from hpcfsdp.collect import compare_sweeps, label_cells, load_records, ok_configs, reference_cells, write_report
+from hpcfsdp.matrix import cell_id
+from hpcfsdp.record import write_record
+from hpcfsdp.spec import RunSpec
+
+H100 = "NVIDIA H100 80GB HBM3"
+GPU_BASE = {"model": "qwen2.5-1.5b", "seq_len": 4096, "gpus_per_node": 2, "device": "cuda", "precision": "bf16_mixed"}
+CPU_BASE = {"model": "tiny", "seq_len": 64, "gpus_per_node": 2, "device": "cpu", "precision": "fp32"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Records shaped like run.py's _ok_record + _context
+
+
+def spec_of(base: dict, **fields) -> RunSpec:
+    return RunSpec.from_dict({**base, **fields})
+
+
+def context(spec: RunSpec, device: str) -> dict:
+    return {
+        "cell_id": cell_id(spec), "sweep": "fixture", "spec": spec.to_dict(), "world_size": spec.world_size,
+        "nodes": spec.nodes, "device_type": "cpu" if device == "cpu" else "cuda", "device_name": device,
+        "backend": "gloo" if device == "cpu" else "nccl", "hostnames": ["gpu-node-07"],
+        "slurm": {"job_id": "4242_1", "array_job_id": "4242", "array_task_id": "1", "job_nodelist": "gpu-node-07"},
+        "versions": {"hpcfsdp": "0.1.0", "torch": "2.11.0+cu128", "transformers": "5.0.0", "cuda": "12.8", "nccl": "2.27.3"},
+        "git_commit": "0123abcd", "started_at": 1.7e9, "duration_s": 95.0,
+    }
+
+
+def ok_record(spec: RunSpec, tokens_per_s_per_gpu: float, peak_gib: float, device: str = H100, **extra) -> dict:
+    tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * spec.world_size
+    step_time = tokens_per_step / (tokens_per_s_per_gpu * spec.world_size)
+    if device == "cpu":
+        memory = {stage: {"cpu_max_rss_gib": peak_gib * f} for stage, f in (("after_model", 0.9), ("after_shard_and_optimizer", 0.95), ("end", 1.0))}
+        mfu = None
+    else:
+        memory = {"after_model": {"allocated_gib": 3.0, "cpu_max_rss_gib": 2.1},
+                  "after_shard_and_optimizer": {"allocated_gib": 6.0, "cpu_max_rss_gib": 2.2},
+                  "end": {"allocated_gib": 6.5, "peak_allocated_gib": peak_gib, "reserved_gib": peak_gib + 2,
+                          "peak_reserved_gib": peak_gib + 2, "cpu_max_rss_gib": 2.3}}
+        mfu = tokens_per_s_per_gpu / 30_000
+    losses = [11.0 - 0.1 * step for step in range(spec.steps)]
+    record = {
+        "status": "ok", "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s_per_gpu * spec.world_size,
+        "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "samples_per_s": tokens_per_s_per_gpu * spec.world_size / spec.seq_len,
+        "step_time_s": step_time, "step_time_p90_s": step_time * 1.05, "step_times_s": [step_time] * (spec.steps - spec.warmup_steps),
+        "warmup_steps": spec.warmup_steps, "timed_steps": spec.steps - spec.warmup_steps, "data_time_fraction": 0.02,
+        "flops_per_token": 9.3e9, "tflops_per_gpu": 1.0, "peak_tflops": 989.5 if mfu else 0.0, "mfu": mfu,
+        "memory": memory, "peak_memory_gib": peak_gib, "losses": losses, "final_loss": losses[-1],
+        "flops_tied_lm_head": True, "non_embedding_params": 1_300_000_000, "optimizer_tracks_model": True,
+    }
+    return {**record, **context(spec, device), **extra}
+
+
+def failed_record(spec: RunSpec, status: str, stage: str, error: str, device: str = H100) -> dict:
+    return {"status": status, "stage": stage, "error": error, "traceback": "Traceback ...", "failed_rank": 0, **context(spec, device)}
+
+
+def put(sweep: Path, record: dict) -> str:
+    write_record(sweep / "cells" / record["cell_id"] / "result.json", record)
+    return record["cell_id"]
+
+
+def gpu_sweep(root: Path) -> Path:
+    """Three strategies on 2 x H100 with ok, oom, error, timeout, missing and unreadable cells.
+
+    ok: (tokens/s/gpu, peak GiB)   b1             b2             b4             b8              b16
+    ddp          ckpt none         10000, 40      12000, 60      OOM
+    fsdp2_zero2  ckpt none         11000, 30      13200, 45      14000, 70      error (shard)
+    fsdp2_zero3  ckpt none          9000, 20      11400, 30      12600, 50      OOM
+    fsdp2_zero3  ckpt full                                                      9500, 60        timeout
+    plus a planned b32 ckpt full cell with spec.json only, a manifest-only cell, a truncated
+    record and a record of schema_version 2.
+    """
+    sweep = root / "gpu"
+    extra = {"comm_exposed_fraction": 0.1, "gpu_util_mean": 85.0}
+    table = {("ddp", 1): (10000, 40), ("ddp", 2): (12000, 60), ("fsdp2_zero2", 1): (11000, 30),
+             ("fsdp2_zero2", 2): (13200, 45), ("fsdp2_zero2", 4): (14000, 70), ("fsdp2_zero3", 1): (9000, 20),
+             ("fsdp2_zero3", 2): (11400, 30), ("fsdp2_zero3", 4): (12600, 50)}
+    for (strategy, batch), (tps, peak) in table.items():
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy=strategy, batch_size=batch), tps, peak, **extra))
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8, activation_checkpointing="full"), 9500, 60, **extra))
+    put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=4), "oom", "train", "OutOfMemoryError: CUDA out of memory"))
+    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8), "oom", "train", "OutOfMemoryError: CUDA out of memory"))
+    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=8), "error", "shard",
+                             "RuntimeError: NCCL error | unhandled system error\nsecond line"))
+    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=16, activation_checkpointing="full"),
+                             "timeout", "train", "Slurm time limit reached"))
+
+    planned = spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=32, activation_checkpointing="full")
+    (sweep / "cells" / cell_id(planned)).mkdir(parents=True)
+    (sweep / "cells" / cell_id(planned) / "spec.json").write_text(json.dumps({"cell_id": cell_id(planned), "sweep": "gpu", "spec": planned.to_dict()}))
+    manifest = {path.parent.name: {"executor": "slurm", "job_id": "4242_1"} for path in sweep.glob("cells/*/result.json")}
+    manifest["ghost-cell"] = {"executor": "slurm", "job_id": "4242_9"}
+    (sweep / "manifest.json").write_text(json.dumps(manifest))
+
+    (sweep / "cells" / "corrupt-cell").mkdir()
+    (sweep / "cells" / "corrupt-cell" / "result.json").write_text('{"status": "ok", "tokens_per_s')
+    (sweep / "cells" / "future-cell").mkdir()
+    (sweep / "cells" / "future-cell" / "result.json").write_text(json.dumps({"schema_version": 2, "status": "ok"}))
+    return sweep
+
+
+def cpu_sweep(root: Path) -> Path:
+    """The smoke sweep's shape: CPU, no MFU, no exposed-communication or utilisation fields."""
+    sweep = root / "cpu"
+    for strategy, batch, tps in (("ddp", 1, 2800.0), ("ddp", 2, 7400.0), ("fsdp2_zero3", 1, 1200.0), ("fsdp2_zero3", 2, 2400.0)):
+        put(sweep, ok_record(spec_of(CPU_BASE, strategy=strategy, batch_size=batch), tps, 0.38, device="cpu"))
+    return sweep
+
+
+@pytest.fixture(scope="module")
+def gpu(tmp_path_factory) -> Path:
+    return gpu_sweep(tmp_path_factory.mktemp("sweeps"))
+
+
+@pytest.fixture(scope="module")
+def gpu_report(gpu):
+    return write_report(gpu)
+
+
+def section(markdown: str, title: str) -> str:
+    """The text of one '## title' section of summary.md."""
+    return markdown.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def rows(markdown_table: str) -> list[list[str]]:
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in markdown_table.splitlines()
+            if line.startswith("|") and not line.startswith("|:")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def test_mixed_statuses_unreadable_and_missing_cells(gpu):
+    collection = load_records(gpu)
+    assert collection.frame["status"].value_counts().to_dict() == {"ok": 9, "oom": 2, "error": 1, "timeout": 1}
+    assert len(collection.unreadable) == 2
+    corrupt, future = sorted(collection.unreadable)
+    assert str(gpu / "cells" / "corrupt-cell" / "result.json") in corrupt and "unreadable record" in corrupt
+    assert str(gpu / "cells" / "future-cell" / "result.json") in future and "schema_version 2" in future
+    missing = collection.missing.set_index("cell_id")
+    planned_id = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=32, activation_checkpointing="full"))
+    assert set(missing.index) == {"ghost-cell", planned_id}
+    assert "Slurm job 4242_9" in missing.loc["ghost-cell", "error"]
+    planned = missing.loc[planned_id]
+    assert (planned["strategy"], planned["batch_size"], planned["activation_checkpointing"]) == ("fsdp2_zero3", 32, "full")
+
+
+def test_results_csv_has_one_row_per_cell_with_spec_and_metrics(gpu, gpu_report):
+    table = pd.read_csv(gpu_report.directory / "results.csv")
+    assert len(table) == 13 + 2  # records + missing cells; unreadable files are not cells
+    for column in ("cell_id", "status", "error", "strategy", "batch_size", "grad_accum", "activation_checkpointing", "seq_len",
+                   "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "memory.end.peak_allocated_gib", "versions.torch"):
+        assert column in table.columns, column
+    assert "traceback" not in table.columns
+    assert json.loads(table.loc[table["status"] == "ok", "losses"].iloc[0])[0] == 11.0
+    assert table.loc[table["cell_id"] == "ghost-cell", "status"].item() == "missing"
+    pytest.importorskip("pyarrow")
+    parquet = pd.read_parquet(gpu_report.directory / "results.parquet")
+    assert len(parquet) == len(table) and set(parquet.columns) == set(table.columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# summary.md: numbers computed by hand from the fixture's table
+
+
+def test_summary_baseline_speedup_and_memory_saving(gpu_report):
+    summary = (gpu_report.directory / "summary.md").read_text()
+    body = section(summary, "Speed-up and memory saving vs baseline")
+    assert "Baseline: ddp" in body
+    got = {(r[0], r[1]): (r[-4], r[-1]) for r in rows(body)[1:]}
+    assert got == {
+        ("fsdp2_zero2", "1"): ("1.10x", "25.0%"),   # 11000 / 10000, 1 - 30 / 40
+        ("fsdp2_zero2", "2"): ("1.10x", "25.0%"),   # 13200 / 12000, 1 - 45 / 60
+        ("fsdp2_zero3", "1"): ("0.90x", "50.0%"),   # 9000 / 10000, 1 - 20 / 40
+        ("fsdp2_zero3", "2"): ("0.95x", "50.0%"),   # 11400 / 12000, 1 - 30 / 60
+    }
+
+
+def test_summary_oom_frontier_and_best(gpu_report):
+    summary = (gpu_report.directory / "summary.md").read_text()
+    frontier = {(r[0], r[1]): (r[2], r[3]) for r in rows(section(summary, "OOM frontier"))[1:]}
+    assert frontier == {("ddp", "none"): ("2", "4"), ("fsdp2_zero2", "none"): ("4", "-"),
+                        ("fsdp2_zero3", "full"): ("8", "-"), ("fsdp2_zero3", "none"): ("4", "8")}
+    best = section(summary, "Best configuration")
+    assert "Best overall: fsdp2_zero2 at batch 4, accum 1, ckpt none: 14,000 tokens/s per GPU" in best
+    assert {r[0]: r[4] for r in rows(best)[1:]} == {"ddp": "12,000", "fsdp2_zero2": "14,000", "fsdp2_zero3": "12,600"}
+
+
+def test_summary_pivots_show_values_and_failures(gpu_report):
+    summary = (gpu_report.directory / "summary.md").read_text()
+    pivot = section(summary, "Pivot: tokens/s/gpu").split("### accum 1, ckpt none\n", 1)[1].split("###", 1)[0]
+    grid = {r[0]: r[1:] for r in rows(pivot)}
+    assert grid["strategy"] == ["b1", "b2", "b4", "b8"]
+    assert grid["ddp"] == ["10,000", "12,000", "OOM", ""]
+    assert grid["fsdp2_zero2"] == ["11,000", "13,200", "14,000", "ERROR"]
+    assert "### accum 1, ckpt full" in section(summary, "Pivot: MFU")
+    assert "### accum 1, ckpt full" in section(summary, "Pivot: peak GiB")
+
+
+def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu_report):
+    summary = (gpu_report.directory / "summary.md").read_text()
+    failures = {r[0]: r for r in rows(section(summary, "Cells that did not finish ok"))[1:]}
+    assert {r[1] for r in failures.values()} == {"oom", "error", "timeout", "missing"}
+    error = next(r for r in failures.values() if r[1] == "error")
+    assert error[5:] == ["shard", r"RuntimeError: NCCL error \| unhandled system error"]  # first line, pipe escaped
+    assert "Slurm job 4242_9" in failures["ghost-cell"][6]
+    unreadable = section(summary, "Unreadable records (skipped)")
+    assert "corrupt-cell/result.json" in unreadable and "schema_version 2" in unreadable
+    assert summary.startswith("# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)")
+
+
+def test_baseline_falls_back_to_zero3_and_can_be_chosen(tmp_path):
+    sweep = tmp_path / "nodp"
+    for strategy, tps in (("fsdp2_zero2", 1100.0), ("fsdp2_zero3", 1000.0)):
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy=strategy, batch_size=1), tps, 10.0))
+    fallback = section(write_report(sweep, plots=False).directory.joinpath("summary.md").read_text(), "Speed-up and memory saving vs baseline")
+    assert "Baseline: fsdp2_zero3" in fallback and "1.10x" in fallback
+    chosen = section(write_report(sweep, baseline="fsdp2_zero2", plots=False).directory.joinpath("summary.md").read_text(),
+                     "Speed-up and memory saving vs baseline")
+    assert "Baseline: fsdp2_zero2" in chosen and "0.91x" in chosen
+    absent = section(write_report(sweep, baseline="ddp", plots=False).directory.joinpath("summary.md").read_text(),
+                     "Speed-up and memory saving vs baseline")
+    assert "No ok cell of ddp" in absent
+
+
+def test_record_without_a_newer_spec_field_still_matches_its_baseline(tmp_path):
+    """A record written before a spec field existed (schema unchanged) lacks it in `spec`."""
+    sweep = tmp_path / "old"
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3"), 1100.0, 10.0))
+    old = ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0)
+    old["spec"] = {k: v for k, v in old["spec"].items() if k != "adamw_impl"}
+    put(sweep, old)
+    summary = write_report(sweep, plots=False).directory.joinpath("summary.md").read_text()
+    assert "1.10x" in section(summary, "Speed-up and memory saving vs baseline")
+
+
+def test_a_knob_varied_within_a_strategy_names_a_variant(tmp_path):
+    sweep = tmp_path / "knobs"
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
+    for depth, tps in ((0, 1100.0), (2, 1200.0)):
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", prefetch_depth=depth), tps, 10.0))
+    cells = label_cells(load_records(sweep))
+    assert set(cells.frame["variant"]) == {"ddp", "fsdp2_zero3 (prefetch_depth=0)", "fsdp2_zero3 (prefetch_depth=2)"}
+    summary = write_report(sweep, plots=False).directory.joinpath("summary.md").read_text()
+    speedups = {r[0]: r[-4] for r in rows(section(summary, "Speed-up and memory saving vs baseline"))[1:]}
+    assert speedups == {"fsdp2_zero3 (prefetch_depth=0)": "1.10x", "fsdp2_zero3 (prefetch_depth=2)": "1.20x"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots and the HTML page
+
+
+def distinct_colours(path: Path) -> int:
+    with Image.open(path) as image:
+        return len(image.convert("RGB").getcolors(maxcolors=1 << 24))
+
+
+def test_every_plot_is_drawn_and_not_blank(gpu_report):
+    assert gpu_report.skipped_plots == {}
+    drawn = {path.stem: path for path in gpu_report.files if path.suffix == ".png"}
+    assert set(drawn) == {name for name, _, _ in plots.PLOTS}
+    for name, path in drawn.items():
+        with Image.open(path) as image:
+            assert image.width >= 600 and image.height >= 300, name
+        assert path.stat().st_size > 15_000, name
+        assert distinct_colours(path) > 50, name  # text, lines and fills, not a blank canvas
+
+
+def test_memory_plot_draws_the_gpu_capacity_and_time_plot_uses_comm(gpu):
+    cells = label_cells(load_records(gpu))
+    reference, label = reference_cells(cells)
+    data = plots.PlotData.of(ok_configs(cells), reference, label)
+    legend = [text.get_text() for text in plots.memory(data).legends[0].get_texts()]
+    assert f"{H100}: 79.6 GiB" in legend
+    assert "not recorded" not in plots.time_breakdown(data).get_suptitle()
+    assert plots.gpu_memory_gib("NVIDIA H200") == 140.4 and plots.gpu_memory_gib("NVIDIA A100-SXM4-40GB") == 40.0
+    assert plots.gpu_memory_gib("cpu") is None
+
+
+def test_cpu_sweep_skips_gpu_only_plots_with_a_note(tmp_path):
+    report = write_report(cpu_sweep(tmp_path))
+    assert set(report.skipped_plots) == {"mfu", "gpu_utilisation"}
+    assert "mfu" in report.skipped_plots["mfu"]
+    summary = (report.directory / "summary.md").read_text()
+    assert "No MFU values" in summary and "Skipped mfu: no ok cell recorded mfu." in summary
+    cells = label_cells(load_records(tmp_path / "cpu"))
+    reference, label = reference_cells(cells)
+    data = plots.PlotData.of(ok_configs(cells), reference, label)
+    assert "exposed communication not recorded: shown as 0" in plots.time_breakdown(data).get_suptitle()
+    assert len(plots.memory(data).legends[0].get_texts()) == 2  # the strategies; no capacity line on CPU
+    assert distinct_colours(report.directory / "plots" / "memory_stages.png") > 50
+
+
+def test_empty_sweep_writes_a_report_and_skips_every_plot(tmp_path):
+    (tmp_path / "empty" / "cells").mkdir(parents=True)
+    report = write_report(tmp_path / "empty")
+    assert set(report.skipped_plots) == {name for name, _, _ in plots.PLOTS}
+    assert (report.directory / "index.html").exists()
+    assert "No cell finished ok" in (report.directory / "summary.md").read_text()
+
+
+def test_index_html_is_self_contained(gpu_report):
+    page = (gpu_report.directory / "index.html").read_text()
+    assert page.count('src="data:image/png;base64,') == len(plots.PLOTS)
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    for text in (H100, "2.11.0+cu128", "gpu-node-07", "nccl", "OOM frontier", "1.10x", "corrupt-cell"):
+        assert text in page, text
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_index_html_renders_in_headless_chromium(gpu_report, tmp_path):
+    shot = tmp_path / "page.png"
+    profile = tempfile.mkdtemp(dir=tmp_path)
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={profile}", f"--screenshot={shot}", "--window-size=1280,2000",
+                    (gpu_report.directory / "index.html").as_uri()], capture_output=True, timeout=120, check=True)
+    with Image.open(shot) as image:
+        assert image.size == (1280, 2000)
+        pixels = np.asarray(image.convert("RGB"))
+    inked_rows = (pixels < 200).any(axis=2).any(axis=1).mean()
+    assert inked_rows > 0.3  # headings, text and tables down the page (a one-line page inks 0.4% of rows)
+    assert distinct_colours(shot) > 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing sweeps
+
+
+def slower_copy(gpu: Path, root: Path) -> tuple[Path, str, str]:
+    """The fixture sweep again, with one cell 20% slower, one 3% larger and one now OOM."""
+    sweep = root / "again"
+    shutil.copytree(gpu, sweep)
+    slow = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2))
+    bigger = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1))
+    broken = cell_id(spec_of(GPU_BASE, strategy="ddp", batch_size=1))
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2), 13200 * 0.8, 45, comm_exposed_fraction=0.1))
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1), 9000, 20 * 1.03))
+    put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=1), "oom", "train", "OutOfMemoryError"))
+    return sweep, slow, broken
+
+
+def test_compare_flags_a_planted_regression(gpu, tmp_path):
+    again, slow, broken = slower_copy(gpu, tmp_path)
+    comparison = compare_sweeps(again, gpu, threshold=0.05)
+    assert len(comparison.table) == 13
+    flagged = set(comparison.table.loc[comparison.table["regression"] != "", "cell"])
+    # The slower cell: tokens/s and MFU dropped 20%; the OOM cell lost its status; +3% memory is within 5%.
+    assert flagged == {slow, broken}
+    assert f"{slow}: tokens/s/gpu 13,200 -> 10,560 (-20.0%)" in comparison.regressions
+    assert f"{broken}: status ok -> oom" in comparison.regressions
+    assert any("noise unknown" in note for note in comparison.notes)
+    assert not compare_sweeps(gpu, gpu).regressions
+
+
+def test_compare_cli_prints_deltas_and_fails_on_regression(gpu, tmp_path, capsys):
+    again, slow, _ = slower_copy(gpu, tmp_path)
+    assert main(["collect", str(again), "--compare", str(gpu), "--threshold", "0.1", "--no-plots"]) == 1
+    out = capsys.readouterr().out
+    assert f"{slow}: tokens/s/gpu 13,200 -> 10,560 (-20.0%)" in out
+    assert "REGRESSION" in out and (again / "report" / "compare.md").exists()
+    assert main(["collect", str(gpu), "--compare", str(gpu), "--no-plots"]) == 0
+
+
+def test_compare_reports_run_to_run_noise_from_repeated_seeds(tmp_path):
+    for name in ("a", "b"):
+        for seed, tps in ((0, 1000.0), (1, 1100.0)):
+            put(tmp_path / name, ok_record(spec_of(GPU_BASE, strategy="ddp", seed=seed), tps, 10.0))
+    notes = " ".join(compare_sweeps(tmp_path / "a", tmp_path / "b").notes)
+    # std(1000, 1100) / mean = 70.71 / 1050 = 6.7%: above half the 5% threshold, so a warning too.
+    assert "current 6.7% (median CV of tokens/s/gpu over 1 config(s)" in notes and "reference 6.7%" in notes
+    assert "expect false alarms" in notes
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def test_collect_command_ends_with_the_cell_table(gpu, capsys):
+    assert main(["collect", str(gpu), "--no-plots"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines[-1].startswith(f"wrote {gpu / 'report'}/: results.csv")
+    assert lines[0].startswith("| strategy") and len([l for l in lines if l.startswith("|")]) == 2 + 15
+    assert "warning: skipped" in captured.err and "corrupt-cell" in captured.err
