@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Print the Markdown tables of docs/benchmarks.md from stored records, so no figure is typed in.
+
+    python bench/benchmarks_table.py perf bench/results/2026-11-22-h200x2/run3/qwen_perf [more sweep dirs]
+    python bench/benchmarks_table.py training bench/results/2026-11-22-h200x2/run1/gpu_strategies
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pandas as pd
+
+from hpcfsdp.collect import load_records, markdown_table
+
+PERF_COLUMNS = {
+    "sweep": "sweep",
+    "model": "model",
+    "strategy": "strategy",
+    "batch_size": "batch",
+    "seq_len": "seq",
+    "compile": "compile",
+    "kernels": "kernels",
+    "adamw_impl": "AdamW",
+    "status": "status",
+    "tokens_per_s_per_gpu": "tokens/s/GPU",
+    "mfu": "MFU",
+    "step_time_s": "step s (median)",
+    "step_time_p90_s": "p90",
+    "peak_memory_gib": "peak GiB",
+    "comm_exposed_fraction": "exposed comm",
+    "gpu_util_mean": "GPU util %",
+}
+TRAINING_COLUMNS = {
+    "model": "model",
+    "strategy": "strategy",
+    "cpu_offload": "offload",
+    "hsdp_shard_size": "shard size",
+    "precision": "precision",
+    "status": "status",
+    "first_loss": "loss step 1",
+    "final_loss": "final loss",
+    "final_param_norm": "final param norm",
+    "error": "error",
+}
+
+
+def perf_table(frame: pd.DataFrame) -> pd.DataFrame:
+    table = _select(frame, PERF_COLUMNS)
+    table["tokens/s/GPU"] = table["tokens/s/GPU"].map(lambda v: "-" if pd.isna(v) else f"{v:,.0f}")
+    for column in ("MFU", "exposed comm"):
+        table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{100 * float(v):.1f}%")
+    return table.sort_values(["sweep", "model", "strategy", "compile", "kernels", "seq", "batch"])
+
+
+def training_table(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.assign(first_loss=frame["losses"].map(lambda v: _first(v)))
+    table = _select(frame, TRAINING_COLUMNS)
+    for column in ("loss step 1", "final loss"):
+        table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{v:.7f}")
+    table["final param norm"] = table["final param norm"].map(lambda v: "-" if pd.isna(v) else f"{v:.9f}")
+    table["error"] = table["error"].fillna("").map(lambda v: str(v)[:70])
+    return table.sort_values(["model", "strategy", "offload", "shard size"])
+
+
+def _first(losses):
+    if isinstance(losses, str):
+        losses = json.loads(losses)
+    return losses[0] if isinstance(losses, list) and losses else float("nan")
+
+
+def _select(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    present = {k: v for k, v in columns.items() if k in frame.columns}
+    return frame[frame["status"].notna()][list(present)].rename(columns=present)
+
+
+def main(view: str, sweep_dirs: list[str]) -> None:
+    frame = pd.concat([load_records(d).frame for d in sweep_dirs], ignore_index=True)
+    table = {"perf": perf_table, "training": training_table}[view](frame)
+    print(markdown_table(table))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
