@@ -49,9 +49,10 @@ TRAINING_COLUMNS = {
 def perf_table(frame: pd.DataFrame) -> pd.DataFrame:
     table = _select(frame, PERF_COLUMNS)
     table["tokens/s/GPU"] = table["tokens/s/GPU"].map(lambda v: "-" if pd.isna(v) else f"{v:,.0f}")
-    for column in ("MFU", "exposed comm"):
+    for column in [c for c in ("MFU", "exposed comm") if c in table]:
         table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{100 * float(v):.1f}%")
-    return table.sort_values(["sweep", "model", "strategy", "compile", "kernels", "seq", "batch"])
+    order = [c for c in ("sweep", "model", "strategy", "compile", "kernels", "seq", "batch") if c in table]
+    return table.sort_values(order)
 
 
 def training_table(frame: pd.DataFrame) -> pd.DataFrame:
