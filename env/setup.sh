@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install hpcfsdp into it.
 #   bash env/setup.sh          # the project and its runtime dependencies
-#   bash env/setup.sh --dev    # plus test tools (pytest)
+#   bash env/setup.sh --dev    # plus test tools: pytest, and (as root on Debian) Chromium for the
+#                              # HTML report test; the tests install Slurm themselves (slurm/local/)
 # Torch: on a machine without an NVIDIA GPU the CPU build (torch==2.13.0) is installed; on a GPU
 # node pip's default CUDA build is used. Override with TORCH_SPEC, e.g. TORCH_SPEC='torch==2.11.0'.
 set -euo pipefail
@@ -12,7 +13,7 @@ extras=""
 for arg in "$@"; do
   case "$arg" in
     --dev) extras="[dev]" ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option '$arg' (expected --dev)" >&2; exit 2 ;;
   esac
 done
@@ -36,4 +37,8 @@ echo "[setup] installing $torch_spec" >&2
 "${pip[@]}" "$torch_spec"
 echo "[setup] installing hpcfsdp$extras (editable)" >&2
 "${pip[@]}" -e "$root$extras"
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1 && [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+  echo "[setup] installing Debian's chromium (headless rendering test of the HTML report)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+fi
 echo "[setup] done: source $venv/bin/activate" >&2
