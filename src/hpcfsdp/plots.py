@@ -11,6 +11,9 @@ ok cells of one workload run by most strategies; both carry `variant` and `setti
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -68,21 +71,39 @@ def gpu_memory_gib(device_name: str) -> float | None:
 
 def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str,
                 out_dir: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
-    """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}."""
+    """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}.
+
+    Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
+    so they are drawn in worker processes, one per core.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label)
+    jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            outcomes = list(pool.map(_draw_and_save, *zip(*jobs)))
+    else:
+        outcomes = [_draw_and_save(*job) for job in jobs]
     written, skipped = [], {}
-    for name, caption, draw in PLOTS:
-        path = out_dir / f"{name}.png"
-        try:
-            figure = draw(data)
-        except NoData as exc:
-            skipped[name] = str(exc)
-            path.unlink(missing_ok=True)  # do not leave a figure of an earlier collection behind
-            continue
-        figure.savefig(path, dpi=DPI)
-        written.append((caption, path))
+    for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
+        if why is None:
+            written.append((caption, path))
+        else:
+            skipped[name] = why
     return written, skipped
+
+
+def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData, path: Path) -> str | None:
+    """Write one figure; return why it was skipped, or None."""
+    try:
+        figure = draw(data)
+    except NoData as exc:
+        path.unlink(missing_ok=True)  # do not leave a figure of an earlier collection behind
+        return str(exc)
+    # A fast zlib level: the default spends seconds compressing large multi-panel PNGs.
+    figure.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 1})
+    return None
 
 
 def throughput(data: PlotData) -> Figure:
