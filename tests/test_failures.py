@@ -6,8 +6,8 @@ raised at a chosen stage and rank through the runner's HPCFSDP_FAULT test hook.
 
 from __future__ import annotations
 
-import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +44,11 @@ def test_measurements_of_an_ok_cell(tmp_path):
     assert record["comm_s_per_step"] > 0 and 0 < record["comm_fraction"] < 1
     assert record["mfu"] is None  # no GPU peak on CPU
     assert record["versions"]["torch"] and record["launch_id"]
+
+
+def test_profile_trace_on_request(tmp_path):
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", profile=True, comm_profile_steps=0)
+    assert record["status"] == "ok"
+    traces = sorted(Path(record["profile_trace_dir"]).glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]  # one TensorBoard trace per rank
+    assert '"traceEvents"' in traces[0].read_text()[:4096]
