@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,13 +21,17 @@ pytestmark = pytest.mark.slurm
 
 SWEEP = """
 name: slurm_e2e
-base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 4, warmup_steps: 1, gpus_per_node: 2}
+base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1, comm_profile_steps: 0,
+       gpus_per_node: 2}
 slurm: {partition: gpu, time_min: 10, cpus_per_task: 1}
 matrix:
   strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
 include:
   - {strategy: fsdp2_zero3, grad_accum: 2}
+  - {strategy: fsdp2_zero3, activation_checkpointing: full}
+  - {strategy: ddp, gpus_per_node: 1}
   - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
+  - {strategy: fsdp2_zero3, nodes: 2, gpus_per_node: 1}
 """
 
 
@@ -34,28 +39,31 @@ def records(sweep_dir: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in sweep_dir.glob("cells/*/result.json")}
 
 
-def test_sweep_runs_as_arrays_including_a_two_node_cell(slurm_cluster, tmp_path, capsys):
+def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, capsys):
     jobs = tmp_path / "e2e.yaml"
     jobs.write_text(SWEEP)
     assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 0
     out = capsys.readouterr().out
-    assert "submitted array" in out and "4 cell(s) on 1 node(s) x 2 GPU(s)" in out and "1 cell(s) on 2 node(s) x 2 GPU(s)" in out
+    for shape in ("5 cell(s) on 1 node(s) x 2 GPU(s)", "1 cell(s) on 1 node(s) x 1 GPU(s)",
+                  "1 cell(s) on 2 node(s) x 2 GPU(s)", "1 cell(s) on 2 node(s) x 1 GPU(s)"):
+        assert re.search(rf"submitted array \d+: {re.escape(shape)}", out), out
 
     sweep_dir = tmp_path / "results" / "slurm_e2e"
     sweep = load_sweep(jobs)
     got = records(sweep_dir)
     assert set(got) == {cell.id for cell in sweep.cells}
     assert all(r["status"] == "ok" for r in got.values()), {k: r.get("error") for k, r in got.items()}
-    single = [r for r in got.values() if r["nodes"] == 1]
+    single = [r for r in got.values() if r["nodes"] == 1 and r["world_size"] == 2]
     assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
-    assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3]
-    (two_node,) = [r for r in got.values() if r["nodes"] == 2]
-    assert two_node["world_size"] == 4 and two_node["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"]
+    assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4]
+    two_node = sorted((r for r in got.values() if r["nodes"] == 2), key=lambda r: r["world_size"])
+    assert [r["world_size"] for r in two_node] == [2, 4]
+    assert all(r["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"] for r in two_node)
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
     # Resubmitting the same YAML finds every record ok and queues nothing.
     assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
-    assert "skipping 5 cell(s)" in capsys.readouterr().out
+    assert "skipping 8 cell(s)" in capsys.readouterr().out
 
 
 def test_plain_sbatch_template_trains_across_two_nodes(slurm_cluster, tmp_path):

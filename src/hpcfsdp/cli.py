@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from .spec import RunSpec, SpecError
+
+if TYPE_CHECKING:  # for annotations only: each command imports what it uses
+    from .matrix import Sweep
+    from .submit import StatusReport
 
 DEFAULT_RESULTS = "results"
 
@@ -22,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
+        # /dev/null so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,17 +43,21 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="expand a jobs YAML and print its cells, without submitting")
     plan.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
+    plan.add_argument("--sbatch", action="store_true",
+                      help="print the sbatch script of each array instead (as submit would write it for a fresh sweep)")
+    plan.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"with --sbatch: parent of the sweep folder (default {DEFAULT_RESULTS}/)")
     plan.set_defaults(func=_plan)
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
     submit.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
     submit.add_argument("--executor", choices=("slurm", "local", "print"),
-                        help="slurm (default when sbatch is on PATH), local (this machine, one cell at a time), "
-                             "print (print torchrun commands)")
+                        help="slurm (default when a Slurm controller answers), local (this machine, one cell at a "
+                             "time), print (print one shell command per cell, run nothing)")
     submit.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"parent of the sweep folder (default {DEFAULT_RESULTS}/)")
     submit.add_argument("--wait", action="store_true", help="wait for the arrays to finish, then print the table")
-    submit.add_argument("--retry-failed", action="store_true", help="also rerun cells whose record is not ok")
-    submit.add_argument("--force", action="store_true", help="rerun every cell")
+    submit.add_argument("--retry-failed", action="store_true",
+                        help="also rerun cells whose record says oom, error or timeout (cells without one always run)")
+    submit.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.set_defaults(func=_submit)
 
     run = sub.add_parser("run", help="train one cell on this process (under torchrun, srun, or alone)",
@@ -56,8 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--sweep", default="manual", help="with KEY=VALUE: sweep name (default manual)")
     run.set_defaults(func=_run)
 
-    status = sub.add_parser("status", help="counts of cells by state in a sweep folder")
+    status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
+    status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
+                        help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")
     status.set_defaults(func=_status)
 
     collect = sub.add_parser("collect", help="records -> tables, plots and report/index.html (docs/collector.md)")
@@ -98,42 +114,91 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
+PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
+WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .matrix import load_sweep
 
     sweep = load_sweep(args.jobs)
+    if args.sbatch:
+        return _print_sbatch(sweep, Path(args.results_dir))
     groups = sweep.groups()
-    shape_index = {shape: i for i, shape in enumerate(groups)}
     print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(groups)} array(s)")
-    header = f"{'cell':44} {'strategy':20} {'batch':>5} {'accum':>5} {'ckpt':>9} {'nodes x gpus':>12} {'array':>5}"
-    print(header)
-    for cell in sweep.cells:
+    sys.stdout.write("\n".join(_plan_table(sweep)) + "\n")
+    for index, ((nodes, gpus), cells) in enumerate(groups.items()):
+        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+    res = sweep.resources
+    runs = 1 + res.max_requeue  # every requeue may use a whole time limit again
+    gpu_hours = sum(c.spec.world_size for c in sweep.cells) * res.time_min * runs / 60
+    requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
+    print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {res.time_min} min limit per cell{requeues}")
+    return 0
+
+
+def _plan_table(sweep: Sweep) -> list[str]:
+    from .spec import field_names
+
+    cells = sweep.cells
+    shape_index = {shape: i for i, shape in enumerate(sweep.groups())}
+    varying = [name for name in field_names(RunSpec)
+               if name not in PLAN_FIELDS and len({getattr(c.spec, name) for c in cells}) > 1]
+    columns = {name: [_plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
+    widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
+    id_width = max(4, *(len(c.id) for c in cells))
+    lines = [f"{'cell':{id_width}} {'strategy':19} {'batch':>5} {'accum':>5} {'ckpt':>9} {'nodes x gpus':>12} {'array':>5}"
+             + "".join(f" {name:>{widths[name]}}" for name in varying)]
+    for row, cell in enumerate(cells):
         s = cell.spec
-        print(f"{cell.id:44} {s.strategy:20} {s.batch_size:5} {s.grad_accum:5} {s.activation_checkpointing:>9} "
-              f"{f'{s.nodes} x {s.gpus_per_node}':>12} {shape_index[cell.shape]:5}")
-    gpu_hours = sum(c.spec.world_size for c in sweep.cells) * sweep.resources.time_min / 60
-    print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {sweep.resources.time_min} min limit per cell")
+        lines.append(f"{cell.id:{id_width}} {s.strategy:19} {s.batch_size:5} {s.grad_accum:5} {s.activation_checkpointing:>9} "
+                     f"{f'{s.nodes} x {s.gpus_per_node}':>12} {shape_index[cell.shape]:5}"
+                     + "".join(f" {columns[name][row]:>{widths[name]}}" for name in varying))
+    return lines
+
+
+def _plain_value(value: object) -> str:
+    """YAML's spelling: true / false, not Python's."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
+    from .submit import sbatch_script
+
+    for index, ((nodes, gpus), cells) in enumerate(sweep.groups().items()):
+        print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
+        print(sbatch_script(sweep, results_dir / sweep.name, nodes, gpus, len(cells)))
     return 0
 
 
 def _submit(args: argparse.Namespace) -> int:
     from .matrix import load_sweep
-    from .submit import default_executor, submit, wait_slurm
+    from .submit import SchedulerError, default_executor, submit, sweep_status, watch
 
     sweep = load_sweep(args.jobs)
     executor = args.executor or default_executor()
+    # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
+    log = _to_stderr if executor == "print" else print
     if args.executor is None and executor == "local":
-        print("note: no Slurm controller answers here; running cells on this machine (--executor local)")
-    sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed)
-    print(f"sweep folder: {sub.sweep_dir}")
-    if executor == "slurm" and args.wait and sub.jobs:
-        states = wait_slurm(sub)
-        bad = {cid: st for cid, st in states.items() if st != "COMPLETED"}
-        for cid, st in bad.items():
-            print(f"  {cid}: Slurm state {st}")
+        log("note: no Slurm controller answers here; running cells on this machine (--executor local)")
+    try:
+        sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed, log=log)
+    except SchedulerError as exc:
+        print(f"error: cannot tell which cells are still queued ({exc}); nothing submitted", file=sys.stderr)
+        return 1
+    log(f"sweep folder: {sub.sweep_dir}")
+    if executor == "slurm" and args.wait:
+        waited = [c.id for c in sub.submitted] + list(sub.in_flight)
+        report = watch(sub.sweep_dir, WAIT_POLL_S, waited) if waited else sweep_status(sub.sweep_dir, [])
+        _print_status(report, summary=False)
     if executor == "local" or (args.wait and executor == "slurm"):
         return _print_collection(sub.sweep_dir)
     return 0
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -158,20 +223,32 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .collect import load_records
-    from .submit import read_manifest
+    from .submit import sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
-    manifest = read_manifest(sweep_dir)
-    collection = load_records(sweep_dir)
-    states = Counter(collection.frame["status"]) if not collection.frame.empty else Counter()
-    finished = set(collection.frame["cell_id"]) if not collection.frame.empty else set()
-    pending = [cid for cid in manifest if cid not in finished]
-    states["pending or lost"] = len(pending)
-    print(f"{sweep_dir}: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
-    for cid in pending:
-        print(f"  {cid}: no record yet (job {manifest[cid].get('job_id')})")
+    if not sweep_dir.is_dir():
+        raise SpecError(f"{sweep_dir}: no such sweep folder")
+    if args.watch is not None and args.watch <= 0:
+        raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
+    report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
+    _print_status(report)
     return 0
+
+
+def _print_status(report: StatusReport, summary: bool = True) -> None:
+    """Counts by state, then one row per cell that is not ok (yet)."""
+    if report.note:
+        print(f"warning: {report.note}", file=sys.stderr)
+    counts = report.counts()
+    if summary:
+        print(f"{report.sweep_dir}: {len(report.cells)} cell(s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    rows = [c for c in report.cells if c.state != "ok"]
+    if not rows:
+        return
+    width = max(4, *(len(c.cell_id) for c in rows))
+    print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
+    for c in rows:
+        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {c.slurm or '-'}")
 
 
 def _collect(args: argparse.Namespace) -> int:

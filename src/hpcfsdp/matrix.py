@@ -19,6 +19,7 @@ import yaml
 from .spec import Resources, RunSpec, SpecError, field_names, unknown_key_message
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
+_SPEC_FIELDS = field_names(RunSpec)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class Sweep:
 
 def cell_id(spec: RunSpec) -> str:
     """A readable prefix plus a hash of every field, so a re-run of the same cell gets the same id."""
-    canonical = json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+    # A shallow dict of the fields gives the same JSON as spec.to_dict() at a fraction of the cost.
+    values = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
     return f"{spec.strategy}-b{spec.batch_size}-a{spec.grad_accum}-{digest}"
 
@@ -70,6 +73,9 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> "_LinedDi
     mapping = _LinedDict()
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node)
+        if key in mapping:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark)
         mapping[key] = loader.construct_object(value_node, deep=True)
         mapping.lines[key] = key_node.start_mark.line + 1
     return mapping
@@ -113,44 +119,85 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
     for axis, values in axes.items():
         if not isinstance(values, list) or not values:
             raise SpecError(f"{_where(source, axes, axis)}: matrix.{axis}: expected a non-empty list of values")
-    spec_fields = field_names(RunSpec)
     for section, mapping in (("base", base), ("matrix", axes)):
         for key in mapping:
-            if key not in spec_fields:
-                raise SpecError(unknown_key_message(_where(source, mapping, key), key, spec_fields, section))
-    include = _partials(raw, "include", source, spec_fields)
-    exclude = _partials(raw, "exclude", source, spec_fields)
-    resources = Resources.from_dict(_mapping(raw, "slurm", source), where=f"{_where(source, raw, 'slurm')}: slurm")
+            if key not in _SPEC_FIELDS:
+                raise SpecError(unknown_key_message(_where(source, mapping, key), key, _SPEC_FIELDS, section))
+    include = _partials(raw, "include", source, _SPEC_FIELDS)
+    exclude = _partials(raw, "exclude", source, _SPEC_FIELDS)
+    slurm = _mapping(raw, "slurm", source)
+    try:
+        resources = Resources.from_dict(slurm, where=source)
+    except SpecError as exc:
+        raise _located(exc, source, [("slurm", slurm)], f"{_where(source, raw, 'slurm')}: slurm.") from None
     setup = raw.get("setup", [])
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
         raise SpecError(f"{_where(source, raw, 'setup')}: setup: expected a list of shell lines")
 
     cells: dict[str, Cell] = {}
-    for index, values in enumerate(_expand(base, axes, include, exclude)):
-        where = f"{source}: cell {index} ({_short(values, base)})"
-        cell = Cell.of(RunSpec.from_dict(values, where=where))
+    for origin, values in _expand(base, axes, include, exclude):
+        try:
+            spec = RunSpec.from_dict(values, where=source)
+        except SpecError as exc:
+            raise _cell_error(exc, source, raw, base, axes, include, origin, values) from None
+        cell = Cell.of(spec)
         cells.setdefault(cell.id, cell)
     if not cells:
-        raise SpecError(f"{source}: matrix: no cells left after exclude")
+        raise SpecError(f"{_where(source, raw, 'exclude')}: exclude: no cells left after exclude")
     return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup), raw=_plain(raw))
 
 
-def _expand(base: dict, axes: dict, include: list[dict], exclude: list[dict]) -> Iterator[dict]:
+def _expand(base: dict, axes: dict, include: list[dict], exclude: list[dict]) -> Iterator[tuple[int | None, dict]]:
+    """(None, values) for each cell of the product, then (i, values) for include entry i."""
     keys = list(axes)
+    defaults = RunSpec().to_dict()
     for combo in itertools.product(*(axes[k] for k in keys)):
         values = {**base, **dict(zip(keys, combo))}
-        if not any(_matches(values, partial) for partial in exclude):
-            yield values
-    for partial in include:
-        yield {**base, **partial}
+        if not any(all(values.get(k, defaults[k]) == v for k, v in partial.items()) for partial in exclude):
+            yield None, values
+    for index, partial in enumerate(include):
+        yield index, {**base, **partial}
 
 
-def _matches(values: dict, partial: dict) -> bool:
-    return all(values.get(k, _default(k)) == v for k, v in partial.items())
+def _cell_error(exc: SpecError, source: str, raw: dict, base: dict, axes: dict, include: list[dict],
+                origin: int | None, values: dict) -> SpecError:
+    """Point a cell's error at the YAML line that set the offending key: its include entry or
+    matrix axis, else base; the cell's distinguishing values follow in parentheses."""
+    if origin is None:
+        places = [("matrix", axes), ("base", base)]
+        fallback = f"{_where(source, raw, 'matrix' if axes else 'base')}: "
+    else:
+        entry = include[origin]
+        places = [(f"include[{origin}]", entry), ("base", base)]
+        line = min(getattr(entry, "lines", {}).values(), default=None)
+        fallback = f"{source}:{line}: " if line else f"{_where(source, raw, 'include')}: "
+    cell = ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
+    return _located(exc, source, places, fallback, f" (cell {cell})")
 
 
-def _default(key: str) -> Any:
-    return getattr(RunSpec(), key)
+def _located(exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, suffix: str = "") -> SpecError:
+    """spec.py's messages read '<source>: <key>: <what>'; name the line and section where <key> was
+    set, or else (a default value) the `fallback` prefix."""
+    message = str(exc)
+    if not message.startswith(f"{source}: "):
+        return exc
+    key, _, what = message[len(source) + 2:].partition(": ")
+    for section, mapping in places:
+        line = _line_of(mapping, key)
+        if line:
+            return SpecError(f"{source}:{line}: {section}.{key}: {what}{suffix}")
+    return SpecError(f"{fallback}{key}: {what}{suffix}")
+
+
+def _line_of(mapping: Any, dotted_key: str) -> int | None:
+    """The line of a (possibly nested, 'a.b') key: the innermost one the loader recorded."""
+    line = None
+    for part in dotted_key.split("."):
+        if not isinstance(mapping, dict) or part not in mapping:
+            break
+        line = getattr(mapping, "lines", {}).get(part, line)
+        mapping = mapping[part]
+    return line
 
 
 def _mapping(raw: dict, key: str, source: str) -> dict:
@@ -164,20 +211,16 @@ def _partials(raw: dict, key: str, source: str, spec_fields: tuple[str, ...]) ->
     value = raw.get(key) or []
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
         raise SpecError(f"{_where(source, raw, key)}: {key}: expected a list of mappings (partial cells)")
-    for item in value:
+    for index, item in enumerate(value):
         for k in item:
             if k not in spec_fields:
-                raise SpecError(unknown_key_message(_where(source, item, k), k, spec_fields, key))
+                raise SpecError(unknown_key_message(_where(source, item, k), k, spec_fields, f"{key}[{index}]"))
     return value
 
 
 def _where(source: str, mapping: Any, key: Any) -> str:
     line = getattr(mapping, "lines", {}).get(key)
     return f"{source}:{line}" if line else source
-
-
-def _short(values: dict, base: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
 
 
 def _plain(value: Any) -> Any:

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from . import __version__
-from .data import synthetic_batches
+from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
 from .metrics import (
     NvmlSampler,
@@ -34,9 +34,9 @@ from .metrics import (
     percentile,
     reset_peak_memory,
 )
-from .models import build_model
+from .models import build_model, materialize, resolve_model
 from .record import RECORD_NAME, RecordError, read_record, write_record
-from .spec import RunSpec
+from .spec import MAX_REQUEUE_ENV, RunSpec
 from .strategies import param_dtype, parallelize
 from .train import TrainLog, build_optimizer, train
 
@@ -51,6 +51,13 @@ class CellJob:
 
     def __call__(self) -> str:
         return run_cell_dir(Path(self.cell_dir))
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit calls this on rank 0 at the time-limit signal, then requeues the task: the cell
+        starts over (a benchmark keeps no training state worth resuming)."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
@@ -118,8 +125,14 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
         )
     if spec.memory_snapshot and env.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
+    enter("data")
+    blocks = open_data(spec.data, spec.text_tokenizer, spec.seq_len)
     enter("model")
-    model = build_model(spec.model, param_dtype(spec), env.device, spec.seed, spec.kernels)
+    pretrained = spec.init == "pretrained"
+    source = resolve_model(spec.model, weights=pretrained)
+    model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
+    if spec.meta_init and spec.family != "fsdp2":
+        materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
     flops = flops_per_token(model, spec.seq_len)
     vocab_size = model.config.vocab_size
     memory = {"after_model": memory_reading(env.device)}
@@ -128,7 +141,8 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     memory["after_optimizer"] = memory_reading(env.device)
     enter("train")
     reset_peak_memory(env.device)
-    batches = synthetic_batches(vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.device)
+    batches = training_batches(blocks, vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank,
+                               env.world_size, env.device)
     if env.is_main:
         print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
 
@@ -153,7 +167,8 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     memory["end"] = memory_reading(env.device)
     record = _ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
-                  optimizer_tracks_model=optimizer_tracks_model)
+                  optimizer_tracks_model=optimizer_tracks_model, model_source=source.provenance,
+                  data_source=blocks.provenance if blocks else {"kind": "synthetic"})
     if sampler is not None:
         record.update(_gpu_utilisation(sampler.summary(), env))
     if spec.comm_profile_steps:
@@ -251,15 +266,39 @@ def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
 
 
 def _raise_on_time_limit() -> dict:
-    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`."""
+    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`.
+
+    Except while the sweep allows another requeue (HPCFSDP_MAX_REQUEUE > SLURM_RESTART_COUNT, the
+    same count on every rank): then SIGUSR2 goes to submitit's handler, which on rank 0 calls
+    CellJob.checkpoint and requeues the task, while the other ranks train on; the SIGTERM of the
+    requeue then ends every rank without a record, and the requeued run writes it.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    submitit_handler = previous[signal.SIGUSR2]
+    requeue = callable(submitit_handler) and _requeues_left()
+    requeued = False
 
     def handler(signum, frame):
-        raise CellTimeout(f"received {signal.Signals(signum).name} (time limit)")
+        nonlocal requeued
+        name = signal.Signals(signum).name
+        if requeued:
+            raise SystemExit(f"requeued after {name}")
+        if signum == signal.SIGUSR2 and requeue:
+            requeued = True
+            try:
+                submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns
+            except Exception as exc:  # noqa: BLE001 - submitit declined to requeue: a plain timeout
+                raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
+            return
+        raise CellTimeout(f"received {name} (time limit)")
 
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        previous[sig] = signal.signal(sig, handler)
+    for sig in previous:
+        signal.signal(sig, handler)
     return previous
+
+
+def _requeues_left() -> bool:
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) < int(os.environ.get(MAX_REQUEUE_ENV) or 0)
 
 
 def _restore(previous: dict) -> None:
@@ -294,6 +333,8 @@ def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv, memory: dict
     with its parameter references remapped to the sharded parameters (the fix)."""
     if spec.optimizer_order == "after_shard":
         model = parallelize(model, spec, env)
+        if spec.meta_init and spec.family == "fsdp2":
+            materialize(model, env.device, spec.seed, offload_params=spec.cpu_offload)  # this rank's shards only
         memory["after_shard"] = memory_reading(env.device)
         optimizer = build_optimizer(model, spec)
     else:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from .hubcache import DatasetRef, ModelRef
 
 DDP = "ddp"
 FSDP1_STRATEGIES = (
@@ -32,6 +36,14 @@ BACKWARD_PREFETCH = ("pre", "post", "none")
 WRAP_POLICIES = ("layer", "size", "none")
 GPU_REQUESTS = ("gres", "gpus_per_node", "none")
 KERNELS = ("none", "liger")
+INITS = ("random", "pretrained")
+PRESETS_DIR = Path(__file__).parent / "presets"
+TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+# Tells each array task how many requeues its sweep allows (Resources.max_requeue); see run.py.
+MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 
 
 class SpecError(ValueError):
@@ -45,7 +57,10 @@ class RunSpec:
     # model and data
     model: str = "tiny"
     seq_len: int = 128
-    data: str = "synthetic"
+    data: str = "synthetic"  # synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset
+    tokenizer: str = ""  # for text data: a folder or hub id; "": the model's own (presets have none)
+    init: str = "random"  # pretrained: the model's weights (a local folder or a cached hub id)
+    meta_init: bool = False  # build on the meta device, materialise each rank's shard after sharding
     # parallelism
     strategy: str = "fsdp2_zero3"
     nodes: int = 1
@@ -101,6 +116,13 @@ class RunSpec:
             return "ddp"
         return self.strategy.split("_", 1)[0]
 
+    @property
+    def text_tokenizer(self) -> str:
+        """What text data is tokenised with: `tokenizer`, else the model's own ("" for a preset: it has none)."""
+        if self.tokenizer or model_kind(self.model) == "preset":
+            return self.tokenizer
+        return self.model
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -121,7 +143,7 @@ class RunSpec:
         _require_choice(where, "backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
         _require_choice(where, "wrap_policy", self.wrap_policy, WRAP_POLICIES)
         _require_choice(where, "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
-        _require_choice(where, "data", self.data, ("synthetic",))
+        _require_choice(where, "init", self.init, INITS)
         _require_choice(where, "kernels", self.kernels, KERNELS)
         for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
             if getattr(self, name) < 1:
@@ -136,6 +158,8 @@ class RunSpec:
             raise SpecError(f"{where}: lr: expected a positive number, got {self.lr}")
         spec = self._with_derived_grad_accum(where)
         spec._check_combinations(where)
+        spec._check_model(where)
+        spec._check_data(where)
         return spec
 
     def _with_derived_grad_accum(self, where: str) -> "RunSpec":
@@ -167,6 +191,50 @@ class RunSpec:
                 )
         if self.optimizer_order != "after_shard" and self.family != "fsdp2":
             raise SpecError(f"{where}: optimizer_order: {self.optimizer_order} applies to fsdp2_* strategies only")
+        if self.meta_init and self.family == "fsdp1":
+            raise SpecError(f"{where}: meta_init: supported with ddp and fsdp2_* strategies only, got {self.strategy}")
+        if self.meta_init and self.init == "pretrained":
+            raise SpecError(f"{where}: meta_init: applies to init: random only (pretrained weights are loaded whole, then sharded)")
+        if self.meta_init and self.optimizer_order != "after_shard":
+            raise SpecError(f"{where}: meta_init: needs optimizer_order: after_shard, got {self.optimizer_order}")
+
+    def _check_model(self, where: str) -> None:
+        kind = model_kind(self.model)
+        if not kind:
+            raise SpecError(f"{where}: model: expected a preset ({', '.join(preset_names())}), a folder with "
+                            f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}")
+        if kind == "local":
+            _require_folder_with(where, "model", self.model, ("config.json",))
+        if self.init == "pretrained" and kind == "preset":
+            raise SpecError(f"{where}: init: pretrained needs weights, and model {self.model!r} is a preset "
+                            "(a config only); name a local folder or a hub id ORG/NAME")
+        if self.init == "pretrained" and kind == "local":
+            _require_folder_with(where, "model", self.model, WEIGHT_GLOBS, "weights for init: pretrained")
+        if self.tokenizer:
+            tokenizer_kind = model_kind(self.tokenizer)
+            if tokenizer_kind not in ("local", "hub"):
+                raise SpecError(f"{where}: tokenizer: expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}")
+            if tokenizer_kind == "local":
+                _require_folder_with(where, "tokenizer", self.tokenizer, TOKENIZER_FILES)
+
+    def _check_data(self, where: str) -> None:
+        kind = data_kind(self.data)
+        if not kind:
+            raise SpecError(f"{where}: data: expected synthetic, a local folder, or a hub dataset "
+                            f"ORG/NAME[:config][@split] or preset; got {self.data!r}")
+        if kind == "synthetic":
+            return
+        if kind == "local":
+            _require_text_data(where, self.data)
+        tokenizer = self.text_tokenizer
+        if not tokenizer:
+            raise SpecError(f"{where}: tokenizer: data {self.data!r} needs one, and model {self.model!r} is a "
+                            "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME")
+        if kind == "hub" and model_kind(tokenizer) != "hub":
+            raise SpecError(f"{where}: tokenizer: hub data {self.data!r} is read pre-tokenised from the cache, "
+                            f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}")
+        if not self.tokenizer and model_kind(self.model) == "local":
+            _require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
 
 
 @dataclass(frozen=True)
@@ -183,20 +251,131 @@ class Resources:
     exclusive: bool = False
     array_parallelism: int = 64
     gpu_request: str = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
-    max_requeue: int = 0
+    max_requeue: int = 0  # requeues after the time-limit signal; the cell then starts over
+    signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
+    cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> "Resources":
         res = cls(**_coerce_fields(cls, values, where))
         _require_choice(where, "gpu_request", res.gpu_request, GPU_REQUESTS)
-        for name in ("time_min", "cpus_per_task", "array_parallelism"):
+        for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:
                 raise SpecError(f"{where}: {name}: expected a positive integer, got {getattr(res, name)}")
+        for name in ("mem_gb", "max_requeue"):
+            if getattr(res, name) < 0:
+                raise SpecError(f"{where}: {name}: expected an integer >= 0, got {getattr(res, name)}")
+        if res.signal_delay_s >= res.time_min * 60:
+            raise SpecError(f"{where}: signal_delay_s: {res.signal_delay_s} s is not below the time limit "
+                            f"(time_min {res.time_min} = {res.time_min * 60} s)")
+        _check_extra_sbatch(where, res)
         return res
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# sbatch options that hpcfsdp sets itself -> what to set instead ("": submitit's own); extra_sbatch
+# must not repeat them.
+SBATCH_SET_BY = {
+    "partition": "slurm.partition", "time": "slurm.time_min", "cpus-per-task": "slurm.cpus_per_task",
+    "mem": "slurm.mem_gb", "account": "slurm.account", "qos": "slurm.qos", "constraint": "slurm.constraint",
+    "exclusive": "slurm.exclusive", "array": "slurm.array_parallelism", "signal": "slurm.signal_delay_s",
+    "requeue": "slurm.max_requeue", "gres": "slurm.gpu_request", "gpus-per-node": "slurm.gpu_request",
+    "nodes": "the cells' nodes", "ntasks-per-node": "the cells' gpus_per_node",
+    "job-name": "", "output": "", "error": "", "open-mode": "",
+}
+
+
+def _check_extra_sbatch(where: str, res: Resources) -> None:
+    for key, value in res.extra_sbatch.items():
+        flag = str(key).replace("_", "-")
+        if flag in SBATCH_SET_BY:
+            hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
+            raise SpecError(f"{where}: extra_sbatch.{key}: --{flag} is set by hpcfsdp{hint}")
+        if not isinstance(value, (str, int, float, bool)) or value is False:
+            raise SpecError(f"{where}: extra_sbatch.{key}: expected a string, a number or true, got {value!r}")
+        # Options sbatch refuses beside one that hpcfsdp sets:
+        if flag in ("mem-per-cpu", "mem-per-gpu") and res.mem_gb:
+            raise SpecError(f"{where}: extra_sbatch.{key}: sbatch takes only one of --{flag} and --mem "
+                            f"(slurm.mem_gb: {res.mem_gb}); set mem_gb: 0")
+        if flag in ("gpus", "gpus-per-task", "gpus-per-socket") and res.gpu_request != "none":
+            raise SpecError(f"{where}: extra_sbatch.{key}: GPUs are already asked for (slurm.gpu_request: "
+                            f"{res.gpu_request}); set gpu_request: none to ask with --{flag}")
+
+
+# A model / data / tokenizer value written like this names a local path, which must exist.
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+@functools.cache
+def preset_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+
+
+def model_kind(value: str) -> str:
+    """A model (or tokenizer) value: 'preset', 'local' (written as a path, or an existing folder),
+    'hub' (ORG/NAME[@REV]), or '' when it is none of these."""
+    if value.lower() in preset_names():
+        return "preset"
+    if _is_local(value):
+        return "local"
+    try:
+        ModelRef.parse(value)
+    except ValueError:
+        return ""
+    return "hub"
+
+
+def data_kind(value: str) -> str:
+    """A data value: 'synthetic', 'local', 'hub' (ORG/NAME[:config][@split] or a preset), or ''."""
+    if value == "synthetic":
+        return "synthetic"
+    if _is_local(value):
+        return "local"
+    try:
+        DatasetRef.parse(value)
+    except ValueError:
+        return ""
+    return "hub"
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET_MARKERS)
+
+
+def text_files(path: Path) -> Iterator[Path]:
+    """The .txt/.json/.jsonl files of a data folder (recursively, hidden ones left out), or the file itself."""
+    if path.is_file():
+        yield from [path] if path.suffix in TEXT_SUFFIXES else []
+        return
+    for found in path.rglob("*"):
+        if (found.suffix in TEXT_SUFFIXES and found.is_file()
+                and not any(part.startswith(".") for part in found.relative_to(path).parts)):
+            yield found
+
+
+def _is_local(value: str) -> bool:
+    return value.startswith(LOCAL_PATH_PREFIXES) or Path(value).exists()
+
+
+def _require_folder_with(where: str, key: str, value: str, patterns: tuple[str, ...], what: str = "") -> None:
+    """A local folder holding at least one file matching one of `patterns`."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise SpecError(f"{where}: {key}: no such folder: {value}")
+    if not any(next(path.glob(pattern), None) for pattern in patterns):
+        raise SpecError(f"{where}: {key}: folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
+
+
+def _require_text_data(where: str, value: str) -> None:
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise SpecError(f"{where}: data: no such file or folder: {value}")
+    if not (is_saved_dataset(path) or next(text_files(path), None)):
+        raise SpecError(f"{where}: data: {value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
+                        "or a folder written by datasets' save_to_disk")
 
 
 def field_names(cls: type) -> tuple[str, ...]:
@@ -212,14 +391,19 @@ def unknown_key_message(where: str, key: str, known: tuple[str, ...], section: s
 
 def _coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Check names and types of user values against the dataclass fields (YAML gives plain types)."""
-    known = {f.name: f for f in fields(cls)}
+    types = _field_types(cls)
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in known:
-            raise SpecError(unknown_key_message(where, key, tuple(known)))
-        default = known[key].default if known[key].default is not dataclasses.MISSING else known[key].default_factory()
-        out[key] = _coerce(where, key, value, type(default))
+        if key not in types:
+            raise SpecError(unknown_key_message(where, key, tuple(types)))
+        out[key] = _coerce(where, key, value, types[key])
     return out
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, type]:
+    """Each field's type, read off its default (annotations are strings here)."""
+    return {f.name: type(f.default if f.default is not dataclasses.MISSING else f.default_factory()) for f in fields(cls)}
 
 
 def _coerce(where: str, key: str, value: Any, expected: type) -> Any:

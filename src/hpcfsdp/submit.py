@@ -6,6 +6,8 @@ Layout of a sweep folder (results/<sweep>/):
     cells/<id>/spec.json the resolved spec of the cell
     cells/<id>/result.json   written by the cell (record.py)
     slurm/               submitit's scripts and logs
+
+A cell is in flight while its job (manifest) is in squeue: never submitted twice, whatever the flags.
 """
 
 from __future__ import annotations
@@ -17,21 +19,29 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, TextIO
 
 import yaml
 
+from .hubcache import CACHE_ENV
 from .matrix import Cell, Sweep
 from .record import RECORD_NAME, RecordError, read_record, write_record
-from .run import CellJob, write_cell_spec
-from .spec import Resources
+from .spec import MAX_REQUEUE_ENV, Resources
 
 EXECUTORS = ("slurm", "local", "print")
 MANIFEST_NAME = "manifest.json"
 # Compute nodes never reach the network: the hub clients must read the pre-downloaded cache only.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# sbatch copies the submitting environment into the job; tokens stay on the login node.
+SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+IN_FLIGHT = ("pending", "running")
+
+
+class SchedulerError(RuntimeError):
+    """squeue did not answer, so whether a cell is still queued cannot be known."""
 
 
 @dataclass
@@ -39,9 +49,33 @@ class Submission:
     sweep_dir: Path
     executor: str
     submitted: list[Cell] = field(default_factory=list)
-    skipped: list[Cell] = field(default_factory=list)
+    skipped: list[Cell] = field(default_factory=list)  # a record says they are done (or failed: --retry-failed)
+    in_flight: dict[str, str] = field(default_factory=dict)  # cell id -> job id, still queued or running
     job_ids: dict[str, str] = field(default_factory=dict)
     jobs: list = field(default_factory=list)  # submitit jobs, when the executor is slurm
+
+
+@dataclass(frozen=True)
+class CellState:
+    cell_id: str
+    strategy: str
+    state: str  # pending / running (squeue), else the record's status, else missing
+    job_id: str = ""
+    slurm: str = ""  # the scheduler's word: squeue's state, or sacct's once the job left the queue
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    sweep_dir: Path
+    cells: list[CellState]
+    note: str = ""  # why the scheduler could not be asked, if it could not
+
+    def counts(self) -> Counter:
+        return Counter(c.state for c in self.cells)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(c.state in IN_FLIGHT for c in self.cells)
 
 
 def default_executor() -> str:
@@ -55,11 +89,11 @@ def default_executor() -> str:
     return "slurm" if probe.returncode == 0 else "local"
 
 
-def cell_dir(sweep_dir: Path, cell: Cell) -> Path:
-    return sweep_dir / "cells" / cell.id
+def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
+    return Path(sweep_dir) / "cells" / (cell if isinstance(cell, str) else cell.id)
 
 
-def cell_status(sweep_dir: Path, cell: Cell) -> str:
+def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
     """ok / oom / error / timeout from the record, 'missing' without one, 'corrupt' if unreadable."""
     path = cell_dir(sweep_dir, cell) / RECORD_NAME
     if not path.exists():
@@ -70,14 +104,22 @@ def cell_status(sweep_dir: Path, cell: Cell) -> str:
         return "corrupt"
 
 
-def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False) -> tuple[list[Cell], list[Cell]]:
-    """Cells to submit and cells skipped: by default only cells without a record run again."""
-    chosen, skipped = [], []
+def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False,
+                 retry_failed: bool = False) -> tuple[list[Cell], list[Cell], dict[str, str]]:
+    """Cells to submit; cells a record says are done; cells still in flight (cell id -> job id).
+
+    By default only cells without a record run; --retry-failed adds oom / error / timeout / corrupt
+    ones, --force every cell. A cell whose job is still queued or running is never chosen.
+    """
+    chosen, done = [], []
     for cell in sweep.cells:
         status = cell_status(sweep_dir, cell)
         rerun = force or status == "missing" or (retry_failed and status != "ok")
-        (chosen if rerun else skipped).append(cell)
-    return chosen, skipped
+        (chosen if rerun else done).append(cell)
+    jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
+    queued = queued_states(jobs.values())
+    flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
+    return [c for c in chosen if c.id not in flying], done, flying
 
 
 def submit(
@@ -92,30 +134,38 @@ def submit(
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
-    cells, skipped = select_cells(sweep, sweep_dir, force, retry_failed)
-    sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, skipped=skipped)
-    if skipped:
-        log(f"skipping {len(skipped)} cell(s) that already have a record (--retry-failed or --force to rerun)")
+    cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed)
+    sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, skipped=done, in_flight=flying)
+    if done:
+        log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
+    if flying:
+        log(f"skipping {len(flying)} cell(s) still queued or running:")
+        for cid, jid in flying.items():
+            log(f"    {cid} (job {jid})")
     if not cells:
         log("nothing to submit")
         return sub
-    _write_sweep_files(sweep, sweep_dir, cells)
+    # The print executor runs nothing, so it leaves the cells' old records in place.
+    _write_sweep_files(sweep, sweep_dir, cells, clear_records=executor != "print")
     if executor == "slurm":
         _submit_slurm(sweep, sub, log)
     elif executor == "local":
         _run_local(sweep, sub, log)
     else:
         for cell in cells:
-            log(" ".join(map(shlex.quote, torchrun_command(cell_dir(sweep_dir, cell), cell.spec.world_size))))
+            print(print_command(sweep, sweep_dir, cell))
     return sub
 
 
-def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
+def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], clear_records: bool = True) -> None:
+    from .run import write_cell_spec
+
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "matrix.yaml").write_text(yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
         directory = cell_dir(sweep_dir, cell)
-        (directory / RECORD_NAME).unlink(missing_ok=True)
+        if clear_records:
+            (directory / RECORD_NAME).unlink(missing_ok=True)
         write_cell_spec(directory, cell.spec, cell.id, sweep.name)
 
 
@@ -133,9 +183,129 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
+    """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
+    manifest = read_manifest(sweep_dir)
+    entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
+    return {cid: str(e["job_id"]) for cid, e in entries.items() if e.get("executor") == "slurm" and e.get("job_id")}
+
+
+def queued_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """job id -> Slurm state, for those of the jobs still in squeue (pending, running, completing)."""
+    arrays = sorted({jid.split("_")[0] for jid in job_ids})
+    if not arrays:
+        return {}
+    command = ["squeue", "--noheader", "--array", "--format=%i %T", f"--jobs={','.join(arrays)}"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SchedulerError(f"squeue: {exc}") from None
+    if proc.returncode != 0:
+        if "Invalid job id" in proc.stderr:  # every one of them has left the queue
+            return {}
+        raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
+    return dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
+
+
+def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """job id -> final Slurm state from sacct; empty where there is no accounting (sacct fails)."""
+    ids = sorted(set(job_ids))
+    if not ids or not shutil.which("sacct"):
+        return {}
+    command = ["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State", f"--jobs={','.join(ids)}"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if proc.returncode != 0:
+        return {}
+    rows = (line.split("|") for line in proc.stdout.splitlines() if "|" in line)
+    return {row[0]: row[1].split()[0] for row in rows if row[1]}
+
+
+def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> StatusReport:
+    """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
+    sweep_dir = Path(sweep_dir)
+    if cell_ids is None:
+        cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / "spec.json").is_file())
+    cell_ids = list(cell_ids)
+    jobs = slurm_job_ids(sweep_dir, cell_ids)
+    note = ""
+    try:
+        queued = queued_states(jobs.values())
+    except SchedulerError as exc:
+        queued, note = {}, f"{exc}; cells still queued show as missing"
+    records = {cid: cell_status(sweep_dir, cid) for cid in cell_ids}
+    unrecorded = [jid for cid, jid in jobs.items() if records[cid] == "missing" and jid not in queued]
+    finished = finished_states(unrecorded)
+    cells = []
+    for cid in cell_ids:
+        jid = jobs.get(cid, "")
+        slurm = queued.get(jid) or finished.get(jid, "")
+        state = _scheduler_state(queued[jid]) if jid in queued else records[cid]
+        cells.append(CellState(cid, _strategy(sweep_dir, cid), state, jid, slurm))
+    return StatusReport(sweep_dir, cells, note)
+
+
+def _scheduler_state(slurm_state: str) -> str:
+    return "pending" if slurm_state.startswith(("PENDING", "REQUEUE")) else "running"
+
+
+def _strategy(sweep_dir: Path, cell_id: str) -> str:
+    try:
+        return json.loads((cell_dir(sweep_dir, cell_id) / "spec.json").read_text())["spec"]["strategy"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def progress_line(report: StatusReport, width: int = 30) -> str:
+    counts = report.counts()
+    total = len(report.cells)
+    finished = total - sum(counts[s] for s in IN_FLIGHT)
+    filled = width * finished // max(1, total)
+    states = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+
+
+def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = None,
+          stream: TextIO | None = None) -> StatusReport:
+    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running."""
+    cell_ids = None if cell_ids is None else list(cell_ids)
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    last = ""
+    while True:
+        report = sweep_status(sweep_dir, cell_ids)
+        line = progress_line(report)
+        if tty:
+            stream.write(f"\r\033[K{line}")
+        elif line != last:
+            stream.write(f"{line}\n")
+        stream.flush()
+        last = line
+        if not report.in_flight or report.note:
+            if tty:
+                stream.write("\n")
+            return report
+        time.sleep(interval_s)
+
+
+def job_environment(sweep: Sweep) -> dict[str, str]:
+    """What every cell's processes get, whatever the executor: hub offline, and the cache folder."""
+    env = dict(OFFLINE_ENV)
+    cache = sweep.resources.cache_dir or os.environ.get(CACHE_ENV, "")
+    if cache:
+        env[CACHE_ENV] = os.path.expanduser(cache)
+    return env
+
+
 def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
     """submitit SlurmExecutor parameters for one array: resources, setup lines, offline switches."""
     res: Resources = sweep.resources
+    env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
+    additional = dict(res.extra_sbatch)
+    if res.max_requeue:
+        additional["requeue"] = True  # clusters with JobRequeue=0 refuse `scontrol requeue` otherwise
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}",
         partition=res.partition or None,
@@ -144,10 +314,11 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
         ntasks_per_node=gpus_per_node,
         cpus_per_task=res.cpus_per_task,
         array_parallelism=res.array_parallelism,
-        setup=[*(f"export {k}={v}" for k, v in OFFLINE_ENV.items()), *sweep.setup],
+        signal_delay_s=res.signal_delay_s,
+        setup=[*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), f"unset {' '.join(SECRET_ENV)}", *sweep.setup],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
         srun_args=["--kill-on-bad-exit=1"],
-        additional_parameters=dict(res.extra_sbatch),
+        additional_parameters=additional,
     )
     if res.gpu_request == "gres":
         params["gres"] = f"gpu:{gpus_per_node}"
@@ -163,16 +334,36 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
     return params
 
 
+def slurm_folder(sweep_dir: Path) -> Path:
+    """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
+    return (Path(sweep_dir) / "slurm" / "%j").expanduser().absolute()
+
+
+def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int) -> str:
+    """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for one)."""
+    # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
+    # from the same parameters and its _submitit_command_str, which the command below repeats.
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = slurm_folder(sweep_dir)
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return _make_sbatch_string(command=command, folder=folder, map_count=count if count > 1 else None,
+                               **slurm_parameters(sweep, nodes, gpus_per_node))
+
+
 def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
     import submitit
+
+    from .run import CellJob
 
     by_shape: dict[tuple[int, int], list[Cell]] = {}
     for cell in sub.submitted:
         by_shape.setdefault(cell.shape, []).append(cell)
     for (nodes, gpus), cells in by_shape.items():
-        executor = submitit.SlurmExecutor(folder=sub.sweep_dir / "slurm" / "%j", max_num_timeout=sweep.resources.max_requeue)
+        executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
         executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
-        jobs = executor.map_array(_call, [CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
+        # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
+        jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
         sub.jobs.extend(jobs)
         entries = {}
         for cell, job in zip(cells, jobs):
@@ -182,36 +373,28 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
         log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
 
 
-def _call(job: CellJob) -> str:
-    return job()
-
-
-def wait_slurm(sub: Submission, log=print, poll_s: float = 5.0) -> dict[str, str]:
-    """Wait for every job; return cell id -> Slurm state. Prints progress while waiting."""
-    import submitit  # noqa: F401 - jobs are submitit objects
-
-    ids = {job.job_id: cell_id for cell_id, job in zip(sub.job_ids, sub.jobs)}
-    last = ""
-    while True:
-        done = sum(job.done() for job in sub.jobs)
-        line = f"waiting: {done}/{len(sub.jobs)} array task(s) finished"
-        if line != last:
-            log(line)
-            last = line
-        if done == len(sub.jobs):
-            break
-        time.sleep(poll_s)
-    return {ids[job.job_id]: job.state for job in sub.jobs}
-
-
-def torchrun_command(directory: Path, nprocs: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
+    """torchrun for one cell: --standalone on one machine; on several, run the same command on each
+    node with MASTER_ADDR set to the first one (c10d rendezvous)."""
+    if nnodes == 1:
+        launch = ["--standalone"]
+    else:
+        launch = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=${MASTER_ADDR:?}:29500",
+                  f"--rdzv-id={directory.name}"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nprocs}",
             "-m", "hpcfsdp", "run", "--cell-dir", str(directory)]
+
+
+def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
+    """One runnable shell line for the cell: its environment, then torchrun."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in job_environment(sweep).items()]
+    args = torchrun_command(cell_dir(sweep_dir, cell).absolute(), cell.spec.gpus_per_node, cell.spec.nodes)
+    return " ".join([*env, *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)])
 
 
 def _run_local(sweep: Sweep, sub: Submission, log) -> None:
     """One cell at a time on this machine, each as a torchrun with the cell's world size."""
-    env = {**os.environ, **OFFLINE_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | job_environment(sweep)
     for index, cell in enumerate(sub.submitted, 1):
         directory = cell_dir(sub.sweep_dir, cell)
         if cell.spec.nodes > 1:

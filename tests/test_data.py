@@ -1,0 +1,147 @@
+"""Data sources: local text files, a save_to_disk folder, a pre-tokenised cache item; packing,
+rank sharding, determinism; and a 2-process cell that trains on a local folder."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import run_torchrun_cell
+from tinyhub import DATASET, MODEL, PRESET, build_model_folder, download, offline
+
+from hpcfsdp.data import open_data, rank_indices, training_batches
+from hpcfsdp.hubcache import CacheMissError
+from hpcfsdp.spec import RunSpec, SpecError
+
+SEQ_LEN = 16
+STORIES = [f"Story {i}: the cat and the dog played in the garden until the sun went down." for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen2 config with a byte-level BPE tokenizer (no weights needed for random init)."""
+    return build_model_folder(tmp_path_factory.mktemp("model") / "tiny", PRESET, weights=False)
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """The same 12 documents as .txt (one file each), .json (a list) and .jsonl, in file-name order."""
+    folder = tmp_path_factory.mktemp("text") / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text(STORIES[0])
+    (folder / "b.json").write_text(json.dumps([{"text": s} for s in STORIES[1:4]]))
+    (folder / "c.jsonl").write_text("".join(json.dumps({"text": s, "id": i}) + "\n\n" for i, s in enumerate(STORIES[4:10])))
+    (folder / "sub" / "d.txt").write_text(STORIES[10])
+    (folder / "sub" / "e.json").write_text(json.dumps({"text": STORIES[11]}))
+    (folder / ".hidden.txt").write_text("never read")
+    (folder / "notes.csv").write_text("never,read")
+    return SimpleNamespace(path=folder, documents=STORIES)
+
+
+def _expected_blocks(model_dir: Path, documents: list[str]) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    flat = [t for doc in documents for t in tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id]]
+    count = len(flat) // SEQ_LEN
+    return torch.tensor(flat[: count * SEQ_LEN]).view(count, SEQ_LEN)
+
+
+def test_text_folder_is_tokenised_and_packed(model_dir: Path, text_folder: SimpleNamespace) -> None:
+    blocks = open_data(str(text_folder.path), str(model_dir), SEQ_LEN)
+    expected = _expected_blocks(model_dir, text_folder.documents)
+    assert blocks.count == len(expected) > 10
+    assert torch.equal(blocks.read(list(range(blocks.count))), expected)
+    p = blocks.provenance
+    assert (p["kind"], p["path"], p["files"], p["documents"]) == ("text_files", str(text_folder.path), 5, 12)
+    assert p["blocks"] == blocks.count and p["tokens"] == blocks.count * SEQ_LEN and p["eos_appended"]
+    assert p["tokenizer"] == {"kind": "local", "path": str(model_dir)}
+
+
+def test_saved_dataset_gives_the_same_blocks(model_dir: Path, text_folder: SimpleNamespace, tmp_path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict({"text": text_folder.documents}).save_to_disk(str(tmp_path / "saved"))
+    blocks = open_data(str(tmp_path / "saved"), str(model_dir), SEQ_LEN)
+    assert blocks.provenance["kind"] == "saved_dataset" and blocks.provenance["documents"] == 12
+    assert torch.equal(blocks.read(list(range(blocks.count))), _expected_blocks(model_dir, text_folder.documents))
+
+
+def test_ranks_draw_disjoint_blocks_deterministically_and_cycle(model_dir: Path, text_folder: SimpleNamespace) -> None:
+    blocks = open_data(str(text_folder.path), str(model_dir), SEQ_LEN)
+    per_rank = blocks.count // 2
+
+    def take(seed: int, rank: int, n: int) -> list[int]:
+        order = rank_indices(blocks.count, seed, rank, world_size=2)
+        return [next(order) for _ in range(n)]
+
+    rank0, rank1 = take(0, 0, per_rank), take(0, 1, per_rank)
+    assert not set(rank0) & set(rank1) and len(set(rank0)) == len(set(rank1)) == per_rank
+    assert take(0, 0, 3 * per_rank) == take(0, 0, 3 * per_rank)  # deterministic for (seed, rank), across epochs
+    assert take(0, 0, 3 * per_rank)[:per_rank] == rank0
+    assert take(1, 0, per_rank) != rank0  # the seed decides the order
+    assert take(0, 0, 2 * per_rank)[per_rank:] != rank0  # each epoch is shuffled again
+
+    batches = training_batches(blocks, 512, 3, SEQ_LEN, seed=0, rank=1, world_size=2, device=torch.device("cpu"))
+    first = [next(batches) for _ in range(per_rank)]  # cycles past the end of an epoch
+    assert all(b.shape == (3, SEQ_LEN) and b.dtype == torch.long for b in first)
+    assert torch.equal(first[0], blocks.read(rank1[:3]))
+    with pytest.raises(ValueError, match="out of range for the model's vocab_size 100"):
+        next(training_batches(blocks, 100, 3, SEQ_LEN, 0, 0, 2, torch.device("cpu")))
+
+
+def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: expected a JSON object with a string 'text' field"):
+        open_data(str(bad), str(model_dir), SEQ_LEN)
+    with pytest.raises(SpecError, match="tokenizer: data .* needs one, and model 'tiny' is a preset"):
+        RunSpec.from_dict({"data": str(bad)})
+    with pytest.raises(SpecError, match="data: no such file or folder: ./no/such/corpus"):
+        RunSpec.from_dict({"data": "./no/such/corpus", "tokenizer": str(model_dir)})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecError, match=r"data: .*/empty: expected .txt/.json/.jsonl files"):
+        RunSpec.from_dict({"data": str(tmp_path / "empty"), "model": str(model_dir)})
+    with pytest.raises(SpecError, match="hub data 'tinystories' is read pre-tokenised from the cache"):
+        RunSpec.from_dict({"data": "tinystories", "model": str(model_dir)})
+    spec = RunSpec.from_dict({"data": "tinystories", "model": "tiny", "tokenizer": "acme/tok"})
+    assert spec.text_tokenizer == "acme/tok"
+
+
+@pytest.fixture(scope="module")
+def tokenized_cache(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """The real downloader, against the local hub: a dataset split tokenized for a model (no weights)."""
+    return download(tmp_path_factory.mktemp("dl"), "--model", MODEL, "--dataset", DATASET, "--tokenize-for", MODEL,
+                    "--seq-len", str(SEQ_LEN))
+
+
+def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    offline(monkeypatch, tokenized_cache)
+    blocks = open_data(DATASET, MODEL, SEQ_LEN)
+    manifest = json.loads((tokenized_cache.cache / "manifest.json").read_text())
+    entry = manifest["items"][f"tokenized:{DATASET}:default@train|{MODEL}@main|seq_len={SEQ_LEN}"]
+    p = blocks.provenance
+    assert p["kind"] == "hub" and p["sha"] == tokenized_cache.dataset_sha and p["tokenizer_sha"] == entry["tokenizer_sha"]
+    assert blocks.count == p["blocks"] == entry["num_blocks"] > 10 and p["seq_len"] == SEQ_LEN
+    batch = next(training_batches(blocks, 512, 4, SEQ_LEN, seed=0, rank=0, world_size=2, device=torch.device("cpu")))
+    assert batch.shape == (4, SEQ_LEN) and batch.dtype == torch.long
+    started = time.monotonic()
+    with pytest.raises(CacheMissError, match="--tokenize-for acme/tiny-qwen --seq-len 32"):
+        open_data(DATASET, MODEL, 32)
+    assert time.monotonic() - started < 5
+
+
+def test_two_process_cell_trains_on_a_text_folder(model_dir: Path, text_folder: SimpleNamespace, tmp_path: Path) -> None:
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", model=str(model_dir), data=str(text_folder.path),
+                               seq_len=SEQ_LEN, batch_size=2, steps=3, comm_profile_steps=0)
+    assert record["status"] == "ok", record.get("error")
+    source = record["data_source"]
+    assert source["kind"] == "text_files" and source["path"] == str(text_folder.path) and source["documents"] == 12
+    assert record["model_source"] == {"kind": "local", "path": str(model_dir)}
+    assert record["spec"]["data"] == str(text_folder.path) and 0 < record["losses"][0] < 10

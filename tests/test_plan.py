@@ -1,0 +1,291 @@
+"""`hpcfsdp plan` and the submitter without a cluster: the bad-YAML corpus, the plan table, the
+sbatch scripts, the print executor, in-flight detection and status (with a stand-in squeue)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpcfsdp.cli import main
+from hpcfsdp.matrix import load_sweep
+from hpcfsdp.record import write_record
+from hpcfsdp.submit import select_cells
+
+from conftest import ROOT
+
+BAD_YAML = sorted((ROOT / "tests" / "bad_yaml").glob("*.yaml"))
+EXPECT = re.compile(r"^# expect(?: line (\d+))?: (.+)$")
+
+
+def write(tmp_path: Path, text: str, name: str = "jobs.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_bad_yaml_corpus_is_large_enough():
+    assert len(BAD_YAML) >= 15
+
+
+@pytest.mark.parametrize("path", BAD_YAML, ids=[p.stem for p in BAD_YAML])
+def test_bad_yaml_gives_one_line_naming_file_line_and_key(path, capsys):
+    line, fragment = EXPECT.match(path.read_text().splitlines()[0]).groups()
+    assert main(["plan", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.rstrip("\n")
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {path}{f':{line}: ' if line else ': '}"), err
+    assert fragment in err, err
+
+
+def test_plan_adds_a_column_for_every_field_that_varies(tmp_path, capsys):
+    path = write(tmp_path, """
+        name: t
+        base: {model: tiny, device: cpu, lr: 0.001}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+          seq_len: [64, 128]
+          compile: [false, true]
+        include:
+          - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
+        slurm: {time_min: 20, max_requeue: 1}
+        """)
+    assert main(["plan", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "t: 9 cell(s) in 2 array(s)"
+    header = lines[1].split()
+    assert header[-2:] == ["seq_len", "compile"] and "lr" not in header and "device" not in header
+    rows = {line.split()[0]: line.split() for line in lines[2:11]}
+    sweep = load_sweep(path)
+    assert set(rows) == {cell.id for cell in sweep.cells}
+    for cell in sweep.cells:
+        assert rows[cell.id][-2:] == [str(cell.spec.seq_len), str(cell.spec.compile).lower()]
+    assert "array 0: 8 cell(s) on 1 node(s) x 1 GPU(s)" in lines and "array 1: 1 cell(s) on 2 node(s) x 2 GPU(s)" in lines
+    # (8 x 1 + 1 x 4) GPUs x 20 min x (1 run + 1 requeue)
+    assert lines[-1] == "upper bound: 8.0 GPU-hours at a 20 min limit per cell, 1 requeue(s)"
+
+
+def test_plan_into_a_closed_pipe_is_quiet(tmp_path):
+    path = write(tmp_path, """
+        matrix:
+          batch_size: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+          grad_accum: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+          seed: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        """)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcfsdp", "plan", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"jobs: 1000 cell(s)")
+    proc.stdout.close()  # like `| head -1`: 1000 rows do not fit in the pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and err == ""
+
+
+SBATCH_SWEEP = """
+    name: resources
+    base: {model: tiny, gpus_per_node: 4}
+    matrix:
+      strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
+    include:
+      - {strategy: fsdp2_hsdp, nodes: 2}
+    slurm:
+      partition: h100
+      time_min: 45
+      cpus_per_task: 8
+      mem_gb: 64
+      account: proj42
+      qos: high
+      constraint: h100&ib
+      exclusive: true
+      array_parallelism: 2
+      gpu_request: {gpu_request}
+      max_requeue: 2
+      signal_delay_s: 120
+      cache_dir: /shared/hpcfsdp-cache
+      extra_sbatch: {{reservation: maint, hold: true, mail_type: FAIL}}
+    setup:
+      - module load cuda/12.4
+"""
+
+
+def sbatch_scripts(capsys, path: Path, results: Path) -> list[str]:
+    assert main(["plan", str(path), "--sbatch", "--results-dir", str(results)]) == 0
+    return re.split(r"^# ===== array \d+: .*=====\n", capsys.readouterr().out, flags=re.M)[1:]
+
+
+def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    path = write(tmp_path, SBATCH_SWEEP.replace("{gpu_request}", "gpus_per_node").replace("{{", "{").replace("}}", "}"))
+    one_node, two_nodes = sbatch_scripts(capsys, path, tmp_path / "results")
+    folder = (tmp_path / "results" / "resources" / "slurm").absolute()
+    for script in (one_node, two_nodes):
+        flags = set(re.findall(r"^#SBATCH (\S+)$", script, flags=re.M))
+        assert {"--partition=h100", "--time=45", "--cpus-per-task=8", "--mem=64G", "--account=proj42", "--qos=high",
+                "--constraint='h100&ib'", "--exclusive", "--gpus-per-node=4", "--ntasks-per-node=4",
+                "--signal=USR2@120", "--requeue", "--reservation=maint", "--hold", "--mail-type=FAIL"} <= flags, flags
+        assert not any(flag.startswith("--gres") for flag in flags)
+        setup = script[script.index("# setup"):script.index("# command")].splitlines()[1:]
+        assert setup[:7] == ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1", "export TRANSFORMERS_OFFLINE=1",
+                             "export HPCFSDP_CACHE=/shared/hpcfsdp-cache", "export HPCFSDP_MAX_REQUEUE=2",
+                             "unset HF_TOKEN HUGGING_FACE_HUB_TOKEN", "module load cuda/12.4"]
+        assert "hf_secret_value" not in script
+        assert f"-m submitit.core._submit {folder}/%j" in script
+    assert "#SBATCH --array=0-2%2" in one_node and "#SBATCH --nodes=1" in one_node
+    assert "--array" not in two_nodes and "#SBATCH --nodes=2" in two_nodes  # one cell: a plain job
+
+
+@pytest.mark.parametrize("gpu_request, flag", [("gres", "#SBATCH --gres=gpu:4"), ("none", None)])
+def test_sbatch_gpu_request_and_cache_from_the_environment(tmp_path, capsys, monkeypatch, gpu_request, flag):
+    monkeypatch.setenv("HPCFSDP_CACHE", "/scratch/me/cache")
+    path = write(tmp_path, f"""
+        base: {{gpus_per_node: 4}}
+        slurm: {{gpu_request: {gpu_request}}}
+        """)
+    (script,) = sbatch_scripts(capsys, path, tmp_path)
+    gpu_flags = [line for line in script.splitlines() if line.startswith(("#SBATCH --gres", "#SBATCH --gpus"))]
+    assert gpu_flags == ([flag] if flag else [])
+    assert "export HPCFSDP_CACHE=/scratch/me/cache" in script and "--requeue" not in script
+
+
+def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
+    path = write(tmp_path, """
+        name: printed
+        base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1, comm_profile_steps: 0}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+        include:
+          - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
+        """)
+    results = tmp_path / "results"
+    assert main(["submit", str(path), "--executor", "print", "--results-dir", str(results)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    sweep = load_sweep(path)
+    assert len(out) == len(sweep.cells) == 3
+    for line, cell in zip(out, sweep.cells):
+        assert line.startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 ")
+        assert line.endswith(f"--cell-dir {(results / 'printed' / 'cells' / cell.id).absolute()}")
+    assert "--standalone --nproc-per-node=1" in out[0]
+    assert '--nnodes=2 --rdzv-backend=c10d "--rdzv-endpoint=${MASTER_ADDR:?}:29500"' in out[2]
+    assert "--nproc-per-node=2" in out[2]
+    # The line runs as printed and the cell writes its record.
+    proc = subprocess.run(["bash", "-c", out[0]], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    record = json.loads((results / "printed" / "cells" / sweep.cells[0].id / "result.json").read_text())
+    assert proc.returncode == 0 and record["status"] == "ok", proc.stderr[-2000:]
+
+
+@pytest.fixture
+def fake_squeue(tmp_path, monkeypatch):
+    """A stand-in `squeue` (and a failing `sacct`, as without accounting) printing the given lines."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    listing = tmp_path / "squeue.txt"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/squeue.args\ncat {listing}\n")
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    for tool in ("squeue", "sacct"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return listing
+
+
+def four_cell_sweep(tmp_path: Path):
+    """ok, timeout, missing but still running, missing and gone: one cell each."""
+    path = write(tmp_path, """
+        name: flight
+        base: {model: tiny, device: cpu}
+        matrix:
+          batch_size: [1, 2, 3, 4]
+        """)
+    sweep = load_sweep(path)
+    sweep_dir = tmp_path / "results" / "flight"
+    manifest = {}
+    for index, (cell, status) in enumerate(zip(sweep.cells, ("ok", "timeout", None, None))):
+        directory = sweep_dir / "cells" / cell.id
+        directory.mkdir(parents=True)
+        (directory / "spec.json").write_text(json.dumps({"cell_id": cell.id, "sweep": "flight", "spec": cell.spec.to_dict()}))
+        if status:
+            write_record(directory / "result.json", {"status": status})
+        manifest[cell.id] = {"executor": "slurm", "job_id": f"71_{index}", "submitted_at": 0}
+    (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
+    return path, sweep, sweep_dir
+
+
+def test_cells_still_in_squeue_are_never_resubmitted(tmp_path, fake_squeue):
+    path, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    ok, timed_out, running, gone = sweep.cells
+    fake_squeue.write_text("71_2 RUNNING\n")
+    chosen, done, flying = select_cells(sweep, sweep_dir)
+    assert chosen == [gone] and done == [ok, timed_out] and flying == {running.id: "71_2"}
+    chosen, done, flying = select_cells(sweep, sweep_dir, retry_failed=True)
+    assert chosen == [timed_out, gone] and done == [ok] and list(flying) == [running.id]
+    chosen, done, flying = select_cells(sweep, sweep_dir, force=True)
+    assert chosen == [ok, timed_out, gone] and done == [] and list(flying) == [running.id]
+    assert "--jobs=71" in (tmp_path / "squeue.args").read_text()  # one query per array, not per cell
+
+
+def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, capsys):
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    ok, timed_out, running, gone = sweep.cells
+    fake_squeue.write_text("71_2 RUNNING\n")
+    assert main(["status", str(sweep_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{sweep_dir}: 4 cell(s): missing 1, ok 1, running 1, timeout 1"
+    rows = {line.split()[0]: line.split()[1:] for line in out[2:]}
+    assert rows == {timed_out.id: ["fsdp2_zero3", "timeout", "71_1", "-"],
+                    running.id: ["fsdp2_zero3", "running", "71_2", "RUNNING"],
+                    gone.id: ["fsdp2_zero3", "missing", "71_3", "-"]}
+    # --watch redraws until nothing is pending or running (here: the job leaves the queue after one
+    # look); the bar goes to stderr, one line per change when stderr is not a terminal.
+    (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {fake_squeue}\n: > {fake_squeue}\n")
+    assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "[######################........] 3/4 finished (missing 1, ok 1, running 1, timeout 1)",
+        "[##############################] 4/4 finished (missing 2, ok 1, timeout 1)",
+    ]
+    assert captured.out.startswith(f"{sweep_dir}: 4 cell(s): missing 2, ok 1, timeout 1")
+
+
+def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, capsys):
+    path, _, sweep_dir = four_cell_sweep(tmp_path)
+    fake_squeue.parent.joinpath("bin", "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n")
+    assert main(["submit", str(path), "--executor", "local", "--results-dir", str(tmp_path / "results")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
+    assert main(["status", str(sweep_dir)]) == 0
+    assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
+
+
+def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
+    from hpcfsdp import run
+
+    calls = []
+
+    def submitit_handler(signum, frame):  # stands in for submitit's checkpoint-and-requeue handler
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, submitit_handler)
+    try:
+        monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "1")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+        saved = run._raise_on_time_limit()
+        os.kill(os.getpid(), signal.SIGUSR2)  # a requeue is left: submitit's handler, training goes on
+        assert calls == [signal.SIGUSR2]
+        with pytest.raises(SystemExit, match="requeued after SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the requeue ends this rank without a record
+        run._restore(saved)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        saved = run._raise_on_time_limit()
+        with pytest.raises(run.CellTimeout, match="SIGUSR2"):
+            os.kill(os.getpid(), signal.SIGUSR2)  # requeues used up: a timeout record
+        run._restore(saved)
+        assert calls == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is submitit_handler
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

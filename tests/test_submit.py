@@ -1,0 +1,133 @@
+"""The submitter against the real local Slurm cluster (slurm/local/start.sh): in-flight cells are
+left alone, a cancelled task is rerun by --retry-failed, the sbatch script is the one plan prints,
+and the time limit ends a cell with a `timeout` record, after a requeue when one is allowed.
+
+The 8-cell sweep on 1 and 2 nodes is tests/test_slurm.py's."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcfsdp.cli import main
+from hpcfsdp.matrix import load_sweep
+
+pytestmark = pytest.mark.slurm
+
+CPU_CELL = "model: tiny, device: cpu, precision: fp32, seq_len: 32, warmup_steps: 1, comm_profile_steps: 0"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def manifest_jobs(sweep_dir: Path) -> dict[str, str]:
+    return {cid: entry["job_id"] for cid, entry in json.loads((sweep_dir / "manifest.json").read_text()).items()}
+
+
+def record(sweep_dir: Path, cell_id: str) -> dict:
+    return json.loads((sweep_dir / "cells" / cell_id / "result.json").read_text())
+
+
+def slurm(*args: str) -> str:
+    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone(slurm_cluster, tmp_path, capsys):
+    # Submitted held (extra_sbatch passes --hold through), so that cancelling task 1 is deterministic.
+    jobs = write(tmp_path, "held", f"""
+        name: held
+        base: {{{CPU_CELL}, steps: 3, gpus_per_node: 1}}
+        slurm: {{time_min: 10, extra_sbatch: {{hold: true}}}}
+        matrix:
+          strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
+        """)
+    results = tmp_path / "results"
+    sweep_dir = results / "held"
+    submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
+    assert main(submit) == 0
+    (array,) = re.findall(r"submitted array (\d+): 3 cell\(s\) on 1 node\(s\) x 1 GPU\(s\)", capsys.readouterr().out)
+    job_ids = manifest_jobs(sweep_dir)
+    assert sorted(job_ids.values()) == [f"{array}_{i}" for i in range(3)]
+
+    # What `plan --sbatch` prints is the script that was submitted.
+    assert main(["plan", str(jobs), "--sbatch", "--results-dir", str(results)]) == 0
+    planned = capsys.readouterr().out.split("=====\n", 1)[1]
+    assert planned.rstrip("\n") == (sweep_dir / "slurm" / array / f"{array}_submission.sh").read_text().rstrip("\n")
+
+    # Queued cells are never submitted twice, not even with --force.
+    assert main([*submit, "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "skipping 3 cell(s) still queued or running" in out and "nothing to submit" in out
+    assert all(f"(job {jid})" in out for jid in job_ids.values())
+
+    cancelled = next(cid for cid, jid in job_ids.items() if jid == f"{array}_1")
+    slurm("scancel", f"{array}_1")
+    slurm("scontrol", "release", array)
+    assert main(["status", str(sweep_dir), "--watch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{sweep_dir}: 3 cell(s): missing 1, ok 2" in out
+    assert re.search(rf"^{cancelled} +\S+ +missing +{array}_1 ", out, flags=re.M)
+
+    # Without a flag a missing cell runs again too; --retry-failed is the documented way. Either
+    # way only that cell is queued; it is held like the first array, so release it.
+    assert main([*submit, "--retry-failed"]) == 0
+    out = capsys.readouterr().out
+    assert "skipping 2 cell(s) that already have a record" in out
+    (rerun,) = re.findall(r"submitted array (\d+): 1 cell\(s\)", out)
+    assert manifest_jobs(sweep_dir)[cancelled] == rerun  # one cell: a plain job, not an array
+    slurm("scontrol", "release", rerun)
+    assert main(["status", str(sweep_dir), "--watch", "1"]) == 0
+    assert f"{sweep_dir}: 3 cell(s): ok 3" in capsys.readouterr().out
+    assert record(sweep_dir, cancelled)["slurm"]["job_id"] == rerun
+
+
+def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tmp_path, capsys):
+    """time_min 1 with the signal 10 s before: Slurm sends SIGUSR2 10-40 s into the run (it checks
+    time limits every 30 s). max_requeue 0: the cell records timeout. max_requeue 1: submitit
+    requeues it once (its record is then written by the second run, restart count 1)."""
+    endless = f"{{{CPU_CELL}, steps: 100000000, gpus_per_node: 2, strategy: ddp}}"
+    results = tmp_path / "results"
+    arrays = {}
+    for name, requeues in (("timeout", 0), ("requeue", 1)):
+        jobs = write(tmp_path, name, f"""
+            name: {name}
+            base: {endless}
+            slurm: {{time_min: 1, signal_delay_s: 10, max_requeue: {requeues}}}
+            """)
+        assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]) == 0
+        (arrays[name],) = re.findall(r"submitted array (\d+)", capsys.readouterr().out)
+    requeued = arrays["requeue"]
+    released = False
+    deadline = time.time() + 300
+    while slurm("squeue", "--noheader", "--format=%i", f"--jobs={','.join(arrays.values())}").strip():
+        assert time.time() < deadline, slurm("squeue")
+        # A requeued job waits 2 minutes (Slurm's BeginTime after a requeue); start it now.
+        info = slurm("scontrol", "show", "job", requeued)
+        if not released and "JobState=PENDING" in info and "Restarts=1" in info:
+            slurm("scontrol", "update", f"JobId={requeued}", "StartTime=now")
+            released = True
+        time.sleep(2)
+    assert released, "the requeue sweep was never requeued"
+
+    for name, restarts in (("timeout", 0), ("requeue", 1)):
+        sweep_dir = results / name
+        (cell,) = load_sweep(tmp_path / f"{name}.yaml").cells
+        got = record(sweep_dir, cell.id)
+        assert got["status"] == "timeout" and got["stage"] == "train", got.get("traceback", "")[-2000:]
+        assert "SIGUSR2 (time limit)" in got["error"]
+        assert got["launch_id"] == f"slurm-{arrays[name]}-{restarts}"
+        assert main(["status", str(sweep_dir)]) == 0
+        assert f"{sweep_dir}: 1 cell(s): timeout 1" in capsys.readouterr().out
+    # Rank 0's submitit handler called CellJob.checkpoint, then `scontrol requeue` (whose SIGTERM may
+    # end the rank before submitit logs "Requeued job").
+    log = (results / "requeue" / "slurm" / requeued / f"{requeued}_0_log.out").read_text()
+    assert log.count("Calling checkpoint method") == 1 and log.count("Starting with JobEnvironment") == 2
