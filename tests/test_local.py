@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpcfsdp.cli import main
 
 SWEEP = """
@@ -30,3 +32,16 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys, monkey
     table = out[out.index("| strategy"):]
     assert "| ok " in table and "| error " in table
     assert (tmp_path / "local_e2e/report/results.csv").is_file()
+
+
+def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
+    from hpcfsdp.run import write_cell_spec
+    from hpcfsdp.spec import RunSpec
+
+    spec = RunSpec(device="cpu").replace(model=str(tmp_path / "model-deleted-after-plan"))
+    cell_dir = tmp_path / "cell"
+    write_cell_spec(cell_dir, spec, "c1", "s")
+    with pytest.raises(SystemExit, match="model-deleted-after-plan"):
+        main(["run", "--cell-dir", str(cell_dir)])
+    record = json.loads((cell_dir / "result.json").read_text())
+    assert record["status"] == "error" and record["stage"] == "setup" and "model-deleted-after-plan" in record["error"]

@@ -46,6 +46,7 @@ from .hubcache import (
     is_hub_model,
     read_manifest,
 )
+from .spec import data_kind
 
 CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -103,7 +104,7 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
             plan.add_model(_parse(ModelRef, spec.model, f"{sweep.source}: cell {cell.id}"),
                            weights=getattr(spec, "init", "random") == "pretrained")
         data = getattr(spec, "data", "synthetic")
-        if data == "synthetic" or Path(data).exists():
+        if data_kind(data) in ("synthetic", "local"):
             continue
         dataset = _parse(DatasetRef, data, f"{sweep.source}: cell {cell.id}")
         tokenizer = getattr(spec, "tokenizer", "") or (spec.model if hub_model else "")

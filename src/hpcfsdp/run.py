@@ -36,7 +36,7 @@ from .metrics import (
 )
 from .models import build_model, materialize, resolve_model
 from .record import RECORD_NAME, RecordError, read_record, write_record
-from .spec import MAX_REQUEUE_ENV, RunSpec
+from .spec import MAX_REQUEUE_ENV, RunSpec, SpecError
 from .strategies import param_dtype, parallelize
 from .train import TrainLog, build_optimizer, train
 
@@ -69,7 +69,15 @@ def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> 
 
 def run_cell_dir(cell_dir: Path) -> str:
     meta = json.loads((cell_dir / SPEC_NAME).read_text())
-    spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
+    try:
+        # Validated again on the compute node: a path checked at plan time may be gone by now.
+        spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
+    except SpecError as exc:
+        write_record(cell_dir / RECORD_NAME, {
+            "status": "error", "stage": "setup", "error": str(exc), "cell_id": meta["cell_id"],
+            "sweep": meta["sweep"], "spec": meta["spec"], "launch_id": _launch_id(),
+        })
+        raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
     return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
 
 
