@@ -99,3 +99,9 @@ def test_plan_prints_every_cell(capsys):
     sweep = load_sweep(ROOT / "jobs/smoke.yaml")
     assert f"{len(sweep.cells)} cell(s) in 1 array(s)" in out
     assert all(cell.id in out for cell in sweep.cells)
+
+
+@pytest.mark.parametrize("jobs", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_jobs_file_plans(jobs):
+    sweep = load_sweep(jobs)
+    assert sweep.cells and sweep.name == jobs.stem
