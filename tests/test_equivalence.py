@@ -68,3 +68,22 @@ def test_optimizer_before_sharding_shows_its_symptom(tmp_path):
     # The broken optimizer updates tensors the model no longer uses: the model does not learn.
     assert broken["losses"][-1] != pytest.approx(right["losses"][-1], abs=TOL)
     assert_same_training(right, fixed)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"activation_checkpointing": "selective", "checkpoint_every": 2},
+        {"prefetch_depth": 1},
+        {"grad_accum": 2, "sync_every_microbatch": True},
+    ],
+    ids=["selective-checkpointing", "explicit-prefetch", "sync-every-microbatch"],
+)
+def test_training_knobs_change_no_loss(tmp_path, ddp_2, fields):
+    """Against DDP with the same samples per optimizer step (batch 1 x accum 1, or batch 2 x accum 1
+    for the accumulation case: micro-batches draw the same token stream as one larger batch)."""
+    reference = ddp_2
+    if fields.get("grad_accum") == 2:
+        reference = run_torchrun_cell(tmp_path / "ref", 2, strategy="ddp", batch_size=2, record_param_norm=True)
+    record = run_torchrun_cell(tmp_path / "knob", 2, strategy="fsdp2_zero3", record_param_norm=True, **fields)
+    assert_same_training(reference, record)
