@@ -286,10 +286,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method == "HEAD":
             return
+        # Take the cut before pausing: a slow request of an earlier, killed client must not
+        # wake up later and consume a cut meant for the next client.
+        cut = self.hub.cut_after.pop(file, None) if method == "GET" else None
         pause = self.hub.delay + self.hub.slow.get(file, 0.0)
         if pause:
             time.sleep(pause)
-        cut = self.hub.cut_after.pop(file, None) if method == "GET" else None
         if cut is not None and cut < len(body):
             # Simulate a dropped connection mid-download (for resume tests).
             self.wfile.write(body[:cut])

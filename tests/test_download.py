@@ -301,7 +301,7 @@ def test_interrupted_downloads_resume(repos: SimpleNamespace, tmp_path: Path) ->
     assert ("config.json", None) not in gets  # complete files were kept
     assert gets.count(("model.safetensors", None)) == 1
     resumed = [int(r.split("=")[1].rstrip("-")) for name, r in gets if name == "model.safetensors" and r]
-    assert resumed and all(0 < start <= 11 * 2**20 for start in resumed), gets  # continued, not restarted
+    assert resumed and all(0 < start < len(big) for start in resumed), gets  # continued, not restarted
     entry = json.loads((cache / "manifest.json").read_text())["items"][f"model:{repo}@main"]
     weights = next(f for f in entry["files"] if f["path"] == "model.safetensors")
     assert weights["sha256"] == hashlib.sha256(big).hexdigest()
