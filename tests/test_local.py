@@ -14,20 +14,23 @@ base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_
 matrix:
   strategy: [fsdp2_zero3]
 include:
-  - {strategy: ddp, model: acme/not-downloaded}
+  - {strategy: ddp, model: MODEL_DIR}
 """
 
 
-def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HPCFSDP_CACHE", str(tmp_path / "empty-cache"))  # the hub model fails when the cell runs
+def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
+    # A model folder that passes the plan-time checks (config.json exists) but cannot be built.
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     jobs = tmp_path / "local.yaml"
-    jobs.write_text(SWEEP)
+    jobs.write_text(SWEEP.replace("MODEL_DIR", str(broken)))
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     records = {r["spec"]["strategy"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))}
     assert records["fsdp2_zero3"]["status"] == "ok" and records["fsdp2_zero3"]["world_size"] == 2
     failed = records["ddp"]
-    assert failed["status"] == "error" and failed["stage"] == "model" and "acme/not-downloaded" in failed["error"]
+    assert failed["status"] == "error" and failed["stage"] == "model" and "no-such-architecture" in failed["error"]
     # The run ends in the comparison table, failed cell included.
     table = out[out.index("| strategy"):]
     assert "| ok " in table and "| error " in table

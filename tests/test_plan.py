@@ -289,3 +289,15 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         assert calls == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is submitit_handler
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_plan_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HPCFSDP_CACHE", str(tmp_path / "empty-cache"))
+    jobs = tmp_path / "hub.yaml"
+    jobs.write_text("name: hub\nbase: {model: acme/not-downloaded, device: cpu}\n")
+    assert main(["plan", str(jobs)]) == 2
+    err = capsys.readouterr().err
+    assert "acme/not-downloaded" in err and "download_models.py" in err
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 2
+    assert "acme/not-downloaded" in capsys.readouterr().err
+    assert not (tmp_path / "hub").exists()  # nothing written, nothing run

@@ -135,7 +135,17 @@ def _plan(args: argparse.Namespace) -> int:
     gpu_hours = sum(c.spec.world_size for c in sweep.cells) * res.time_min * runs / 60
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {res.time_min} min limit per cell{requeues}")
-    return 0
+    misses = _cache_misses(sweep)
+    for miss in misses:
+        print(f"error: {miss}", file=sys.stderr)
+    return 2 if misses else 0
+
+
+def _cache_misses(sweep: Sweep) -> list[str]:
+    """Hub models and datasets the cells need but the pre-download cache lacks."""
+    from .download import cache_misses
+
+    return cache_misses(sweep, sweep.resources.cache_dir or None)
 
 
 def _plan_table(sweep: Sweep) -> list[str]:
@@ -177,6 +187,10 @@ def _submit(args: argparse.Namespace) -> int:
     from .submit import SchedulerError, default_executor, submit, sweep_status, watch
 
     sweep = load_sweep(args.jobs)
+    misses = _cache_misses(sweep)
+    if misses:
+        more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
+        raise SpecError(f"{sweep.source}: {misses[0]}{more}")
     executor = args.executor or default_executor()
     # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
     log = _to_stderr if executor == "print" else print

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import functools
 import sys
 import time
 import uuid
@@ -44,6 +45,8 @@ from .hubcache import (
     TokenizedRef,
     default_cache_dir,
     is_hub_model,
+    lookup_model,
+    lookup_tokenized,
     read_manifest,
 )
 from .spec import data_kind
@@ -677,3 +680,19 @@ __all__ = [
     "tokenize_dataset",
     "verify_cache",
 ]
+
+
+def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
+    """One line per hub item the sweep's cells read that the cache lacks (models, and datasets in
+    their tokenized form): `plan` and `submit` check this before anything is queued."""
+    plan = plan_from_sweep(sweep)
+    checks = [functools.partial(lookup_model, ref.name, cache_dir, weights) for ref, weights in plan.models.values()]
+    checks += [functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir)
+               for ref in plan.tokenized.values()]
+    misses = []
+    for check in checks:
+        try:
+            check()
+        except CacheMissError as exc:
+            misses.append(str(exc))
+    return misses
