@@ -73,6 +73,14 @@ def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Faults:
+    """What one file request suffers: a pause before its body, and a dropped connection after `cut` bytes."""
+
+    pause: float = 0.0
+    cut: int | None = None
+
+
 class HubServer:
     """A threaded HTTP server serving in-memory repos; `requests` logs (method, path) of each call."""
 
@@ -130,11 +138,21 @@ class HubServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def log(self, method: str, path: str, headers: dict) -> None:
+    def log(self, method: str, path: str, headers: dict) -> "Faults":
+        """Log a request and fix, in the same step, the faults it will suffer.
+
+        Deciding at arrival (not when the body is about to be sent) is what keeps a slow request of
+        a killed client from consuming a cut that the test set up afterwards for the next client.
+        """
+        route = urlsplit(path).path
+        file = unquote(route.split("/resolve/", 1)[1].split("/", 1)[-1]) if "/resolve/" in route else ""
         with self._lock:
             self.requests.append((method, path, headers))
+            cut = self.cut_after.pop(file, None) if method == "GET" and file else None
+            faults = Faults(pause=self.delay + self.slow.get(file, 0.0) if file else 0.0, cut=cut)
         if self.echo:
             print(f"{method} {path} {headers.get('Range', '')}", flush=True)
+        return faults
 
     def paths_requested(self, method: str | None = None) -> list[str]:
         return [p for m, p, _ in self.requests if method is None or m == method]
@@ -164,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
         kept = {k.title(): v for k, v in self.headers.items() if k.lower() in ("range", "user-agent")}
         if self.headers.get("Authorization"):
             kept["Authorization"] = "<present>"  # the value is never kept
-        self.hub.log(method, self.path, kept)
+        self.faults = self.hub.log(method, self.path, kept)
         try:
             if path.startswith("/api/"):
                 self._api(method, path[len("/api/"):], query)
@@ -286,12 +304,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method == "HEAD":
             return
-        # Take the cut before pausing: a slow request of an earlier, killed client must not
-        # wake up later and consume a cut meant for the next client.
-        cut = self.hub.cut_after.pop(file, None) if method == "GET" else None
-        pause = self.hub.delay + self.hub.slow.get(file, 0.0)
-        if pause:
-            time.sleep(pause)
+        cut = self.faults.cut
+        if self.faults.pause:
+            time.sleep(self.faults.pause)
         if cut is not None and cut < len(body):
             # Simulate a dropped connection mid-download (for resume tests).
             self.wfile.write(body[:cut])
