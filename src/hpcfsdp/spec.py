@@ -189,6 +189,14 @@ class RunSpec:
                     f"{where}: hsdp_shard_size: {shard} does not divide the world size "
                     f"{self.nodes} nodes x {self.gpus_per_node} = {self.world_size}"
                 )
+            if self.family == "fsdp1" and shard == 1 and self.world_size > 1:
+                # FSDP1 turns a one-rank shard group into NO_SHARD and then reduces gradients over
+                # that one-rank group only: replicas never synchronise (pytorch/pytorch#154888).
+                raise SpecError(
+                    f"{where}: hsdp_shard_size: {self.strategy} with a shard group of 1 rank never "
+                    f"synchronises gradients across its {self.world_size} replicas (a PyTorch FSDP1 bug); "
+                    "use fsdp2_hsdp, ddp, or a shard size of at least 2"
+                )
         if self.optimizer_order != "after_shard" and self.family != "fsdp2":
             raise SpecError(f"{where}: optimizer_order: {self.optimizer_order} applies to fsdp2_* strategies only")
         if self.meta_init and self.family == "fsdp1":
