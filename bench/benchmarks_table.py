@@ -3,6 +3,7 @@
 
     python bench/benchmarks_table.py perf bench/results/2026-11-22-h200x2/run3/qwen_perf [more sweep dirs]
     python bench/benchmarks_table.py training bench/results/2026-11-22-h200x2/run1/gpu_strategies
+    python bench/benchmarks_table.py overhead <results>/overhead
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TRAINING_COLUMNS = {
     "model": "model",
     "strategy": "strategy",
     "cpu_offload": "offload",
+    "meta_init": "meta init",
     "hsdp_shard_size": "shard size",
     "precision": "precision",
     "status": "status",
@@ -62,7 +64,22 @@ def training_table(frame: pd.DataFrame) -> pd.DataFrame:
         table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{v:.7f}")
     table["final param norm"] = table["final param norm"].map(lambda v: "-" if pd.isna(v) else f"{v:.9f}")
     table["error"] = table["error"].fillna("").map(lambda v: str(v)[:70])
-    return table.sort_values(["model", "strategy", "offload", "shard size"])
+    return table.sort_values([c for c in ("model", "strategy", "offload", "meta init", "shard size") if c in table])
+
+
+def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Pairs of cells that differ only in measuring (per-step sync and NVML on / off), by seed."""
+    frame = frame[(frame["status"] == "ok") & (frame["seed"] > 0)]
+    pairs = frame.pivot_table(index="seed", columns="sync_each_step", values="tokens_per_s_per_gpu")
+    pairs = pairs.rename(columns={True: "measured", False: "bare"})[["measured", "bare"]]
+    pairs["cost"] = 1 - pairs["measured"] / pairs["bare"]
+    pairs.loc["median"] = pairs.median()
+    table = pairs.reset_index().rename(columns={"seed": "pair", "measured": "tokens/s/GPU measured",
+                                                "bare": "tokens/s/GPU bare", "cost": "cost of measuring"})
+    for column in ("tokens/s/GPU measured", "tokens/s/GPU bare"):
+        table[column] = table[column].map(lambda v: f"{v:,.0f}")
+    table["cost of measuring"] = table["cost of measuring"].map(lambda v: f"{100 * v:+.2f}%")
+    return table
 
 
 def _first(losses):
@@ -78,7 +95,7 @@ def _select(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 
 def main(view: str, sweep_dirs: list[str]) -> None:
     frame = pd.concat([load_records(d).frame for d in sweep_dirs], ignore_index=True)
-    table = {"perf": perf_table, "training": training_table}[view](frame)
+    table = {"perf": perf_table, "training": training_table, "overhead": overhead_table}[view](frame)
     print(markdown_table(table))
 
 
