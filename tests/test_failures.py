@@ -40,8 +40,10 @@ def test_measurements_of_an_ok_cell(tmp_path):
     assert record["step_time_s"] <= record["step_time_p90_s"]
     assert record["tokens_per_s"] == pytest.approx(record["tokens_per_step"] / record["step_time_s"])
     assert set(record["memory"]) == {"after_model", "after_shard", "after_optimizer", "after_warmup", "end"}
-    # gloo collectives were seen by the profiler, and cost a fraction of the step.
-    assert record["comm_s_per_step"] > 0 and 0 < record["comm_fraction"] < 1
+    # gloo collectives were seen by the profiler and cost a fraction of the profiled step (on CPU
+    # all of it is exposed); the profiler's start-up step is not part of it.
+    assert record["comm_s_per_step"] > 0 and record["comm_profile_step_time_s"] > 0
+    assert 0 < record["comm_exposed_fraction"] == record["comm_fraction"] <= 1
     assert record["mfu"] is None  # no GPU peak on CPU
     assert record["versions"]["torch"] and record["launch_id"]
 

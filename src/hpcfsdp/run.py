@@ -181,7 +181,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
         record.update(_gpu_utilisation(sampler.summary(), env))
     if spec.comm_profile_steps:
         enter("comm_profile")
-        record.update(_profile_communication(model, optimizer, batches, spec, env, record["step_time_s"]))
+        record.update(_profile_communication(model, optimizer, batches, spec, env))
     if spec.profile:
         enter("profile")
         record["profile_trace_dir"] = _write_trace(model, optimizer, batches, spec, env, cell_dir)
@@ -192,18 +192,26 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     return record
 
 
-def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv, step_time: float) -> dict:
-    """A few extra steps under torch.profiler: collective time per step and its exposed part."""
-    from torch.profiler import ProfilerActivity, profile
+def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv) -> dict:
+    """A few extra steps under torch.profiler: collective time per step and its exposed part.
 
+    One step runs under the profiler before the measured ones, so that the profiler's start-up
+    (tracer set-up, and ranks starting it at different moments, which shows as collectives waiting
+    for the late rank) is not counted. Fractions are of the profiled steps' own duration: the
+    profiler lengthens a step, and dividing by the unprofiled step time could exceed 1.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    steps = spec.comm_profile_steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        train(model, optimizer, batches, spec, env, spec.comm_profile_steps)
-    comm = communication_breakdown(prof.events(), spec.comm_profile_steps)
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+        log = train(model, optimizer, batches, spec, env, 1 + steps, warmup=1, on_step_end=lambda step: prof.step())
+    comm = communication_breakdown(prof.events(), steps)
+    comm["comm_profile_step_time_s"] = log.window_s / steps
     comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
-    comm["comm_fraction"] = comm["comm_s_per_step"] / step_time
-    comm["comm_exposed_fraction"] = comm["comm_exposed_s_per_step"] / step_time
-    comm["comm_profile_steps"] = spec.comm_profile_steps
+    comm["comm_fraction"] = comm["comm_s_per_step"] / comm["comm_profile_step_time_s"]
+    comm["comm_exposed_fraction"] = comm["comm_exposed_s_per_step"] / comm["comm_profile_step_time_s"]
+    comm["comm_profile_steps"] = steps
     return comm
 
 
