@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpcfsdp.submit import OFFLINE_ENV
+
 from conftest import ROOT
 from hub_server import HubServer, build_model_folder, dataset_files
 from test_download import DATASET, MODEL, _env, _run
 
 PRESET = ROOT / "src/hpcfsdp/presets/tiny.json"
-OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 __all__ = ["DATASET", "MODEL", "PRESET", "build_model_folder", "download", "offline"]
 
@@ -39,8 +40,8 @@ def offline(monkeypatch: pytest.MonkeyPatch, cached: SimpleNamespace) -> None:
     offline (environment and library flags) is restored after the test."""
     monkeypatch.setenv("HPCFSDP_CACHE", str(cached.cache))
     monkeypatch.setenv("HF_ENDPOINT", cached.endpoint)
-    for var in OFFLINE_VARS:
-        monkeypatch.setenv(var, "1")
+    for var, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(var, value)
     for module, flags in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
                           ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))):
         if module in sys.modules:

@@ -215,7 +215,7 @@ def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> NoReturn:
     from .matrix import Cell
     from .run import run_cell, run_cell_dir
 

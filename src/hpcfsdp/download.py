@@ -23,11 +23,11 @@ with its size and sha256. Compute nodes then resolve items from that folder only
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import shutil
-import functools
 import sys
 import time
 import uuid
@@ -96,25 +96,17 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
     """The hub items a sweep's cells need.
 
     model: a hub id (not a preset or local folder) -> config + tokenizer; with `init: pretrained`
-    also the weights. data (once RunSpec accepts hub datasets): ORG/NAME[:config][@split] or a
-    preset -> that split, plus the split tokenized for `tokenizer` (default: the model) at seq_len.
+    also the weights. data: a hub dataset ORG/NAME[:config][@split] or preset -> that split, plus
+    the split tokenized at seq_len for the spec's text tokenizer (a hub id: RunSpec checks that).
     """
     plan = Plan() if plan is None else plan
     for cell in sweep.cells:
-        spec = cell.spec
-        hub_model = is_hub_model(spec.model)
-        if hub_model:
-            plan.add_model(_parse(ModelRef, spec.model, f"{sweep.source}: cell {cell.id}"),
-                           weights=getattr(spec, "init", "random") == "pretrained")
-        data = getattr(spec, "data", "synthetic")
-        if data_kind(data) in ("synthetic", "local"):
-            continue
-        dataset = _parse(DatasetRef, data, f"{sweep.source}: cell {cell.id}")
-        tokenizer = getattr(spec, "tokenizer", "") or (spec.model if hub_model else "")
-        if not tokenizer:
-            raise DownloadError(f"{sweep.source}: cell {cell.id}: data {data!r} needs a tokenizer, and model "
-                                f"{spec.model!r} is a preset without one; name a hub model to tokenize with")
-        plan.add_tokenized(TokenizedRef(dataset, _parse(ModelRef, tokenizer, f"cell {cell.id}"), spec.seq_len))
+        spec, where = cell.spec, f"{sweep.source}: cell {cell.id}"
+        if is_hub_model(spec.model):
+            plan.add_model(_parse(ModelRef, spec.model, where), weights=spec.init == "pretrained")
+        if data_kind(spec.data) == "hub":
+            plan.add_tokenized(TokenizedRef(_parse(DatasetRef, spec.data, where),
+                                            _parse(ModelRef, spec.text_tokenizer, where), spec.seq_len))
     return plan
 
 
@@ -667,21 +659,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = [
-    "CacheMissError",
-    "DownloadError",
-    "Plan",
-    "build_plan",
-    "download_dataset",
-    "download_main",
-    "download_model",
-    "download_plan",
-    "plan_from_sweep",
-    "tokenize_dataset",
-    "verify_cache",
-]
-
-
 def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
     """One line per hub item the sweep's cells read that the cache lacks (models, and datasets in
     their tokenized form): `plan` and `submit` check this before anything is queued."""
@@ -696,3 +673,19 @@ def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
         except CacheMissError as exc:
             misses.append(str(exc))
     return misses
+
+
+__all__ = [
+    "CacheMissError",
+    "DownloadError",
+    "Plan",
+    "build_plan",
+    "cache_misses",
+    "download_dataset",
+    "download_main",
+    "download_model",
+    "download_plan",
+    "plan_from_sweep",
+    "tokenize_dataset",
+    "verify_cache",
+]

@@ -12,7 +12,7 @@ import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -50,10 +50,15 @@ class Sweep:
 
     def groups(self) -> dict[tuple[int, int], list[Cell]]:
         """Cells by resource shape (nodes, GPUs per node): one job array each."""
-        out: dict[tuple[int, int], list[Cell]] = {}
-        for cell in self.cells:
-            out.setdefault(cell.shape, []).append(cell)
-        return out
+        return by_shape(self.cells)
+
+
+def by_shape(cells: Iterable[Cell]) -> dict[tuple[int, int], list[Cell]]:
+    """Cells grouped by resource shape (nodes, GPUs per node), in order of first appearance."""
+    out: dict[tuple[int, int], list[Cell]] = {}
+    for cell in cells:
+        out.setdefault(cell.shape, []).append(cell)
+    return out
 
 
 def cell_id(spec: RunSpec) -> str:

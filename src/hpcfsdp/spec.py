@@ -325,25 +325,20 @@ def preset_names() -> tuple[str, ...]:
 def model_kind(value: str) -> str:
     """A model (or tokenizer) value: 'preset', 'local' (written as a path, or an existing folder),
     'hub' (ORG/NAME[@REV]), or '' when it is none of these."""
-    if value.lower() in preset_names():
-        return "preset"
-    if _is_local(value):
-        return "local"
-    try:
-        ModelRef.parse(value)
-    except ValueError:
-        return ""
-    return "hub"
+    return "preset" if value.lower() in preset_names() else _local_or_hub(value, ModelRef)
 
 
 def data_kind(value: str) -> str:
     """A data value: 'synthetic', 'local', 'hub' (ORG/NAME[:config][@split] or a preset), or ''."""
-    if value == "synthetic":
-        return "synthetic"
+    return "synthetic" if value == "synthetic" else _local_or_hub(value, DatasetRef)
+
+
+def _local_or_hub(value: str, ref: type[ModelRef] | type[DatasetRef]) -> str:
+    """'local' for a path, 'hub' for what `ref` parses, else ''."""
     if _is_local(value):
         return "local"
     try:
-        DatasetRef.parse(value)
+        ref.parse(value)
     except ValueError:
         return ""
     return "hub"

@@ -27,7 +27,7 @@ from typing import Iterable, TextIO
 import yaml
 
 from .hubcache import CACHE_ENV
-from .matrix import Cell, Sweep
+from .matrix import Cell, Sweep, by_shape
 from .record import RECORD_NAME, RecordError, read_record, write_record
 from .spec import MAX_REQUEUE_ENV, Resources
 
@@ -356,10 +356,7 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
 
     from .run import CellJob
 
-    by_shape: dict[tuple[int, int], list[Cell]] = {}
-    for cell in sub.submitted:
-        by_shape.setdefault(cell.shape, []).append(cell)
-    for (nodes, gpus), cells in by_shape.items():
+    for (nodes, gpus), cells in by_shape(sub.submitted).items():
         executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
         executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
         # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
