@@ -3,6 +3,7 @@ sbatch scripts, the print executor, in-flight detection and status (with a stand
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.matrix import load_sweep
 from hpcfsdp.record import write_record
-from hpcfsdp.submit import select_cells
+from hpcfsdp.submit import record_lost_cells, select_cells, sweep_status, watch
 
 from conftest import ROOT
 
@@ -261,6 +262,51 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, 
     assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
     assert main(["status", str(sweep_dir)]) == 0
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
+
+
+def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(tmp_path, fake_squeue):
+    """A busy slurmctld times out one squeue: the cell still runs, so the wait must go on."""
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    running = sweep.cells[2]
+    calls = tmp_path / "calls"
+    # First answer: a timeout; second: the cell runs; third: it has left the queue.
+    (tmp_path / "bin" / "squeue").write_text(f"""#!/bin/sh
+echo x >> {calls}
+case $(wc -l < {calls}) in
+  1) echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1 ;;
+  2) echo '71_2 RUNNING' ;;
+esac
+""")
+    err = io.StringIO()
+    report = watch(sweep_dir, 0.01, [running.id], stream=err)
+    assert not report.note and [c.state for c in report.cells] == ["missing"]
+    assert calls.read_text().count("x") == 3
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
+    assert lines[1:] == ["[..............................] 0/1 finished (running 1)",
+                         "[##############################] 1/1 finished (missing 1)"]
+    # A scheduler that never answers: watch gives up after its patience, note and all.
+    (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\necho 'Unable to contact slurm controller' >&2\nexit 1\n")
+    report = watch(sweep_dir, 0.01, [running.id], stream=io.StringIO(), patience_s=0.05)
+    assert report.note.startswith("squeue: Unable to contact slurm controller")
+
+
+def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(tmp_path, fake_squeue):
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    gone = sweep.cells[3]
+    logs = sweep_dir / "slurm" / "71_3"
+    logs.mkdir(parents=True)
+    (logs / "71_3_0_log.err").write_text("ok so far\n")
+    (logs / "71_3_1_log.err").write_text("torch.distributed.DistNetworkError: address already in use\n")
+    fake_squeue.write_text("71_2 RUNNING\n")
+    lost = record_lost_cells(sweep_status(sweep_dir))
+    assert [c.cell_id for c in lost] == [gone.id]  # not the running one, nor those with a record
+    record = json.loads((sweep_dir / "cells" / gone.id / "result.json").read_text())
+    assert record["status"] == "error" and record["stage"] == "launch" and record["cell_id"] == gone.id
+    assert record["error"] == "Slurm job 71_3 ended without a record"
+    assert record["traceback"].index("ok so far") < record["traceback"].index("address already in use")
+    assert record["world_size"] == gone.spec.world_size and record["spec"] == gone.spec.to_dict()
+    assert not (sweep_dir / "cells" / sweep.cells[2].id / "result.json").exists()
 
 
 def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):

@@ -52,7 +52,8 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     sweep = load_sweep(jobs)
     got = records(sweep_dir)
     assert set(got) == {cell.id for cell in sweep.cells}
-    assert all(r["status"] == "ok" for r in got.values()), {k: r.get("error") for k, r in got.items()}
+    failed = {k: (r.get("error"), r.get("traceback", "")[-1500:]) for k, r in got.items() if r["status"] != "ok"}
+    assert not failed, failed
     single = [r for r in got.values() if r["nodes"] == 1 and r["world_size"] == 2]
     assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
     assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4]

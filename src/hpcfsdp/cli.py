@@ -184,7 +184,7 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from .matrix import load_sweep
-    from .submit import SchedulerError, default_executor, submit, sweep_status, watch
+    from .submit import SchedulerError, default_executor, record_lost_cells, submit, sweep_status, watch
 
     sweep = load_sweep(args.jobs)
     misses = _cache_misses(sweep)
@@ -205,6 +205,11 @@ def _submit(args: argparse.Namespace) -> int:
     if executor == "slurm" and args.wait:
         waited = [c.id for c in sub.submitted] + list(sub.in_flight)
         report = watch(sub.sweep_dir, WAIT_POLL_S, waited) if waited else sweep_status(sub.sweep_dir, [])
+        if not report.note:
+            for cell in record_lost_cells(report):
+                log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as error "
+                    f"(logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
+            report = sweep_status(sub.sweep_dir, waited)
         _print_status(report, summary=False)
     if executor == "local" or (args.wait and executor == "slurm"):
         return _print_collection(sub.sweep_dir)

@@ -35,12 +35,10 @@ from .metrics import (
     reset_peak_memory,
 )
 from .models import build_model, materialize, resolve_model
-from .record import RECORD_NAME, RecordError, read_record, write_record
+from .record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
 from .spec import MAX_REQUEUE_ENV, RunSpec, SpecError
 from .strategies import param_dtype, parallelize
 from .train import TrainLog, build_optimizer, train
-
-SPEC_NAME = "spec.json"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import yaml
 
 from .hubcache import CACHE_ENV
 from .matrix import Cell, Sweep, by_shape
-from .record import RECORD_NAME, RecordError, read_record, write_record
+from .record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
 from .spec import MAX_REQUEUE_ENV, Resources
 
 EXECUTORS = ("slurm", "local", "print")
@@ -38,6 +38,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # sbatch copies the submitting environment into the job; tokens stay on the login node.
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 IN_FLIGHT = ("pending", "running")
+SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 
 
 class SchedulerError(RuntimeError):
@@ -227,7 +228,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
     sweep_dir = Path(sweep_dir)
     if cell_ids is None:
-        cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / "spec.json").is_file())
+        cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / SPEC_NAME).is_file())
     cell_ids = list(cell_ids)
     jobs = slurm_job_ids(sweep_dir, cell_ids)
     note = ""
@@ -253,7 +254,7 @@ def _scheduler_state(slurm_state: str) -> str:
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
     try:
-        return json.loads((cell_dir(sweep_dir, cell_id) / "spec.json").read_text())["spec"]["strategy"]
+        return json.loads((cell_dir(sweep_dir, cell_id) / SPEC_NAME).read_text())["spec"]["strategy"]
     except (OSError, ValueError, KeyError):
         return "?"
 
@@ -268,14 +269,32 @@ def progress_line(report: StatusReport, width: int = 30) -> str:
 
 
 def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = None,
-          stream: TextIO | None = None) -> StatusReport:
-    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running."""
+          stream: TextIO | None = None, patience_s: float = SCHEDULER_PATIENCE_S) -> StatusReport:
+    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running.
+
+    A busy slurmctld can time out one squeue ("Socket timed out on send/recv"); taking that for
+    "nothing queued" would end a wait while cells still run. So an unanswered squeue is asked again,
+    with a warning, and watch gives up (the report then carries the note) only after patience_s.
+    """
     cell_ids = None if cell_ids is None else list(cell_ids)
     stream = stream or sys.stderr
     tty = stream.isatty()
     last = ""
+    unanswered_since: float | None = None
     while True:
         report = sweep_status(sweep_dir, cell_ids)
+        if report.note:
+            if unanswered_since is None:
+                unanswered_since = time.monotonic()
+            if time.monotonic() - unanswered_since >= patience_s:
+                return report
+            clear = "\r\033[K" if tty else ""
+            stream.write(f"{clear}warning: {report.note} (asking again in {interval_s:g} s)\n")
+            stream.flush()
+            last = ""
+            time.sleep(interval_s)
+            continue
+        unanswered_since = None
         line = progress_line(report)
         if tty:
             stream.write(f"\r\033[K{line}")
@@ -283,11 +302,48 @@ def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = N
             stream.write(f"{line}\n")
         stream.flush()
         last = line
-        if not report.in_flight or report.note:
+        if not report.in_flight:
             if tty:
                 stream.write("\n")
             return report
         time.sleep(interval_s)
+
+
+def record_lost_cells(report: StatusReport) -> list[CellState]:
+    """Give each cell whose Slurm job left the queue without a record an `error` record.
+
+    Such a cell was cancelled, killed with its node, or crashed before training began (a failed
+    rendezvous, an import error); its record names the job, the scheduler's final state where
+    accounting tells it, and the tail of every rank's log, so that collect shows why.
+    """
+    lost = [c for c in report.cells if c.state == "missing" and c.job_id]
+    for cell in lost:
+        state = f" ({cell.slurm})" if cell.slurm else ""
+        record_launch_failure(cell_dir(report.sweep_dir, cell.cell_id),
+                              f"Slurm job {cell.job_id} ended{state} without a record",
+                              _log_tails(slurm_logs(report.sweep_dir, cell.job_id)))
+    return lost
+
+
+def slurm_logs(sweep_dir: Path, job_id: str) -> list[Path]:
+    """submitit's stderr logs of one job, one per task (rank), in rank order."""
+    folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
+    return sorted(folder.glob(f"{job_id}_*_log.err"), key=lambda p: int(p.name[len(job_id) + 1:].split("_")[0]))
+
+
+def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
+    return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
+
+
+def record_launch_failure(directory: Path, error: str, log_tail: str) -> None:
+    """A cell that ended before it could write its record still gets one, with its log's tail."""
+    meta = json.loads((directory / SPEC_NAME).read_text())
+    spec = meta["spec"]
+    write_record(directory / RECORD_NAME, {
+        "status": "error", "stage": "launch", "error": error, "traceback": log_tail,
+        "cell_id": meta["cell_id"], "sweep": meta["sweep"], "spec": spec,
+        "world_size": spec["nodes"] * spec["gpus_per_node"], "nodes": spec["nodes"],
+    })
 
 
 def job_environment(sweep: Sweep) -> dict[str, str]:
@@ -402,16 +458,7 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
             proc = subprocess.run(torchrun_command(directory, cell.spec.world_size), stdout=out, stderr=subprocess.STDOUT, env=env)
         status = cell_status(sub.sweep_dir, cell)
         if status == "missing":
-            _record_launch_failure(sweep, cell, directory, proc.returncode)
+            record_launch_failure(directory, f"torchrun exited {proc.returncode} without a record",
+                                  _log_tails([directory / "log.txt"], chars=4000))
             status = f"error (exited {proc.returncode} without a record; see {directory / 'log.txt'})"
         log(f"    {status}")
-
-
-def _record_launch_failure(sweep: Sweep, cell: Cell, directory: Path, returncode: int) -> None:
-    """A cell that died before it could write its record (killed, import error) still gets one."""
-    tail = (directory / "log.txt").read_text(errors="replace")[-4000:]
-    write_record(directory / RECORD_NAME, {
-        "status": "error", "stage": "launch", "error": f"torchrun exited {returncode} without a record",
-        "traceback": tail, "cell_id": cell.id, "sweep": sweep.name, "spec": cell.spec.to_dict(),
-        "world_size": cell.spec.world_size, "nodes": cell.spec.nodes,
-    })
