@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hub_server import HubServer, build_model_folder, dataset_files  # noqa: E402
 
-from hpcfsdp.download import DownloadError, build_plan, plan_from_sweep  # noqa: E402
+from hpcfsdp.download import DownloadError, Request, build_plan, plan_from_sweep  # noqa: E402
 from hpcfsdp.hubcache import DatasetRef, ModelRef, TokenizedRef, is_hub_model  # noqa: E402
 from hpcfsdp.matrix import parse_sweep  # noqa: E402
 
@@ -363,11 +363,11 @@ def test_names_presets_and_plans() -> None:
     plan = plan_from_sweep(sweep)
     assert list(plan.models) == ["model:org/a@main", "model:org/b@dev"]
     assert not any(weights for _, weights in plan.models.values())
-    plan = build_plan(models=["org/c"], datasets=["tinystories"], weights=True, tokenize_for=["org/c"], seq_lens=[128, 256])
+    plan = build_plan(Request(models=("org/c",), datasets=("tinystories",), weights=True, tokenize_for=("org/c",), seq_lens=(128, 256)))
     assert plan.models["model:org/c@main"][1] is True
     assert {t.seq_len for t in plan.tokenized.values()} == {128, 256}
     assert isinstance(next(iter(plan.tokenized.values())), TokenizedRef)
     with pytest.raises(DownloadError, match="go together"):
-        build_plan(datasets=["tinystories"], tokenize_for=["org/c"])
+        build_plan(Request(datasets=("tinystories",), tokenize_for=("org/c",)))
     with pytest.raises(DownloadError, match="presets have no tokenizer"):
-        build_plan(datasets=["tinystories"], tokenize_for=["tiny"], seq_lens=[8])
+        build_plan(Request(datasets=("tinystories",), tokenize_for=("tiny",), seq_lens=(8,)))

@@ -316,13 +316,14 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
 
 
 def _download(args: argparse.Namespace) -> int:
-    from .download import DownloadError, download_main
+    from .download import DownloadError, Request, download_main
     from .hubcache import CacheMissError
 
+    request = Request(jobs=args.jobs, models=tuple(args.model), datasets=tuple(args.dataset), weights=args.weights,
+                      tokenize_for=tuple(args.tokenize_for), seq_lens=tuple(args.seq_len))
     try:
         return download_main(
-            jobs=args.jobs, models=args.model, datasets=args.dataset, weights=args.weights,
-            tokenize_for=args.tokenize_for, seq_lens=args.seq_len, cache_dir=args.cache_dir,
+            request, cache_dir=args.cache_dir,
             verify_only=args.verify, allow_patterns=args.allow_pattern, text_column=args.text_column,
             num_proc=args.num_proc, force=args.force,
         )

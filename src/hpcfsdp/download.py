@@ -110,42 +110,51 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
     return plan
 
 
-def build_plan(
-    jobs: str | None = None,
-    models: Iterable[str] = (),
-    datasets: Iterable[str] = (),
-    weights: bool = False,
-    tokenize_for: Iterable[str] = (),
-    seq_lens: Iterable[int] = (),
-) -> Plan:
-    """From command-line values: a jobs YAML and/or explicit items (tokenized: datasets x models x seq_lens)."""
+@dataclass(frozen=True)
+class Request:
+    """What to fetch, as the command line names it: a jobs YAML and/or explicit items
+    (tokenized: every dataset x tokenize_for model x seq_len)."""
+
+    jobs: str | None = None
+    models: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = ()
+    weights: bool = False
+    tokenize_for: tuple[str, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+
+    @property
+    def names_items(self) -> bool:
+        return bool(self.jobs or self.models or self.datasets)
+
+
+def build_plan(request: Request) -> Plan:
+    """The items of a request, parsed and checked."""
     plan = Plan()
-    if jobs:
+    if request.jobs:
         from .matrix import load_sweep
 
-        plan_from_sweep(load_sweep(jobs), plan)
-    for text in models:
-        plan.add_model(_parse(ModelRef, text, "--model"), weights=weights)
-    if weights:  # --weights also applies to the models a jobs file names
+        plan_from_sweep(load_sweep(request.jobs), plan)
+    for text in request.models:
+        plan.add_model(_parse(ModelRef, text, "--model"), weights=request.weights)
+    if request.weights:  # --weights also applies to the models a jobs file names
         for key, (ref, _) in list(plan.models.items()):
             plan.models[key] = (ref, True)
-    dataset_refs = [_parse(DatasetRef, text, "--dataset") for text in datasets]
+    dataset_refs = [_parse(DatasetRef, text, "--dataset") for text in request.datasets]
     for ref in dataset_refs:
         plan.add_dataset(ref)
-    tokenize_for, seq_lens = list(tokenize_for), list(seq_lens)
-    if tokenize_for or seq_lens:
-        if not (tokenize_for and seq_lens and dataset_refs):
+    if request.tokenize_for or request.seq_lens:
+        if not (request.tokenize_for and request.seq_lens and dataset_refs):
             raise DownloadError("--tokenize-for MODEL and --seq-len N go together, with at least one --dataset")
-        for n in seq_lens:
+        for n in request.seq_lens:
             if n < 1:
                 raise DownloadError(f"--seq-len: expected a positive integer, got {n}")
-        for text in tokenize_for:
+        for text in request.tokenize_for:
             if not is_hub_model(text):
                 raise DownloadError(f"--tokenize-for: {text!r}: expected a hub model id ORG/NAME[@REV] "
                                     "(shipped presets have no tokenizer)")
             model = _parse(ModelRef, text, "--tokenize-for")
             for ds in dataset_refs:
-                for n in seq_lens:
+                for n in request.seq_lens:
                     plan.add_tokenized(TokenizedRef(ds, model, n))
     return plan
 
@@ -160,12 +169,7 @@ def _parse(cls: type, text: str, where: str) -> Any:
 # -- entry point -------------------------------------------------------------------------------
 
 def download_main(
-    jobs: str | None = None,
-    models: Iterable[str] = (),
-    datasets: Iterable[str] = (),
-    weights: bool = False,
-    tokenize_for: Iterable[str] = (),
-    seq_lens: Iterable[int] = (),
+    request: Request,
     cache_dir: str | None = None,
     verify_only: bool = False,
     allow_patterns: Iterable[str] = (),
@@ -176,14 +180,12 @@ def download_main(
 ) -> int:
     """`hpcfsdp download`: fetch (or with verify_only, check) the items; returns the exit status."""
     cache = default_cache_dir(cache_dir)
-    models, datasets = list(models), list(datasets)
-    plan = build_plan(jobs, models, datasets, weights, tokenize_for, seq_lens)
+    plan = build_plan(request)
     if verify_only:
-        named = bool(jobs or models or datasets)
-        if named and not plan:
+        if request.names_items and not plan:
             out("nothing from the hub is needed (preset models, synthetic data)")
             return 0
-        return 0 if verify_cache(cache, plan.keys() if named else None, out=out) else 1
+        return 0 if verify_cache(cache, plan.keys() if request.names_items else None, out=out) else 1
     if not plan:
         raise DownloadError("nothing to download: give a jobs YAML, --model ORG/NAME or --dataset ORG/NAME")
     cache.mkdir(parents=True, exist_ok=True)
@@ -679,6 +681,7 @@ __all__ = [
     "CacheMissError",
     "DownloadError",
     "Plan",
+    "Request",
     "build_plan",
     "cache_misses",
     "download_dataset",
