@@ -238,10 +238,11 @@ def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, 
     assert main(["status", str(sweep_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{sweep_dir}: 4 cell(s): missing 1, ok 1, running 1, timeout 1"
-    rows = {line.split()[0]: line.split()[1:] for line in out[2:]}
+    rows = {line.split()[0]: line.split()[1:] for line in out[2:-1]}
     assert rows == {timed_out.id: ["fsdp2_zero3", "timeout", "71_1", "-"],
                     running.id: ["fsdp2_zero3", "running", "71_2", "RUNNING"],
                     gone.id: ["fsdp2_zero3", "missing", "71_3", "-"]}
+    assert out[-1] == f"logs: {sweep_dir}/slurm/<job>/<job>_<rank>_log.err"
     # --watch redraws until nothing is pending or running (here: the job leaves the queue after one
     # look); the bar goes to stderr, one line per change when stderr is not a terminal.
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {fake_squeue}\n: > {fake_squeue}\n")

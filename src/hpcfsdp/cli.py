@@ -268,7 +268,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
-    """Counts by state, then one row per cell that is not ok (yet)."""
+    """Counts by state, then one row per cell that is not ok (yet), and where Slurm logs are."""
+    from .submit import IN_FLIGHT
+
     if report.note:
         print(f"warning: {report.note}", file=sys.stderr)
     counts = report.counts()
@@ -281,6 +283,8 @@ def _print_status(report: StatusReport, summary: bool = True) -> None:
     print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
     for c in rows:
         print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {c.slurm or '-'}")
+    if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
+        print(f"logs: {report.sweep_dir / 'slurm' / '<job>' / '<job>_<rank>_log.err'}")
 
 
 def _collect(args: argparse.Namespace) -> int:
