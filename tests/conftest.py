@@ -16,8 +16,11 @@ TINY_CPU = {"model": "tiny", "device": "cpu", "precision": "fp32", "seq_len": 32
 
 
 def run_torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> dict:
-    """Train one cell with `torchrun -m hpcfsdp run KEY=VALUE ...` (gloo, CPU); return its record."""
-    values = {**TINY_CPU, "gpus_per_node": nprocs, **fields}
+    """Train one cell with `torchrun -m hpcfsdp run KEY=VALUE ...` (gloo, CPU); return its record.
+
+    Like the README's by-hand example, nodes and gpus_per_node come from torchrun unless given.
+    """
+    values = {**TINY_CPU, **fields}
     args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",

@@ -45,7 +45,10 @@ def test_measurements_of_an_ok_cell(tmp_path):
     assert record["comm_s_per_step"] > 0 and record["comm_profile_step_time_s"] > 0
     assert 0 < record["comm_exposed_fraction"] == record["comm_fraction"] <= 1
     assert record["mfu"] is None  # no GPU peak on CPU
-    assert record["versions"]["torch"] and record["launch_id"]
+    assert record["versions"]["torch"] and record["versions"]["transformers"] and record["versions"]["hpcfsdp"]
+    assert record["launch_id"] and record["schema_version"] >= 1 and record["peak_memory_gib"] > 0
+    # torchrun's --nproc-per-node 2 became the spec's shape: no gpus_per_node was given.
+    assert (record["spec"]["nodes"], record["spec"]["gpus_per_node"], record["world_size"]) == (1, 2, 2)
 
 
 def test_profile_trace_on_request(tmp_path):

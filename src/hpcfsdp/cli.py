@@ -221,6 +221,7 @@ def _to_stderr(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> NoReturn:
+    from .distributed import launched_shape
     from .matrix import Cell
     from .run import run_cell, run_cell_dir
 
@@ -235,7 +236,7 @@ def _run(args: argparse.Namespace) -> NoReturn:
             if not sep:
                 raise SpecError(f"run: {item!r}: expected KEY=VALUE")
             values[key] = yaml.safe_load(value)
-        spec = RunSpec.from_dict(values, where="run arguments")
+        spec = RunSpec.from_dict({**launched_shape(), **values}, where="run arguments")
         cell = Cell.of(spec)
         status = run_cell(spec, Path(args.results_dir) / args.sweep / "cells" / cell.id, cell.id, args.sweep)
     _exit_worker(0 if status == "ok" else 1)
