@@ -96,6 +96,22 @@ def test_matrix_expansion_include_exclude_and_stable_ids(tmp_path):
     assert first.cells[-1].spec.activation_checkpointing == "full"
 
 
+def test_exclude_matches_coerced_values_and_may_drop_invalid_combinations(tmp_path):
+    sweep = load_sweep(write(tmp_path, """
+        base: {device: cpu, lr: 3e-4}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+          activation_checkpointing: [none, full]
+          cpu_offload: [false, true]
+        exclude:
+          - {strategy: ddp, activation_checkpointing: true}
+          - {strategy: ddp, cpu_offload: true}
+        """))
+    assert sorted((c.spec.strategy, c.spec.activation_checkpointing, c.spec.cpu_offload) for c in sweep.cells) == [
+        ("ddp", "none", False), *(("fsdp2_zero3", ckpt, off) for ckpt in ("full", "none") for off in (False, True))]
+    assert {c.spec.lr for c in sweep.cells} == {3e-4}  # YAML reads 3e-4 as a string
+
+
 def test_plan_prints_every_cell(capsys):
     assert main(["plan", str(ROOT / "jobs/smoke.yaml")]) == 0
     out = capsys.readouterr().out

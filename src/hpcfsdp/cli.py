@@ -149,13 +149,14 @@ def _cache_misses(sweep: Sweep) -> list[str]:
 
 
 def _plan_table(sweep: Sweep) -> list[str]:
+    from .matrix import plain_value
     from .spec import field_names
 
     cells = sweep.cells
     shape_index = {shape: i for i, shape in enumerate(sweep.groups())}
     varying = [name for name in field_names(RunSpec)
                if name not in PLAN_FIELDS and len({getattr(c.spec, name) for c in cells}) > 1]
-    columns = {name: [_plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
+    columns = {name: [plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
     widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
     id_width = max(4, *(len(c.id) for c in cells))
     lines = [f"{'cell':{id_width}} {'strategy':19} {'batch':>5} {'accum':>5} {'ckpt':>9} {'nodes x gpus':>12} {'array':>5}"
@@ -166,11 +167,6 @@ def _plan_table(sweep: Sweep) -> list[str]:
                      f"{f'{s.nodes} x {s.gpus_per_node}':>12} {shape_index[cell.shape]:5}"
                      + "".join(f" {columns[name][row]:>{widths[name]}}" for name in varying))
     return lines
-
-
-def _plain_value(value: object) -> str:
-    """YAML's spelling: true / false, not Python's."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:

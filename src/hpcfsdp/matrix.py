@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import yaml
 
-from .spec import Resources, RunSpec, SpecError, field_names, unknown_key_message
+from .spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key_message
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
@@ -128,8 +128,8 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
         for key in mapping:
             if key not in _SPEC_FIELDS:
                 raise SpecError(unknown_key_message(_where(source, mapping, key), key, _SPEC_FIELDS, section))
-    include = _partials(raw, "include", source, _SPEC_FIELDS)
-    exclude = _partials(raw, "exclude", source, _SPEC_FIELDS)
+    include = _partials(raw, "include", source)
+    exclude = _partials(raw, "exclude", source)
     slurm = _mapping(raw, "slurm", source)
     try:
         resources = Resources.from_dict(slurm, where=source)
@@ -139,29 +139,72 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
         raise SpecError(f"{_where(source, raw, 'setup')}: setup: expected a list of shell lines")
 
+    exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]
     cells: dict[str, Cell] = {}
-    for origin, values in _expand(base, axes, include, exclude):
+    for origin, values in _expand(base, axes, include):
+        if origin is None and any([e.drops(values) for e in exclusions]):  # a list: every match counts
+            continue
         try:
             spec = RunSpec.from_dict(values, where=source)
         except SpecError as exc:
             raise _cell_error(exc, source, raw, base, axes, include, origin, values) from None
         cell = Cell.of(spec)
         cells.setdefault(cell.id, cell)
+    for exclusion in exclusions:
+        if not exclusion.matched:
+            raise SpecError(f"{exclusion.where}: exclude[{exclusion.index}]: matches no cell of the matrix "
+                            f"({_plain_partial(exclusion.values)}); check its keys and values")
     if not cells:
         raise SpecError(f"{_where(source, raw, 'exclude')}: exclude: no cells left after exclude")
     return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup), raw=_plain(raw))
 
 
-def _expand(base: dict, axes: dict, include: list[dict], exclude: list[dict]) -> Iterator[tuple[int | None, dict]]:
+def _expand(base: dict, axes: dict, include: list[dict]) -> Iterator[tuple[int | None, dict]]:
     """(None, values) for each cell of the product, then (i, values) for include entry i."""
     keys = list(axes)
-    defaults = RunSpec().to_dict()
     for combo in itertools.product(*(axes[k] for k in keys)):
-        values = {**base, **dict(zip(keys, combo))}
-        if not any(all(values.get(k, defaults[k]) == v for k, v in partial.items()) for partial in exclude):
-            yield None, values
+        yield None, {**base, **dict(zip(keys, combo))}
     for index, partial in enumerate(include):
         yield index, {**base, **partial}
+
+
+class _Exclusion:
+    """One `exclude` entry. Values are compared after the same type coercion as a cell's (so
+    `activation_checkpointing: true` drops `full` cells), before validation (so an entry can drop a
+    combination that would not validate); an entry that drops nothing is an error, since a typo in
+    it would otherwise leave every cell in."""
+
+    _DEFAULTS = RunSpec().to_dict()
+
+    def __init__(self, source: str, index: int, partial: dict):
+        self.index = index
+        self.values = partial
+        self.where = f"{source}:{min(partial.lines.values())}" if getattr(partial, "lines", None) else source
+        label = f"{source}: exclude[{index}]"
+        try:
+            self._coerced = coerce_fields(RunSpec, partial, label)
+        except SpecError as exc:  # '<label>: <key>: <what>' -> the key's line
+            key, _, what = str(exc)[len(label) + 2:].partition(": ")
+            raise SpecError(f"{_where(source, partial, key)}: exclude[{index}].{key}: {what}") from None
+        self.matched = False
+
+    def drops(self, values: dict) -> bool:
+        cell = {**self._DEFAULTS, **values}
+        try:
+            hit = coerce_fields(RunSpec, {k: cell[k] for k in self._coerced}, "cell") == self._coerced
+        except SpecError:  # the cell's own bad value: RunSpec.from_dict reports it, with its line
+            return False
+        self.matched |= hit
+        return hit
+
+
+def _plain_partial(values: dict) -> str:
+    return ", ".join(f"{k}: {plain_value(v)}" for k, v in values.items())
+
+
+def plain_value(value: object) -> str:
+    """YAML's spelling: true / false, not Python's."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _cell_error(exc: SpecError, source: str, raw: dict, base: dict, axes: dict, include: list[dict],
@@ -212,14 +255,14 @@ def _mapping(raw: dict, key: str, source: str) -> dict:
     return value
 
 
-def _partials(raw: dict, key: str, source: str, spec_fields: tuple[str, ...]) -> list[dict]:
+def _partials(raw: dict, key: str, source: str) -> list[dict]:
     value = raw.get(key) or []
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
         raise SpecError(f"{_where(source, raw, key)}: {key}: expected a list of mappings (partial cells)")
     for index, item in enumerate(value):
         for k in item:
-            if k not in spec_fields:
-                raise SpecError(unknown_key_message(_where(source, item, k), k, spec_fields, f"{key}[{index}]"))
+            if k not in _SPEC_FIELDS:
+                raise SpecError(unknown_key_message(_where(source, item, k), k, _SPEC_FIELDS, f"{key}[{index}]"))
     return value
 
 

@@ -128,7 +128,7 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> "RunSpec":
-        return cls(**_coerce_fields(cls, values, where))._validated(where)
+        return cls(**coerce_fields(cls, values, where))._validated(where)
 
     def replace(self, **changes: Any) -> "RunSpec":
         return dataclasses.replace(self, **changes)
@@ -266,7 +266,7 @@ class Resources:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> "Resources":
-        res = cls(**_coerce_fields(cls, values, where))
+        res = cls(**coerce_fields(cls, values, where))
         _require_choice(where, "gpu_request", res.gpu_request, GPU_REQUESTS)
         for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:
@@ -392,7 +392,7 @@ def unknown_key_message(where: str, key: str, known: tuple[str, ...], section: s
     return f"{where}: {label}: unknown key{hint}"
 
 
-def _coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Check names and types of user values against the dataclass fields (YAML gives plain types)."""
     types = _field_types(cls)
     out: dict[str, Any] = {}
@@ -421,6 +421,11 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise SpecError(f"{where}: {key}: expected a number, got {value!r}")
     if expected is str:
         if key == "activation_checkpointing" and isinstance(value, bool):
