@@ -180,7 +180,7 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from .matrix import load_sweep
-    from .submit import SchedulerError, default_executor, record_lost_cells, submit, sweep_status, watch
+    from .submit import SchedulerError, SubmitError, default_executor, record_lost_cells, submit, sweep_status, watch
 
     sweep = load_sweep(args.jobs)
     misses = _cache_misses(sweep)
@@ -196,6 +196,10 @@ def _submit(args: argparse.Namespace) -> int:
         sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed, log=log)
     except SchedulerError as exc:
         print(f"error: cannot tell which cells are still queued ({exc}); nothing submitted", file=sys.stderr)
+        return 1
+    except SubmitError as exc:
+        print(f"error: {exc}; the cells of that array and any after it were not queued "
+              f"(arrays queued before it are in {Path(args.results_dir) / sweep.name / 'manifest.json'})", file=sys.stderr)
         return 1
     log(f"sweep folder: {sub.sweep_dir}")
     if executor == "slurm" and args.wait:

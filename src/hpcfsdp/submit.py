@@ -5,6 +5,7 @@ Layout of a sweep folder (results/<sweep>/):
     manifest.json        cell id -> executor, job id, submit time
     cells/<id>/spec.json the resolved spec of the cell
     cells/<id>/result.json   written by the cell (record.py)
+    cells/<id>/result.previous.json   the record a rerun (--retry-failed, --force) set aside
     slurm/               submitit's scripts and logs
 
 A cell is in flight while its job (manifest) is in squeue: never submitted twice, whatever the flags.
@@ -28,7 +29,7 @@ import yaml
 
 from .hubcache import CACHE_ENV
 from .matrix import Cell, Sweep, by_shape
-from .record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
+from .record import PREVIOUS_RECORD_NAME, RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
 from .spec import MAX_REQUEUE_ENV, Resources
 
 EXECUTORS = ("slurm", "local", "print")
@@ -43,6 +44,10 @@ SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that doe
 
 class SchedulerError(RuntimeError):
     """squeue did not answer, so whether a cell is still queued cannot be known."""
+
+
+class SubmitError(RuntimeError):
+    """sbatch refused an array; the cells not queued keep the records they had."""
 
 
 @dataclass
@@ -146,10 +151,15 @@ def submit(
     if not cells:
         log("nothing to submit")
         return sub
-    # The print executor runs nothing, so it leaves the cells' old records in place.
-    _write_sweep_files(sweep, sweep_dir, cells, clear_records=executor != "print")
+    _write_sweep_files(sweep, sweep_dir, cells)
+    if executor != "print":  # which runs nothing, so the old records stay where they are
+        _set_records_aside(sweep_dir, cells)
     if executor == "slurm":
-        _submit_slurm(sweep, sub, log)
+        try:
+            _submit_slurm(sweep, sub, log)
+        except SubmitError:
+            _restore_records(sweep_dir, [c for c in cells if c.id not in sub.job_ids])
+            raise
     elif executor == "local":
         _run_local(sweep, sub, log)
     else:
@@ -158,16 +168,29 @@ def submit(
     return sub
 
 
-def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], clear_records: bool = True) -> None:
+def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
     from .run import write_cell_spec
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "matrix.yaml").write_text(yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        directory = cell_dir(sweep_dir, cell)
-        if clear_records:
-            (directory / RECORD_NAME).unlink(missing_ok=True)
-        write_cell_spec(directory, cell.spec, cell.id, sweep.name)
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name)
+
+
+def _set_records_aside(sweep_dir: Path, cells: Iterable[Cell]) -> None:
+    """A rerun cell's old record becomes result.previous.json: status then reads the new run's
+    state, and the old record is there to compare with, or to restore if sbatch refuses."""
+    for cell in cells:
+        record = cell_dir(sweep_dir, cell) / RECORD_NAME
+        if record.exists():
+            os.replace(record, record.with_name(PREVIOUS_RECORD_NAME))
+
+
+def _restore_records(sweep_dir: Path, cells: Iterable[Cell]) -> None:
+    for cell in cells:
+        previous = cell_dir(sweep_dir, cell) / PREVIOUS_RECORD_NAME
+        if previous.exists():
+            os.replace(previous, previous.with_name(RECORD_NAME))
 
 
 def _update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
@@ -409,6 +432,7 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
 
 def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
     import submitit
+    from submitit.core.utils import FailedJobError
 
     from .run import CellJob
 
@@ -416,7 +440,12 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
         executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
         executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
         # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
-        jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
+        try:
+            jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
+        except FailedJobError as exc:
+            reason = " ".join(str(exc).split()) or "no message"
+            raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
+                              f"GPU(s): {reason}") from None
         sub.jobs.extend(jobs)
         entries = {}
         for cell, job in zip(cells, jobs):
