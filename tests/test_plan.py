@@ -368,3 +368,14 @@ def test_plan_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, ca
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 2
     assert "acme/not-downloaded" in capsys.readouterr().err
     assert not (tmp_path / "hub").exists()  # nothing written, nothing run
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--cell-dir", "{tmp}/nope"], "{tmp}/nope: no spec.json here"),
+    (["status", "{tmp}"], "{tmp}: not a sweep folder"),
+    (["collect", "{tmp}/nope"], "{tmp}/nope: no such sweep folder"),
+])
+def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
+    assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err

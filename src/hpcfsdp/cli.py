@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
+from .record import SPEC_NAME
 from .spec import RunSpec, SpecError
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
@@ -54,36 +55,49 @@ def _parser() -> argparse.ArgumentParser:
                         help="slurm (default when a Slurm controller answers), local (this machine, one cell at a "
                              "time), print (print one shell command per cell, run nothing)")
     submit.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"parent of the sweep folder (default {DEFAULT_RESULTS}/)")
-    submit.add_argument("--wait", action="store_true", help="wait for the arrays to finish, then print the table")
-    submit.add_argument("--retry-failed", action="store_true",
-                        help="also rerun cells whose record says oom, error or timeout (cells without one always run)")
-    submit.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
+    submit.add_argument("--wait", action="store_true",
+                        help="slurm: wait for the arrays to finish, then print the table (local always waits)")
+    rerun = submit.add_mutually_exclusive_group()
+    rerun.add_argument("--retry-failed", action="store_true",
+                       help="also rerun cells whose record says oom, error or timeout (cells without one always run)")
+    rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.set_defaults(func=_submit)
 
     run = sub.add_parser("run", help="train one cell on this process (under torchrun, srun, or alone)",
-                         description="Train one cell. Either --cell-dir (written by submit), or key=value "
-                                     "RunSpec fields, e.g. `torchrun --nproc-per-node 2 -m hpcfsdp run "
-                                     "strategy=fsdp2_zero2 batch_size=4 seq_len=4096`.")
-    run.add_argument("fields", nargs="*", metavar="KEY=VALUE", help="RunSpec fields (see docs/record.md)")
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         description="Train one cell. Either --cell-dir (written by submit), or KEY=VALUE "
+                                     "RunSpec fields, e.g.\n  torchrun --nproc-per-node 2 -m hpcfsdp run "
+                                     "strategy=fsdp2_zero2 batch_size=4 seq_len=4096\n"
+                                     "nodes and gpus_per_node default to torchrun's shape.",
+                         epilog=_run_fields_help())
+    run.add_argument("fields", nargs="*", metavar="KEY=VALUE", help="RunSpec fields (listed below with their defaults)")
     run.add_argument("--cell-dir", help="a cell folder holding spec.json")
     run.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"with KEY=VALUE: parent of the sweep folder (default {DEFAULT_RESULTS}/)")
     run.add_argument("--sweep", default="manual", help="with KEY=VALUE: sweep name (default manual)")
     run.set_defaults(func=_run)
 
-    status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler")
+    status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler",
+                            description="Count the cells of a sweep folder by state: pending / running (squeue), "
+                                        "else their record's ok / oom / error / timeout, else missing (no record) "
+                                        "or corrupt (unreadable record); then a row per cell that is not ok.")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")
     status.set_defaults(func=_status)
 
-    collect = sub.add_parser("collect", help="records -> tables, plots and report/index.html (docs/collector.md)")
+    collect = sub.add_parser("collect", help="records -> tables, plots and report/index.html (docs/collector.md)",
+                             description="Read every cells/*/result.json of a sweep folder and write report/: "
+                                         "results.csv (and .parquet with pyarrow), summary.md, plots/*.png and a "
+                                         "self-contained index.html; print the cell table. Unreadable records are "
+                                         "named and skipped.")
     collect.add_argument("sweep_dir", help="e.g. results/smoke")
     collect.add_argument("--baseline", metavar="STRATEGY",
                          help="strategy for speed-ups and memory savings (default ddp, or fsdp2_zero3 without ddp cells)")
     collect.add_argument("--compare", metavar="REFERENCE_SWEEP_DIR",
-                         help="print per-cell deltas against another sweep and flag regressions (exit status 1 if any)")
-    collect.add_argument("--threshold", type=float, default=0.05,
-                         help="with --compare: relative change counted as a regression (default 0.05)")
+                         help="print per-cell deltas against another sweep, write report/compare.md and flag "
+                              "regressions (exit status 1 if any)")
+    collect.add_argument("--threshold", type=float, default=0.05, metavar="FRACTION",
+                         help="with --compare: relative change counted as a regression (default 0.05, i.e. 5%%)")
     collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
     collect.set_defaults(func=_collect)
 
@@ -112,6 +126,18 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--num-proc", type=int, help="processes for dataset loading and tokenization")
     download.set_defaults(func=_download)
     return parser
+
+
+def _run_fields_help() -> str:
+    import textwrap
+
+    from .matrix import plain_value
+    from .spec import field_names
+
+    defaults = RunSpec().to_dict()
+    listing = ", ".join(f"{name}={plain_value(defaults[name]) or chr(34) * 2}" for name in field_names(RunSpec))
+    return "RunSpec fields and defaults (docs/submit.md, src/hpcfsdp/spec.py):\n" + textwrap.fill(
+        listing, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)
 
 
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
@@ -228,6 +254,8 @@ def _run(args: argparse.Namespace) -> NoReturn:
     if args.cell_dir:
         if args.fields:
             raise SpecError("run: give either --cell-dir or KEY=VALUE fields, not both")
+        if not (Path(args.cell_dir) / SPEC_NAME).is_file():
+            raise SpecError(f"{args.cell_dir}: no {SPEC_NAME} here (--cell-dir takes a cells/<id> folder written by submit)")
         status = run_cell_dir(Path(args.cell_dir))
     else:
         values = {}
@@ -259,8 +287,8 @@ def _status(args: argparse.Namespace) -> int:
     from .submit import sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
-    if not sweep_dir.is_dir():
-        raise SpecError(f"{sweep_dir}: no such sweep folder")
+    if not (sweep_dir / "cells").is_dir():
+        raise SpecError(f"{sweep_dir}: not a sweep folder (no cells/ inside; e.g. results/<name> of a jobs YAML)")
     if args.watch is not None and args.watch <= 0:
         raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
