@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -48,3 +49,18 @@ def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
         main(["run", "--cell-dir", str(cell_dir)])
     record = json.loads((cell_dir / "result.json").read_text())
     assert record["status"] == "error" and record["stage"] == "setup" and "model-deleted-after-plan" in record["error"]
+
+
+def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, capsys):
+    """Under the local executor, slurm.time_min still holds: a stuck cell ends as `timeout`."""
+    monkeypatch.setenv("HPCFSDP_FAULT", "train_step:hang")  # every rank stops making progress
+    jobs = tmp_path / "stuck.yaml"
+    jobs.write_text("name: stuck\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, gpus_per_node: 2}\n"
+                    "slurm: {time_min: 1, signal_delay_s: 30}\n")
+    started = time.monotonic()
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    assert 60 <= time.monotonic() - started < 120
+    (path,) = tmp_path.glob("stuck/cells/*/result.json")
+    record = json.loads(path.read_text())
+    assert record["status"] == "timeout" and record["stage"] == "train", record.get("error")
+    assert "| timeout " in capsys.readouterr().out

@@ -326,7 +326,8 @@ FAULT_ENV = "HPCFSDP_FAULT"
 def _inject_fault(stage: str, env: DistEnv) -> None:
     """Test-only hook: HPCFSDP_FAULT=stage:kind[:rank] raises a real exception (or signal) there.
 
-    kind is oom (torch.OutOfMemoryError), error (RuntimeError) or timeout (SIGTERM to itself).
+    kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself) or hang
+    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell).
     """
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
@@ -339,6 +340,9 @@ def _inject_fault(stage: str, env: DistEnv) -> None:
     if kind == "timeout":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
+    if kind == "hang":
+        while True:
+            time.sleep(1)
     raise RuntimeError(f"injected fault at {stage}")
 
 

@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 IN_FLIGHT = ("pending", "running")
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
+LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 
 
 class SchedulerError(RuntimeError):
@@ -358,12 +360,12 @@ def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
     return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
 
 
-def record_launch_failure(directory: Path, error: str, log_tail: str) -> None:
+def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
     """A cell that ended before it could write its record still gets one, with its log's tail."""
     meta = json.loads((directory / SPEC_NAME).read_text())
     spec = meta["spec"]
     write_record(directory / RECORD_NAME, {
-        "status": "error", "stage": "launch", "error": error, "traceback": log_tail,
+        "status": status, "stage": "launch", "error": error, "traceback": log_tail,
         "cell_id": meta["cell_id"], "sweep": meta["sweep"], "spec": spec,
         "world_size": spec["nodes"] * spec["gpus_per_node"], "nodes": spec["nodes"],
     })
@@ -475,8 +477,10 @@ def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
 
 
 def _run_local(sweep: Sweep, sub: Submission, log) -> None:
-    """One cell at a time on this machine, each as a torchrun with the cell's world size."""
+    """One cell at a time on this machine, each as a torchrun with the cell's world size, within
+    the sweep's time limit as under Slurm."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | job_environment(sweep)
+    limit_s = sweep.resources.time_min * 60
     for index, cell in enumerate(sub.submitted, 1):
         directory = cell_dir(sub.sweep_dir, cell)
         if cell.spec.nodes > 1:
@@ -484,10 +488,38 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
         log(f"[{index}/{len(sub.submitted)}] {cell.id} ({cell.spec.world_size} process(es))")
         _update_manifest(sub.sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
         with open(directory / "log.txt", "w") as out:
-            proc = subprocess.run(torchrun_command(directory, cell.spec.world_size), stdout=out, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(torchrun_command(directory, cell.spec.world_size), stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            returncode = _wait_within(proc, limit_s)
         status = cell_status(sub.sweep_dir, cell)
         if status == "missing":
-            record_launch_failure(directory, f"torchrun exited {proc.returncode} without a record",
-                                  _log_tails([directory / "log.txt"], chars=4000))
-            status = f"error (exited {proc.returncode} without a record; see {directory / 'log.txt'})"
+            ended = f"exited {returncode}" if returncode is not None else f"was killed at the {sweep.resources.time_min} min time limit"
+            record_launch_failure(directory, f"torchrun {ended} without a record",
+                                  _log_tails([directory / "log.txt"], chars=4000),
+                                  status="error" if returncode is not None else "timeout")
+            status = f"{cell_status(sub.sweep_dir, cell)} ({ended} without a record; see {directory / 'log.txt'})"
         log(f"    {status}")
+
+
+def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
+    """The cell's exit status; None when it reached its time limit. Then, as Slurm does, every
+    process of the cell (torchrun and its ranks: one session) gets SIGTERM, which each rank
+    records as `timeout`, and SIGKILL after grace_s. Ctrl-C ends the cell the same way (its own
+    session no longer gets the terminal's SIGINT)."""
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        _end_session(proc, grace_s)
+        return None
+    except KeyboardInterrupt:
+        _end_session(proc, grace_s)
+        raise
+
+
+def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
