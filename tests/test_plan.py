@@ -379,3 +379,19 @@ def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
     assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
+
+
+def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch):
+    from hpcfsdp.submit import default_executor
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert default_executor() == ("local", "no Slurm here (sbatch is not on PATH)")
+    for tool, script in (("sbatch", "exit 0"), ("sinfo", "echo 'sinfo: error: noise' >&2\necho 'sinfo: fatal: no config' >&2\nexit 1")):
+        (bin_dir / tool).write_text(f"#!/bin/sh\n{script}\n")
+        (bin_dir / tool).chmod(0o755)
+    executor, why = default_executor()
+    assert executor == "local" and "no Slurm controller answers (sinfo: sinfo: fatal: no config;" in why
+    (bin_dir / "sinfo").write_text("#!/bin/sh\necho gpu\n")
+    assert default_executor() == ("slurm", "")

@@ -213,11 +213,11 @@ def _submit(args: argparse.Namespace) -> int:
     if misses:
         more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
         raise SpecError(f"{sweep.source}: {misses[0]}{more}")
-    executor = args.executor or default_executor()
+    executor, why = (args.executor, "") if args.executor else default_executor()
     # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
     log = _to_stderr if executor == "print" else print
-    if args.executor is None and executor == "local":
-        log("note: no Slurm controller answers here; running cells on this machine (--executor local)")
+    if why:
+        log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
     try:
         sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed, log=log)
     except SchedulerError as exc:

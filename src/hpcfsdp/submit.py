@@ -86,15 +86,18 @@ class StatusReport:
         return any(c.state in IN_FLIGHT for c in self.cells)
 
 
-def default_executor() -> str:
-    """slurm when a Slurm controller answers here, else local (this machine's processes)."""
-    if not shutil.which("sinfo"):
-        return "local"
+def default_executor() -> tuple[str, str]:
+    """slurm when a Slurm controller answers here, else local (this machine's processes), and why."""
+    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+        return "local", "no Slurm here (sbatch is not on PATH)"
     try:
-        probe = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, timeout=15)
+        probe = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=15)
     except subprocess.TimeoutExpired:
-        return "local"
-    return "slurm" if probe.returncode == 0 else "local"
+        return "local", "sbatch is installed but sinfo did not answer within 15 s"
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]  # its fatal line
+        return "local", f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)"
+    return "slurm", ""
 
 
 def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
@@ -138,7 +141,7 @@ def submit(
     retry_failed: bool = False,
     log=print,
 ) -> Submission:
-    executor = executor or default_executor()
+    executor = executor or default_executor()[0]
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
