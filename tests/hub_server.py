@@ -402,6 +402,24 @@ def dataset_files(lines_per_split: int = 40) -> dict[str, bytes]:
     }
 
 
+# The opening of a few games, in UCI notation as laion/strategic_game_chess writes its `Moves`.
+OPENING = ["e2e4", "e7e5", "g1f3", "b8c6", "f1b5", "a7a6", "b5a4", "g8f6", "e1g1", "f8e7", "f1e1", "b7b5"]
+RESULTS = [("1-0", "CHECKMATE"), ("0-1", "RESIGNATION"), ("1/2-1/2", "STALEMATE")]
+
+
+def chess_games(count: int = 40) -> list[dict]:
+    """Rows shaped like laion/strategic_game_chess: `Moves` (a list of UCI moves), `Termination`, `Result`."""
+    return [{"Moves": OPENING[: 4 + i % (len(OPENING) - 3)], "Termination": RESULTS[i % 3][1], "Result": RESULTS[i % 3][0]}
+            for i in range(count)]
+
+
+def chess_dataset_files(count: int = 40) -> dict[str, bytes]:
+    """A README and one jsonl train split of chess_games(count): a dataset without a `text` column."""
+    rows = "".join(json.dumps(row) + "\n" for row in chess_games(count)).encode()
+    return {"README.md": b"---\nlicense: cc-by-4.0\n---\n# chess games for tests\n",
+            "data/train-00000-of-00001.jsonl": rows}
+
+
 if __name__ == "__main__":  # manual use: python tests/hub_server.py  (serves until Ctrl-C)
     import sys
     import tempfile

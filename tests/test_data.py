@@ -1,5 +1,6 @@
 """Data sources: local text files, a save_to_disk folder, a pre-tokenised cache item; packing,
-rank sharding, determinism; and a 2-process cell that trains on a local folder."""
+rank sharding, determinism; and 2-process cells that train on a local folder, and offline on a hub
+model and hub data from the download cache."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_torchrun_cell
-from tinyhub import DATASET, MODEL, PRESET, build_model_folder, download, offline
+from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
 
 from hpcfsdp.data import open_data, rank_indices, training_batches
 from hpcfsdp.hubcache import CacheMissError
@@ -145,3 +146,24 @@ def test_two_process_cell_trains_on_a_text_folder(model_dir: Path, text_folder: 
     assert source["kind"] == "text_files" and source["path"] == str(text_folder.path) and source["documents"] == 12
     assert record["model_source"] == {"kind": "local", "path": str(model_dir)}
     assert record["spec"]["data"] == str(text_folder.path) and 0 < record["losses"][0] < 10
+
+
+def test_two_process_cell_trains_offline_from_the_cache(tokenized_cache: SimpleNamespace, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute-node case: downloaded through the real downloader, hub stopped, network switched
+    off; a token in the environment (as a login shell may export) ends up in no written file."""
+    offline(monkeypatch, tokenized_cache)
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # not the user's own hub cache
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", model=MODEL, data=DATASET, seq_len=SEQ_LEN,
+                               batch_size=2, steps=3, comm_profile_steps=0)
+    assert record["status"] == "ok", record.get("error")
+    model, data = record["model_source"], record["data_source"]
+    assert (model["kind"], model["item"], model["sha"]) == ("hub", MODEL, tokenized_cache.model_sha)
+    assert Path(model["path"]).is_relative_to(tokenized_cache.cache)
+    assert (data["kind"], data["sha"], data["tokenizer_sha"]) == ("hub", tokenized_cache.dataset_sha, tokenized_cache.model_sha)
+    assert data["seq_len"] == SEQ_LEN and Path(data["path"]).is_relative_to(tokenized_cache.cache)
+    assert len(record["losses"]) == 3 and 0 < record["losses"][0] < 20
+    written = [p for p in (tmp_path / "results").rglob("*") if p.is_file()] + [tokenized_cache.cache / "manifest.json"]
+    assert any(p.name == "result.json" for p in written)
+    assert not [p for p in written if FAKE_TOKEN.encode() in p.read_bytes()]

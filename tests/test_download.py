@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -20,15 +21,16 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hub_server import HubServer, build_model_folder, dataset_files  # noqa: E402
+from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files  # noqa: E402
 
 from hpcfsdp.download import DownloadError, Request, build_plan, plan_from_sweep  # noqa: E402
-from hpcfsdp.hubcache import DatasetRef, ModelRef, TokenizedRef, is_hub_model  # noqa: E402
+from hpcfsdp.hubcache import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
 from hpcfsdp.matrix import parse_sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "acme/tiny-qwen"
 DATASET = "acme/tiny-stories"
+CHESS = "laion/strategic_game_chess"  # what the `chess` preset names; served locally with a few games
 SEQ_LEN = 16
 FAKE_TOKEN = "hf_TESTONLYfakeToken_9d1c7e2a5b"  # distinctive: must appear in no file and no output
 HF_VARS = ("HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE",
@@ -342,6 +344,85 @@ def test_download_rejects_a_file_that_does_not_match_the_hub(repos: SimpleNamesp
     assert not (tmp_path / "cache" / "manifest.json").exists()
 
 
+def test_chess_preset_tokenizes_its_list_of_moves(repos: SimpleNamespace, tmp_path: Path) -> None:
+    """`data: chess` in a jobs YAML, and --dataset chess without --text-column, tokenize the preset's
+    `Moves` (a list of strings, joined by spaces); another --text-column is a separate item."""
+    from transformers import AutoTokenizer
+
+    cache = tmp_path / "cache"
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: {SEQ_LEN}}}\n")
+    with _serve(repos) as hub:
+        hub.add_repo("dataset", CHESS, chess_dataset_files())
+        env = _env(tmp_path, HF_ENDPOINT=hub.url)
+        first = _run(["download_models.py", str(jobs), "--dataset", "chess", "--tokenize-for", MODEL,
+                      "--seq-len", "8", "--cache-dir", str(cache)], env)
+        second = _run(["download_models.py", "--dataset", "chess", "--tokenize-for", MODEL, "--seq-len", str(SEQ_LEN),
+                       "--text-column", "Result", "--cache-dir", str(cache)], env)
+    for proc in (first, second):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    prefix = f"tokenized:{CHESS}:default@train|{MODEL}@main"
+    items = json.loads((cache / "manifest.json").read_text())["items"]
+    moves, short, results = (items[f"{prefix}|seq_len={n}|text_column={column}"]
+                             for n, column in ((SEQ_LEN, "Moves"), (8, "Moves"), (SEQ_LEN, "Result")))
+    assert (moves["text_column"], short["text_column"], results["text_column"]) == ("Moves", "Moves", "Result")
+    assert len({moves["path"], short["path"], results["path"]}) == 3  # neither overwrote the other
+
+    tokenizer = AutoTokenizer.from_pretrained(repos.model_dir)
+    games = chess_games()
+    for entry, texts in ((moves, [" ".join(g["Moves"]) for g in games]), (results, [g["Result"] for g in games])):
+        flat = [t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+        assert _blocks(cache / entry["path"])[:3] == [flat[i:i + SEQ_LEN] for i in range(0, 3 * SEQ_LEN, SEQ_LEN)]
+
+    # What a compute node reads for `data: chess`: the Moves item; a missing one names the command.
+    assert lookup_tokenized("chess", MODEL, SEQ_LEN, cache).path == cache / moves["path"]
+    with pytest.raises(CacheMissError, match=rf"column Moves' is not in the cache .* --dataset {CHESS}:default@train "):
+        lookup_tokenized("chess", MODEL, 32, cache)
+
+
+def _blocks(folder: Path) -> list[list[int]]:
+    import datasets
+
+    return datasets.load_from_disk(str(folder))["input_ids"]
+
+
+def _closed_port() -> int:
+    """A local port where nothing listens (bound for a moment, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_hub_fails_in_one_line_naming_the_item(tmp_path: Path) -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = _env(tmp_path, HF_ENDPOINT=endpoint)
+    for kind, name, item in (("dataset", DATASET, f"{DATASET}:default@train"), ("model", MODEL, MODEL)):
+        proc = _run(["download_models.py", f"--{kind}", name, "--cache-dir", str(tmp_path / "cache")], env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.strip() == f"error: {kind} {item} could not be fetched: the hub at {endpoint} is not reachable from here"
+
+
+def test_verify_a_sweep_checks_weights_and_finds_a_model_by_commit_sha(repos: SimpleNamespace, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with _serve(repos) as hub:
+        proc = _run(["download_models.py", "--model", MODEL, "--cache-dir", str(cache)], _env(tmp_path, HF_ENDPOINT=hub.url))
+        sha = hub.repos[("model", MODEL)].sha
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def verify(init: str, model: str) -> subprocess.CompletedProcess:
+        jobs = tmp_path / f"{init}.yaml"
+        jobs.write_text(f"name: v\nbase: {{device: cpu, model: '{model}', init: {init}}}\n")
+        return _run(["download_models.py", "--verify", str(jobs), "--cache-dir", str(cache)], _env(tmp_path))
+
+    by_sha = verify("random", f"{MODEL}@{sha}")
+    assert by_sha.returncode == 0, by_sha.stdout + by_sha.stderr
+    assert by_sha.stdout.startswith(f"ok       model {MODEL} (")
+    pretrained = verify("pretrained", MODEL)
+    assert pretrained.returncode == 1
+    assert (f"BAD      model {MODEL}: cached without weights, which init: pretrained needs; "
+            f"run python download_models.py --cache-dir {cache} --model {MODEL} --weights\n") in pretrained.stdout
+
+
 # -- names and plans (no network, no subprocess) -----------------------------------------------
 
 def test_names_presets_and_plans() -> None:
@@ -371,3 +452,26 @@ def test_names_presets_and_plans() -> None:
         build_plan(Request(datasets=("tinystories",), tokenize_for=("org/c",)))
     with pytest.raises(DownloadError, match="presets have no tokenizer"):
         build_plan(Request(datasets=("tinystories",), tokenize_for=("tiny",), seq_lens=(8,)))
+
+
+def test_text_column_is_part_of_a_tokenized_item_unless_it_is_text() -> None:
+    model = ModelRef.parse("org/m")
+    stories = TokenizedRef(DatasetRef.parse("tinystories"), model, 8)
+    assert stories.text_column == "text"
+    assert stories.key == "tokenized:roneneldan/TinyStories:default@train|org/m@main|seq_len=8"  # as before columns
+    assert stories.relpath.endswith("/org--m/seq8")
+    chess = TokenizedRef(DatasetRef.parse("chess"), model, 8)
+    assert chess == TokenizedRef(DatasetRef.parse("laion/strategic_game_chess"), model, 8, "Moves")
+    assert chess.key.endswith("|seq_len=8|text_column=Moves") and chess.relpath.endswith("/seq8-Moves")
+    assert chess.name.endswith("seq_len 8, column Moves")
+
+    def columns(text_column: str | None) -> set[str]:
+        plan = build_plan(Request(datasets=("chess", "org/d"), tokenize_for=("org/m",), seq_lens=(8,)), text_column)
+        return {f"{ref.dataset.repo_id}:{ref.text_column}" for ref in plan.tokenized.values()}
+
+    # Without --text-column each dataset keeps its own column; with it, every --dataset uses that one.
+    assert columns(None) == {"laion/strategic_game_chess:Moves", "org/d:text"}
+    assert columns("text") == {"laion/strategic_game_chess:text", "org/d:text"}
+    assert columns("Result") == {"laion/strategic_game_chess:Result", "org/d:Result"}
+    with pytest.raises(DownloadError, match="--text-column Moves applies to the --dataset items"):
+        build_plan(Request(jobs=None, datasets=("chess",)), "Moves")

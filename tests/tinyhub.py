@@ -13,11 +13,11 @@ from hpcfsdp.submit import OFFLINE_ENV
 
 from conftest import ROOT
 from hub_server import HubServer, build_model_folder, dataset_files
-from test_download import DATASET, MODEL, _env, _run
+from test_download import DATASET, FAKE_TOKEN, MODEL, _env, _run
 
 PRESET = ROOT / "src/hpcfsdp/presets/tiny.json"
 
-__all__ = ["DATASET", "MODEL", "PRESET", "build_model_folder", "download", "offline"]
+__all__ = ["DATASET", "FAKE_TOKEN", "MODEL", "PRESET", "build_model_folder", "download", "offline"]
 
 
 def download(tmp: Path, *args: str, weights: bool = False) -> SimpleNamespace:

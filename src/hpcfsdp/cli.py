@@ -116,14 +116,16 @@ def _parser() -> argparse.ArgumentParser:
                           help="also tokenize each --dataset with this model's tokenizer, packed into --seq-len blocks")
     download.add_argument("--seq-len", action="append", default=[], type=int, metavar="N",
                           help="block length for --tokenize-for (repeatable)")
-    download.add_argument("--text-column", default="text", help="the dataset column to tokenize (default text)")
+    download.add_argument("--text-column", metavar="COLUMN",
+                          help="with --tokenize-for: the --dataset column to tokenize (default: the preset's, "
+                               "chess: Moves, else text); a list of strings is joined with spaces")
     download.add_argument("--allow-pattern", action="append", default=[], metavar="GLOB",
                           help="extra model files to fetch, e.g. '*.bin' (repeatable)")
     download.add_argument("--cache-dir", help="the cache folder (default $HPCFSDP_CACHE, else ~/.cache/hpcfsdp)")
     download.add_argument("--verify", action="store_true",
                           help="download nothing: re-hash the cached files (all, or the items named) against the manifest")
     download.add_argument("--force", action="store_true", help="download and rebuild the items again")
-    download.add_argument("--num-proc", type=int, help="processes for dataset loading and tokenization")
+    download.add_argument("--num-proc", type=int, metavar="N", help="processes for dataset loading and tokenization")
     download.set_defaults(func=_download)
     return parser
 

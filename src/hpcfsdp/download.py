@@ -9,8 +9,9 @@ with its size and sha256. Compute nodes then resolve items from that folder only
   *.safetensors only with --weights (pretrained init). Each file is checked against the hash the
   hub lists for it (LFS sha256, or git blob sha1 for small files).
 - Datasets: datasets.load_dataset(repo, config, split=..., revision=<sha>) then save_to_disk.
-  --tokenize-for MODEL --seq-len N also tokenizes with MODEL's tokenizer and packs the tokens into
-  blocks of N (column input_ids), so compute nodes do no tokenisation.
+  --tokenize-for MODEL --seq-len N also tokenizes the text column (the preset's, e.g. chess: Moves,
+  else `text`, or --text-column) with MODEL's tokenizer and packs the tokens into blocks of N
+  (column input_ids), so compute nodes do no tokenisation.
 - Interrupted runs: rerun the same command. Files already complete are kept; huggingface_hub
   resumes a dropped connection with HTTP Range requests and downloads into per-process
   `.incomplete` files, renamed into place when complete.
@@ -23,11 +24,13 @@ with its size and sha256. Compute nodes then resolve items from that folder only
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -44,9 +47,11 @@ from .hubcache import (
     ModelRef,
     TokenizedRef,
     default_cache_dir,
+    find_model_entry,
     is_hub_model,
     lookup_model,
     lookup_tokenized,
+    model_download_command,
     read_manifest,
 )
 from .spec import data_kind
@@ -83,9 +88,6 @@ class Plan:
         self.add_dataset(ref.dataset)
         self.tokenized.setdefault(ref.key, ref)
 
-    def keys(self) -> list[str]:
-        return [*self.models, *self.datasets, *self.tokenized]
-
     def __bool__(self) -> bool:
         return bool(self.models or self.datasets or self.tokenized)
 
@@ -97,7 +99,8 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
 
     model: a hub id (not a preset or local folder) -> config + tokenizer; with `init: pretrained`
     also the weights. data: a hub dataset ORG/NAME[:config][@split] or preset -> that split, plus
-    the split tokenized at seq_len for the spec's text tokenizer (a hub id: RunSpec checks that).
+    the split tokenized at seq_len for the spec's text tokenizer (a hub id: RunSpec checks that),
+    from the dataset's own text column: the one cells read (a YAML cannot name another).
     """
     plan = Plan() if plan is None else plan
     for cell in sweep.cells:
@@ -127,9 +130,13 @@ class Request:
         return bool(self.jobs or self.models or self.datasets)
 
 
-def build_plan(request: Request) -> Plan:
-    """The items of a request, parsed and checked."""
+def build_plan(request: Request, text_column: str | None = None) -> Plan:
+    """The items of a request, parsed and checked. text_column (--text-column) is the column that
+    the --dataset items are tokenized from; None: each dataset's own (DatasetRef.text_column)."""
     plan = Plan()
+    if text_column and not request.tokenize_for:
+        raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
+                            "a jobs YAML's datasets are tokenized from their own column (chess: Moves, else text)")
     if request.jobs:
         from .matrix import load_sweep
 
@@ -155,7 +162,7 @@ def build_plan(request: Request) -> Plan:
             model = _parse(ModelRef, text, "--tokenize-for")
             for ds in dataset_refs:
                 for n in request.seq_lens:
-                    plan.add_tokenized(TokenizedRef(ds, model, n))
+                    plan.add_tokenized(TokenizedRef(ds, model, n, text_column))
     return plan
 
 
@@ -173,19 +180,19 @@ def download_main(
     cache_dir: str | None = None,
     verify_only: bool = False,
     allow_patterns: Iterable[str] = (),
-    text_column: str = "text",
+    text_column: str | None = None,
     num_proc: int | None = None,
     force: bool = False,
     out: Callable[[str], None] = print,
 ) -> int:
     """`hpcfsdp download`: fetch (or with verify_only, check) the items; returns the exit status."""
     cache = default_cache_dir(cache_dir)
-    plan = build_plan(request)
+    plan = build_plan(request, text_column)
     if verify_only:
         if request.names_items and not plan:
             out("nothing from the hub is needed (preset models, synthetic data)")
             return 0
-        return 0 if verify_cache(cache, plan.keys() if request.names_items else None, out=out) else 1
+        return 0 if verify_cache(cache, plan if request.names_items else None, out=out) else 1
     if not plan:
         raise DownloadError("nothing to download: give a jobs YAML, --model ORG/NAME or --dataset ORG/NAME")
     cache.mkdir(parents=True, exist_ok=True)
@@ -195,8 +202,7 @@ def download_main(
         os.environ.setdefault("HF_HUB_CACHE", str(cache / HUB_DIR))
     out(f"cache: {cache}")
     out(f"hub: {_endpoint()} ({_auth_source()})")
-    entries = download_plan(plan, cache, allow_patterns=allow_patterns, text_column=text_column,
-                            num_proc=num_proc, force=force, out=out)
+    entries = download_plan(plan, cache, allow_patterns=allow_patterns, num_proc=num_proc, force=force, out=out)
     out("")
     for entry in entries:
         out(f"  {entry['kind']:9} {entry['item']}  sha {entry.get('sha', '')[:12]}  "
@@ -210,7 +216,6 @@ def download_plan(
     plan: Plan,
     cache: Path,
     allow_patterns: Iterable[str] = (),
-    text_column: str = "text",
     num_proc: int | None = None,
     force: bool = False,
     out: Callable[[str], None] = print,
@@ -221,7 +226,7 @@ def download_plan(
     for ref in plan.datasets.values():
         entries.append(download_dataset(ref, cache, num_proc=num_proc, force=force, out=out))
     for ref in plan.tokenized.values():
-        entries.append(tokenize_dataset(ref, cache, text_column=text_column, num_proc=num_proc, force=force, out=out))
+        entries.append(tokenize_dataset(ref, cache, num_proc=num_proc, force=force, out=out))
     return entries
 
 
@@ -302,14 +307,9 @@ def download_dataset(
 
 
 def tokenize_dataset(
-    ref: TokenizedRef,
-    cache: Path,
-    text_column: str = "text",
-    num_proc: int | None = None,
-    force: bool = False,
-    out: Callable[[str], None] = print,
+    ref: TokenizedRef, cache: Path, num_proc: int | None = None, force: bool = False, out: Callable[[str], None] = print
 ) -> dict:
-    """Tokenize a saved split with a cached model's tokenizer, pack into seq_len blocks, save."""
+    """Tokenize a saved split's text column with a cached model's tokenizer, pack into seq_len blocks, save."""
     from .hubcache import lookup_dataset, lookup_model
 
     out(f"tokenize {ref.name}")
@@ -326,14 +326,13 @@ def tokenize_dataset(
 
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         ds = datasets.load_from_disk(str(source.path))
-        if text_column not in ds.column_names:
-            raise DownloadError(f"dataset {ref.dataset.name}: no column {text_column!r} (columns: "
-                                f"{', '.join(ds.column_names)}); pass --text-column")
+        text_column = str(ref.text_column)
+        _check_text_column(ds.features, text_column, ref.dataset.name)
         eos = tokenizer.eos_token_id
         seq_len = ref.seq_len
 
         def encode(batch: dict) -> dict:
-            ids = tokenizer([text or "" for text in batch[text_column]])["input_ids"]
+            ids = tokenizer([_document_text(value) for value in batch[text_column]])["input_ids"]
             if eos is not None:
                 ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
             return {"input_ids": ids}
@@ -373,6 +372,25 @@ def tokenize_dataset(
     return entry
 
 
+def _check_text_column(features: Any, column: str, dataset: str) -> None:
+    """The column exists and holds strings, or lists of strings (what _document_text turns into text)."""
+    if column not in features:
+        raise DownloadError(f"dataset {dataset}: no column {column!r} (columns: {', '.join(features)}); "
+                            "pass --text-column")
+    feature = features[column]
+    inner = getattr(feature, "feature", feature)  # List / Sequence / LargeList: their items
+    if getattr(inner, "dtype", None) not in ("string", "large_string"):
+        raise DownloadError(f"dataset {dataset}: column {column!r} holds {feature}, not text or a list of "
+                            "strings; pass --text-column")
+
+
+def _document_text(value: str | list[str] | None) -> str:
+    """One row's document: a string as it is, a list of strings (a chess game's moves) joined by spaces."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else " ".join(value)
+
+
 def _save_atomically(ds: Any, folder: Path) -> None:
     """save_to_disk into a temporary sibling, then rename over the old copy (readers never see half)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -391,21 +409,34 @@ def _save_atomically(ds: Any, folder: Path) -> None:
 
 # -- verification ------------------------------------------------------------------------------
 
-def verify_cache(cache: Path, keys: Iterable[str] | None = None, out: Callable[[str], None] = print) -> bool:
-    """Hash every recorded file again; print one line per item and per problem. True when all match."""
-    items = read_manifest(cache)["items"]
-    wanted = list(keys) if keys is not None else list(items)
+@dataclass(frozen=True)
+class _Wanted:
+    """One item to verify: its manifest key and entry (None: not in the manifest), and for a model
+    that a pretrained cell reads, the command that fetches its weights."""
+
+    key: str
+    entry: dict | None
+    weights_command: str | None = None
+
+
+def verify_cache(cache: Path, plan: Plan | None = None, out: Callable[[str], None] = print) -> bool:
+    """Hash every recorded file again (of every item, or of the plan's); print one line per item and
+    per problem. A model the plan needs with weights but cached without them is a problem too.
+    True when all is well."""
+    wanted = _wanted_items(cache, plan)
     if not wanted:
         out(f"{cache}: no items in {MANIFEST_NAME}")
         return False
     ok = True
-    for key in wanted:
-        entry = items.get(key)
+    for item in wanted:
+        entry = item.entry
         if entry is None:
             ok = False
-            out(f"MISSING  {key}: not in {cache / MANIFEST_NAME}; run {DOWNLOAD_COMMAND} --cache-dir {cache} ...")
+            out(f"MISSING  {item.key}: not in {cache / MANIFEST_NAME}; run {DOWNLOAD_COMMAND} --cache-dir {cache} ...")
             continue
         problems = list(_file_problems(cache, entry))
+        if item.weights_command and not entry.get("weights"):
+            problems.append(f"cached without weights, which init: pretrained needs; run {item.weights_command}")
         if problems:
             ok = False
             for problem in problems:
@@ -415,6 +446,20 @@ def verify_cache(cache: Path, keys: Iterable[str] | None = None, out: Callable[[
     if not ok:
         out(f"to repair: rerun the download command for the items above with --force (cache {cache})")
     return ok
+
+
+def _wanted_items(cache: Path, plan: Plan | None) -> list[_Wanted]:
+    """Every manifest item (no plan), or the plan's items; a model asked for by commit sha is found
+    under whichever download resolved to that sha."""
+    items = read_manifest(cache)["items"]
+    if plan is None:
+        return [_Wanted(key, entry) for key, entry in items.items()]
+    wanted = []
+    for ref, weights in plan.models.values():
+        command = model_download_command(cache, ref, weights=True) if weights else None
+        wanted.append(_Wanted(*find_model_entry(items, ref), weights_command=command))
+    wanted += [_Wanted(key, items.get(key)) for key in [*plan.datasets, *plan.tokenized]]
+    return wanted
 
 
 def _file_problems(cache: Path, entry: dict) -> Iterator[str]:
@@ -568,7 +613,7 @@ def _item_lock(cache: Path, key: str, name: str, out: Callable[[str], None]) -> 
 
 @contextlib.contextmanager
 def _hub_errors(kind: str, name: str) -> Iterator[None]:
-    """Turn the hub clients' not-found / gated / offline errors into one line naming the item."""
+    """Turn the hub clients' not-found / gated / offline / unreachable errors into one line naming the item."""
     try:
         yield
     except DownloadError:
@@ -587,13 +632,32 @@ def _hub_errors(kind: str, name: str) -> Iterator[None]:
             why = "has no such revision"
         elif isinstance(exc, RepositoryNotFoundError):
             why = "was not found on the hub (private repos need HF_TOKEN or `hf auth login`)"
-        elif isinstance(exc, LocalEntryNotFoundError):
+        elif isinstance(exc, LocalEntryNotFoundError) or _is_unreachable(exc):
             why = f"could not be fetched: the hub at {_endpoint()} is not reachable from here"
         elif isinstance(exc, (FileNotFoundError, ValueError)) and kind == "dataset":
             why = f"could not be loaded ({type(exc).__name__}: {_first_line(exc)})"
         else:
             raise
         raise DownloadError(f"{kind} {name} {why}") from exc
+
+
+# Connection and timeout errors of the HTTP clients under huggingface_hub and datasets (httpx or its
+# fork httpx2: TransportError; requests: ConnectionError, Timeout), matched by class name so that
+# none of them has to be imported here.
+_UNREACHABLE_CLASS_NAMES = frozenset({"TransportError", "ConnectionError", "Timeout"})
+_UNREACHABLE_ERRNOS = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN})
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """The hub did not answer: refused, reset, timed out, no route, or a host name that does not resolve.
+
+    Only network errors: other OSErrors (a full disk, a read-only cache) are not the hub's fault.
+    """
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS:
+        return True
+    return any(cls.__name__ in _UNREACHABLE_CLASS_NAMES for cls in type(exc).__mro__)
 
 
 class _NoBar:

@@ -9,7 +9,7 @@ Cache layout (everything under one folder, default $HPCFSDP_CACHE, else ~/.cache
     manifest.json                      what was downloaded: item, kind, revision sha, files
     hub/models--ORG--NAME/...          huggingface_hub cache (snapshots/<sha>/ holds the files)
     datasets/ORG--NAME/CONFIG/SPLIT/   datasets.save_to_disk of one split
-    tokenized/ORG--NAME/CONFIG/SPLIT/MODELORG--MODELNAME[@REV]/seqN/   packed `input_ids` blocks
+    tokenized/ORG--NAME/CONFIG/SPLIT/MODELORG--MODELNAME[@REV]/seqN[-COLUMN]/   packed `input_ids` blocks
     hf-datasets/, hub/datasets--*      intermediates of `datasets.load_dataset` (may be deleted)
     .locks/                            file locks of concurrent downloaders
 
@@ -31,13 +31,28 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 DOWNLOAD_COMMAND = "python download_models.py"
 
-DATASET_PRESETS = {
-    "tinystories": "roneneldan/TinyStories",
-    "chess": "laion/strategic_game_chess",
-}
 DEFAULT_REVISION = "main"
 DEFAULT_CONFIG = "default"
 DEFAULT_SPLIT = "train"
+DEFAULT_TEXT_COLUMN = "text"
+
+
+@dataclass(frozen=True)
+class DatasetPreset:
+    """A hub dataset known by a short name, and the column its documents are in.
+
+    A jobs YAML names only the dataset (`data: chess`), so the column must come from here.
+    """
+
+    repo_id: str
+    text_column: str = DEFAULT_TEXT_COLUMN
+
+
+DATASET_PRESETS = {
+    "tinystories": DatasetPreset("roneneldan/TinyStories"),
+    # One game per row: `Moves` is a list of UCI moves ("e2e4", ...), beside `Termination` and `Result`.
+    "chess": DatasetPreset("laion/strategic_game_chess", text_column="Moves"),
+}
 
 _REPO_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
 _MODEL_RE = re.compile(rf"^(?P<repo>{_REPO_ID})(?:@(?P<rev>[^\s@]+))?$")
@@ -96,7 +111,8 @@ class DatasetRef:
         text = text.strip()
         head, sep, split = text.partition("@")
         base, _, config = head.partition(":")
-        base = DATASET_PRESETS.get(base.lower(), base)
+        preset = DATASET_PRESETS.get(base.lower())
+        base = preset.repo_id if preset else base
         full = base + (f":{config}" if config else "") + (f"@{split}" if sep else "")
         m = _DATASET_RE.match(full)
         if not m or (sep and not split):
@@ -121,26 +137,49 @@ class DatasetRef:
     def relpath(self) -> str:
         return f"datasets/{self.repo_id.replace('/', '--')}/{_safe(self.config)}/{_safe(self.split)}"
 
+    @property
+    def text_column(self) -> str:
+        """The column its documents are in: its preset's (chess: Moves), else `text`."""
+        presets = (p for p in DATASET_PRESETS.values() if p.repo_id == self.repo_id)
+        return next((p.text_column for p in presets), DEFAULT_TEXT_COLUMN)
+
 
 @dataclass(frozen=True)
 class TokenizedRef:
-    """A dataset split tokenized with a model's tokenizer and packed into blocks of seq_len tokens."""
+    """A dataset split's text column tokenized with a model's tokenizer, packed into blocks of seq_len.
+
+    text_column None means the dataset's own column (DatasetRef.text_column). The column is part of
+    the item's key, name and folder unless it is `text`: two columns of one split are two items,
+    and items cached before the column was part of the key (all of them `text`) keep their key.
+    """
 
     dataset: DatasetRef
     model: ModelRef
     seq_len: int
+    text_column: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.text_column is None:
+            object.__setattr__(self, "text_column", self.dataset.text_column)
+
+    @property
+    def _custom_column(self) -> bool:
+        return self.text_column != DEFAULT_TEXT_COLUMN
 
     @property
     def name(self) -> str:
-        return f"{self.dataset.name} tokenized for {self.model.name}, seq_len {self.seq_len}"
+        column = f", column {self.text_column}" if self._custom_column else ""
+        return f"{self.dataset.name} tokenized for {self.model.name}, seq_len {self.seq_len}{column}"
 
     @property
     def key(self) -> str:
-        return f"tokenized:{self.dataset.name}|{self.model.repo_id}@{self.model.revision}|seq_len={self.seq_len}"
+        column = f"|text_column={self.text_column}" if self._custom_column else ""
+        return f"tokenized:{self.dataset.name}|{self.model.repo_id}@{self.model.revision}|seq_len={self.seq_len}{column}"
 
     @property
     def relpath(self) -> str:
-        return "tokenized/" + self.dataset.relpath.split("/", 1)[1] + f"/{self.model.slug}/seq{self.seq_len}"
+        column = f"-{_safe(str(self.text_column))}" if self._custom_column else ""
+        return "tokenized/" + self.dataset.relpath.split("/", 1)[1] + f"/{self.model.slug}/seq{self.seq_len}{column}"
 
 
 def _safe(text: str) -> str:
@@ -196,7 +235,7 @@ class CachedItem:
     def provenance(self) -> dict[str, Any]:
         """What a result record should carry about this input: name, kind and revision sha."""
         out = {"item": self.item, "kind": self.kind, "sha": self.sha}
-        for extra in ("seq_len", "num_rows", "num_blocks", "tokenizer_sha"):
+        for extra in ("seq_len", "num_rows", "num_blocks", "tokenizer_sha", "text_column"):
             if extra in self.entry:
                 out[extra] = self.entry[extra]
         return out
@@ -236,9 +275,8 @@ def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights:
     """resolve_model without switching the process offline (for the downloader itself)."""
     ref = ModelRef.parse(name)
     cache = default_cache_dir(cache_dir)
-    flags = " --weights" if weights else ""
-    command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --model {ref.name}{flags}"
-    entry_key, entry = _find_model_entry(cache, ref)
+    command = model_download_command(cache, ref, weights)
+    entry_key, entry = find_model_entry(read_manifest(cache)["items"], ref)
     if entry is None:
         raise CacheMissError(f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
     item = _checked(cache, entry_key, entry, ref.name, command)
@@ -248,6 +286,11 @@ def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights:
             f"on a machine with internet run: {command}"
         )
     return item
+
+
+def model_download_command(cache: Path, ref: ModelRef, weights: bool) -> str:
+    """The command that fetches a model into the cache (run where there is internet)."""
+    return f"{DOWNLOAD_COMMAND} --cache-dir {cache} --model {ref.name}{' --weights' if weights else ''}"
 
 
 def resolve_model_dir(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> Path:
@@ -296,11 +339,12 @@ def resolve_tokenized_dir(dataset: str, model: str, seq_len: int, cache_dir: str
     return resolve_tokenized(dataset, model, seq_len, cache_dir).path
 
 
-def _find_model_entry(cache: Path, ref: ModelRef) -> tuple[str, dict | None]:
-    items = read_manifest(cache)["items"]
+def find_model_entry(items: dict[str, dict], ref: ModelRef) -> tuple[str, dict | None]:
+    """The manifest entry of a model: by its key, or for a commit sha by any download of the repo
+    that resolved to that sha (`org/m@main` downloaded, `org/m@<sha>` asked for). (key, None) if none."""
     if ref.key in items:
         return ref.key, items[ref.key]
-    if _SHA_RE.match(ref.revision):  # a commit sha: any download of that repo that resolved to it
+    if _SHA_RE.match(ref.revision):
         for key, entry in items.items():
             if entry.get("kind") == "model" and entry.get("repo_id") == ref.repo_id and entry.get("sha") == ref.revision:
                 return key, entry
