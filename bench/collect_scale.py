@@ -115,8 +115,10 @@ def timed_command(args: list[str]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3, help="time each command this many times, keep the best")
+    parser.add_argument("--cells", type=int, default=10_000,
+                        help="cells to plan; about 0.3%% are left without a record (missing) (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="time each command this many times, keep the best (default: %(default)s)")
     parser.add_argument("--keep", type=Path, help="write the sweep here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="hpcfsdp-scale-"))
@@ -149,9 +151,10 @@ def main() -> int:
         print(f"`hpcfsdp collect` in a fresh process, best of {args.repeats} (imports, report and the printed table included):")
         print(f"  with plots:   {with_plots:5.2f} s wall, {with_plots_cpu:5.2f} s CPU")
         print(f"  --no-plots:   {without_plots:5.2f} s wall, {without_plots_cpu:5.2f} s CPU")
-        for label, seconds in (("without plots", without_plots), ("with plots", with_plots)):
-            print(f"{'PASS' if seconds < LIMIT_S else 'OVER'} {label}: {seconds:.2f} s (limit {LIMIT_S} s)")
-        return 0 if without_plots < LIMIT_S else 1
+        # The limit is for the command as a user runs it: with plots. --no-plots is shown for comparison.
+        print(f"{'PASS' if with_plots < LIMIT_S else 'OVER'}: full collect (with plots) {with_plots:.2f} s, "
+              f"--no-plots {without_plots:.2f} s (limit {LIMIT_S} s, on the full collect)")
+        return 0 if with_plots < LIMIT_S else 1
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import shutil
 import subprocess
 import tempfile
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from PIL import Image
 
 from hpcfsdp import plots
 from hpcfsdp.cli import main
 from hpcfsdp.collect import compare_sweeps, label_cells, load_records, ok_configs, reference_cells, write_report
 from hpcfsdp.matrix import cell_id
-from hpcfsdp.record import write_record
+from hpcfsdp.record import SCHEMA_VERSION, write_record
 from hpcfsdp.spec import RunSpec
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -180,6 +189,81 @@ def test_results_csv_has_one_row_per_cell_with_spec_and_metrics(gpu, gpu_report)
     assert len(parquet) == len(table) and set(parquet.columns) == set(table.columns)
 
 
+def with_changes(record: dict, **changes) -> dict:
+    """record with top-level fields replaced, and spec fields replaced by `spec_<name>` keywords."""
+    spec = {**record["spec"], **{k.removeprefix("spec_"): v for k, v in changes.items() if k.startswith("spec_")}}
+    return {**record, "spec": spec, **{k: v for k, v in changes.items() if not k.startswith("spec_")}}
+
+
+# Records that parse as JSON but hold values the collector cannot compute with: cell folder ->
+# (the change, what the unreadable-record note says after the path).
+WRONG_VALUES = {
+    "metric-text": ({"tokens_per_s_per_gpu": "fast"}, 'tokens_per_s_per_gpu: expected a number or null, got "fast"'),
+    "metric-bool": ({"mfu": True}, "mfu: expected a number or null, got true"),
+    "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers, got "oops"'),
+    "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers, got [11.0, "x"]'),
+    "spec-text": ({"spec": "ddp"}, 'spec: expected an object (the run\'s RunSpec), got "ddp"'),
+    "spec-empty": ({"spec": {}}, "spec.strategy: expected a strategy name, got null or missing"),
+    "batch-text": ({"spec_batch_size": "4"}, 'spec.batch_size: expected an integer, got "4"'),
+    "spec-list": ({"spec_seq_len": [4096]}, "spec.seq_len: expected text, a number or true/false, got [4096]"),
+    "spec-odd-type": ({"spec_seq_len": "4096"}, 'spec.seq_len: expected a number like the sweep\'s other records, got "4096"'),
+}
+
+
+def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
+    sweep = shutil.copytree(gpu, tmp_path / "wrong")
+    for batch, (folder, (changes, _)) in enumerate(WRONG_VALUES.items(), start=64):
+        record = with_changes(ok_record(spec_of(GPU_BASE, strategy="ddp", batch_size=batch), 9000, 30), **changes)
+        write_record(sweep / "cells" / folder / "result.json", record)
+    planned = sweep / "cells" / "planned-batch-text"
+    planned.mkdir()
+    (planned / "spec.json").write_text(json.dumps({"spec": {"strategy": "ddp", "batch_size": "4"}}))
+
+    report = write_report(sweep)  # with plots: an empty spec used to break the throughput figure
+    expected = {f"{sweep / 'cells' / folder / 'result.json'}: {note}" for folder, (_, note) in WRONG_VALUES.items()}
+    expected.add(f"{planned / 'spec.json'}: spec.batch_size: expected an integer, got \"4\"")
+    assert expected <= set(report.unreadable) and len(report.unreadable) == len(expected) + 2  # + the fixture's two
+    assert report.skipped_plots == {}
+    table = pd.read_csv(report.directory / "results.csv")
+    assert len(table) == 13 + 3 and table["status"].value_counts()["missing"] == 3  # records + missing; none of the above
+    assert table.loc[table["cell_id"] == "planned-batch-text", "batch_size"].isna().all()  # listed, without its bad spec
+    pytest.importorskip("pyarrow")
+    assert len(pd.read_parquet(report.directory / "results.parquet")) == len(table)
+
+
+def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
+    """device_name is not a field the collector computes with, so a number there is kept."""
+    pytest.importorskip("pyarrow")
+    sweep = tmp_path / "mixed"
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3"), 1100.0, 10.0, device=7))
+    report = write_report(sweep, plots=False)
+    assert report.notes == [f"{report.directory / 'results.parquet'}: column(s) device_name hold values of more "
+                            "than one type; written as text"]
+    assert report.unreadable == []
+    parquet = pd.read_parquet(report.directory / "results.parquet").set_index("strategy")
+    assert parquet["device_name"].to_dict() == {"ddp": H100, "fsdp2_zero3": "7"}
+    assert set(pd.read_csv(report.directory / "results.csv")["device_name"]) == {H100, "7"}
+
+
+def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):
+    """read_record accepts its own SCHEMA_VERSION only: what an older record's fields mean is not
+    defined, so it is named and skipped, never guessed at."""
+    sweep = cpu_sweep(tmp_path)
+    record = ok_record(spec_of(CPU_BASE, strategy="ddp", batch_size=4), 9000.0, 0.4, device="cpu")
+    paths = {}
+    for folder, version in (("older", {"schema_version": SCHEMA_VERSION - 1}), ("unversioned", {})):
+        paths[folder] = sweep / "cells" / folder / "result.json"
+        paths[folder].parent.mkdir()
+        paths[folder].write_text(json.dumps({**version, **record}))
+    collection = load_records(sweep)
+    assert sorted(collection.unreadable) == [
+        f"{paths['older']}: schema_version {SCHEMA_VERSION - 1} is not supported (expected {SCHEMA_VERSION})",
+        f"{paths['unversioned']}: schema_version None is not supported (expected {SCHEMA_VERSION})",
+    ]
+    assert len(collection.frame) == 4 and collection.missing.empty  # the cpu sweep's records; not missing either
+
+
 # ---------------------------------------------------------------------------------------------
 # summary.md: numbers computed by hand from the fixture's table
 
@@ -276,21 +360,65 @@ def distinct_colours(path: Path) -> int:
         return len(image.convert("RGB").getcolors(maxcolors=1 << 24))
 
 
-def test_every_plot_is_drawn_and_not_blank(gpu_report):
+def plot_data(sweep: Path) -> plots.PlotData:
+    """What write_report hands the figures of a sweep."""
+    cells = label_cells(load_records(sweep))
+    reference, label = reference_cells(cells)
+    return plots.PlotData.of(ok_configs(cells), reference, label)
+
+
+def shows_a_value(artist: Artist) -> bool:
+    """A line with a finite point, an image with a finite pixel, a bar or mesh of some size."""
+    if isinstance(artist, Line2D):
+        return bool(np.isfinite(artist.get_xydata()).all(axis=1).any())
+    if isinstance(artist, AxesImage):
+        return np.ma.masked_invalid(artist.get_array()).count() > 0
+    if isinstance(artist, Patch):
+        extent = artist.get_window_extent()
+        return extent.width > 0 and extent.height > 0
+    return len(artist.get_paths()) > 0  # a collection
+
+
+def data_artists(ax: Axes) -> list[Artist]:
+    """What an axes draws from data: artists placed in data coordinates that show a value. A
+    reference line (axhline: x in axes coordinates), the grid, text and the background do not count."""
+    return [artist for artist in (*ax.lines, *ax.images, *ax.patches, *ax.collections)
+            if artist.get_transform().contains_branch(ax.transData) and shows_a_value(artist)]
+
+
+def test_every_plot_is_drawn_and_shows_data(gpu, gpu_report):
     assert gpu_report.skipped_plots == {}
     drawn = {path.stem: path for path in gpu_report.files if path.suffix == ".png"}
     assert set(drawn) == {name for name, _, _ in plots.PLOTS}
     for name, path in drawn.items():
         with Image.open(path) as image:
             assert image.width >= 600 and image.height >= 300, name
-        assert path.stat().st_size > 15_000, name
         assert distinct_colours(path) > 50, name  # text, lines and fills, not a blank canvas
+    data = plot_data(gpu)
+    for name, _, draw in plots.PLOTS:  # the functions that drew those files, from the same records
+        panels = [ax for ax in draw(data).axes if ax.get_visible()]  # a colour bar is one too: it shows its map
+        assert panels, name
+        assert [ax.get_title() for ax in panels if not data_artists(ax)] == [], name
+
+
+def broken_figure(data: plots.PlotData) -> Figure:
+    raise ValueError("cannot draw this")
+
+
+def test_a_failing_figure_is_skipped_with_its_error_and_the_others_are_drawn(gpu, gpu_report, tmp_path, monkeypatch):
+    sweep = shutil.copytree(gpu, tmp_path / "copy")
+    assert (sweep / "report" / "plots" / "mfu.png").exists()  # drawn by gpu_report
+    monkeypatch.setattr(plots, "PLOTS", tuple((name, caption, broken_figure if name == "mfu" else draw)
+                                              for name, caption, draw in plots.PLOTS))
+    report = write_report(sweep)
+    assert report.skipped_plots == {"mfu": "ValueError: cannot draw this"}
+    assert {path.stem for path in report.files if path.suffix == ".png"} == {name for name, _, _ in plots.PLOTS} - {"mfu"}
+    assert not (report.directory / "plots" / "mfu.png").exists()  # no figure of the earlier collection left
+    assert "Skipped mfu: ValueError: cannot draw this." in (report.directory / "summary.md").read_text()
 
 
 def test_memory_plot_draws_the_gpu_capacity_and_time_plot_uses_comm(gpu):
-    cells = label_cells(load_records(gpu))
-    reference, label = reference_cells(cells)
-    data = plots.PlotData.of(ok_configs(cells), reference, label)
+    data = plot_data(gpu)
     legend = [text.get_text() for text in plots.memory(data).legends[0].get_texts()]
     assert f"{H100}: 79.6 GiB" in legend
     assert "not recorded" not in plots.time_breakdown(data).get_suptitle()
@@ -304,9 +432,7 @@ def test_cpu_sweep_skips_gpu_only_plots_with_a_note(tmp_path):
     assert "mfu" in report.skipped_plots["mfu"]
     summary = (report.directory / "summary.md").read_text()
     assert "No MFU values" in summary and "Skipped mfu: no ok cell recorded mfu." in summary
-    cells = label_cells(load_records(tmp_path / "cpu"))
-    reference, label = reference_cells(cells)
-    data = plots.PlotData.of(ok_configs(cells), reference, label)
+    data = plot_data(tmp_path / "cpu")
     assert "exposed communication not recorded: shown as 0" in plots.time_breakdown(data).get_suptitle()
     assert len(plots.memory(data).legends[0].get_texts()) == 2  # the strategies; no capacity line on CPU
     assert distinct_colours(report.directory / "plots" / "memory_stages.png") > 50
@@ -320,10 +446,37 @@ def test_empty_sweep_writes_a_report_and_skips_every_plot(tmp_path):
     assert "No cell finished ok" in (report.directory / "summary.md").read_text()
 
 
+class PageReferences(HTMLParser):
+    """The src of every <img> of a page, every src and href, and the ids an #anchor can name."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.images: list[str] = []
+        self.references: list[str] = []
+        self.ids: set[str] = set()
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = {name: value or "" for name, value in attrs}
+        if tag == "img":
+            self.images.append(values.get("src", ""))
+        self.references += [values[name] for name in ("src", "href") if name in values]
+        if "id" in values:
+            self.ids.add(values["id"])
+
+
 def test_index_html_is_self_contained(gpu_report):
     page = (gpu_report.directory / "index.html").read_text()
-    assert page.count('src="data:image/png;base64,') == len(plots.PLOTS)
-    assert not re.search(r'(src|href)="(https?:)?//', page)
+    found = PageReferences(page)
+    embedded = []
+    for src in found.images:
+        assert src.startswith("data:image/png;base64,"), src[:80]
+        embedded.append(base64.b64decode(src.split(",", 1)[1], validate=True))
+        with Image.open(io.BytesIO(embedded[-1])) as image:
+            image.verify()  # a PNG signature, chunks and checksums, not just any base64
+    assert sorted(embedded) == sorted(path.read_bytes() for path in gpu_report.files if path.suffix == ".png")
+    outside = [ref for ref in found.references if not ref.startswith("data:") and ref.removeprefix("#") not in found.ids]
+    assert outside == []  # only embedded data and anchors of this page
     for text in (H100, "2.11.0+cu128", "gpu-node-07", "nccl", "OOM frontier", "1.10x", "corrupt-cell"):
         assert text in page, text
 
@@ -375,6 +528,29 @@ def test_compare_flags_a_planted_regression(gpu, tmp_path):
     assert f"{broken}: status ok -> oom" in comparison.regressions
     assert any("noise unknown" in note for note in comparison.notes)
     assert not compare_sweeps(gpu, gpu).regressions
+
+
+def test_compare_flags_ok_cells_that_have_no_record_now(gpu, tmp_path):
+    again = shutil.copytree(gpu, tmp_path / "again")
+    pending = cell_id(spec_of(GPU_BASE, strategy="ddp", batch_size=2))  # ok before; planned now, no record
+    gone = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=4))  # ok before; not in this sweep at all
+    was_oom = cell_id(spec_of(GPU_BASE, strategy="ddp", batch_size=4))  # not ok before: no regression
+    (again / "cells" / pending / "result.json").unlink()
+    for cell in (gone, was_oom):
+        shutil.rmtree(again / "cells" / cell)
+    manifest = json.loads((again / "manifest.json").read_text())
+    (again / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in (gone, was_oom)}))
+
+    comparison = compare_sweeps(again, gpu)
+    assert sorted(comparison.regressions) == sorted([f"{pending}: status ok -> missing", f"{gone}: status ok -> missing"])
+    table = comparison.table.set_index("cell")
+    assert len(table) == 13  # every record of the reference
+    assert table.loc[[pending, gone, was_oom], "status"].tolist() == ["ok -> missing", "ok -> missing", "oom -> missing"]
+    assert table.loc[[pending, gone, was_oom], "regression"].tolist() == ["REGRESSION", "REGRESSION", ""]
+    assert table.loc[gone, "tokens/s/gpu"] == "12,600 -> -"
+    text = comparison.render("again", "gpu")
+    assert text.startswith("# again vs gpu: 13 reference cell(s), 2 regression(s)")
+    assert f"- {gone}: status ok -> missing" in section(text, "Regressions")
 
 
 def test_compare_cli_prints_deltas_and_fails_on_regression(gpu, tmp_path, capsys):

@@ -336,6 +336,8 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
     report = write_report(sweep_dir, baseline=baseline, plots=plots)
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
+    for note in report.notes:
+        print(f"warning: {note}", file=sys.stderr)
     regressions = 0
     if compare is not None:
         comparison, text, path = write_comparison(sweep_dir, compare, threshold)

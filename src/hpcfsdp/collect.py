@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,13 @@ MISSING = "missing"
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 # Optional per-step fractions and utilisation: averaged over repeats like the metrics.
 EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean")
+# Fields the tables and plots compute with, checked when a record is read (_record_problem).
+NUMBER_FIELDS = (*METRICS, *EXTRA_NUMBERS, "step_time_s", "final_loss")
+NUMBER_LIST_FIELDS = ("losses", "step_times_s")
+# Exact types, as json.loads gives them: true is a bool, not the number 1.
+NUMBER_TYPES = frozenset({int, float})
+# The types a spec value can have (checked by _spec_problem), as a message names them.
+JSON_TYPES = {str: "text", int: "a number", float: "a number", bool: "true/false"}
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
 METRIC_FORMATS = {"tokens_per_s_per_gpu": "{:,.0f}", "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}"}
 
@@ -81,20 +89,103 @@ class Collection:
 def load_records(sweep_dir: str | Path) -> Collection:
     """Every record under <sweep_dir>/cells; unreadable ones are listed by path, never fatal."""
     sweep_dir = Path(sweep_dir)
-    rows, unreadable, spec_fields, recorded = [], [], {}, set()
-    for path in sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}")):
-        recorded.add(path.parent.name)
-        try:
-            record = read_record(path)
-            if not isinstance(record.get("spec"), dict):
-                raise RecordError(f"{path}: spec is missing or not an object")
-        except RecordError as exc:
-            unreadable.append(str(exc))
+    paths = sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}"))
+    unreadable: list[str] = []
+    records = [(path, record) for path in paths if (record := _checked_record(path, unreadable))]
+    usual = _usual_types([record["spec"] for _, record in records])
+    rows, spec_fields = [], {}
+    for path, record in records:
+        problem = _type_problem(record["spec"], usual)
+        if problem:
+            unreadable.append(f"{path}: {problem}")
             continue
         spec_fields.update(dict.fromkeys(record["spec"]))
         rows.append(_flatten(record))
-    missing = _missing_cells(sweep_dir, recorded, unreadable)
+    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, usual, unreadable)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
+
+
+def _checked_record(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """The record at path; None, with a note in problems, when it cannot be read or holds values
+    the collector cannot compute with."""
+    try:
+        record = read_record(path)
+    except RecordError as exc:
+        problems.append(str(exc))
+        return None
+    problem = _record_problem(record)
+    if problem:
+        problems.append(f"{path}: {problem}")
+        return None
+    return record
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What makes a record that parsed unusable ("tokens_per_s_per_gpu: expected a number or null,
+    got "fast""), or None. Only the fields the tables and plots compute with are checked; a wrong
+    value elsewhere is carried to results.csv as it is."""
+    problem = _spec_problem(record.get("spec"))
+    if problem:
+        return problem
+    for name in NUMBER_FIELDS:
+        if record.get(name) is not None and not _is_number(record[name]):
+            return f"{name}: expected a number or null, got {_shown(record[name])}"
+    for name in NUMBER_LIST_FIELDS:
+        values = record.get(name)
+        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= NUMBER_TYPES):
+            return f"{name}: expected a list of numbers, got {_shown(values)}"
+    return None
+
+
+def _spec_problem(spec: Any) -> str | None:
+    """What makes a spec unusable for grouping cells ("spec.batch_size: expected an integer,
+    got "4""), or None. RunSpec fields are all single values: a list or object in one would
+    break every group-by."""
+    if not isinstance(spec, dict):
+        return f"spec: expected an object (the run's RunSpec), got {_shown(spec)}"
+    if not isinstance(spec.get("strategy"), str):
+        return f"spec.strategy: expected a strategy name, got {_shown(spec.get('strategy'))}"
+    if type(spec.get("batch_size")) is not int:
+        return f"spec.batch_size: expected an integer, got {_shown(spec.get('batch_size'))}"
+    for name, value in spec.items():
+        if value is not None and type(value) not in JSON_TYPES:
+            return f"spec.{name}: expected text, a number or true/false, got {_shown(value)}"
+    return None
+
+
+def _usual_types(specs: list[dict[str, Any]]) -> dict[str, str]:
+    """Spec field -> the JSON type most records give it, for the fields whose records disagree
+    (normally none: then one pass over the specs is all it costs)."""
+    present = {(name, type(value)) for spec in specs for name, value in spec.items() if value is not None}
+    types: dict[str, set[str]] = {}
+    for name, kind in present:
+        types.setdefault(name, set()).add(JSON_TYPES[kind])
+    disagreeing = [name for name, kinds in types.items() if len(kinds) > 1]
+    counts = Counter((name, JSON_TYPES[type(spec[name])]) for spec in specs for name in disagreeing
+                     if spec.get(name) is not None)
+    return {name: max(types[name], key=lambda kind: (counts[name, kind], kind)) for name in disagreeing}  # ties: by name
+
+
+def _type_problem(spec: dict[str, Any], usual: dict[str, str]) -> str | None:
+    """A spec field of another type than the sweep's other records give it ("seq_len": "4096"
+    among numbers): its column could be neither sorted nor matched with a baseline."""
+    for name, expected in usual.items():
+        value = spec.get(name)
+        if value is not None and JSON_TYPES[type(value)] != expected:
+            return f"spec.{name}: expected {expected} like the sweep's other records, got {_shown(value)}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in NUMBER_TYPES
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value as it reads in the JSON file, cut short: "fast", [1, "x"]; None is a key null or absent."""
+    if value is None:
+        return "null or missing"
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:
@@ -121,19 +212,31 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
             row[f"{prefix}.{key}"] = value
 
 
-def _missing_cells(sweep_dir: Path, recorded: set[str], problems: list[str]) -> pd.DataFrame:
+def _missing_cells(sweep_dir: Path, recorded: set[str], usual: dict[str, str], problems: list[str]) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
     manifest = _read_json(sweep_dir / MANIFEST_NAME, problems)
     planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
     rows = []
     for cell_id in sorted(planned - recorded):
-        spec_path = sweep_dir / "cells" / cell_id / SPEC_NAME
-        spec = _read_json(spec_path, problems).get("spec") if spec_path.exists() else None
+        spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, usual, problems)
         entry = manifest.get(cell_id)
         job = entry.get("job_id") if isinstance(entry, dict) else None
         reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: pending, running or lost)" if job else "")
-        rows.append({"cell_id": cell_id, "status": MISSING, "error": reason, **(spec if isinstance(spec, dict) else {})})
+        rows.append({"cell_id": cell_id, "status": MISSING, "error": reason, **spec})
     return pd.DataFrame(rows)
+
+
+def _planned_spec(spec_path: Path, usual: dict[str, str], problems: list[str]) -> dict[str, Any]:
+    """The spec of a cell's spec.json; {} when there is none, or (with a note in problems) when
+    it is not usable: the cell is still listed as missing, without its spec fields."""
+    spec = _read_json(spec_path, problems).get("spec")
+    if spec is None:
+        return {}
+    problem = _spec_problem(spec) or _type_problem(spec, usual)
+    if problem:
+        problems.append(f"{spec_path}: {problem}")
+        return {}
+    return spec
 
 
 def _read_json(path: Path, problems: list[str]) -> dict[str, Any]:
@@ -379,7 +482,7 @@ def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
               *sorted(c for c in frame.columns if c.startswith("versions."))]
     rows = [(name, _counted(frame[name].dropna())) for name in fields if name in frame and frame[name].notna().any()]
     if "hostnames" in frame:
-        hosts = sorted({h for hs in frame["hostnames"].dropna() if isinstance(hs, list) for h in hs})
+        hosts = sorted({str(h) for hs in frame["hostnames"].dropna() if isinstance(hs, list) for h in hs})
         if hosts:
             shown = ", ".join(hosts[:20]) + (f" and {len(hosts) - 20} more" if len(hosts) > 20 else "")
             rows.append(("hostnames", shown))
@@ -387,7 +490,12 @@ def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _counted(values: pd.Series) -> str:
-    return ", ".join(f"{_text(v)} ({n})" for v, n in values.value_counts().sort_index().items())
+    counts = values.value_counts()
+    try:
+        counts = counts.sort_index()
+    except TypeError:  # values of more than one type (a record's context field holds a number here, text there)
+        counts = counts.sort_index(key=lambda index: index.map(_text))
+    return ", ".join(f"{_text(v)} ({n})" for v, n in counts.items())
 
 
 def status_counts(cells: Cells, unreadable: list[str]) -> str:
@@ -411,6 +519,7 @@ class Report:
     files: list[Path]
     unreadable: list[str]
     skipped_plots: dict[str, str]  # plot name -> why it was not drawn
+    notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
 
 
 def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True) -> Report:
@@ -420,7 +529,7 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     cells = label_cells(collection)
     report = sweep_dir / "report"
     report.mkdir(parents=True, exist_ok=True)
-    files = write_tables(collection.cells, report)
+    files, notes = write_tables(collection.cells, report)
 
     configs = ok_configs(cells)
     sections = summary_sections(cells, configs, baseline, collection.unreadable)
@@ -436,20 +545,52 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     (report / "summary.md").write_text(to_markdown(title, sections, relative_to=report))
     (report / "index.html").write_text(to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
-    return Report(comparison_table(collection.cells), report, files, collection.unreadable, skipped)
+    return Report(comparison_table(collection.cells), report, files, collection.unreadable, skipped, notes)
 
 
-def write_tables(frame: pd.DataFrame, report: Path) -> list[Path]:
-    """results.csv, and results.parquet when pyarrow is there; lists and objects as JSON text."""
+def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[str]]:
+    """results.csv, and results.parquet when pyarrow is there; lists and objects as JSON text.
+    Returns the files and a note per column that parquet could not keep as it was."""
     table = _exportable(frame)
     table.to_csv(report / "results.csv", index=False)
     written = [report / "results.csv"]
     try:
         import pyarrow  # noqa: F401 - only to know whether parquet can be written
     except ImportError:
-        return written
-    table.to_parquet(report / "results.parquet", index=False)
-    return written + [report / "results.parquet"]
+        return written, []
+    notes = _write_parquet(table, report / "results.parquet")
+    return written + [report / "results.parquet"], notes
+
+
+def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
+    """A parquet column holds one type. Records checked only where the collector computes can
+    still disagree elsewhere (a field text in one record, a number in another): such a column
+    is written as text, with a note naming it; results.csv keeps the values as read."""
+    import pyarrow
+
+    try:
+        table.to_parquet(path, index=False)
+        return []
+    except pyarrow.ArrowException:
+        mixed = [column for column in table.columns[table.dtypes == object] if not _arrow_converts(table[column])]
+        table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(path, index=False)
+        return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
+
+
+def _arrow_converts(column: pd.Series) -> bool:
+    import pyarrow
+
+    try:
+        pyarrow.array(column, from_pandas=True)
+    except pyarrow.ArrowException:
+        return False
+    return True
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
@@ -557,7 +698,7 @@ class Comparison:
     notes: list[str]
 
     def render(self, current: str, reference: str) -> str:
-        title = f"{current} vs {reference}: {len(self.table)} matched cell(s), {len(self.regressions)} regression(s)"
+        title = f"{current} vs {reference}: {len(self.table)} reference cell(s), {len(self.regressions)} regression(s)"
         sections = [Section("Per-cell deltas", table=self.table)]
         if self.regressions:
             sections.append(Section("Regressions", items=self.regressions))
@@ -570,15 +711,16 @@ WORSE = {"tokens_per_s_per_gpu": -1, "mfu": -1, "peak_memory_gib": +1}
 
 
 def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05) -> Comparison:
-    """Deltas current / reference - 1 for every cell in both sweeps; a change beyond threshold in
-    the worse direction, or a cell ok in the reference and not now, is a regression."""
+    """Deltas current / reference - 1 for every cell of the reference sweep; a change beyond
+    threshold in the worse direction, or a cell ok in the reference and not now (failed, or
+    `missing`: no readable record in the current sweep), is a regression."""
     current, reference = load_records(current_dir), load_records(reference_dir)
-    columns = ["cell_id", "strategy", "batch_size", "status", *METRICS]
-    cur = current.frame.reindex(columns=columns)
-    ref = reference.frame.reindex(columns=columns)
+    cur = current.frame.reindex(columns=["cell_id", "status", *METRICS])
+    ref = reference.frame.reindex(columns=["cell_id", "strategy", "batch_size", "status", *METRICS])
     for frame in (cur, ref):
         frame[list(METRICS)] = frame[list(METRICS)].apply(pd.to_numeric, errors="coerce")
-    paired = ref.merge(cur, on="cell_id", suffixes=("_ref", ""), how="inner").sort_values(["strategy", "batch_size", "cell_id"])
+    paired = ref.merge(cur, on="cell_id", suffixes=("_ref", ""), how="left").sort_values(["strategy", "batch_size", "cell_id"])
+    paired["status"] = paired["status"].fillna(MISSING)
 
     table = pd.DataFrame({"cell": paired["cell_id"], "strategy": paired["strategy"], "batch": paired["batch_size"].map(_text),
                           "status": [s if s == r else f"{r} -> {s}" for s, r in zip(paired["status"], paired["status_ref"])]})
@@ -596,12 +738,12 @@ def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold
     table["regression"] = flagged.map({True: "REGRESSION", False: ""}).to_numpy()
 
     notes = [f"threshold {threshold:.1%}; delta = current / reference - 1"]
-    only_cur, only_ref = set(cur["cell_id"]) - set(ref["cell_id"]), set(ref["cell_id"]) - set(cur["cell_id"])
-    if only_cur or only_ref:
-        notes.append(f"unmatched: {len(only_cur)} cell(s) only in the current sweep, {len(only_ref)} only in the reference")
-    if paired.empty:
+    cur_ids, ref_ids = set(cur["cell_id"]), set(ref["cell_id"])
+    if cur_ids != ref_ids:
+        notes.append(f"unmatched: {len(cur_ids - ref_ids)} cell(s) only in the current sweep, {len(ref_ids - cur_ids)} only in the reference")
+    if ref_ids and not cur_ids & ref_ids:
         notes.append("no cell in common: a cell id hashes the whole spec, so a changed field (or a RunSpec field "
-                     "added between the two runs) gives every cell a new id")
+                     "added between the two runs) gives every cell a new id, and every ok reference cell counts as missing")
     notes += [f"{name}: {len(c.unreadable)} unreadable record(s) skipped" for name, c in (("current", current), ("reference", reference)) if c.unreadable]
     notes.append(_noise_note({"current": current, "reference": reference}, threshold))
     return Comparison(table.reset_index(drop=True), regressions, notes)

@@ -2,7 +2,8 @@
 
 Figures use matplotlib's object API (`Figure`, never pyplot): they render with Agg and leave no
 global state behind, so collecting works on a login node without a display. A figure whose data
-is absent raises NoData and is skipped with a note instead of failing the report.
+is absent raises NoData and is skipped with a note instead of failing the report; so is a figure
+that fails for any other reason, with the error as the note.
 
 Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the
 ok cells of one workload run by most strategies; both carry `variant` and `setting` labels.
@@ -95,15 +96,19 @@ def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label:
 
 
 def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData, path: Path) -> str | None:
-    """Write one figure; return why it was skipped, or None."""
+    """Write one figure; return why it was skipped, or None. A figure that fails (values no
+    figure was written for) is skipped like one without data: the report and the other figures
+    matter more than one figure."""
     try:
-        figure = draw(data)
+        # A fast zlib level: the default spends seconds compressing large multi-panel PNGs.
+        draw(data).savefig(path, dpi=DPI, pil_kwargs={"compress_level": 1})
+        return None
     except NoData as exc:
-        path.unlink(missing_ok=True)  # do not leave a figure of an earlier collection behind
-        return str(exc)
-    # A fast zlib level: the default spends seconds compressing large multi-panel PNGs.
-    figure.savefig(path, dpi=DPI, pil_kwargs={"compress_level": 1})
-    return None
+        why = str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported as the figure's skip reason
+        why = f"{type(exc).__name__}: {exc}"
+    path.unlink(missing_ok=True)  # neither half a figure nor one of an earlier collection
+    return why
 
 
 def throughput(data: PlotData) -> Figure:
