@@ -307,8 +307,8 @@ def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu
     failures = {r[0]: r for r in rows(section(summary, "Cells that did not finish ok"))[1:]}
     assert {r[1] for r in failures.values()} == {"oom", "error", "timeout", "missing"}
     error = next(r for r in failures.values() if r[1] == "error")
-    assert error[5:] == ["shard", r"RuntimeError: NCCL error \| unhandled system error"]  # first line, pipe escaped
-    assert "Slurm job 4242_9" in failures["ghost-cell"][6]
+    assert error[6:] == ["shard", r"RuntimeError: NCCL error \| unhandled system error"]  # first line, pipe escaped
+    assert failures["ghost-cell"][2] == "4242_9" and "Slurm job 4242_9" in failures["ghost-cell"][7]
     unreadable = section(summary, "Unreadable records (skipped)")
     assert "corrupt-cell/result.json" in unreadable and "schema_version 2" in unreadable
     assert summary.startswith("# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)")

@@ -395,3 +395,18 @@ def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch
     assert executor == "local" and "no Slurm controller answers (sinfo: sinfo: fatal: no config;" in why
     (bin_dir / "sinfo").write_text("#!/bin/sh\necho gpu\n")
     assert default_executor() == ("slurm", "")
+
+
+def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_squeue, capsys):
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    _, _, running, gone = sweep.cells
+    fake_squeue.write_text("71_2 RUNNING\n")
+    main(["collect", str(sweep_dir), "--no-plots"])
+    summary = (sweep_dir / "report" / "summary.md").read_text()
+    assert f"| {running.id} | missing | 71_2 |" in summary and "no result.json (Slurm job 71_2: RUNNING)" in summary
+    assert "no result.json (Slurm job 71_3: not in the queue, state unknown without accounting)" in summary
+    # A controller that does not answer: collect says it does not know, rather than guessing.
+    (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\nexit 1\n")
+    main(["collect", str(sweep_dir), "--no-plots"])
+    assert "(Slurm job 71_3: pending, running or lost; `hpcfsdp status` asks Slurm)" in (
+        sweep_dir / "report" / "summary.md").read_text()

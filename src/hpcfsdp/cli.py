@@ -333,7 +333,7 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
     for folder in (sweep_dir, compare):
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
-    report = write_report(sweep_dir, baseline=baseline, plots=plots)
+    report = write_report(sweep_dir, baseline=baseline, plots=plots, scheduler_states=_scheduler_states(sweep_dir))
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
     for note in report.notes:
@@ -350,6 +350,18 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
     skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
     print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
     return 1 if regressions else 0
+
+
+def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
+    """Cell id -> Slurm's state of its latest job, for the sweep's cells that went to Slurm; None
+    when squeue does not answer (collect then says it does not know)."""
+    from .submit import read_manifest, slurm_job_ids, sweep_status
+
+    cell_ids = list(read_manifest(sweep_dir))
+    if not slurm_job_ids(sweep_dir, cell_ids):
+        return {}
+    report = sweep_status(sweep_dir, cell_ids)
+    return None if report.note else {c.cell_id: c.slurm for c in report.cells if c.job_id}
 
 
 def _download(args: argparse.Namespace) -> int:

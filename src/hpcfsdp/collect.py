@@ -86,8 +86,11 @@ class Collection:
         return pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts[0] if parts else pd.DataFrame())
 
 
-def load_records(sweep_dir: str | Path) -> Collection:
-    """Every record under <sweep_dir>/cells; unreadable ones are listed by path, never fatal."""
+def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None) -> Collection:
+    """Every record under <sweep_dir>/cells; unreadable ones are listed by path, never fatal.
+
+    scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
+    the caller asked the scheduler, names the state of cells that have no record yet."""
     sweep_dir = Path(sweep_dir)
     paths = sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}"))
     unreadable: list[str] = []
@@ -101,7 +104,7 @@ def load_records(sweep_dir: str | Path) -> Collection:
             continue
         spec_fields.update(dict.fromkeys(record["spec"]))
         rows.append(_flatten(record))
-    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, usual, unreadable)
+    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, usual, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
 
 
@@ -212,7 +215,8 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
             row[f"{prefix}.{key}"] = value
 
 
-def _missing_cells(sweep_dir: Path, recorded: set[str], usual: dict[str, str], problems: list[str]) -> pd.DataFrame:
+def _missing_cells(sweep_dir: Path, recorded: set[str], usual: dict[str, str], problems: list[str],
+                   scheduler_states: dict[str, str] | None) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
     manifest = _read_json(sweep_dir / MANIFEST_NAME, problems)
     planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
@@ -221,9 +225,15 @@ def _missing_cells(sweep_dir: Path, recorded: set[str], usual: dict[str, str], p
         spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, usual, problems)
         entry = manifest.get(cell_id)
         job = entry.get("job_id") if isinstance(entry, dict) else None
-        reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: pending, running or lost)" if job else "")
-        rows.append({"cell_id": cell_id, "status": MISSING, "error": reason, **spec})
+        reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: {_job_state(cell_id, scheduler_states)})" if job else "")
+        rows.append({"cell_id": cell_id, "status": MISSING, "error": reason, "slurm.job_id": job, **spec})
     return pd.DataFrame(rows)
+
+
+def _job_state(cell_id: str, scheduler_states: dict[str, str] | None) -> str:
+    if scheduler_states is None:
+        return "pending, running or lost; `hpcfsdp status` asks Slurm"
+    return scheduler_states.get(cell_id) or "not in the queue, state unknown without accounting"
 
 
 def _planned_spec(spec_path: Path, usual: dict[str, str], problems: list[str]) -> dict[str, Any]:
@@ -448,9 +458,11 @@ def failures_table(cells: Cells) -> pd.DataFrame:
     failed = cells.frame[cells.frame["status"] != "ok"]
     stage = failed["stage"] if "stage" in failed else pd.Series("", index=failed.index)
     error = failed["error"] if "error" in failed else pd.Series("", index=failed.index)
+    job = failed["slurm.job_id"] if "slurm.job_id" in failed else pd.Series(None, index=failed.index)
     return pd.DataFrame({
         "cell": failed["cell_id"],
         "status": failed["status"],
+        "job": job.map(_text),
         "strategy": failed["variant"].map(_text),
         "batch": failed["batch_size"].map(_text),
         "setting": failed["setting"].astype(str),
@@ -522,10 +534,11 @@ class Report:
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
 
 
-def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True) -> Report:
+def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True,
+                 scheduler_states: dict[str, str] | None = None) -> Report:
     """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png."""
     sweep_dir = Path(sweep_dir)
-    collection = load_records(sweep_dir)
+    collection = load_records(sweep_dir, scheduler_states)
     cells = label_cells(collection)
     report = sweep_dir / "report"
     report.mkdir(parents=True, exist_ok=True)
