@@ -49,6 +49,7 @@ def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
         main(["run", "--cell-dir", str(cell_dir)])
     record = json.loads((cell_dir / "result.json").read_text())
     assert record["status"] == "error" and record["stage"] == "setup" and "model-deleted-after-plan" in record["error"]
+    assert record["world_size"] == 1 and record["versions"]["torch"] and record["launch_id"]
 
 
 def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, capsys):

@@ -410,3 +410,15 @@ def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_
     main(["collect", str(sweep_dir), "--no-plots"])
     assert "(Slurm job 71_3: pending, running or lost; `hpcfsdp status` asks Slurm)" in (
         sweep_dir / "report" / "summary.md").read_text()
+
+
+def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tmp_path, fake_squeue, capsys):
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    gone = sweep.cells[3]
+    fake_squeue.write_text("")
+    sacct = tmp_path / "bin" / "sacct"
+    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\nprintf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n'\n")
+    assert main(["status", str(sweep_dir)]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
+    assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
+    assert "--jobs=71_2,71_3" in (tmp_path / "sacct.args").read_text()  # only the unrecorded cells' jobs

@@ -71,9 +71,11 @@ def run_cell_dir(cell_dir: Path) -> str:
         # Validated again on the compute node: a path checked at plan time may be gone by now.
         spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
     except SpecError as exc:
+        nodes, per_node = meta["spec"].get("nodes", 1), meta["spec"].get("gpus_per_node", 1)
         write_record(cell_dir / RECORD_NAME, {
             "status": "error", "stage": "setup", "error": str(exc), "cell_id": meta["cell_id"],
-            "sweep": meta["sweep"], "spec": meta["spec"], "launch_id": _launch_id(),
+            "sweep": meta["sweep"], "spec": meta["spec"], "world_size": nodes * per_node, "nodes": nodes,
+            **_provenance(),
         })
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
     return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
@@ -430,6 +432,15 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "gpu_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
         "backend": env.backend,
         "hostnames": sorted(set(hosts)),
+        **_provenance(),
+        "started_at": started,
+        "duration_s": time.time() - started,
+    }
+
+
+def _provenance() -> dict[str, Any]:
+    """What every record carries about where and with what it ran, whatever stage it ended in."""
+    return {
         "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "array_job_id", "array_task_id", "job_nodelist")},
         "versions": {
             "hpcfsdp": __version__,
@@ -440,8 +451,6 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         },
         "git_commit": _git_commit(),
         "launch_id": _launch_id(),
-        "started_at": started,
-        "duration_s": time.time() - started,
     }
 
 
