@@ -422,3 +422,17 @@ def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tm
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
     assert "--jobs=71_2,71_3" in (tmp_path / "sacct.args").read_text()  # only the unrecorded cells' jobs
+
+
+def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(tmp_path, fake_squeue, capsys):
+    path, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    ok, timed_out, _, _ = sweep.cells
+    fake_squeue.write_text("")
+    older = {k: v for k, v in ok.spec.to_dict().items() if k != "record_param_norm"}  # before that field existed
+    write_record(sweep_dir / "cells" / ok.id / "result.json", {"status": "ok", "spec": older})
+    changed = {**timed_out.spec.to_dict(), "warmup_steps": timed_out.spec.warmup_steps + 1}  # a default since changed
+    write_record(sweep_dir / "cells" / timed_out.id / "result.json", {"status": "ok", "spec": changed})
+    chosen, done, _ = select_cells(sweep, sweep_dir)
+    assert timed_out in chosen and done == [ok]
+    assert main(["submit", str(path), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    assert "rerunning 1 cell(s) whose record was made with other values of their fields" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from hpcfsdp.cli import main
-from hpcfsdp.matrix import load_sweep
+from hpcfsdp.matrix import cell_id, load_sweep
 from hpcfsdp.spec import RunSpec, SpecError
 
 from conftest import ROOT
@@ -94,6 +94,13 @@ def test_matrix_expansion_include_exclude_and_stable_ids(tmp_path):
     assert [c.id for c in first.cells] == [c.id for c in second.cells]
     assert len({c.id for c in first.cells}) == len(first.cells)
     assert first.cells[-1].spec.activation_checkpointing == "full"
+
+
+def test_cell_ids_hash_only_the_fields_that_differ_from_their_defaults():
+    # Golden ids: a change here orphans every record users have (resubmits rerun, --compare pairs nothing).
+    assert cell_id(RunSpec(strategy="ddp", batch_size=2, device="cpu")) == "ddp-b2-a1-f867e1384c"
+    assert cell_id(RunSpec()) == "fsdp2_zero3-b1-a1-bf21a9e8fb"
+    assert cell_id(RunSpec(lr=RunSpec().lr, device="cpu")) == cell_id(RunSpec(device="cpu"))
 
 
 def test_exclude_matches_coerced_values_and_may_drop_invalid_combinations(tmp_path):

@@ -20,6 +20,7 @@ from .spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unk
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
+_DEFAULTS = RunSpec().to_dict()
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,15 @@ def by_shape(cells: Iterable[Cell]) -> dict[tuple[int, int], list[Cell]]:
 
 
 def cell_id(spec: RunSpec) -> str:
-    """A readable prefix plus a hash of every field, so a re-run of the same cell gets the same id."""
-    # A shallow dict of the fields gives the same JSON as spec.to_dict() at a fraction of the cost.
-    values = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    """A readable prefix plus a hash of the fields that differ from their defaults.
+
+    The same cell gets the same id in a re-run, and keeps it when a later hpcfsdp adds a RunSpec
+    field (whose default keeps the old behaviour): resubmitting skips its record and `collect
+    --compare` pairs it across versions. A changed default is caught by submit, which reruns a
+    cell whose record was made with other values (submit.select_cells).
+    """
+    # Shallow field values give the same JSON as spec.to_dict() at a fraction of the cost.
+    values = {name: value for name in _SPEC_FIELDS if (value := getattr(spec, name)) != _DEFAULTS[name]}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
     return f"{spec.strategy}-b{spec.batch_size}-a{spec.grad_accum}-{digest}"
@@ -174,8 +181,6 @@ class _Exclusion:
     combination that would not validate); an entry that drops nothing is an error, since a typo in
     it would otherwise leave every cell in."""
 
-    _DEFAULTS = RunSpec().to_dict()
-
     def __init__(self, source: str, index: int, partial: dict):
         self.index = index
         self.values = partial
@@ -189,7 +194,7 @@ class _Exclusion:
         self.matched = False
 
     def drops(self, values: dict) -> bool:
-        cell = {**self._DEFAULTS, **values}
+        cell = {**_DEFAULTS, **values}
         try:
             hit = coerce_fields(RunSpec, {k: cell[k] for k in self._coerced}, "cell") == self._coerced
         except SpecError:  # the cell's own bad value: RunSpec.from_dict reports it, with its line

@@ -40,6 +40,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # sbatch copies the submitting environment into the job; tokens stay on the login node.
 SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 IN_FLIGHT = ("pending", "running")
+STALE = "stale"  # a record made with other values of the cell's fields (a default changed since)
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 
@@ -105,27 +106,40 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 
 
 def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
-    """ok / oom / error / timeout from the record, 'missing' without one, 'corrupt' if unreadable."""
+    """ok / oom / error / timeout from the record, 'missing' without one, 'corrupt' if unreadable;
+    given a Cell, 'stale' when its record was made with other values of its fields."""
     path = cell_dir(sweep_dir, cell) / RECORD_NAME
     if not path.exists():
         return "missing"
     try:
-        return read_record(path)["status"]
+        record = read_record(path)
     except RecordError:
         return "corrupt"
+    if isinstance(cell, Cell) and _made_with_other_values(record.get("spec"), cell.spec.to_dict()):
+        return STALE
+    return record["status"]
+
+
+def _made_with_other_values(recorded: object, spec: dict) -> bool:
+    """A cell id hashes only non-default fields, so a changed default keeps the id: the record then
+    holds another value of a field both know. (A field the record lacks is newer than it: its
+    default is the behaviour the record was made with.)"""
+    if not isinstance(recorded, dict):  # no spec to tell by
+        return False
+    return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys())
 
 
 def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False,
                  retry_failed: bool = False) -> tuple[list[Cell], list[Cell], dict[str, str]]:
     """Cells to submit; cells a record says are done; cells still in flight (cell id -> job id).
 
-    By default only cells without a record run; --retry-failed adds oom / error / timeout / corrupt
-    ones, --force every cell. A cell whose job is still queued or running is never chosen.
+    By default only cells without a (current) record run; --retry-failed adds oom / error / timeout /
+    corrupt ones, --force every cell. A cell whose job is still queued or running is never chosen.
     """
     chosen, done = [], []
     for cell in sweep.cells:
         status = cell_status(sweep_dir, cell)
-        rerun = force or status == "missing" or (retry_failed and status != "ok")
+        rerun = force or status in ("missing", STALE) or (retry_failed and status != "ok")
         (chosen if rerun else done).append(cell)
     jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
     queued = queued_states(jobs.values())
@@ -149,6 +163,9 @@ def submit(
     sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, skipped=done, in_flight=flying)
     if done:
         log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
+    stale = [c for c in cells if cell_status(sweep_dir, c) == STALE]
+    if stale and not force:
+        log(f"rerunning {len(stale)} cell(s) whose record was made with other values of their fields (a changed default)")
     if flying:
         log(f"skipping {len(flying)} cell(s) still queued or running:")
         for cid, jid in flying.items():
