@@ -15,8 +15,8 @@ import torch
 from conftest import run_torchrun_cell
 from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
 
-from hpcfsdp.data import open_data, rank_indices, training_batches
-from hpcfsdp.hubcache import CacheMissError
+from hpcfsdp.data import open_data, pack, rank_indices, training_batches
+from hpcfsdp.hubcache import CacheMissError, lookup_dataset, lookup_model
 from hpcfsdp.spec import RunSpec, SpecError
 
 SEQ_LEN = 16
@@ -132,6 +132,14 @@ def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch:
     assert blocks.count == p["blocks"] == entry["num_blocks"] > 10 and p["seq_len"] == SEQ_LEN
     batch = next(training_batches(blocks, 512, 4, SEQ_LEN, seed=0, rank=0, world_size=2, device=torch.device("cpu")))
     assert batch.shape == (4, SEQ_LEN) and batch.dtype == torch.long
+    # The downloader packs as a text folder is packed: the same documents give the same blocks.
+    import datasets
+    from transformers import AutoTokenizer
+
+    texts = list(datasets.load_from_disk(str(lookup_dataset(DATASET).path))["text"])
+    tokenizer = AutoTokenizer.from_pretrained(lookup_model(MODEL).path)
+    expected = pack(tokenizer(texts)["input_ids"], SEQ_LEN, tokenizer.eos_token_id)
+    assert torch.equal(blocks.read(list(range(blocks.count))), expected)
     started = time.monotonic()
     with pytest.raises(CacheMissError, match="--tokenize-for acme/tiny-qwen --seq-len 32"):
         open_data(DATASET, MODEL, 32)

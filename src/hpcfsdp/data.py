@@ -106,13 +106,26 @@ def read_documents(path: Path) -> Iterator[str]:
             yield _text_of(row, f"{path}[{index}]" if isinstance(value, list) else str(path))
 
 
+def packed_blocks(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> Iterator[list[int]]:
+    """Each document's ids then EOS (unless it already ends with it), concatenated and cut into
+    blocks of seq_len, as a stream; the tail shorter than seq_len is dropped.
+
+    The project's one packing rule: the downloader's cached blocks and a text folder's are the
+    same blocks for the same documents and tokenizer.
+    """
+    buffer: list[int] = []
+    for ids in documents:
+        buffer.extend(ids)
+        if eos is not None and ids[-1:] != [eos]:
+            buffer.append(eos)
+        while len(buffer) >= seq_len:
+            yield buffer[:seq_len]
+            del buffer[:seq_len]
+
+
 def pack(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> torch.Tensor:
-    """Each document's ids then EOS (unless it already ends with it), concatenated, cut into
-    [blocks, seq_len]; the tail shorter than seq_len is dropped."""
-    flat = list(itertools.chain.from_iterable(ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
-                                              for ids in documents))
-    count = len(flat) // seq_len
-    return torch.tensor(flat[: count * seq_len], dtype=torch.long).view(count, seq_len)
+    """packed_blocks as a LongTensor [blocks, seq_len]."""
+    return torch.tensor(list(packed_blocks(documents, seq_len, eos)), dtype=torch.long).reshape(-1, seq_len)
 
 
 def _text_of(row: Any, where: str) -> str:

@@ -332,15 +332,8 @@ def tokenize_dataset(
         seq_len = ref.seq_len
 
         def encode(batch: dict) -> dict:
-            ids = tokenizer([_document_text(value) for value in batch[text_column]])["input_ids"]
-            if eos is not None:
-                ids = [x if x and x[-1] == eos else [*x, eos] for x in ids]
-            return {"input_ids": ids}
-
-        def pack(batch: dict) -> dict:
-            flat = [t for ids in batch["input_ids"] for t in ids]
-            usable = len(flat) // seq_len * seq_len
-            return {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
+            texts = [_document_text(value) for value in batch[text_column]]
+            return {"input_ids": tokenizer(texts, return_attention_mask=False)["input_ids"]}
 
         list_type = getattr(datasets, "List", None) or datasets.Sequence
         features = datasets.Features({"input_ids": list_type(datasets.Value("int32"), length=seq_len)})
@@ -350,11 +343,12 @@ def tokenize_dataset(
             encoded = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc,
                              load_from_cache_file=False, cache_file_name=str(work / "encoded.arrow"),
                              desc=f"Tokenizing for {ref.model.name}")
-            packed = encoded.map(pack, batched=True, batch_size=1000, num_proc=num_proc, features=features,
-                                 load_from_cache_file=False, cache_file_name=str(work / "packed.arrow"),
-                                 desc=f"Packing into blocks of {seq_len}")
+            encoded.save_to_disk(str(work / "encoded"))  # what the packing generator reads, by path
+            packed = datasets.Dataset.from_generator(
+                _packed_rows, features=features, cache_dir=str(work / "packed"),
+                gen_kwargs={"encoded": str(work / "encoded"), "seq_len": seq_len, "eos": eos})
             if packed.num_rows == 0:
-                raise DownloadError(f"{ref.name}: fewer than {seq_len} tokens per 1000 documents; "
+                raise DownloadError(f"{ref.name}: fewer than {seq_len} tokens in all; "
                                     "nothing to train on (use a smaller --seq-len)")
             folder = cache / ref.relpath
             _save_atomically(packed, folder)
@@ -370,6 +364,17 @@ def tokenize_dataset(
         _record(cache, entry)
     out(f"  -> {num_blocks} blocks of {seq_len} tokens")
     return entry
+
+
+def _packed_rows(encoded: str, seq_len: int, eos: int | None) -> Iterator[dict[str, list[int]]]:
+    """Dataset.from_generator's source: the saved token ids, packed as a text folder's are."""
+    import datasets
+
+    from .data import packed_blocks
+
+    documents = (ids for batch in datasets.load_from_disk(encoded).iter(batch_size=1000) for ids in batch["input_ids"])
+    for block in packed_blocks(documents, seq_len, eos):  # datasets draws the progress bar
+        yield {"input_ids": block}
 
 
 def _check_text_column(features: Any, column: str, dataset: str) -> None:
