@@ -55,13 +55,13 @@ class SubmitError(RuntimeError):
 
 @dataclass
 class Submission:
+    """What `submit` did: the cells it ran or queued, and those it left alone as still in flight."""
+
     sweep_dir: Path
     executor: str
     submitted: list[Cell] = field(default_factory=list)
-    skipped: list[Cell] = field(default_factory=list)  # a record says they are done (or failed: --retry-failed)
     in_flight: dict[str, str] = field(default_factory=dict)  # cell id -> job id, still queued or running
-    job_ids: dict[str, str] = field(default_factory=dict)
-    jobs: list = field(default_factory=list)  # submitit jobs, when the executor is slurm
+    job_ids: dict[str, str] = field(default_factory=dict)  # cell id -> Slurm job id, of the cells queued now
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def submit(
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed)
-    sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, skipped=done, in_flight=flying)
+    sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, in_flight=flying)
     if done:
         log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
     stale = [c for c in cells if cell_status(sweep_dir, c) == STALE]
@@ -468,7 +468,6 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
                               f"GPU(s): {reason}") from None
-        sub.jobs.extend(jobs)
         entries = {}
         for cell, job in zip(cells, jobs):
             sub.job_ids[cell.id] = job.job_id
