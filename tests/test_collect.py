@@ -509,7 +509,6 @@ def slower_copy(gpu: Path, root: Path) -> tuple[Path, str, str]:
     sweep = root / "again"
     shutil.copytree(gpu, sweep)
     slow = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2))
-    bigger = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1))
     broken = cell_id(spec_of(GPU_BASE, strategy="ddp", batch_size=1))
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2), 13200 * 0.8, 45, comm_exposed_fraction=0.1))
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1), 9000, 20 * 1.03))

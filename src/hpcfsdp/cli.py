@@ -208,7 +208,7 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from .matrix import load_sweep
-    from .submit import SchedulerError, SubmitError, default_executor, record_lost_cells, submit, sweep_status, watch
+    from .submit import SchedulerError, SubmitError, default_executor, submit, wait_for
 
     sweep = load_sweep(args.jobs)
     misses = _cache_misses(sweep)
@@ -231,14 +231,7 @@ def _submit(args: argparse.Namespace) -> int:
         return 1
     log(f"sweep folder: {sub.sweep_dir}")
     if executor == "slurm" and args.wait:
-        waited = [c.id for c in sub.submitted] + list(sub.in_flight)
-        report = watch(sub.sweep_dir, WAIT_POLL_S, waited) if waited else sweep_status(sub.sweep_dir, [])
-        if not report.note:
-            for cell in record_lost_cells(report):
-                log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as error "
-                    f"(logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
-            report = sweep_status(sub.sweep_dir, waited)
-        _print_status(report, summary=False)
+        _print_status(wait_for(sub, WAIT_POLL_S, log), summary=False)
     if executor == "local" or (args.wait and executor == "slurm"):
         return _print_collection(sub.sweep_dir)
     return 0

@@ -354,6 +354,21 @@ def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = N
         time.sleep(interval_s)
 
 
+def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:
+    """submit --wait: watch the cells queued now and those already in flight until none is pending
+    or running, then give each whose job left the queue without a record an `error` record."""
+    waited = [c.id for c in sub.submitted] + list(sub.in_flight)
+    if not waited:
+        return sweep_status(sub.sweep_dir, [])
+    report = watch(sub.sweep_dir, interval_s, waited)
+    if report.note:  # the scheduler stopped answering: which cells are lost cannot be known
+        return report
+    for cell in record_lost_cells(report):
+        log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as error "
+            f"(logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
+    return sweep_status(sub.sweep_dir, waited)
+
+
 def record_lost_cells(report: StatusReport) -> list[CellState]:
     """Give each cell whose Slurm job left the queue without a record an `error` record.
 
