@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
-from .record import SPEC_NAME
+from .record import RECORD_NAME, SPEC_NAME
 from .spec import RunSpec, SpecError
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
@@ -346,11 +346,12 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
 
 
 def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
-    """Cell id -> Slurm's state of its latest job, for the sweep's cells that went to Slurm; None
-    when squeue does not answer (collect then says it does not know)."""
+    """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
+    None when squeue does not answer (collect then says it does not know)."""
     from .submit import read_manifest, slurm_job_ids, sweep_status
 
-    cell_ids = list(read_manifest(sweep_dir))
+    recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
+    cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
     if not slurm_job_ids(sweep_dir, cell_ids):
         return {}
     report = sweep_status(sweep_dir, cell_ids)
