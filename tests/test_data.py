@@ -53,6 +53,21 @@ def _expected_blocks(model_dir: Path, documents: list[str]) -> torch.Tensor:
     return torch.tensor(flat[: count * SEQ_LEN]).view(count, SEQ_LEN)
 
 
+def test_text_column_names_the_field_documents_are_in(model_dir: Path, tmp_path: Path) -> None:
+    """text_column: another field of .jsonl rows (a list of strings joined by spaces) or of a saved dataset."""
+    import datasets
+
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "x.jsonl").write_text("".join(json.dumps({"body": s.split(" ", 1)}) + "\n" for s in STORIES))
+    datasets.Dataset.from_dict({"body": STORIES}).save_to_disk(str(tmp_path / "saved"))
+    expected = _expected_blocks(model_dir, STORIES)
+    for data in ("rows", "saved"):
+        blocks = open_data(str(tmp_path / data), str(model_dir), SEQ_LEN, text_column="body")
+        assert torch.equal(blocks.read(list(range(blocks.count))), expected) and blocks.provenance["text_column"] == "body"
+    with pytest.raises(ValueError, match="saved: no 'text' column \\(columns: body\\); set text_column"):
+        open_data(str(tmp_path / "saved"), str(model_dir), SEQ_LEN)
+
+
 def test_text_folder_is_tokenised_and_packed(model_dir: Path, text_folder: SimpleNamespace) -> None:
     blocks = open_data(str(text_folder.path), str(model_dir), SEQ_LEN)
     expected = _expected_blocks(model_dir, text_folder.documents)
@@ -100,8 +115,10 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
-    with pytest.raises(ValueError, match=r"x.jsonl:2: expected a JSON object with a string 'text' field"):
+    with pytest.raises(ValueError, match=r"x.jsonl:2: expected a JSON object with a 'text' field of text"):
         open_data(str(bad), str(model_dir), SEQ_LEN)
+    with pytest.raises(SpecError, match="text_column: synthetic data has no documents"):
+        RunSpec.from_dict({"text_column": "body"})
     with pytest.raises(SpecError, match="tokenizer: data .* needs one, and model 'tiny' is a preset"):
         RunSpec.from_dict({"data": str(bad)})
     with pytest.raises(SpecError, match="data: no such file or folder: ./no/such/corpus"):

@@ -23,9 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files  # noqa: E402
 
-from hpcfsdp.download import DownloadError, Request, build_plan, plan_from_sweep  # noqa: E402
+from hpcfsdp.download import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
 from hpcfsdp.hubcache import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
-from hpcfsdp.matrix import parse_sweep  # noqa: E402
+from hpcfsdp.matrix import load_sweep, parse_sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "acme/tiny-qwen"
@@ -374,8 +374,15 @@ def test_chess_preset_tokenizes_its_list_of_moves(repos: SimpleNamespace, tmp_pa
         flat = [t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
         assert _blocks(cache / entry["path"])[:3] == [flat[i:i + SEQ_LEN] for i in range(0, 3 * SEQ_LEN, SEQ_LEN)]
 
-    # What a compute node reads for `data: chess`: the Moves item; a missing one names the command.
+    # What a compute node reads for `data: chess`: the Moves item, or with `text_column: Result` that
+    # one (which plan finds in the cache); a missing one names the command.
     assert lookup_tokenized("chess", MODEL, SEQ_LEN, cache).path == cache / moves["path"]
+    assert lookup_tokenized("chess", MODEL, SEQ_LEN, cache, text_column="Result").path == cache / results["path"]
+    jobs.write_text(f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: {SEQ_LEN}, text_column: Result}}\n")
+    assert cache_misses(load_sweep(jobs), str(cache)) == []
+    jobs.write_text(f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: 8, text_column: Result}}\n")
+    (miss,) = cache_misses(load_sweep(jobs), str(cache))
+    assert miss.endswith(f"--tokenize-for {MODEL} --seq-len 8 --text-column Result"), miss
     with pytest.raises(CacheMissError, match=rf"column Moves' is not in the cache .* --dataset {CHESS}:default@train "):
         lookup_tokenized("chess", MODEL, 32, cache)
 

@@ -22,7 +22,7 @@ from .hubcache import resolve_tokenized
 from .models import resolve_model
 from .spec import data_kind, is_saved_dataset, text_files
 
-TEXT_FIELD = "text"
+TEXT_FIELD = "text"  # where documents are unless RunSpec.text_column names another field
 TOKENIZE_CHUNK = 1000  # documents per tokenizer call
 
 
@@ -35,21 +35,23 @@ class TokenBlocks:
     provenance: dict[str, Any]
 
 
-def open_data(data: str, tokenizer: str, seq_len: int) -> TokenBlocks | None:
-    """A RunSpec.data value -> its token blocks (None for synthetic); `tokenizer` is RunSpec.text_tokenizer."""
+def open_data(data: str, tokenizer: str, seq_len: int, text_column: str = "") -> TokenBlocks | None:
+    """A RunSpec.data value -> its token blocks (None for synthetic); `tokenizer` is RunSpec.text_tokenizer,
+    `text_column` RunSpec.text_column ("": a hub preset's own column, else `text`)."""
     kind = data_kind(data)
     if kind == "synthetic":
         return None
     if kind == "hub":
-        return _cached_blocks(data, tokenizer, seq_len)
+        return _cached_blocks(data, tokenizer, seq_len, text_column or None)
     path = Path(data).expanduser().resolve()
+    column = text_column or TEXT_FIELD
     if is_saved_dataset(path):
-        documents, source = _saved_dataset_texts(path), {"kind": "saved_dataset", "path": str(path)}
+        documents, source = _saved_dataset_texts(path, column), {"kind": "saved_dataset", "path": str(path)}
     else:
         files = sorted(text_files(path))
-        documents = [text for f in files for text in read_documents(f)]
+        documents = [text for f in files for text in read_documents(f, column)]
         source = {"kind": "text_files", "path": str(path), "files": len(files)}
-    return _packed_blocks(documents, tokenizer, seq_len, source)
+    return _packed_blocks(documents, tokenizer, seq_len, {**source, "text_column": column})
 
 
 def training_batches(
@@ -91,19 +93,27 @@ def rank_indices(count: int, seed: int, rank: int, world_size: int) -> Iterator[
         yield from order[rank : per_rank * world_size : world_size].tolist()
 
 
-def read_documents(path: Path) -> Iterator[str]:
-    """A .txt file is one document; .jsonl one object per line; .json an object or a list of them."""
+def read_documents(path: Path, column: str = TEXT_FIELD) -> Iterator[str]:
+    """A .txt file is one document; .jsonl one object per line; .json an object or a list of them,
+    each with its document in `column`."""
     if path.suffix == ".txt":
         yield path.read_text(encoding="utf-8")
     elif path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    yield _text_of(json.loads(line), f"{path}:{number}")
+                    yield _text_of(json.loads(line), column, f"{path}:{number}")
     else:
         value = json.loads(path.read_text(encoding="utf-8"))
         for index, row in enumerate(value if isinstance(value, list) else [value]):
-            yield _text_of(row, f"{path}[{index}]" if isinstance(value, list) else str(path))
+            yield _text_of(row, column, f"{path}[{index}]" if isinstance(value, list) else str(path))
+
+
+def document_text(value: str | list[str] | None) -> str:
+    """One row's document: a string as it is, a list of strings (a chess game's moves) joined by spaces."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else " ".join(value)
 
 
 def packed_blocks(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> Iterator[list[int]]:
@@ -128,13 +138,14 @@ def pack(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> torch
     return torch.tensor(list(packed_blocks(documents, seq_len, eos)), dtype=torch.long).reshape(-1, seq_len)
 
 
-def _text_of(row: Any, where: str) -> str:
-    if not isinstance(row, dict) or not isinstance(row.get(TEXT_FIELD), str):
-        raise ValueError(f"data: {where}: expected a JSON object with a string '{TEXT_FIELD}' field")
-    return row[TEXT_FIELD]
+def _text_of(row: Any, column: str, where: str) -> str:
+    value = row.get(column) if isinstance(row, dict) else None
+    if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
+        raise ValueError(f"data: {where}: expected a JSON object with a '{column}' field of text (or a list of strings)")
+    return document_text(value)
 
 
-def _saved_dataset_texts(path: Path) -> list[str]:
+def _saved_dataset_texts(path: Path, column: str) -> list[str]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
@@ -142,9 +153,10 @@ def _saved_dataset_texts(path: Path) -> list[str]:
         if "train" not in loaded:
             raise ValueError(f"data: {path}: a saved DatasetDict without a 'train' split (splits: {', '.join(loaded)})")
         loaded = loaded["train"]
-    if TEXT_FIELD not in loaded.column_names:
-        raise ValueError(f"data: {path}: no '{TEXT_FIELD}' column (columns: {', '.join(loaded.column_names)})")
-    return [text or "" for text in loaded[TEXT_FIELD]]
+    if column not in loaded.column_names:
+        raise ValueError(f"data: {path}: no '{column}' column (columns: {', '.join(loaded.column_names)}); "
+                         "set text_column")
+    return [document_text(value) for value in loaded[column]]
 
 
 def _packed_blocks(documents: list[str], tokenizer: str, seq_len: int, source: dict[str, Any]) -> TokenBlocks:
@@ -160,10 +172,10 @@ def _packed_blocks(documents: list[str], tokenizer: str, seq_len: int, source: d
     return TokenBlocks(len(blocks), lambda indices: blocks[indices], provenance)
 
 
-def _cached_blocks(data: str, tokenizer: str, seq_len: int) -> TokenBlocks:
+def _cached_blocks(data: str, tokenizer: str, seq_len: int, text_column: str | None) -> TokenBlocks:
     import datasets
 
-    item = resolve_tokenized(data, tokenizer, seq_len)
+    item = resolve_tokenized(data, tokenizer, seq_len, text_column=text_column)
     table = datasets.load_from_disk(str(item.path)).with_format("numpy", columns=["input_ids"])
     provenance = {k: v for k, v in item.provenance().items() if k != "kind"}
     provenance.update(kind="hub", path=str(item.path), tokens=table.num_rows * seq_len, blocks=table.num_rows)

@@ -100,7 +100,7 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
     model: a hub id (not a preset or local folder) -> config + tokenizer; with `init: pretrained`
     also the weights. data: a hub dataset ORG/NAME[:config][@split] or preset -> that split, plus
     the split tokenized at seq_len for the spec's text tokenizer (a hub id: RunSpec checks that),
-    from the dataset's own text column: the one cells read (a YAML cannot name another).
+    from the spec's text_column, else the dataset's own.
     """
     plan = Plan() if plan is None else plan
     for cell in sweep.cells:
@@ -109,7 +109,8 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
             plan.add_model(_parse(ModelRef, spec.model, where), weights=spec.init == "pretrained")
         if data_kind(spec.data) == "hub":
             plan.add_tokenized(TokenizedRef(_parse(DatasetRef, spec.data, where),
-                                            _parse(ModelRef, spec.text_tokenizer, where), spec.seq_len))
+                                            _parse(ModelRef, spec.text_tokenizer, where), spec.seq_len,
+                                            spec.text_column or None))
     return plan
 
 
@@ -136,7 +137,7 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
     plan = Plan()
     if text_column and not request.tokenize_for:
         raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
-                            "a jobs YAML's datasets are tokenized from their own column (chess: Moves, else text)")
+                            "a jobs YAML names its cells' column with text_column")
     if request.jobs:
         from .matrix import load_sweep
 
@@ -331,8 +332,10 @@ def tokenize_dataset(
         eos = tokenizer.eos_token_id
         seq_len = ref.seq_len
 
+        from .data import document_text
+
         def encode(batch: dict) -> dict:
-            texts = [_document_text(value) for value in batch[text_column]]
+            texts = [document_text(value) for value in batch[text_column]]
             return {"input_ids": tokenizer(texts, return_attention_mask=False)["input_ids"]}
 
         list_type = getattr(datasets, "List", None) or datasets.Sequence
@@ -378,7 +381,7 @@ def _packed_rows(encoded: str, seq_len: int, eos: int | None) -> Iterator[dict[s
 
 
 def _check_text_column(features: Any, column: str, dataset: str) -> None:
-    """The column exists and holds strings, or lists of strings (what _document_text turns into text)."""
+    """The column exists and holds strings, or lists of strings (what data.document_text turns into text)."""
     if column not in features:
         raise DownloadError(f"dataset {dataset}: no column {column!r} (columns: {', '.join(features)}); "
                             "pass --text-column")
@@ -387,13 +390,6 @@ def _check_text_column(features: Any, column: str, dataset: str) -> None:
     if getattr(inner, "dtype", None) not in ("string", "large_string"):
         raise DownloadError(f"dataset {dataset}: column {column!r} holds {feature}, not text or a list of "
                             "strings; pass --text-column")
-
-
-def _document_text(value: str | list[str] | None) -> str:
-    """One row's document: a string as it is, a list of strings (a chess game's moves) joined by spaces."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else " ".join(value)
 
 
 def _save_atomically(ds: Any, folder: Path) -> None:
@@ -735,7 +731,7 @@ def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
     their tokenized form): `plan` and `submit` check this before anything is queued."""
     plan = plan_from_sweep(sweep)
     checks = [functools.partial(lookup_model, ref.name, cache_dir, weights) for ref, weights in plan.models.values()]
-    checks += [functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir)
+    checks += [functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column)
                for ref in plan.tokenized.values()]
     misses = []
     for check in checks:

@@ -318,17 +318,21 @@ def resolve_dataset_dir(name: str, cache_dir: str | os.PathLike | None = None) -
     return resolve_dataset(name, cache_dir).path
 
 
-def resolve_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> CachedItem:
-    """A dataset tokenized with `model`'s tokenizer, packed into `seq_len` blocks (column input_ids)."""
+def resolve_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None,
+                      text_column: str | None = None) -> CachedItem:
+    """A dataset's text column (None: its own) tokenized with `model`'s tokenizer, packed into
+    `seq_len` blocks (column input_ids)."""
     offline_mode()
-    return lookup_tokenized(dataset, model, seq_len, cache_dir)
+    return lookup_tokenized(dataset, model, seq_len, cache_dir, text_column)
 
 
-def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> CachedItem:
-    ref = TokenizedRef(DatasetRef.parse(dataset), ModelRef.parse(model), int(seq_len))
+def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None,
+                     text_column: str | None = None) -> CachedItem:
+    ref = TokenizedRef(DatasetRef.parse(dataset), ModelRef.parse(model), int(seq_len), text_column)
     cache = default_cache_dir(cache_dir)
+    column = f" --text-column {ref.text_column}" if ref.text_column != ref.dataset.text_column else ""
     command = (f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.dataset.name} "
-               f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}")
+               f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}{column}")
     entry = read_manifest(cache)["items"].get(ref.key)
     if entry is None:
         raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")

@@ -134,7 +134,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if spec.memory_snapshot and env.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     enter("data")
-    blocks = open_data(spec.data, spec.text_tokenizer, spec.seq_len)
+    blocks = open_data(spec.data, spec.text_tokenizer, spec.seq_len, spec.text_column)
     enter("model")
     pretrained = spec.init == "pretrained"
     source = resolve_model(spec.model, weights=pretrained)

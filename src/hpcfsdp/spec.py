@@ -59,6 +59,7 @@ class RunSpec:
     seq_len: int = 128
     data: str = "synthetic"  # synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset
     tokenizer: str = ""  # for text data: a folder or hub id; "": the model's own (presets have none)
+    text_column: str = ""  # the field / column documents are in; "": the hub preset's (chess: Moves), else text
     init: str = "random"  # pretrained: the model's weights (a local folder or a cached hub id)
     meta_init: bool = False  # build on the meta device, materialise each rank's shard after sharding
     # parallelism
@@ -231,6 +232,8 @@ class RunSpec:
             raise SpecError(f"{where}: data: expected synthetic, a local folder, or a hub dataset "
                             f"ORG/NAME[:config][@split] or preset; got {self.data!r}")
         if kind == "synthetic":
+            if self.text_column:
+                raise SpecError(f"{where}: text_column: synthetic data has no documents; set data to a folder or hub dataset")
             return
         if kind == "local":
             _require_text_data(where, self.data)
