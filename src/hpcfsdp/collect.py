@@ -755,8 +755,9 @@ def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold
     if cur_ids != ref_ids:
         notes.append(f"unmatched: {len(cur_ids - ref_ids)} cell(s) only in the current sweep, {len(ref_ids - cur_ids)} only in the reference")
     if ref_ids and not cur_ids & ref_ids:
-        notes.append("no cell in common: a cell id hashes the whole spec, so a changed field (or a RunSpec field "
-                     "added between the two runs) gives every cell a new id, and every ok reference cell counts as missing")
+        notes.append("no cell in common: a cell id hashes the spec's non-default fields, so a field changed between "
+                     "the two sweeps (or ids made before hpcfsdp hashed only those) gives every cell a new id, and "
+                     "every ok reference cell counts as missing")
     notes += [f"{name}: {len(c.unreadable)} unreadable record(s) skipped" for name, c in (("current", current), ("reference", reference)) if c.unreadable]
     notes.append(_noise_note({"current": current, "reference": reference}, threshold))
     return Comparison(table.reset_index(drop=True), regressions, notes)
