@@ -129,18 +129,21 @@ def _made_with_other_values(recorded: object, spec: dict) -> bool:
     return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys())
 
 
-def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False,
-                 retry_failed: bool = False) -> tuple[list[Cell], list[Cell], dict[str, str]]:
+def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False,
+                 log=lambda message: None) -> tuple[list[Cell], list[Cell], dict[str, str]]:
     """Cells to submit; cells a record says are done; cells still in flight (cell id -> job id).
 
     By default only cells without a (current) record run; --retry-failed adds oom / error / timeout /
     corrupt ones, --force every cell. A cell whose job is still queued or running is never chosen.
     """
-    chosen, done = [], []
+    chosen, done, stale = [], [], 0
     for cell in sweep.cells:
         status = cell_status(sweep_dir, cell)
+        stale += status == STALE
         rerun = force or status in ("missing", STALE) or (retry_failed and status != "ok")
         (chosen if rerun else done).append(cell)
+    if stale and not force:
+        log(f"rerunning {stale} cell(s) whose record was made with other values of their fields (a changed default)")
     jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
     queued = queued_states(jobs.values())
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
@@ -159,13 +162,10 @@ def submit(
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
-    cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed)
+    cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
     sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, in_flight=flying)
     if done:
         log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
-    stale = [c for c in cells if cell_status(sweep_dir, c) == STALE]
-    if stale and not force:
-        log(f"rerunning {len(stale)} cell(s) whose record was made with other values of their fields (a changed default)")
     if flying:
         log(f"skipping {len(flying)} cell(s) still queued or running:")
         for cid, jid in flying.items():
@@ -527,11 +527,12 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
             returncode = _wait_within(proc, limit_s)
         status = cell_status(sub.sweep_dir, cell)
         if status == "missing":
-            ended = f"exited {returncode}" if returncode is not None else f"was killed at the {sweep.resources.time_min} min time limit"
+            timed_out = returncode is None
+            ended = f"was killed at the {sweep.resources.time_min} min time limit" if timed_out else f"exited {returncode}"
+            status = "timeout" if timed_out else "error"
             record_launch_failure(directory, f"torchrun {ended} without a record",
-                                  _log_tails([directory / "log.txt"], chars=4000),
-                                  status="error" if returncode is not None else "timeout")
-            status = f"{cell_status(sub.sweep_dir, cell)} ({ended} without a record; see {directory / 'log.txt'})"
+                                  _log_tails([directory / "log.txt"], chars=4000), status=status)
+            status += f" ({ended} without a record; see {directory / 'log.txt'})"
         log(f"    {status}")
 
 
