@@ -13,7 +13,7 @@ import sys
 
 import pandas as pd
 
-from hpcfsdp.collect import load_records, markdown_table
+from hpcfsdp.results.collect import load_records, markdown_table
 
 PERF_COLUMNS = {
     "sweep": "sweep",

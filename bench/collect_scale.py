@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcfsdp.collect import label_cells, load_records, ok_configs, write_report
-from hpcfsdp.matrix import cell_id
+from hpcfsdp.results.collect import label_cells, load_records, ok_configs, write_report
+from hpcfsdp.sweep.matrix import cell_id
 from hpcfsdp.record import write_record
 from hpcfsdp.spec import RunSpec
 

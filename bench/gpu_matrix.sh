@@ -13,7 +13,7 @@ export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 results="$(mktemp -d)"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'; date -u; } | tee "$out/machine.txt"
 for jobs in "$@"; do
-  name="$(python3 -c 'import sys; from hpcfsdp.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
+  name="$(python3 -c 'import sys; from hpcfsdp.sweep.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
   python3 -m hpcfsdp submit "$jobs" --executor local --results-dir "$results" --force 2>&1 | tee "$out/$name.log"
   cp "$results/$name/report/summary.md" "$out/$name.summary.md" 2>/dev/null
   tar -czf "$out/$name.tar.gz" -C "$results" "$name"

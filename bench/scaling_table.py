@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from hpcfsdp.collect import load_records, markdown_table
+from hpcfsdp.results.collect import load_records, markdown_table
 
 KEY = ["model", "strategy", "batch_size", "seq_len"]
 

@@ -23,10 +23,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from PIL import Image
 
-from hpcfsdp import plots
+from hpcfsdp.results import plots
 from hpcfsdp.cli import main
-from hpcfsdp.collect import compare_sweeps, label_cells, load_records, ok_configs, reference_cells, write_report
-from hpcfsdp.matrix import cell_id
+from hpcfsdp.results.collect import compare_sweeps, label_cells, load_records, ok_configs, reference_cells, write_report
+from hpcfsdp.sweep.matrix import cell_id
 from hpcfsdp.record import SCHEMA_VERSION, write_record
 from hpcfsdp.spec import RunSpec
 

@@ -23,9 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files  # noqa: E402
 
-from hpcfsdp.download import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
-from hpcfsdp.hubcache import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
-from hpcfsdp.matrix import load_sweep, parse_sweep  # noqa: E402
+from hpcfsdp.cache.download import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
+from hpcfsdp.cache.hub import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
+from hpcfsdp.sweep.matrix import load_sweep, parse_sweep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "acme/tiny-qwen"
@@ -135,7 +135,7 @@ OFFLINE_SCRIPT = r"""
 import json, os, sys, time
 MODEL, DATASET, SEQ_LEN, SERVED = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 started = time.monotonic()
-from hpcfsdp.hubcache import resolve_dataset_dir, resolve_model, resolve_tokenized
+from hpcfsdp.cache.hub import resolve_dataset_dir, resolve_model, resolve_tokenized
 model_item = resolve_model(MODEL, weights=True)
 tokenized = resolve_tokenized(DATASET, MODEL, SEQ_LEN)
 resolve_seconds = time.monotonic() - started
@@ -202,7 +202,7 @@ def test_offline_resolve_load_and_train_step(downloaded: SimpleNamespace) -> Non
 def test_missing_item_fails_fast_with_one_line_naming_the_command(downloaded: SimpleNamespace) -> None:
     script = r"""
 import sys, time
-from hpcfsdp.hubcache import CacheMissError, resolve_model, resolve_tokenized
+from hpcfsdp.cache.hub import CacheMissError, resolve_model, resolve_tokenized
 for call in (lambda: resolve_model("acme/absent-model"),
              lambda: resolve_tokenized("acme/tiny-stories", "acme/tiny-qwen", 32)):
     started = time.monotonic()
@@ -256,7 +256,7 @@ def test_verify_catches_corrupted_and_missing_files(downloaded: SimpleNamespace,
     proc = _run(["download_models.py", "--verify", str(jobs), "--cache-dir", str(cache)], env)
     assert proc.returncode == 0 and "nothing from the hub" in proc.stdout
     # The compute-node resolver notices the missing file too, without hashing.
-    proc = _run(["-c", f"from hpcfsdp.hubcache import resolve_tokenized; resolve_tokenized('{DATASET}', '{MODEL}', {SEQ_LEN})"],
+    proc = _run(["-c", f"from hpcfsdp.cache.hub import resolve_tokenized; resolve_tokenized('{DATASET}', '{MODEL}', {SEQ_LEN})"],
                 _env(tmp_path, HPCFSDP_CACHE=str(cache)))
     assert proc.returncode == 1 and "state.json is missing" in proc.stderr
 

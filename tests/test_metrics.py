@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcfsdp.metrics import communication_breakdown, flops_per_token, peak_tflops
-from hpcfsdp.models import load_config
+from hpcfsdp.cell.metrics import communication_breakdown, flops_per_token, peak_tflops
+from hpcfsdp.cell.models import load_config
 
 
 def meta_model(preset: str):

@@ -27,9 +27,9 @@ from torch import nn
 from conftest import ROOT, TINY_CPU, run_torchrun_cell
 from tinyhub import MODEL, PRESET, download, offline
 
-from hpcfsdp.data import synthetic_batches
-from hpcfsdp.hubcache import CacheMissError
-from hpcfsdp.models import build_model, materialize, resolve_model
+from hpcfsdp.cell.data import synthetic_batches
+from hpcfsdp.cache.hub import CacheMissError
+from hpcfsdp.cell.models import build_model, materialize, resolve_model
 from hpcfsdp.spec import RunSpec, SpecError
 
 CPU = torch.device("cpu")
@@ -124,12 +124,12 @@ FSDP2_SCRIPT = r"""
 import json, sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from hpcfsdp.data import synthetic_batches
-from hpcfsdp.distributed import init_distributed, shutdown
-from hpcfsdp.models import build_model, materialize, resolve_model
+from hpcfsdp.cell.data import synthetic_batches
+from hpcfsdp.cell.distributed import init_distributed, shutdown
+from hpcfsdp.cell.models import build_model, materialize, resolve_model
 from hpcfsdp.spec import RunSpec
-from hpcfsdp.strategies import parallelize
-from hpcfsdp.train import build_optimizer, train
+from hpcfsdp.cell.strategies import parallelize
+from hpcfsdp.cell.train import build_optimizer, train
 
 spec = RunSpec.from_dict(dict(json.loads(sys.argv[1]), strategy="fsdp2_zero3", meta_init=True, gpus_per_node=2))
 env = init_distributed("cpu")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpcfsdp.cli import main
-from hpcfsdp.matrix import load_sweep
+from hpcfsdp.sweep.matrix import load_sweep
 from hpcfsdp.record import write_record
-from hpcfsdp.submit import record_lost_cells, select_cells, sweep_status, watch
+from hpcfsdp.sweep.submit import record_lost_cells, select_cells, sweep_status, watch
 
 from conftest import ROOT
 
@@ -331,7 +331,7 @@ def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(tmp
 
 
 def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
-    from hpcfsdp import run
+    from hpcfsdp.cell import run
 
     calls = []
 
@@ -382,7 +382,7 @@ def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
 
 
 def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch):
-    from hpcfsdp.submit import default_executor
+    from hpcfsdp.sweep.submit import default_executor
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcfsdp.cli import main
-from hpcfsdp.matrix import load_sweep
+from hpcfsdp.sweep.matrix import load_sweep
 
 from conftest import ROOT
 

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from hpcfsdp.cli import main
-from hpcfsdp.matrix import cell_id, load_sweep
+from hpcfsdp.sweep.matrix import cell_id, load_sweep
 from hpcfsdp.spec import RunSpec, SpecError
 
 from conftest import ROOT

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcfsdp.submit import OFFLINE_ENV
+from hpcfsdp.sweep.submit import OFFLINE_ENV
 
 from conftest import ROOT
 from hub_server import HubServer, build_model_folder, dataset_files

@@ -14,8 +14,8 @@ from .record import RECORD_NAME, SPEC_NAME
 from .spec import RunSpec, SpecError
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
-    from .matrix import Sweep
-    from .submit import StatusReport
+    from .sweep.matrix import Sweep
+    from .sweep.submit import StatusReport
 
 DEFAULT_RESULTS = "results"
 
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_fields_help() -> str:
     import textwrap
 
-    from .matrix import plain_value
+    from .sweep.matrix import plain_value
     from .spec import field_names
 
     defaults = RunSpec().to_dict()
@@ -148,7 +148,7 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .matrix import load_sweep
+    from .sweep.matrix import load_sweep
 
     sweep = load_sweep(args.jobs)
     if args.sbatch:
@@ -171,13 +171,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _cache_misses(sweep: Sweep) -> list[str]:
     """Hub models and datasets the cells need but the pre-download cache lacks."""
-    from .download import cache_misses
+    from .cache.download import cache_misses
 
     return cache_misses(sweep, sweep.resources.cache_dir or None)
 
 
 def _plan_table(sweep: Sweep) -> list[str]:
-    from .matrix import plain_value
+    from .sweep.matrix import plain_value
     from .spec import field_names
 
     cells = sweep.cells
@@ -198,7 +198,7 @@ def _plan_table(sweep: Sweep) -> list[str]:
 
 
 def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
-    from .submit import sbatch_script
+    from .sweep.submit import sbatch_script
 
     for index, ((nodes, gpus), cells) in enumerate(sweep.groups().items()):
         print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
@@ -207,8 +207,8 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from .matrix import load_sweep
-    from .submit import SchedulerError, SubmitError, default_executor, submit, wait_for
+    from .sweep.matrix import load_sweep
+    from .sweep.submit import SchedulerError, SubmitError, default_executor, submit, wait_for
 
     sweep = load_sweep(args.jobs)
     misses = _cache_misses(sweep)
@@ -242,9 +242,9 @@ def _to_stderr(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> NoReturn:
-    from .distributed import launched_shape
-    from .matrix import Cell
-    from .run import run_cell, run_cell_dir
+    from .cell.distributed import launched_shape
+    from .sweep.matrix import Cell
+    from .cell.run import run_cell, run_cell_dir
 
     if args.cell_dir:
         if args.fields:
@@ -279,7 +279,7 @@ def _exit_worker(code: int) -> NoReturn:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .submit import sweep_status, watch
+    from .sweep.submit import sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "cells").is_dir():
@@ -293,7 +293,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
     """Counts by state, then one row per cell that is not ok (yet), and where Slurm logs are."""
-    from .submit import IN_FLIGHT
+    from .sweep.submit import IN_FLIGHT
 
     if report.note:
         print(f"warning: {report.note}", file=sys.stderr)
@@ -321,7 +321,7 @@ def _collect(args: argparse.Namespace) -> int:
 def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool = True,
                       compare: Path | None = None, threshold: float = 0.05) -> int:
     """Write the report, print the comparison against `compare` if given, then the cell table."""
-    from .collect import markdown_table, write_comparison, write_report
+    from .results.collect import markdown_table, write_comparison, write_report
 
     for folder in (sweep_dir, compare):
         if folder is not None and not folder.is_dir():
@@ -348,7 +348,7 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
 def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from .submit import read_manifest, slurm_job_ids, sweep_status
+    from .sweep.submit import read_manifest, slurm_job_ids, sweep_status
 
     recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
     cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
@@ -359,8 +359,8 @@ def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
 
 
 def _download(args: argparse.Namespace) -> int:
-    from .download import DownloadError, Request, download_main
-    from .hubcache import CacheMissError
+    from .cache.download import DownloadError, Request, download_main
+    from .cache.hub import CacheMissError
 
     request = Request(jobs=args.jobs, models=tuple(args.model), datasets=tuple(args.dataset), weights=args.weights,
                       tokenize_for=tuple(args.tokenize_for), seq_lens=tuple(args.seq_len))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .hubcache import DatasetRef, ModelRef
+from .cache.hub import DatasetRef, ModelRef
 
 DDP = "ddp"
 FSDP1_STRATEGIES = (

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from . import plots as plotting
-from .record import RECORD_NAME, SPEC_NAME, RecordError, read_record
+from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record
 from .report import Section, to_html, to_markdown
 
 # Written by `hpcfsdp submit` and the cell set-up: together they name the cells a sweep planned.

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import DistEnv
-from .spec import RunSpec
+from ..spec import RunSpec
 from .strategies import autocast, gradient_sync
 
 

@@ -28,10 +28,10 @@ from typing import Iterable, TextIO
 
 import yaml
 
-from .hubcache import CACHE_ENV
+from ..cache.hub import CACHE_ENV
 from .matrix import Cell, Sweep, by_shape
-from .record import PREVIOUS_RECORD_NAME, RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
-from .spec import MAX_REQUEUE_ENV, Resources
+from ..record import PREVIOUS_RECORD_NAME, RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
+from ..spec import MAX_REQUEUE_ENV, Resources
 
 EXECUTORS = ("slurm", "local", "print")
 MANIFEST_NAME = "manifest.json"
@@ -191,7 +191,7 @@ def submit(
 
 
 def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
-    from .run import write_cell_spec
+    from .job import write_cell_spec
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "matrix.yaml").write_text(yaml.safe_dump(sweep.raw, sort_keys=False))
@@ -471,7 +471,7 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
     import submitit
     from submitit.core.utils import FailedJobError
 
-    from .run import CellJob
+    from .job import CellJob
 
     for (nodes, gpus), cells in by_shape(sub.submitted).items():
         executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)

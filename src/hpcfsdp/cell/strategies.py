@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import DistEnv, build_mesh
 from .models import decoder_layers
-from .spec import HYBRID_STRATEGIES, RunSpec
+from ..spec import HYBRID_STRATEGIES, RunSpec
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 

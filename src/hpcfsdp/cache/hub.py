@@ -293,11 +293,6 @@ def model_download_command(cache: Path, ref: ModelRef, weights: bool) -> str:
     return f"{DOWNLOAD_COMMAND} --cache-dir {cache} --model {ref.name}{' --weights' if weights else ''}"
 
 
-def resolve_model_dir(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> Path:
-    """resolve_model(...).path: the folder to give to AutoConfig / AutoTokenizer / from_pretrained."""
-    return resolve_model(name, cache_dir, weights).path
-
-
 def resolve_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> CachedItem:
     """A dataset `ORG/NAME[:config][@split]` or preset -> the folder for datasets.load_from_disk."""
     offline_mode()
@@ -337,10 +332,6 @@ def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os
     if entry is None:
         raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
     return _checked(cache, ref.key, entry, ref.name, command)
-
-
-def resolve_tokenized_dir(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None) -> Path:
-    return resolve_tokenized(dataset, model, seq_len, cache_dir).path
 
 
 def find_model_entry(items: dict[str, dict], ref: ModelRef) -> tuple[str, dict | None]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from .hubcache import (
+from .hub import (
     DOWNLOAD_COMMAND,
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -54,7 +54,7 @@ from .hubcache import (
     model_download_command,
     read_manifest,
 )
-from .spec import data_kind
+from ..spec import data_kind
 
 CONFIG_PATTERNS = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -139,7 +139,7 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
         raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
                             "a jobs YAML names its cells' column with text_column")
     if request.jobs:
-        from .matrix import load_sweep
+        from ..sweep.matrix import load_sweep
 
         plan_from_sweep(load_sweep(request.jobs), plan)
     for text in request.models:
@@ -311,7 +311,7 @@ def tokenize_dataset(
     ref: TokenizedRef, cache: Path, num_proc: int | None = None, force: bool = False, out: Callable[[str], None] = print
 ) -> dict:
     """Tokenize a saved split's text column with a cached model's tokenizer, pack into seq_len blocks, save."""
-    from .hubcache import lookup_dataset, lookup_model
+    from .hub import lookup_dataset, lookup_model
 
     out(f"tokenize {ref.name}")
     with _item_lock(cache, ref.key, ref.name, out):
@@ -332,7 +332,7 @@ def tokenize_dataset(
         eos = tokenizer.eos_token_id
         seq_len = ref.seq_len
 
-        from .data import document_text
+        from .tokenize import document_text
 
         def encode(batch: dict) -> dict:
             texts = [document_text(value) for value in batch[text_column]]
@@ -373,7 +373,7 @@ def _packed_rows(encoded: str, seq_len: int, eos: int | None) -> Iterator[dict[s
     """Dataset.from_generator's source: the saved token ids, packed as a text folder's are."""
     import datasets
 
-    from .data import packed_blocks
+    from .tokenize import packed_blocks
 
     documents = (ids for batch in datasets.load_from_disk(encoded).iter(batch_size=1000) for ids in batch["input_ids"])
     for block in packed_blocks(documents, seq_len, eos):  # datasets draws the progress bar

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import yaml
 
-from .spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key_message
+from ..spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key_message
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)

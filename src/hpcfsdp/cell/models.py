@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .hubcache import resolve_model as resolve_hub_model
-from .spec import PRESETS_DIR, model_kind, preset_names
+from ..cache.hub import resolve_model as resolve_hub_model
+from ..spec import PRESETS_DIR, model_kind, preset_names
 
 __all__ = ["ModelSource", "PRESETS_DIR", "build_model", "decoder_layers", "init_weights", "load_config",
            "materialize", "preset_names", "resolve_model"]

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from transformers import AutoTokenizer
 
-from .hubcache import resolve_tokenized
+from ..cache.hub import resolve_tokenized
+from ..cache.tokenize import document_text, packed_blocks
 from .models import resolve_model
-from .spec import data_kind, is_saved_dataset, text_files
+from ..spec import data_kind, is_saved_dataset, text_files
 
 TEXT_FIELD = "text"  # where documents are unless RunSpec.text_column names another field
 TOKENIZE_CHUNK = 1000  # documents per tokenizer call
@@ -107,30 +108,6 @@ def read_documents(path: Path, column: str = TEXT_FIELD) -> Iterator[str]:
         value = json.loads(path.read_text(encoding="utf-8"))
         for index, row in enumerate(value if isinstance(value, list) else [value]):
             yield _text_of(row, column, f"{path}[{index}]" if isinstance(value, list) else str(path))
-
-
-def document_text(value: str | list[str] | None) -> str:
-    """One row's document: a string as it is, a list of strings (a chess game's moves) joined by spaces."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else " ".join(value)
-
-
-def packed_blocks(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> Iterator[list[int]]:
-    """Each document's ids then EOS (unless it already ends with it), concatenated and cut into
-    blocks of seq_len, as a stream; the tail shorter than seq_len is dropped.
-
-    The project's one packing rule: the downloader's cached blocks and a text folder's are the
-    same blocks for the same documents and tokenizer.
-    """
-    buffer: list[int] = []
-    for ids in documents:
-        buffer.extend(ids)
-        if eos is not None and ids[-1:] != [eos]:
-            buffer.append(eos)
-        while len(buffer) >= seq_len:
-            yield buffer[:seq_len]
-            del buffer[:seq_len]
 
 
 def pack(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> torch.Tensor:

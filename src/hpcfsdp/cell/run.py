@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import transformers
 
-from . import __version__
+from .. import __version__
 from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
 from .metrics import (
@@ -35,34 +35,10 @@ from .metrics import (
     reset_peak_memory,
 )
 from .models import build_model, materialize, resolve_model
-from .record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
-from .spec import MAX_REQUEUE_ENV, RunSpec, SpecError
+from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
+from ..spec import MAX_REQUEUE_ENV, RunSpec, SpecError
 from .strategies import param_dtype, parallelize
 from .train import TrainLog, build_optimizer, train
-
-
-@dataclass(frozen=True)
-class CellJob:
-    """What an array task needs: where the cell's spec lives and where its record goes."""
-
-    cell_dir: str
-
-    def __call__(self) -> str:
-        return run_cell_dir(Path(self.cell_dir))
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """submitit calls this on rank 0 at the time-limit signal, then requeues the task: the cell
-        starts over (a benchmark keeps no training state worth resuming)."""
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
-
-
-def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
-    cell_dir.mkdir(parents=True, exist_ok=True)
-    path = cell_dir / SPEC_NAME
-    path.write_text(json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
-    return path
 
 
 def run_cell_dir(cell_dir: Path) -> str:

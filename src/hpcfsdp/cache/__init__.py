@@ -1,0 +1,1 @@
+"""Login / head node: hub references, download, verify, manifest. Only tokenising imports transformers."""

@@ -1,0 +1,1 @@
+"""Login node: read records, tables, comparison, plots, report. Never imports torch."""

@@ -1,0 +1,1 @@
+"""Login node: YAML matrix -> cells -> Slurm arrays or local runs; status. Never imports torch."""
