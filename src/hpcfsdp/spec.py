@@ -11,32 +11,68 @@ import difflib
 import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Literal, Mapping, get_args, get_origin, get_type_hints
 
 from .cache.hub import DatasetRef, ModelRef
 
-DDP = "ddp"
-FSDP1_STRATEGIES = (
-    "fsdp1_full_shard",
-    "fsdp1_shard_grad_op",
-    "fsdp1_hybrid_shard",
-    "fsdp1_hybrid_zero2",
-    "fsdp1_no_shard",
-)
-FSDP2_STRATEGIES = ("fsdp2_zero3", "fsdp2_zero2", "fsdp2_hsdp")
-STRATEGIES = (DDP, *FSDP1_STRATEGIES, *FSDP2_STRATEGIES)
-HYBRID_STRATEGIES = ("fsdp1_hybrid_shard", "fsdp1_hybrid_zero2", "fsdp2_hsdp")
+StrategyName = Literal[
+    "ddp",
+    "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard", "fsdp1_hybrid_zero2", "fsdp1_no_shard",
+    "fsdp2_zero3", "fsdp2_zero2", "fsdp2_hsdp",
+]
+Family = Literal["ddp", "fsdp1", "fsdp2"]
+Checkpointing = Literal["none", "full", "selective"]
+Precision = Literal["fp32", "bf16_mixed", "bf16"]
+Device = Literal["auto", "cpu", "cuda"]
+AdamWImpl = Literal["plain", "foreach", "fused"]
+OptimizerOrder = Literal["after_shard", "before_shard", "before_shard_fixed"]
+BackwardPrefetch = Literal["pre", "post", "none"]
+WrapPolicy = Literal["layer", "size", "none"]
+ReduceDtype = Literal["fp32", "bf16"]
+Kernels = Literal["none", "liger"]
+Init = Literal["random", "pretrained"]
+GpuRequest = Literal["gres", "gpus_per_node", "none"]
 
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-PRECISIONS = ("fp32", "bf16_mixed", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-ADAMW_IMPLS = ("plain", "foreach", "fused")
-OPTIMIZER_ORDERS = ("after_shard", "before_shard", "before_shard_fixed")
-BACKWARD_PREFETCH = ("pre", "post", "none")
-WRAP_POLICIES = ("layer", "size", "none")
-GPU_REQUESTS = ("gres", "gpus_per_node", "none")
-KERNELS = ("none", "liger")
-INITS = ("random", "pretrained")
+# RunSpec fields that only one family of strategies reads; a cell of another family carries their
+# defaults. The collector uses this to match a cell with its baseline and to name variants.
+FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {
+    "ddp": (),
+    "fsdp1": ("cpu_offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params",
+              "wrap_policy", "min_num_params", "reduce_dtype"),
+    "fsdp2": ("cpu_offload", "prefetch_depth", "reduce_dtype", "optimizer_order"),
+}
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """What a strategy name means: its family (which wrapper applies it) and how it shards."""
+
+    family: Family
+    hybrid: bool = False  # replicate across shard groups (a 2-D mesh; reads hsdp_shard_size)
+    reshard_after_forward: bool = True  # False: ZeRO-2 (parameters stay gathered until backward)
+    fsdp1_sharding: str = ""  # torch.distributed.fsdp.ShardingStrategy member
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        return FAMILY_KNOBS[self.family] + (("hsdp_shard_size",) if self.hybrid else ())
+
+
+# The one registry of strategies: validation, the wrappers (cell/strategies.py) and the collector read it.
+STRATEGIES: dict[StrategyName, StrategyInfo] = {
+    "ddp": StrategyInfo("ddp"),
+    "fsdp1_full_shard": StrategyInfo("fsdp1", fsdp1_sharding="FULL_SHARD"),
+    "fsdp1_shard_grad_op": StrategyInfo("fsdp1", reshard_after_forward=False, fsdp1_sharding="SHARD_GRAD_OP"),
+    "fsdp1_hybrid_shard": StrategyInfo("fsdp1", hybrid=True, fsdp1_sharding="HYBRID_SHARD"),
+    "fsdp1_hybrid_zero2": StrategyInfo("fsdp1", hybrid=True, reshard_after_forward=False,
+                                       fsdp1_sharding="_HYBRID_SHARD_ZERO2"),
+    "fsdp1_no_shard": StrategyInfo("fsdp1", fsdp1_sharding="NO_SHARD"),
+    "fsdp2_zero3": StrategyInfo("fsdp2"),
+    "fsdp2_zero2": StrategyInfo("fsdp2", reshard_after_forward=False),
+    "fsdp2_hsdp": StrategyInfo("fsdp2", hybrid=True),
+}
+assert set(STRATEGIES) == set(get_args(StrategyName)), "every StrategyName needs a registry entry"
+STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + ("hsdp_shard_size",)
+
 PRESETS_DIR = Path(__file__).parent / "presets"
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
@@ -47,7 +83,16 @@ MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 
 
 class SpecError(ValueError):
-    """A bad value in user input; the message is one line naming where and what was expected."""
+    """A bad value in user input, as one line '<where>: <key>: <what>'.
+
+    `where` is a file (and line) or a section, `key` the offending key ("" for a whole-file
+    problem), `what` what was expected and what came. Kept apart so that the YAML loader can point
+    at the line that set `key` without parsing the message.
+    """
+
+    def __init__(self, where: str, key: str = "", what: str = ""):
+        self.where, self.key, self.what = where, key, what
+        super().__init__(": ".join(part for part in (where, key, what) if part))
 
 
 @dataclass(frozen=True)
@@ -60,41 +105,41 @@ class RunSpec:
     data: str = "synthetic"  # synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset
     tokenizer: str = ""  # for text data: a folder or hub id; "": the model's own (presets have none)
     text_column: str = ""  # the field / column documents are in; "": the hub preset's (chess: Moves), else text
-    init: str = "random"  # pretrained: the model's weights (a local folder or a cached hub id)
+    init: Init = "random"  # pretrained: the model's weights (a local folder or a cached hub id)
     meta_init: bool = False  # build on the meta device, materialise each rank's shard after sharding
     # parallelism
-    strategy: str = "fsdp2_zero3"
+    strategy: StrategyName = "fsdp2_zero3"
     nodes: int = 1
     gpus_per_node: int = 1
     hsdp_shard_size: int = 0  # 0: shard within a node, replicate across nodes
     cpu_offload: bool = False
     # FSDP1 knobs
-    backward_prefetch: str = "pre"
+    backward_prefetch: BackwardPrefetch = "pre"
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     use_orig_params: bool = True
-    wrap_policy: str = "layer"
+    wrap_policy: WrapPolicy = "layer"
     min_num_params: int = 100_000_000
     # FSDP2 knobs
     prefetch_depth: int = 0  # 0: FSDP2's implicit prefetch; k > 0: explicit, k layers ahead
-    reduce_dtype: str = "fp32"
-    optimizer_order: str = "after_shard"
+    reduce_dtype: ReduceDtype = "fp32"
+    optimizer_order: OptimizerOrder = "after_shard"
     # batch shape
     batch_size: int = 1  # per device
     grad_accum: int = 1
     global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
     sync_every_microbatch: bool = False
     # compute
-    activation_checkpointing: str = "none"
+    activation_checkpointing: Checkpointing = "none"
     checkpoint_every: int = 2  # for selective: checkpoint every k-th decoder layer
-    precision: str = "bf16_mixed"
+    precision: Precision = "bf16_mixed"
     compile: bool = False
-    kernels: str = "none"  # liger: Liger's fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (GPU)
+    kernels: Kernels = "none"  # liger: Liger's fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (GPU)
     expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
-    adamw_impl: str = "foreach"
+    adamw_impl: AdamWImpl = "foreach"
     lr: float = 1e-4
     weight_decay: float = 0.0
-    device: str = "auto"
+    device: Device = "auto"
     # measurement
     steps: int = 10
     warmup_steps: int = 2
@@ -112,10 +157,12 @@ class RunSpec:
         return self.nodes * self.gpus_per_node
 
     @property
-    def family(self) -> str:
-        if self.strategy == DDP:
-            return "ddp"
-        return self.strategy.split("_", 1)[0]
+    def strategy_info(self) -> StrategyInfo:
+        return STRATEGIES[self.strategy]
+
+    @property
+    def family(self) -> Family:
+        return STRATEGIES[self.strategy].family
 
     @property
     def text_tokenizer(self) -> str:
@@ -135,28 +182,18 @@ class RunSpec:
         return dataclasses.replace(self, **changes)
 
     def _validated(self, where: str) -> "RunSpec":
-        _require_choice(where, "strategy", self.strategy, STRATEGIES)
-        _require_choice(where, "activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-        _require_choice(where, "precision", self.precision, PRECISIONS)
-        _require_choice(where, "device", self.device, DEVICES)
-        _require_choice(where, "adamw_impl", self.adamw_impl, ADAMW_IMPLS)
-        _require_choice(where, "optimizer_order", self.optimizer_order, OPTIMIZER_ORDERS)
-        _require_choice(where, "backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
-        _require_choice(where, "wrap_policy", self.wrap_policy, WRAP_POLICIES)
-        _require_choice(where, "reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
-        _require_choice(where, "init", self.init, INITS)
-        _require_choice(where, "kernels", self.kernels, KERNELS)
+        _require_choices(where, self)
         for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
             if getattr(self, name) < 1:
-                raise SpecError(f"{where}: {name}: expected a positive integer, got {getattr(self, name)}")
+                raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
         for name in ("warmup_steps", "global_batch_size", "hsdp_shard_size", "prefetch_depth", "min_num_params",
                      "comm_profile_steps"):
             if getattr(self, name) < 0:
-                raise SpecError(f"{where}: {name}: expected an integer >= 0, got {getattr(self, name)}")
+                raise SpecError(where, name, f"expected an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps >= self.steps:
-            raise SpecError(f"{where}: warmup_steps: expected fewer than steps ({self.steps}), got {self.warmup_steps}")
+            raise SpecError(where, "warmup_steps", f"expected fewer than steps ({self.steps}), got {self.warmup_steps}")
         if self.lr <= 0:
-            raise SpecError(f"{where}: lr: expected a positive number, got {self.lr}")
+            raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
         spec = self._with_derived_grad_accum(where)
         spec._check_combinations(where)
         spec._check_model(where)
@@ -169,80 +206,80 @@ class RunSpec:
         per_step = self.batch_size * self.world_size
         if self.global_batch_size % per_step:
             raise SpecError(
-                f"{where}: global_batch_size: {self.global_batch_size} is not a multiple of "
+                where, "global_batch_size", f"{self.global_batch_size} is not a multiple of "
                 f"batch_size x world size = {self.batch_size} x {self.world_size} = {per_step}"
             )
         return dataclasses.replace(self, grad_accum=self.global_batch_size // per_step)
 
     def _check_combinations(self, where: str) -> None:
         if self.family == "fsdp1" and self.device == "cpu":
-            raise SpecError(f"{where}: strategy: {self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy")
+            raise SpecError(where, "strategy", f"{self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy")
         if self.kernels == "liger" and self.device == "cpu":
-            raise SpecError(f"{where}: kernels: liger needs a GPU (Triton kernels); use kernels: none on CPU")
-        if self.cpu_offload and self.strategy == DDP:
-            raise SpecError(f"{where}: cpu_offload: DDP has no CPU offload; use an fsdp1_* or fsdp2_* strategy")
+            raise SpecError(where, "kernels", "liger needs a GPU (Triton kernels); use kernels: none on CPU")
+        if self.cpu_offload and self.strategy == "ddp":
+            raise SpecError(where, "cpu_offload", "DDP has no CPU offload; use an fsdp1_* or fsdp2_* strategy")
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
-            raise SpecError(f"{where}: compile: not supported with {self.strategy} on CPU")
-        if self.strategy in HYBRID_STRATEGIES:
+            raise SpecError(where, "compile", f"not supported with {self.strategy} on CPU")
+        if self.strategy_info.hybrid:
             shard = self.hsdp_shard_size or self.gpus_per_node
             if self.world_size % shard:
                 raise SpecError(
-                    f"{where}: hsdp_shard_size: {shard} does not divide the world size "
+                    where, "hsdp_shard_size", f"{shard} does not divide the world size "
                     f"{self.nodes} nodes x {self.gpus_per_node} = {self.world_size}"
                 )
             if self.family == "fsdp1" and shard == 1 and self.world_size > 1:
                 # FSDP1 turns a one-rank shard group into NO_SHARD and then reduces gradients over
                 # that one-rank group only: replicas never synchronise (pytorch/pytorch#154888).
                 raise SpecError(
-                    f"{where}: hsdp_shard_size: {self.strategy} with a shard group of 1 rank never "
+                    where, "hsdp_shard_size", f"{self.strategy} with a shard group of 1 rank never "
                     f"synchronises gradients across its {self.world_size} replicas (a PyTorch FSDP1 bug); "
                     "use fsdp2_hsdp, ddp, or a shard size of at least 2"
                 )
         if self.optimizer_order != "after_shard" and self.family != "fsdp2":
-            raise SpecError(f"{where}: optimizer_order: {self.optimizer_order} applies to fsdp2_* strategies only")
+            raise SpecError(where, "optimizer_order", f"{self.optimizer_order} applies to fsdp2_* strategies only")
         if self.meta_init and self.family == "fsdp1":
-            raise SpecError(f"{where}: meta_init: supported with ddp and fsdp2_* strategies only, got {self.strategy}")
+            raise SpecError(where, "meta_init", f"supported with ddp and fsdp2_* strategies only, got {self.strategy}")
         if self.meta_init and self.init == "pretrained":
-            raise SpecError(f"{where}: meta_init: applies to init: random only (pretrained weights are loaded whole, then sharded)")
+            raise SpecError(where, "meta_init", "applies to init: random only (pretrained weights are loaded whole, then sharded)")
         if self.meta_init and self.optimizer_order != "after_shard":
-            raise SpecError(f"{where}: meta_init: needs optimizer_order: after_shard, got {self.optimizer_order}")
+            raise SpecError(where, "meta_init", f"needs optimizer_order: after_shard, got {self.optimizer_order}")
 
     def _check_model(self, where: str) -> None:
         kind = model_kind(self.model)
         if not kind:
-            raise SpecError(f"{where}: model: expected a preset ({', '.join(preset_names())}), a folder with "
+            raise SpecError(where, "model", f"expected a preset ({', '.join(preset_names())}), a folder with "
                             f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}")
         if kind == "local":
             _require_folder_with(where, "model", self.model, ("config.json",))
         if self.init == "pretrained" and kind == "preset":
-            raise SpecError(f"{where}: init: pretrained needs weights, and model {self.model!r} is a preset "
+            raise SpecError(where, "init", f"pretrained needs weights, and model {self.model!r} is a preset "
                             "(a config only); name a local folder or a hub id ORG/NAME")
         if self.init == "pretrained" and kind == "local":
             _require_folder_with(where, "model", self.model, WEIGHT_GLOBS, "weights for init: pretrained")
         if self.tokenizer:
             tokenizer_kind = model_kind(self.tokenizer)
             if tokenizer_kind not in ("local", "hub"):
-                raise SpecError(f"{where}: tokenizer: expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}")
+                raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}")
             if tokenizer_kind == "local":
                 _require_folder_with(where, "tokenizer", self.tokenizer, TOKENIZER_FILES)
 
     def _check_data(self, where: str) -> None:
         kind = data_kind(self.data)
         if not kind:
-            raise SpecError(f"{where}: data: expected synthetic, a local folder, or a hub dataset "
+            raise SpecError(where, "data", f"expected synthetic, a local folder, or a hub dataset "
                             f"ORG/NAME[:config][@split] or preset; got {self.data!r}")
         if kind == "synthetic":
             if self.text_column:
-                raise SpecError(f"{where}: text_column: synthetic data has no documents; set data to a folder or hub dataset")
+                raise SpecError(where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset")
             return
         if kind == "local":
             _require_text_data(where, self.data)
         tokenizer = self.text_tokenizer
         if not tokenizer:
-            raise SpecError(f"{where}: tokenizer: data {self.data!r} needs one, and model {self.model!r} is a "
+            raise SpecError(where, "tokenizer", f"data {self.data!r} needs one, and model {self.model!r} is a "
                             "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME")
         if kind == "hub" and model_kind(tokenizer) != "hub":
-            raise SpecError(f"{where}: tokenizer: hub data {self.data!r} is read pre-tokenised from the cache, "
+            raise SpecError(where, "tokenizer", f"hub data {self.data!r} is read pre-tokenised from the cache, "
                             f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}")
         if not self.tokenizer and model_kind(self.model) == "local":
             _require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
@@ -261,7 +298,7 @@ class Resources:
     constraint: str = ""
     exclusive: bool = False
     array_parallelism: int = 64
-    gpu_request: str = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
+    gpu_request: GpuRequest = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
     max_requeue: int = 0  # requeues after the time-limit signal; the cell then starts over
     signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
     cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
@@ -270,15 +307,15 @@ class Resources:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> "Resources":
         res = cls(**coerce_fields(cls, values, where))
-        _require_choice(where, "gpu_request", res.gpu_request, GPU_REQUESTS)
+        _require_choices(where, res)
         for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:
-                raise SpecError(f"{where}: {name}: expected a positive integer, got {getattr(res, name)}")
+                raise SpecError(where, name, f"expected a positive integer, got {getattr(res, name)}")
         for name in ("mem_gb", "max_requeue"):
             if getattr(res, name) < 0:
-                raise SpecError(f"{where}: {name}: expected an integer >= 0, got {getattr(res, name)}")
+                raise SpecError(where, name, f"expected an integer >= 0, got {getattr(res, name)}")
         if res.signal_delay_s >= res.time_min * 60:
-            raise SpecError(f"{where}: signal_delay_s: {res.signal_delay_s} s is not below the time limit "
+            raise SpecError(where, "signal_delay_s", f"{res.signal_delay_s} s is not below the time limit "
                             f"(time_min {res.time_min} = {res.time_min * 60} s)")
         _check_extra_sbatch(where, res)
         return res
@@ -304,15 +341,15 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
         flag = str(key).replace("_", "-")
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
-            raise SpecError(f"{where}: extra_sbatch.{key}: --{flag} is set by hpcfsdp{hint}")
+            raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")
         if not isinstance(value, (str, int, float, bool)) or value is False:
-            raise SpecError(f"{where}: extra_sbatch.{key}: expected a string, a number or true, got {value!r}")
+            raise SpecError(where, f"extra_sbatch.{key}", f"expected a string, a number or true, got {value!r}")
         # Options sbatch refuses beside one that hpcfsdp sets:
         if flag in ("mem-per-cpu", "mem-per-gpu") and res.mem_gb:
-            raise SpecError(f"{where}: extra_sbatch.{key}: sbatch takes only one of --{flag} and --mem "
+            raise SpecError(where, f"extra_sbatch.{key}", f"sbatch takes only one of --{flag} and --mem "
                             f"(slurm.mem_gb: {res.mem_gb}); set mem_gb: 0")
         if flag in ("gpus", "gpus-per-task", "gpus-per-socket") and res.gpu_request != "none":
-            raise SpecError(f"{where}: extra_sbatch.{key}: GPUs are already asked for (slurm.gpu_request: "
+            raise SpecError(where, f"extra_sbatch.{key}", f"GPUs are already asked for (slurm.gpu_request: "
                             f"{res.gpu_request}); set gpu_request: none to ask with --{flag}")
 
 
@@ -370,17 +407,17 @@ def _require_folder_with(where: str, key: str, value: str, patterns: tuple[str, 
     """A local folder holding at least one file matching one of `patterns`."""
     path = Path(value).expanduser()
     if not path.is_dir():
-        raise SpecError(f"{where}: {key}: no such folder: {value}")
+        raise SpecError(where, key, f"no such folder: {value}")
     if not any(next(path.glob(pattern), None) for pattern in patterns):
-        raise SpecError(f"{where}: {key}: folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
+        raise SpecError(where, key, f"folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
 
 
 def _require_text_data(where: str, value: str) -> None:
     path = Path(value).expanduser()
     if not path.exists():
-        raise SpecError(f"{where}: data: no such file or folder: {value}")
+        raise SpecError(where, "data", f"no such file or folder: {value}")
     if not (is_saved_dataset(path) or next(text_files(path), None)):
-        raise SpecError(f"{where}: data: {value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
+        raise SpecError(where, "data", f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
                         "or a folder written by datasets' save_to_disk")
 
 
@@ -388,11 +425,10 @@ def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-def unknown_key_message(where: str, key: str, known: tuple[str, ...], section: str = "") -> str:
+def unknown_key(where: str, key: str, known: tuple[str, ...], section: str = "") -> SpecError:
     close = difflib.get_close_matches(str(key), known, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(known)}"
-    label = f"{section}.{key}" if section else key
-    return f"{where}: {label}: unknown key{hint}"
+    return SpecError(where, f"{section}.{key}" if section else str(key), f"unknown key{hint}")
 
 
 def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -401,7 +437,7 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
     out: dict[str, Any] = {}
     for key, value in values.items():
         if key not in types:
-            raise SpecError(unknown_key_message(where, key, tuple(types)))
+            raise unknown_key(where, key, tuple(types))
         out[key] = _coerce(where, key, value, types[key])
     return out
 
@@ -416,11 +452,11 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is bool:
         if isinstance(value, bool):
             return value
-        raise SpecError(f"{where}: {key}: expected true or false, got {value!r}")
+        raise SpecError(where, key, f"expected true or false, got {value!r}")
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise SpecError(f"{where}: {key}: expected an integer, got {value!r}")
+        raise SpecError(where, key, f"expected an integer, got {value!r}")
     if expected is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -429,22 +465,31 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise SpecError(f"{where}: {key}: expected a number, got {value!r}")
+        raise SpecError(where, key, f"expected a number, got {value!r}")
     if expected is str:
         if key == "activation_checkpointing" and isinstance(value, bool):
             return "full" if value else "none"
         if isinstance(value, str):
             return value
-        raise SpecError(f"{where}: {key}: expected a string, got {value!r}")
+        raise SpecError(where, key, f"expected a string, got {value!r}")
     if expected is dict:
         if isinstance(value, dict):
             return dict(value)
-        raise SpecError(f"{where}: {key}: expected a mapping, got {value!r}")
+        raise SpecError(where, key, f"expected a mapping, got {value!r}")
     return value
 
 
-def _require_choice(where: str, key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(value, choices, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise SpecError(f"{where}: {key}: expected one of {', '.join(choices)}; got {value!r}{hint}")
+@functools.cache
+def choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The fields of a dataclass typed as a Literal, and their allowed values."""
+    hints = get_type_hints(cls)
+    return {name: get_args(hint) for name, hint in hints.items() if get_origin(hint) is Literal}
+
+
+def _require_choices(where: str, instance: Any) -> None:
+    for key, allowed in choices(type(instance)).items():
+        value = getattr(instance, key)
+        if value not in allowed:
+            close = difflib.get_close_matches(value, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise SpecError(where, key, f"expected one of {', '.join(allowed)}; got {value!r}{hint}")

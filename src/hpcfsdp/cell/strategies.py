@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import DistEnv, build_mesh
 from .models import decoder_layers
-from ..spec import HYBRID_STRATEGIES, RunSpec
+from ..spec import Family, RunSpec
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 
@@ -56,7 +56,7 @@ def fsdp2(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     if spec.precision == "bf16_mixed":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype))
     offload = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
-    reshard = spec.strategy != "fsdp2_zero2"
+    reshard = spec.strategy_info.reshard_after_forward
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     layers = list(decoder_layers(model))
     for index, layer in enumerate(layers):
@@ -81,13 +81,7 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
 
     if env.device.type != "cuda":
         raise RuntimeError(f"strategy: {spec.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use an fsdp2_* strategy on CPU")
-    sharding = {
-        "fsdp1_full_shard": ShardingStrategy.FULL_SHARD,
-        "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
-        "fsdp1_hybrid_shard": ShardingStrategy.HYBRID_SHARD,
-        "fsdp1_hybrid_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2,
-        "fsdp1_no_shard": ShardingStrategy.NO_SHARD,
-    }[spec.strategy]
+    sharding = ShardingStrategy[spec.strategy_info.fsdp1_sharding]
     layer_class = type(_unwrapped(decoder_layers(model)[0]))
     policy = {
         "layer": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class}),
@@ -98,7 +92,7 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     if spec.precision == "bf16_mixed":
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype), buffer_dtype=torch.bfloat16)
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-    mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy in HYBRID_STRATEGIES else None
+    mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy_info.hybrid else None
     return FullyShardedDataParallel(
         model,
         sharding_strategy=sharding,
@@ -114,23 +108,14 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     )
 
 
-STRATEGIES: dict[str, Strategy] = {
-    "ddp": ddp,
-    "fsdp1_full_shard": fsdp1,
-    "fsdp1_shard_grad_op": fsdp1,
-    "fsdp1_hybrid_shard": fsdp1,
-    "fsdp1_hybrid_zero2": fsdp1,
-    "fsdp1_no_shard": fsdp1,
-    "fsdp2_zero3": fsdp2,
-    "fsdp2_zero2": fsdp2,
-    "fsdp2_hsdp": fsdp2,
-}
+# One wrapper per family; how each strategy of a family shards is in spec.STRATEGIES.
+WRAPPERS: dict[Family, Strategy] = {"ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2}
 
 
 def parallelize(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     apply_activation_checkpointing(model, spec)
     apply_compile(model, spec)
-    return STRATEGIES[spec.strategy](model, spec, env)
+    return WRAPPERS[spec.family](model, spec, env)
 
 
 def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> ContextManager:
@@ -162,7 +147,7 @@ def param_dtype(spec: RunSpec) -> torch.dtype:
 
 def _replicas(spec: RunSpec, env: DistEnv) -> int:
     """Replica groups of a hybrid strategy (a 2-D mesh even when 1); 0 for a flat 1-D mesh."""
-    if spec.strategy not in HYBRID_STRATEGIES:
+    if not spec.strategy_info.hybrid:
         return 0
     shard = spec.hsdp_shard_size or spec.gpus_per_node
     return env.world_size // shard

@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from . import plots as plotting
+from ..spec import STRATEGY_KNOBS
 from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record
 from .report import Section, to_html, to_markdown
 
@@ -37,12 +38,6 @@ JSON_TYPES = {str: "text", int: "a number", float: "a number", bool: "true/false
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
 METRIC_FORMATS = {"tokens_per_s_per_gpu": "{:,.0f}", "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}"}
 
-# Spec fields that only some strategies read. A DDP cell carries their defaults, so they play no
-# part in matching a cell with its baseline; varied within one strategy, they name a variant.
-STRATEGY_KNOBS = (
-    "hsdp_shard_size", "cpu_offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
-    "use_orig_params", "wrap_policy", "min_num_params", "prefetch_depth", "reduce_dtype", "optimizer_order",
-)
 # Short names for table headers and plot panel titles.
 SHORT = {"batch_size": "batch", "grad_accum": "accum", "activation_checkpointing": "ckpt", "seq_len": "seq",
          "gpus_per_node": "gpus/node"}

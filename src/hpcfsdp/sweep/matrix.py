@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import yaml
 
-from ..spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key_message
+from ..spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
@@ -122,29 +122,29 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
         raise SpecError(f"{source}: expected a mapping with sections {', '.join(SECTIONS)}")
     for key in raw:
         if key not in SECTIONS:
-            raise SpecError(unknown_key_message(_where(source, raw, key), key, SECTIONS))
+            raise unknown_key(_where(source, raw, key), key, SECTIONS)
     name = raw.get("name", default_name)
     if not isinstance(name, str) or not name or "/" in name:
-        raise SpecError(f"{_where(source, raw, 'name')}: name: expected a folder-safe string, got {name!r}")
+        raise SpecError(_where(source, raw, 'name'), "name", f"expected a folder-safe string, got {name!r}")
     base = _mapping(raw, "base", source)
     axes = _mapping(raw, "matrix", source)
     for axis, values in axes.items():
         if not isinstance(values, list) or not values:
-            raise SpecError(f"{_where(source, axes, axis)}: matrix.{axis}: expected a non-empty list of values")
+            raise SpecError(_where(source, axes, axis), f"matrix.{axis}", "expected a non-empty list of values")
     for section, mapping in (("base", base), ("matrix", axes)):
         for key in mapping:
             if key not in _SPEC_FIELDS:
-                raise SpecError(unknown_key_message(_where(source, mapping, key), key, _SPEC_FIELDS, section))
+                raise unknown_key(_where(source, mapping, key), key, _SPEC_FIELDS, section)
     include = _partials(raw, "include", source)
     exclude = _partials(raw, "exclude", source)
     slurm = _mapping(raw, "slurm", source)
     try:
         resources = Resources.from_dict(slurm, where=source)
     except SpecError as exc:
-        raise _located(exc, source, [("slurm", slurm)], f"{_where(source, raw, 'slurm')}: slurm.") from None
+        raise _located(exc, source, [("slurm", slurm)], _where(source, raw, "slurm"), prefix="slurm.") from None
     setup = raw.get("setup", [])
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
-        raise SpecError(f"{_where(source, raw, 'setup')}: setup: expected a list of shell lines")
+        raise SpecError(_where(source, raw, 'setup'), "setup", "expected a list of shell lines")
 
     exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]
     cells: dict[str, Cell] = {}
@@ -162,7 +162,7 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
             raise SpecError(f"{exclusion.where}: exclude[{exclusion.index}]: matches no cell of the matrix "
                             f"({_plain_partial(exclusion.values)}); check its keys and values")
     if not cells:
-        raise SpecError(f"{_where(source, raw, 'exclude')}: exclude: no cells left after exclude")
+        raise SpecError(_where(source, raw, 'exclude'), "exclude", "no cells left after exclude")
     return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup), raw=_plain(raw))
 
 
@@ -188,9 +188,8 @@ class _Exclusion:
         label = f"{source}: exclude[{index}]"
         try:
             self._coerced = coerce_fields(RunSpec, partial, label)
-        except SpecError as exc:  # '<label>: <key>: <what>' -> the key's line
-            key, _, what = str(exc)[len(label) + 2:].partition(": ")
-            raise SpecError(f"{_where(source, partial, key)}: exclude[{index}].{key}: {what}") from None
+        except SpecError as exc:
+            raise SpecError(_where(source, partial, exc.key), f"exclude[{index}].{exc.key}", exc.what) from None
         self.matched = False
 
     def drops(self, values: dict) -> bool:
@@ -218,28 +217,27 @@ def _cell_error(exc: SpecError, source: str, raw: dict, base: dict, axes: dict, 
     matrix axis, else base; the cell's distinguishing values follow in parentheses."""
     if origin is None:
         places = [("matrix", axes), ("base", base)]
-        fallback = f"{_where(source, raw, 'matrix' if axes else 'base')}: "
+        fallback = _where(source, raw, 'matrix' if axes else 'base')
     else:
         entry = include[origin]
         places = [(f"include[{origin}]", entry), ("base", base)]
         line = min(getattr(entry, "lines", {}).values(), default=None)
-        fallback = f"{source}:{line}: " if line else f"{_where(source, raw, 'include')}: "
+        fallback = f"{source}:{line}" if line else _where(source, raw, 'include')
     cell = ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
-    return _located(exc, source, places, fallback, f" (cell {cell})")
+    return _located(exc, source, places, fallback, suffix=f" (cell {cell})")
 
 
-def _located(exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, suffix: str = "") -> SpecError:
-    """spec.py's messages read '<source>: <key>: <what>'; name the line and section where <key> was
-    set, or else (a default value) the `fallback` prefix."""
-    message = str(exc)
-    if not message.startswith(f"{source}: "):
+def _located(exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, prefix: str = "",
+             suffix: str = "") -> SpecError:
+    """Name the line and section where the error's key was set, or else (a default value) the
+    `fallback` place, with `prefix` before the key."""
+    if exc.where != source or not exc.key:
         return exc
-    key, _, what = message[len(source) + 2:].partition(": ")
     for section, mapping in places:
-        line = _line_of(mapping, key)
+        line = _line_of(mapping, exc.key)
         if line:
-            return SpecError(f"{source}:{line}: {section}.{key}: {what}{suffix}")
-    return SpecError(f"{fallback}{key}: {what}{suffix}")
+            return SpecError(f"{source}:{line}", f"{section}.{exc.key}", exc.what + suffix)
+    return SpecError(fallback, prefix + exc.key, exc.what + suffix)
 
 
 def _line_of(mapping: Any, dotted_key: str) -> int | None:
@@ -256,18 +254,18 @@ def _line_of(mapping: Any, dotted_key: str) -> int | None:
 def _mapping(raw: dict, key: str, source: str) -> dict:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
-        raise SpecError(f"{_where(source, raw, key)}: {key}: expected a mapping, got {type(value).__name__}")
+        raise SpecError(_where(source, raw, key), key, f"expected a mapping, got {type(value).__name__}")
     return value
 
 
 def _partials(raw: dict, key: str, source: str) -> list[dict]:
     value = raw.get(key) or []
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise SpecError(f"{_where(source, raw, key)}: {key}: expected a list of mappings (partial cells)")
+        raise SpecError(_where(source, raw, key), key, "expected a list of mappings (partial cells)")
     for index, item in enumerate(value):
         for k in item:
             if k not in _SPEC_FIELDS:
-                raise SpecError(unknown_key_message(_where(source, item, k), k, _SPEC_FIELDS, f"{key}[{index}]"))
+                raise unknown_key(_where(source, item, k), k, _SPEC_FIELDS, f"{key}[{index}]")
     return value
 
 
