@@ -379,16 +379,19 @@ def record_lost_cells(report: StatusReport) -> list[CellState]:
     lost = [c for c in report.cells if c.state == "missing" and c.job_id]
     for cell in lost:
         state = f" ({cell.slurm})" if cell.slurm else ""
-        record_launch_failure(cell_dir(report.sweep_dir, cell.cell_id),
-                              f"Slurm job {cell.job_id} ended{state} without a record",
-                              _log_tails(slurm_logs(report.sweep_dir, cell.job_id)))
+        directory = cell_dir(report.sweep_dir, cell.cell_id)
+        spec = json.loads((directory / SPEC_NAME).read_text())["spec"]
+        logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
+        record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs))
     return lost
 
 
-def slurm_logs(sweep_dir: Path, job_id: str) -> list[Path]:
-    """submitit's stderr logs of one job, one per task (rank), in rank order."""
-    folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
-    return sorted(folder.glob(f"{job_id}_*_log.err"), key=lambda p: int(p.name[len(job_id) + 1:].split("_")[0]))
+def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
+    """submitit's stderr logs of one job, one per task (rank), in rank order: those that exist."""
+    from submitit.core.utils import JobPaths
+
+    paths = (JobPaths(slurm_folder(sweep_dir), job_id=job_id, task_id=task).stderr for task in range(tasks))
+    return [path for path in paths if path.exists()]
 
 
 def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
