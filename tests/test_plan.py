@@ -200,7 +200,7 @@ def four_cell_sweep(tmp_path: Path):
     """ok, timeout, missing but still running, missing and gone: one cell each."""
     path = write(tmp_path, """
         name: flight
-        base: {model: tiny, device: cpu}
+        base: {model: tiny, device: cpu, gpus_per_node: 2}
         matrix:
           batch_size: [1, 2, 3, 4]
         """)
