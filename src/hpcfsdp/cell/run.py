@@ -222,6 +222,7 @@ def _memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, s
         return {}
     path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
     try:
+        cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
         torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
     except Exception as exc:  # noqa: BLE001 - the record matters more than the snapshot
