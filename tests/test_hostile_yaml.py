@@ -31,12 +31,14 @@ GENERATED = {
     "utf16_with_bom": ("name: x\n".encode("utf-16"), ": not UTF-8 (a UTF-16 byte-order mark)"),
     "utf32_with_bom": ("name: x\n".encode("utf-32"), ": not UTF-8 (a UTF-32 byte-order mark)"),
     "raw_nul_byte": (b"name: x\nbase: {model: a\x00b}\n", ":2: not valid YAML (unacceptable character #x0000"),
-    "nested_3000_levels_flow": (b"base: " + b"[" * 3000 + b"]" * 3000 + b"\n", ":1: not valid YAML (nested more than 64 levels deep)"),
+    "nested_3000_levels_flow": (b"base: " + b"[" * 3000 + b"]" * 3000 + b"\n",
+                                ":1: not valid YAML (nested more than 64 levels deep)"),
     "nested_1000_levels_block": ("".join(f"{' ' * i}k{i}:\n" for i in range(1000)).encode(),
                                  ":64: not valid YAML (nested more than 64 levels deep)"),
     "data_path_too_long": (f"base:\n  data: ./{'d' * 5000}/corpus.jsonl\n".encode(),
                            ":2: base.data: not a usable path (File name too long)"),
-    "larger_than_a_jobs_file": (b"# " + b"x" * 1024**2 + b"\nname: big\n", ": jobs file of 1,048,589 bytes, more than the limit"),
+    "larger_than_a_jobs_file": (b"# " + b"x" * 1024**2 + b"\nname: big\n",
+                                ": jobs file of 1,048,589 bytes, more than the limit"),
 }
 
 

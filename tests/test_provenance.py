@@ -28,7 +28,7 @@ def copy_package(to: Path) -> None:
 
 def recorded_commit(import_root: Path, cwd: Path) -> str:
     """What run.py's provenance would record, for the package imported from `import_root`."""
-    code = "from hpcfsdp.cell.provenance import git_commit; import hpcfsdp; print(hpcfsdp.__file__); print(git_commit())"
+    code = "import hpcfsdp; from hpcfsdp.cell.provenance import git_commit; print(hpcfsdp.__file__, git_commit())"
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(import_root), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert out[0] == str(import_root / "hpcfsdp" / "__init__.py")  # the copy, not the package under test

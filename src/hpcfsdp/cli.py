@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler",
                             description="Count the cells of a sweep folder by state: pending / running (squeue), "
-                                        "else their record's ok / oom / error / timeout / diverged, else missing (no record) "
-                                        "or corrupt (unreadable record); then a row per cell that is not ok.")
+                                        "else their record's ok / oom / error / timeout / diverged, else missing "
+                                        "(no record) or corrupt (unreadable record); then a row per cell that is not ok.")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")

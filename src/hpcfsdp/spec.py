@@ -157,7 +157,8 @@ class RunSpec:
     nvml: bool = True  # sample GPU utilisation during timed steps
     comm_profile_steps: int = 2  # extra steps under torch.profiler for communication time; 0: off
     profile: bool = False  # TensorBoard trace of a window of steps in the cell folder
-    memory_snapshot: bool = False  # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
+    # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
+    memory_snapshot: bool = False
     peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
     record_param_norm: bool = False  # gathers the full model once at the end: for tests and small models
 

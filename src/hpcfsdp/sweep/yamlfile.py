@@ -19,7 +19,8 @@ from ..spec import SpecError
 MAX_BYTES = 1024**2  # a hand-written jobs file is a few KiB; pure-Python YAML parses ~0.25 MiB/s here
 MAX_DEPTH = 64  # a jobs file nests 4 levels; Python's recursion limit is hit near 300
 MAX_VALUES = 1_000_000  # nodes of the document with every alias expanded
-FOREIGN_BOMS = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)}
+FOREIGN_BOMS = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE),  # first: its LE mark starts like UTF-16's
+                "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)}
 
 
 def read_text(path: Path) -> str:
@@ -29,7 +30,7 @@ def read_text(path: Path) -> str:
         raise SpecError(str(path), "", f"jobs file of {size:,} bytes, more than the limit of {MAX_BYTES:,}; "
                         "write a generated sweep as matrix axes (with include / exclude) instead")
     data = path.read_bytes()[:MAX_BYTES + 1]  # the file may grow between stat and read
-    for encoding, boms in FOREIGN_BOMS.items():  # UTF-32 first: its LE mark starts like UTF-16's
+    for encoding, boms in FOREIGN_BOMS.items():
         if data.startswith(boms):
             raise SpecError(str(path), "", f"not UTF-8 (a {encoding} byte-order mark); save it as UTF-8")
     try:
@@ -54,7 +55,8 @@ class BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark)
+                mark = self.peek_event().start_mark
+                raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep", mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
