@@ -20,6 +20,11 @@ def run_torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> dict:
 
     Like the README's by-hand example, nodes and gpus_per_node come from torchrun unless given.
     """
+    return torchrun_cell(tmp_path, nprocs, **fields)[0]
+
+
+def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subprocess.CompletedProcess]:
+    """run_torchrun_cell, also returning the finished torchrun (its exit status, stdout and stderr)."""
     values = {**TINY_CPU, **fields}
     args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
     results = tmp_path / "results"
@@ -28,7 +33,7 @@ def run_torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = sorted((results / "t" / "cells").glob("*/result.json"), key=lambda p: p.stat().st_mtime)
     assert records, f"no record written; exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(records[-1].read_text())
+    return json.loads(records[-1].read_text()), proc
 
 
 @pytest.fixture(scope="session")

@@ -199,6 +199,21 @@ def test_offline_resolve_load_and_train_step(downloaded: SimpleNamespace) -> Non
     assert block[:len(expected)] == expected and result["round_trip"]
 
 
+def test_a_hub_models_positions_bound_seq_len_on_the_compute_node(downloaded: SimpleNamespace, tmp_path: Path) -> None:
+    """Plan cannot read a hub model's config (the cache may be elsewhere); the cell reads it offline and
+    refuses a seq_len beyond max_position_embeddings (the tiny preset's 4096) with an error record."""
+    env = _env(downloaded.tmp, HPCFSDP_CACHE=str(downloaded.cache), HF_ENDPOINT=downloaded.dead_endpoint,
+               OMP_NUM_THREADS="1")
+    proc = _run(["-m", "hpcfsdp", "run", "--results-dir", str(tmp_path), f"model={MODEL}", "seq_len=4097",
+                 "device=cpu", "precision=fp32", "steps=2", "warmup_steps=1"], env)
+    assert proc.returncode != 0
+    (path,) = tmp_path.glob("manual/cells/*/result.json")
+    record = json.loads(path.read_text())
+    assert (record["status"], record["stage"]) == ("error", "model")
+    assert record["error"] == (f"SpecError: model {MODEL}: seq_len: 4097 is beyond the model's "
+                               "max_position_embeddings (4096)")
+
+
 def test_missing_item_fails_fast_with_one_line_naming_the_command(downloaded: SimpleNamespace) -> None:
     script = r"""
 import sys, time

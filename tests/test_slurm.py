@@ -32,6 +32,7 @@ include:
   - {strategy: ddp, gpus_per_node: 1}
   - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
   - {strategy: fsdp2_zero3, nodes: 2, gpus_per_node: 1}
+  - {strategy: ddp, lr: 1.0e+12, steps: 4}
 """
 
 
@@ -44,7 +45,7 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     jobs.write_text(SWEEP)
     assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 0
     out = capsys.readouterr().out
-    for shape in ("5 cell(s) on 1 node(s) x 2 GPU(s)", "1 cell(s) on 1 node(s) x 1 GPU(s)",
+    for shape in ("6 cell(s) on 1 node(s) x 2 GPU(s)", "1 cell(s) on 1 node(s) x 1 GPU(s)",
                   "1 cell(s) on 2 node(s) x 2 GPU(s)", "1 cell(s) on 2 node(s) x 1 GPU(s)"):
         assert re.search(rf"submitted array \d+: {re.escape(shape)}", out), out
 
@@ -52,19 +53,32 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     sweep = load_sweep(jobs)
     got = records(sweep_dir)
     assert set(got) == {cell.id for cell in sweep.cells}
+    (diverged,) = [r for r in got.values() if r["spec"]["lr"] > 1]
+    assert diverged["status"] == "diverged" and len(diverged["losses"]) == diverged["diverged_step"] >= 2
     failed = {k: (r.get("error"), r.get("traceback", "")[-1500:]) for k, r in got.items() if r["status"] != "ok"}
-    assert not failed, failed
+    assert list(failed) == [diverged["cell_id"]], failed
+    # Rank 0 of every cell ends its log with the summary line.
+    logs = {p.read_text() for p in sweep_dir.glob("slurm/*/*_0_log.out")}
+    for record in got.values():
+        path = sweep_dir / "cells" / record["cell_id"] / "result.json"
+        assert any(re.search(rf"\[hpcfsdp\] {record['cell_id']}: {record['status']}.* \| record \S*{re.escape(str(path))}\n", log)
+                   for log in logs), record["cell_id"]
     single = [r for r in got.values() if r["nodes"] == 1 and r["world_size"] == 2]
     assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
-    assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4]
+    assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4, 5]
     two_node = sorted((r for r in got.values() if r["nodes"] == 2), key=lambda r: r["world_size"])
     assert [r["world_size"] for r in two_node] == [2, 4]
     assert all(r["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"] for r in two_node)
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
-    # Resubmitting the same YAML finds every record ok and queues nothing.
+    # Resubmitting the same YAML finds every record and queues nothing.
     assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
-    assert "skipping 8 cell(s)" in capsys.readouterr().out
+    assert "skipping 9 cell(s)" in capsys.readouterr().out
+    # An empty jobs file is refused before anything reaches the cluster.
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# name: forgotten\n\n")
+    assert main(["submit", str(empty), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 2
+    assert capsys.readouterr().err == f"error: {empty}: empty jobs file\n"
 
 
 def test_plain_sbatch_template_trains_across_two_nodes(slurm_cluster, tmp_path):

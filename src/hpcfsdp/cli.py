@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NoReturn
 import yaml
 
 from .record import RECORD_NAME, SPEC_NAME
-from .spec import RunSpec, SpecError
+from .spec import RunSpec, SpecError, check_folder_name, one_line
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
     from .sweep.matrix import Sweep
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="expand a jobs YAML and print its cells, without submitting")
     plan.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
+    _add_max_cells(plan)
     plan.add_argument("--sbatch", action="store_true",
                       help="print the sbatch script of each array instead (as submit would write it for a fresh sweep)")
     plan.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"with --sbatch: parent of the sweep folder (default {DEFAULT_RESULTS}/)")
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
     submit.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
+    _add_max_cells(submit)
     submit.add_argument("--executor", choices=("slurm", "local", "print"),
                         help="slurm (default when a Slurm controller answers), local (this machine, one cell at a "
                              "time), print (print one shell command per cell, run nothing)")
@@ -59,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="slurm: wait for the arrays to finish, then print the table (local always waits)")
     rerun = submit.add_mutually_exclusive_group()
     rerun.add_argument("--retry-failed", action="store_true",
-                       help="also rerun cells whose record says oom, error or timeout (cells without one always run)")
+                       help="also rerun cells whose record says oom, error, timeout or diverged (cells without one always run)")
     rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.set_defaults(func=_submit)
 
@@ -78,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler",
                             description="Count the cells of a sweep folder by state: pending / running (squeue), "
-                                        "else their record's ok / oom / error / timeout, else missing (no record) "
-                                        "or corrupt (unreadable record); then a row per cell that is not ok.")
+                                        "else their record's ok / oom / error / timeout / diverged, else missing "
+                                        "(no record) or corrupt (unreadable record); then a row per cell that is not ok.")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")
@@ -122,12 +124,31 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--allow-pattern", action="append", default=[], metavar="GLOB",
                           help="extra model files to fetch, e.g. '*.bin' (repeatable)")
     download.add_argument("--cache-dir", help="the cache folder (default $HPCFSDP_CACHE, else ~/.cache/hpcfsdp)")
+    _add_max_cells(download)
     download.add_argument("--verify", action="store_true",
                           help="download nothing: re-hash the cached files (all, or the items named) against the manifest")
     download.add_argument("--force", action="store_true", help="download and rebuild the items again")
     download.add_argument("--num-proc", type=int, metavar="N", help="processes for dataset loading and tokenization")
     download.set_defaults(func=_download)
     return parser
+
+
+def _add_max_cells(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-cells", type=_positive_int, metavar="N",
+                        help="refuse a jobs YAML of more than N cells, counted before expanding it (default 100,000)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _load_sweep(args: argparse.Namespace) -> Sweep:
+    from .sweep.matrix import MAX_CELLS, load_sweep
+
+    return load_sweep(args.jobs, args.max_cells or MAX_CELLS)
 
 
 def _run_fields_help() -> str:
@@ -148,9 +169,7 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .sweep.matrix import load_sweep
-
-    sweep = load_sweep(args.jobs)
+    sweep = _load_sweep(args)
     if args.sbatch:
         return _print_sbatch(sweep, Path(args.results_dir))
     groups = sweep.groups()
@@ -207,10 +226,9 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from .sweep.matrix import load_sweep
     from .sweep.submit import SchedulerError, SubmitError, default_executor, submit, wait_for
 
-    sweep = load_sweep(args.jobs)
+    sweep = _load_sweep(args)
     misses = _cache_misses(sweep)
     if misses:
         more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
@@ -261,6 +279,7 @@ def _run(args: argparse.Namespace) -> NoReturn:
             values[key] = yaml.safe_load(value)
         spec = RunSpec.from_dict({**launched_shape(), **values}, where="run arguments")
         cell = Cell.of(spec)
+        check_folder_name("run", "--sweep", args.sweep)
         status = run_cell(spec, Path(args.results_dir) / args.sweep / "cells" / cell.id, cell.id, args.sweep)
     _exit_worker(0 if status == "ok" else 1)
 
@@ -362,7 +381,7 @@ def _download(args: argparse.Namespace) -> int:
     from .cache.download import DownloadError, Request, download_main
     from .cache.hub import CacheMissError
 
-    request = Request(jobs=args.jobs, models=tuple(args.model), datasets=tuple(args.dataset), weights=args.weights,
+    request = Request(jobs=args.jobs, max_cells=args.max_cells, models=tuple(args.model), datasets=tuple(args.dataset), weights=args.weights,
                       tokenize_for=tuple(args.tokenize_for), seq_lens=tuple(args.seq_len))
     try:
         return download_main(

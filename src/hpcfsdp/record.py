@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "error", "timeout")
+STATUSES = ("ok", "oom", "error", "timeout", "diverged")
 RECORD_NAME = "result.json"
 PREVIOUS_RECORD_NAME = "result.previous.json"  # the record a rerun replaces, kept until it has a new one
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit

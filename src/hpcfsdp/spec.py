@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, get_args, get_origin, get_type_hints
@@ -80,6 +83,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 # Tells each array task how many requeues its sweep allows (Resources.max_requeue); see run.py.
 MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
+# C0 and C1 control characters and DEL: a newline in a value that reaches an #SBATCH line would end
+# it and make the rest a shell line of the batch script; none belongs in a name, path or option.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_NAME_BYTES = 255  # a file name, on the file systems Linux clusters use
+# config.json keys that give how many positions a model's position embedding covers
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 
 class SpecError(ValueError):
@@ -148,7 +157,8 @@ class RunSpec:
     nvml: bool = True  # sample GPU utilisation during timed steps
     comm_profile_steps: int = 2  # extra steps under torch.profiler for communication time; 0: off
     profile: bool = False  # TensorBoard trace of a window of steps in the cell folder
-    memory_snapshot: bool = False  # CUDA memory snapshot pickle (pytorch.org/memory_viz) in the cell folder
+    # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
+    memory_snapshot: bool = False
     peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
     record_param_norm: bool = False  # gathers the full model once at the end: for tests and small models
 
@@ -176,13 +186,16 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> "RunSpec":
-        return cls(**coerce_fields(cls, values, where))._validated(where)
+        coerced = coerce_fields(cls, values, where)
+        return cls(**coerced)._validated(where, grad_accum_given="grad_accum" in coerced)
 
     def replace(self, **changes: Any) -> "RunSpec":
         return dataclasses.replace(self, **changes)
 
-    def _validated(self, where: str) -> "RunSpec":
+    def _validated(self, where: str, grad_accum_given: bool = False) -> "RunSpec":
         _require_choices(where, self)
+        for name, value in _text_fields(self):
+            require_no_control_characters(where, name, value)
         for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
@@ -194,13 +207,17 @@ class RunSpec:
             raise SpecError(where, "warmup_steps", f"expected fewer than steps ({self.steps}), got {self.warmup_steps}")
         if self.lr <= 0:
             raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
-        spec = self._with_derived_grad_accum(where)
+        for name in ("weight_decay", "peak_tflops"):
+            if getattr(self, name) < 0:
+                raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
+        spec = self._with_derived_grad_accum(where, grad_accum_given)
         spec._check_combinations(where)
         spec._check_model(where)
         spec._check_data(where)
         return spec
 
-    def _with_derived_grad_accum(self, where: str) -> "RunSpec":
+    def _with_derived_grad_accum(self, where: str, grad_accum_given: bool) -> "RunSpec":
+        """grad_accum from global_batch_size; one given beside it must agree, never be overridden."""
         if not self.global_batch_size:
             return self
         per_step = self.batch_size * self.world_size
@@ -209,7 +226,14 @@ class RunSpec:
                 where, "global_batch_size", f"{self.global_batch_size} is not a multiple of "
                 f"batch_size x world size = {self.batch_size} x {self.world_size} = {per_step}"
             )
-        return dataclasses.replace(self, grad_accum=self.global_batch_size // per_step)
+        derived = self.global_batch_size // per_step
+        if grad_accum_given and self.grad_accum != derived:
+            raise SpecError(
+                where, "grad_accum", f"{self.grad_accum} disagrees with global_batch_size {self.global_batch_size}, "
+                f"which gives {self.global_batch_size} / (batch_size x world size = {per_step}) = {derived}; "
+                "give one of the two"
+            )
+        return dataclasses.replace(self, grad_accum=derived)
 
     def _check_combinations(self, where: str) -> None:
         if self.family == "fsdp1" and self.device == "cpu":
@@ -251,6 +275,10 @@ class RunSpec:
                             f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}")
         if kind == "local":
             _require_folder_with(where, "model", self.model, ("config.json",))
+        if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
+            config = _model_config(str(PRESETS_DIR / f"{self.model.lower()}.json") if kind == "preset"
+                                   else str(Path(self.model).expanduser() / "config.json"))
+            check_seq_len(where, self.seq_len, config)
         if self.init == "pretrained" and kind == "preset":
             raise SpecError(where, "init", f"pretrained needs weights, and model {self.model!r} is a preset "
                             "(a config only); name a local folder or a hub id ORG/NAME")
@@ -317,6 +345,8 @@ class Resources:
         if res.signal_delay_s >= res.time_min * 60:
             raise SpecError(where, "signal_delay_s", f"{res.signal_delay_s} s is not below the time limit "
                             f"(time_min {res.time_min} = {res.time_min * 60} s)")
+        for name, value in _text_fields(res):
+            require_no_control_characters(where, name, value)
         _check_extra_sbatch(where, res)
         return res
 
@@ -338,12 +368,17 @@ SBATCH_SET_BY = {
 
 def _check_extra_sbatch(where: str, res: Resources) -> None:
     for key, value in res.extra_sbatch.items():
+        require_no_control_characters(where, "extra_sbatch", str(key))
         flag = str(key).replace("_", "-")
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
             raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")
         if not isinstance(value, (str, int, float, bool)) or value is False:
-            raise SpecError(where, f"extra_sbatch.{key}", f"expected a string, a number or true, got {value!r}")
+            raise SpecError(where, f"extra_sbatch.{key}", f"expected a string, a number or true, got {shown(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError(where, f"extra_sbatch.{key}", f"expected a finite number, got {value}")
+        if isinstance(value, str):
+            require_no_control_characters(where, f"extra_sbatch.{key}", value)
         # Options sbatch refuses beside one that hpcfsdp sets:
         if flag in ("mem-per-cpu", "mem-per-gpu") and res.mem_gb:
             raise SpecError(where, f"extra_sbatch.{key}", f"sbatch takes only one of --{flag} and --mem "
@@ -400,13 +435,25 @@ def text_files(path: Path) -> Iterator[Path]:
 
 
 def _is_local(value: str) -> bool:
-    return value.startswith(LOCAL_PATH_PREFIXES) or Path(value).exists()
+    return value.startswith(LOCAL_PATH_PREFIXES) or _exists(Path(value))
+
+
+def _exists(path: Path, where: str = "", key: str = "") -> bool:
+    """Path.exists, for any text a user may write: a name the OS refuses (longer than a path or
+    file name may be) is a SpecError when `key` names the value, else simply no such path."""
+    try:
+        return path.exists()
+    except (OSError, ValueError) as exc:
+        if key:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SpecError(where, key, f"not a usable path ({reason}): {shown(str(path))}") from None
+        return False
 
 
 def _require_folder_with(where: str, key: str, value: str, patterns: tuple[str, ...], what: str = "") -> None:
     """A local folder holding at least one file matching one of `patterns`."""
     path = Path(value).expanduser()
-    if not path.is_dir():
+    if not (_exists(path, where, key) and path.is_dir()):
         raise SpecError(where, key, f"no such folder: {value}")
     if not any(next(path.glob(pattern), None) for pattern in patterns):
         raise SpecError(where, key, f"folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
@@ -414,7 +461,7 @@ def _require_folder_with(where: str, key: str, value: str, patterns: tuple[str, 
 
 def _require_text_data(where: str, value: str) -> None:
     path = Path(value).expanduser()
-    if not path.exists():
+    if not _exists(path, where, "data"):
         raise SpecError(where, "data", f"no such file or folder: {value}")
     if not (is_saved_dataset(path) or next(text_files(path), None)):
         raise SpecError(where, "data", f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
@@ -452,30 +499,33 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is bool:
         if isinstance(value, bool):
             return value
-        raise SpecError(where, key, f"expected true or false, got {value!r}")
+        raise SpecError(where, key, f"expected true or false, got {shown(value)}")
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise SpecError(where, key, f"expected an integer, got {value!r}")
+        raise SpecError(where, key, f"expected an integer, got {shown(value)}")
     if expected is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise SpecError(where, key, f"expected a number, got {value!r}")
+        if number is None or not math.isfinite(number):
+            raise SpecError(where, key, f"expected a finite number, got {shown(value)}")
+        return number
     if expected is str:
         if key == "activation_checkpointing" and isinstance(value, bool):
             return "full" if value else "none"
         if isinstance(value, str):
             return value
-        raise SpecError(where, key, f"expected a string, got {value!r}")
+        raise SpecError(where, key, f"expected a string, got {shown(value)}")
     if expected is dict:
         if isinstance(value, dict):
             return dict(value)
-        raise SpecError(where, key, f"expected a mapping, got {value!r}")
+        raise SpecError(where, key, f"expected a mapping, got {shown(value)}")
     return value
 
 
@@ -493,3 +543,67 @@ def _require_choices(where: str, instance: Any) -> None:
             close = difflib.get_close_matches(value, allowed, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise SpecError(where, key, f"expected one of {', '.join(allowed)}; got {value!r}{hint}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters written as escapes: a message that quotes user input raw
+    (a key, a path) still prints as one line."""
+    return CONTROL_CHARACTERS.sub(lambda match: repr(match.group())[1:-1], text)
+
+
+def require_no_control_characters(where: str, key: str, value: str) -> None:
+    if CONTROL_CHARACTERS.search(value):
+        raise SpecError(where, key, f"expected no control characters (newline, tab, NUL, ...), got {shown(value)}")
+
+
+def check_folder_name(where: str, key: str, value: Any) -> None:
+    """A name that becomes one folder (results/<name>): not . or .., no separator, fits a file name."""
+    if (not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\\" in value
+            or CONTROL_CHARACTERS.search(value) or len(value.encode()) > MAX_NAME_BYTES):
+        raise SpecError(where, key, "expected a folder-safe string (not . or .., no / or \\, no control characters, "
+                        f"at most {MAX_NAME_BYTES} bytes), got {shown(value)}")
+
+
+def _text_fields(instance: Any) -> Iterator[tuple[str, str]]:
+    """The free-text fields of a RunSpec or Resources and their values."""
+    for name in _text_field_names(type(instance)):
+        yield name, getattr(instance, name)
+
+
+@functools.cache
+def _text_field_names(cls: type) -> tuple[str, ...]:
+    """Fields typed str that are no choice (a Literal is checked against its values)."""
+    return tuple(name for name, kind in _field_types(cls).items() if kind is str and name not in choices(cls))
+
+
+def max_positions(config: Mapping[str, Any]) -> int | None:
+    """How many positions a model config's position embedding covers; None when it does not say."""
+    for key in POSITION_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(where: str, seq_len: int, config: Mapping[str, Any]) -> None:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        key = next(k for k in POSITION_KEYS if config.get(k) == limit)
+        raise SpecError(where, "seq_len", f"{seq_len} is beyond the model's {key} ({limit})")
+
+
+@functools.cache
+def _model_config(path: str) -> dict[str, Any]:
+    """A config.json as a dict, read once per path; {} when it cannot be read (the cell then fails
+    building the model, with a record that says why)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}

@@ -120,6 +120,7 @@ class Request:
     (tokenized: every dataset x tokenize_for model x seq_len)."""
 
     jobs: str | None = None
+    max_cells: int | None = None  # for the jobs file; None: the sweep's default limit
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     weights: bool = False
@@ -139,9 +140,9 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
         raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
                             "a jobs YAML names its cells' column with text_column")
     if request.jobs:
-        from ..sweep.matrix import load_sweep
+        from ..sweep.matrix import MAX_CELLS, load_sweep
 
-        plan_from_sweep(load_sweep(request.jobs), plan)
+        plan_from_sweep(load_sweep(request.jobs, request.max_cells or MAX_CELLS), plan)
     for text in request.models:
         plan.add_model(_parse(ModelRef, text, "--model"), weights=request.weights)
     if request.weights:  # --weights also applies to the models a jobs file names

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import statistics
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,12 @@ def _cuda_uuid(device: torch.device) -> str:
 
 
 COMM_MARKERS = ("nccl", "gloo:")
+
+
+def quiet_profiler() -> None:
+    """Silence torch.profiler's warning that a schedule's cycles drop earlier events: each profile
+    here is one cycle, and torch 2.11 warns even then, on every rank, into the user's terminal."""
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
 
 def communication_breakdown(events, steps: int) -> dict[str, float]:

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,13 +31,16 @@ from .metrics import (
     memory_reading,
     peak_tflops,
     percentile,
+    quiet_profiler,
     reset_peak_memory,
 )
 from .models import build_model, materialize, resolve_model
 from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
-from ..spec import MAX_REQUEUE_ENV, RunSpec, SpecError
+from ..spec import MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
+from .provenance import git_commit
 from .strategies import param_dtype, parallelize
-from .train import TrainLog, build_optimizer, train
+from .summary import summary_line
+from .train import Diverged, TrainLog, build_optimizer, train
 
 
 def run_cell_dir(cell_dir: Path) -> str:
@@ -73,15 +75,22 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         record = _measure(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # noqa: BLE001 - every failure must become a record
         record = _failure_record(exc, progress.stage, env)
+        if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
+            record.update(_memory_snapshot(spec, env, cell_dir))
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
     finally:
         _restore(previous_handlers)
     status = record["status"]
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hosts = all_gather_objects(node) if status == "ok" else [node]
+    path = cell_dir / RECORD_NAME
     if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
         record.update(_context(spec, env, cell_id, sweep, hosts, started))
-        write_record(cell_dir / RECORD_NAME, record)
+        write_record(path, record)
+    elif env.is_main:  # another rank failed first, and its record says why
+        record = _read_or(path, record)
+    if env.is_main:
+        print(summary_line(record, path), flush=True)
     shutdown()
     if status != "ok":
         # Leave no rank waiting in a collective: a non-zero exit makes torchrun / srun end the others.
@@ -117,6 +126,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
     if spec.meta_init and spec.family != "fsdp2":
         materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
+    check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
     flops = flops_per_token(model, spec.seq_len)
     vocab_size = model.config.vocab_size
     memory = {"after_model": memory_reading(env.device)}
@@ -161,8 +171,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if spec.profile:
         enter("profile")
         record["profile_trace_dir"] = _write_trace(model, optimizer, batches, spec, env, cell_dir)
-    if spec.memory_snapshot and env.device.type == "cuda":
-        record["memory_snapshot"] = _dump_memory_snapshot(cell_dir, env)
+    record.update(_memory_snapshot(spec, env, cell_dir))
     if spec.record_param_norm:
         record["final_param_norm"] = full_param_norm(model)
     return record
@@ -178,6 +187,7 @@ def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEn
     """
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    quiet_profiler()
     steps = spec.comm_profile_steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
@@ -195,6 +205,7 @@ def _write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_di
     """A TensorBoard-readable trace of 1 wait + 1 warm-up + 2 active steps, one file per rank."""
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+    quiet_profiler()
     trace_dir = cell_dir / "profile"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
     with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2),
@@ -204,11 +215,20 @@ def _write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_di
     return str(trace_dir)
 
 
-def _dump_memory_snapshot(cell_dir: Path, env: DistEnv) -> str:
+def _memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, str]:
+    """With memory_snapshot on a GPU: this rank's allocator history (pytorch.org/memory_viz), after
+    the run or at the out-of-memory error; {"memory_snapshot": path}, else nothing."""
+    if not (spec.memory_snapshot and env.device.type == "cuda"):
+        return {}
     path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
-    torch.cuda.memory._dump_snapshot(str(path))
-    torch.cuda.memory._record_memory_history(enabled=None)
-    return str(path)
+    try:
+        cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except Exception as exc:  # noqa: BLE001 - the record matters more than the snapshot
+        print(f"[hpcfsdp] rank {env.rank}: no memory snapshot: {type(exc).__name__}: {exc}", flush=True)
+        return {}
+    return {"memory_snapshot": str(path)}
 
 
 def _gpu_utilisation(summary: dict[str, float], env: DistEnv) -> dict[str, Any]:
@@ -230,11 +250,23 @@ def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, A
         status = "timeout"
     elif isinstance(exc, torch.OutOfMemoryError):
         status = "oom"
+    elif isinstance(exc, Diverged):
+        status = "diverged"
     else:
         status = "error"
-    return {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
-            "traceback": traceback.format_exc(), "failed_rank": env.rank,
-            "memory_at_failure": memory_reading(env.device)}
+    record = {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc(), "failed_rank": env.rank,
+              "memory_at_failure": memory_reading(env.device)}
+    if isinstance(exc, Diverged):
+        record.update(diverged_step=exc.step, losses=exc.losses)
+    return record
+
+
+def _read_or(path: Path, fallback: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return read_record(path)
+    except RecordError:
+        return fallback
 
 
 def _launch_id() -> str:
@@ -425,16 +457,7 @@ def _provenance() -> dict[str, Any]:
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         },
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "launch_id": _launch_id(),
     }
 
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and len(commit) == 40 else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -28,6 +29,15 @@ class TrainLog:
         return self.step_times_s[warmup:], self.data_times_s[warmup:]
 
 
+class Diverged(RuntimeError):
+    """A loss that is not finite: the run diverged, and its speed would be no measurement at all."""
+
+    def __init__(self, step: int, losses: list[float]):
+        super().__init__(f"loss is {losses[step - 1]} at step {step}")
+        self.step = step  # counted from 1, as in the progress lines
+        self.losses = losses
+
+
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     impl = {"plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl])
@@ -44,7 +54,12 @@ def train(
     on_step_end: Callable[[int], None] = lambda step: None,
 ) -> TrainLog:
     """Run `steps` optimizer steps. With `spec.sync_each_step` every step is timed between device
-    syncs; without, the device is synced only around the window after `warmup` steps."""
+    syncs; without, the device is synced only around the window after `warmup` steps.
+
+    A loss that is not finite raises Diverged: at once with `sync_each_step` (the loss is on the
+    host anyway), else after the last step, naming the first such step (a check per step would
+    sync the device, which that mode leaves out). Losses are all-reduced, so every rank stops at
+    the same step."""
     log = TrainLog()
     pending_losses: list[torch.Tensor] = []
     model.train()
@@ -70,6 +85,7 @@ def train(
         dist.all_reduce(loss_sum)
         if spec.sync_each_step:
             log.losses.append(loss_sum.item() / env.world_size)  # .item() waits for the device
+            _stop_if_diverged(log.losses, len(log.losses) - 1)
         else:
             pending_losses.append(loss_sum)
         log.step_times_s.append(time.perf_counter() - started)
@@ -78,7 +94,15 @@ def train(
     _synchronize(env.device)
     log.window_s = time.perf_counter() - window_start
     log.losses += [t.item() / env.world_size for t in pending_losses]
+    _stop_if_diverged(log.losses, len(log.losses) - len(pending_losses))
     return log
+
+
+def _stop_if_diverged(losses: list[float], start: int) -> None:
+    """Raise Diverged at the first loss from `start` on that is not finite."""
+    for index in range(start, len(losses)):
+        if not math.isfinite(losses[index]):
+            raise Diverged(index + 1, losses)
 
 
 def _synchronize(device: torch.device) -> None:

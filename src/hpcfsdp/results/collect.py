@@ -507,7 +507,7 @@ def _counted(values: pd.Series) -> str:
 
 def status_counts(cells: Cells, unreadable: list[str]) -> str:
     counts = cells.frame["status"].value_counts()
-    order = ["ok", "oom", "error", "timeout", MISSING]
+    order = ["ok", "oom", "error", "timeout", "diverged", MISSING]
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
     text = f"{len(cells.frame)} cell(s): " + (", ".join(parts) or "none")
     return text + (f"; {len(unreadable)} unreadable record file(s)" if unreadable else "")

@@ -10,17 +10,24 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import yaml
 
-from ..spec import Resources, RunSpec, SpecError, coerce_fields, field_names, unknown_key
+from ..spec import Resources, RunSpec, SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from .yamlfile import BoundedLoader, read_text
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
 _DEFAULTS = RunSpec().to_dict()
+MAX_CELLS = 100_000  # a sweep larger than this is refused before it is expanded; plan / submit --max-cells N
+# Setup lines are shell the user writes: a newline or tab may be meant; other control characters
+# (NUL, carriage return, escape sequences) would corrupt the batch script unseen.
+_SETUP_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -77,14 +84,20 @@ def cell_id(spec: RunSpec) -> str:
     return f"{spec.strategy}-b{spec.batch_size}-a{spec.grad_accum}-{digest}"
 
 
-class _LineLoader(yaml.SafeLoader):
-    """A SafeLoader that remembers the line of every mapping key, for error messages."""
+class _LineLoader(BoundedLoader):
+    """A SafeLoader, with bounds, that remembers the line of every mapping key, for error messages."""
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> "_LinedDict":
     mapping = _LinedDict()
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
+                key_node.start_mark) from None
         if key in mapping:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark)
@@ -102,20 +115,29 @@ class _LinedDict(dict):
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_sweep(path: str | Path) -> Sweep:
+def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such jobs file")
     try:
-        raw = yaml.load(path.read_text(), Loader=_LineLoader)
+        text = read_text(path)
+        raw = yaml.load(text, Loader=_LineLoader)
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow; it has a position, not a mark
+        line = text.count("\n", 0, exc.position) + 1
+        raise SpecError(f"{path}:{line}", "", f"not valid YAML (unacceptable character #x{exc.character:04x}: "
+                        f"{exc.reason})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         raise SpecError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    return parse_sweep(raw, source=str(path), default_name=path.stem)
+    except OSError as exc:
+        raise SpecError(str(path), "", f"cannot read the jobs file ({exc.strerror})") from None
+    if raw is None:  # nothing but comments and blank lines: a mistake, never a sweep of one default cell
+        raise SpecError(str(path), "", "empty jobs file")
+    return parse_sweep(raw, source=str(path), default_name=path.stem, max_cells=max_cells)
 
 
-def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -> Sweep:
+def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", max_cells: int = MAX_CELLS) -> Sweep:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -124,8 +146,7 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
         if key not in SECTIONS:
             raise unknown_key(_where(source, raw, key), key, SECTIONS)
     name = raw.get("name", default_name)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise SpecError(_where(source, raw, 'name'), "name", f"expected a folder-safe string, got {name!r}")
+    check_folder_name(_where(source, raw, "name"), "name", name)
     base = _mapping(raw, "base", source)
     axes = _mapping(raw, "matrix", source)
     for axis, values in axes.items():
@@ -145,6 +166,11 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
     setup = raw.get("setup", [])
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
         raise SpecError(_where(source, raw, 'setup'), "setup", "expected a list of shell lines")
+    for index, line in enumerate(setup):
+        if _SETUP_CONTROL.search(line):
+            raise SpecError(_where(source, raw, "setup"), f"setup[{index}]",
+                            f"expected no control characters other than newline and tab, got {shown(line)}")
+    _check_cell_count(source, raw, axes, include, max_cells)
 
     exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]
     cells: dict[str, Cell] = {}
@@ -164,6 +190,17 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep") -
     if not cells:
         raise SpecError(_where(source, raw, 'exclude'), "exclude", "no cells left after exclude")
     return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup), raw=_plain(raw))
+
+
+def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cells: int) -> None:
+    """Refuse a sweep of more than `max_cells` cells from the axis lengths, before expanding it."""
+    product = math.prod(len(values) for values in axes.values())
+    if product + len(include) > max_cells:
+        sizes = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items()) or "1 base cell"
+        extra = f" + {len(include):,} include" if include else ""
+        raise SpecError(_where(source, raw, "matrix" if product > 1 else "include"), "matrix",
+                        f"{product + len(include):,} cells ({sizes}{extra}) is more than the limit of {max_cells:,}; "
+                        "split the sweep, or raise the limit with --max-cells")
 
 
 def _expand(base: dict, axes: dict, include: list[dict]) -> Iterator[tuple[int | None, dict]]:

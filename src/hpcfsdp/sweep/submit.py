@@ -106,7 +106,7 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 
 
 def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
-    """ok / oom / error / timeout from the record, 'missing' without one, 'corrupt' if unreadable;
+    """ok / oom / error / timeout / diverged from the record, 'missing' without one, 'corrupt' if unreadable;
     given a Cell, 'stale' when its record was made with other values of its fields."""
     path = cell_dir(sweep_dir, cell) / RECORD_NAME
     if not path.exists():
@@ -133,7 +133,7 @@ def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_faile
                  log=lambda message: None) -> tuple[list[Cell], list[Cell], dict[str, str]]:
     """Cells to submit; cells a record says are done; cells still in flight (cell id -> job id).
 
-    By default only cells without a (current) record run; --retry-failed adds oom / error / timeout /
+    By default only cells without a (current) record run; --retry-failed adds oom / error / timeout / diverged /
     corrupt ones, --force every cell. A cell whose job is still queued or running is never chosen.
     """
     chosen, done, stale = [], [], 0
