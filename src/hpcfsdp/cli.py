@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
-from .record import RECORD_NAME, SPEC_NAME
+from .record import RECORD_NAME, SPEC_NAME, RecordError
 from .spec import RunSpec, SpecError
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
@@ -33,6 +33,24 @@ def main(argv: list[str] | None = None) -> int:
         # /dev/null so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except RecordError as exc:  # a sweep file that cannot be read where it must be (a cell's spec.json)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a folder that cannot be written: a file where a folder should be, no permission
+        print(f"error: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print("interrupted", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
+
+
+def _os_error(exc: OSError) -> str:
+    """'<path>: <what the system said>', as one line."""
+    paths = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+    what = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) and exc.filename and not os.path.isdir(exc.filename):
+        what = "a file is where a folder is needed"  # mkdir(exist_ok=True) of a path that is a file
+    return f"{paths}: {what}" if paths else what
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -208,7 +226,8 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from .sweep.matrix import load_sweep
-    from .sweep.submit import SchedulerError, SubmitError, default_executor, submit, wait_for
+    from .sweep.interrupts import Interrupted
+    from .sweep.submit import SchedulerError, SubmitError, default_executor, still_queued, submit, wait_for
 
     sweep = load_sweep(args.jobs)
     misses = _cache_misses(sweep)
@@ -229,12 +248,35 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"error: {exc}; the cells of that array and any after it were not queued "
               f"(arrays queued before it are in {Path(args.results_dir) / sweep.name / 'manifest.json'})", file=sys.stderr)
         return 1
+    except RecordError as exc:  # the manifest: which jobs are the sweep's
+        print(f"error: {exc}; it names the sweep's queued jobs: repair or remove it (`squeue --name "
+              f"hpcfsdp-{sweep.name}` lists them); nothing submitted", file=sys.stderr)
+        return 1
+    except Interrupted as exc:
+        done = ("the running cell was stopped and its earlier record is current again" if executor == "local"
+                else "arrays queued before it are in manifest.json; the cells not queued keep their records")
+        print(f"interrupted ({exc}): {done}; run the same command again to go on", file=sys.stderr)
+        return exc.exit_status
     log(f"sweep folder: {sub.sweep_dir}")
+    # Exit status 1 when a cell did not finish ok: what a scheduled (cron, CI) run checks.
     if executor == "slurm" and args.wait:
-        _print_status(wait_for(sub, WAIT_POLL_S, log), summary=False)
-    if executor == "local" or (args.wait and executor == "slurm"):
-        return _print_collection(sub.sweep_dir)
-    return 0
+        try:
+            report = wait_for(sub, WAIT_POLL_S, log)
+        except KeyboardInterrupt as exc:  # the jobs run on
+            queued = still_queued(sub)
+            print(f"stopped waiting; {'?' if queued is None else queued} cells still queued; "
+                  f"`hpcfsdp status {sub.sweep_dir}`", file=sys.stderr)
+            return getattr(exc, "exit_status", 130)
+        _print_status(report, summary=False)
+        failed = sum(c.state != "ok" for c in report.cells)
+    elif executor == "local":
+        failed = sum(status != "ok" for status in sub.outcomes.values())
+    else:
+        return 0
+    code = _print_collection(sub.sweep_dir)
+    if failed:
+        print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
+    return 1 if failed else code
 
 
 def _to_stderr(message: str) -> None:
@@ -293,10 +335,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
     """Counts by state, then one row per cell that is not ok (yet), and where Slurm logs are."""
-    from .sweep.submit import IN_FLIGHT
+    from .sweep.submit import IN_FLIGHT, problem_lines
 
     if report.note:
         print(f"warning: {report.note}", file=sys.stderr)
+    for line in problem_lines(report.problems):
+        print(f"warning: {line}", file=sys.stderr)
     counts = report.counts()
     if summary:
         print(f"{report.sweep_dir}: {len(report.cells)} cell(s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
@@ -351,7 +395,10 @@ def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     from .sweep.submit import read_manifest, slurm_job_ids, sweep_status
 
     recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
-    cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+    try:
+        cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+    except RecordError:  # collect names the broken manifest itself
+        return {}
     if not slurm_job_ids(sweep_dir, cell_ids):
         return {}
     report = sweep_status(sweep_dir, cell_ids)

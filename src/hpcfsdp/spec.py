@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, get_args, get_origin, get_type_hints
@@ -80,6 +81,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 # Tells each array task how many requeues its sweep allows (Resources.max_requeue); see run.py.
 MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
+# The end of the cell's time limit as its job was scheduled (cell/run.py tells a time limit from a cancel).
+JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
 class SpecError(ValueError):
@@ -336,9 +339,17 @@ SBATCH_SET_BY = {
 }
 
 
+# An sbatch option name; anything else in a key (a newline, a space, '=', '#') would let the key
+# end its `#SBATCH --key=value` line and start a line of shell in the batch script.
+SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
 def _check_extra_sbatch(where: str, res: Resources) -> None:
     for key, value in res.extra_sbatch.items():
-        flag = str(key).replace("_", "-")
+        if not isinstance(key, str) or not SBATCH_OPTION_NAME.fullmatch(key):
+            raise SpecError(where, f"extra_sbatch.{key!r}", "expected an sbatch option name (letters, digits, "
+                            "'-' and '_', e.g. reservation)")
+        flag = key.replace("_", "-")
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
             raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")
