@@ -417,14 +417,19 @@ def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_
 
 def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tmp_path, fake_squeue, capsys):
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    gone = sweep.cells[3]
+    lost_with_node, gone = sweep.cells[2:]
     fake_squeue.write_text("")
     sacct = tmp_path / "bin" / "sacct"
-    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\nprintf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n'\n")
+    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\n"
+                     "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n")
     assert main(["status", str(sweep_dir)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
+    assert rows[lost_with_node.id] == ["fsdp2_zero3", "missing", "71_2", "NODE_FAIL"]
     assert "--jobs=71_2,71_3" in (tmp_path / "sacct.args").read_text()  # only the unrecorded cells' jobs
+    # Their records say why they ended: cancelled, and node_fail, not error.
+    record_lost_cells(sweep_status(sweep_dir))
+    assert [cell_status_of(sweep_dir, c) for c in (gone, lost_with_node)] == ["cancelled", "node_fail"]
 
 
 def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(tmp_path, fake_squeue, capsys):

@@ -78,25 +78,26 @@ def _umask() -> int:
     return mask
 
 
-def read_json_object(path: str | Path, root: str | Path | None = None) -> dict[str, Any]:
-    """A JSON object from path, or RecordError naming the path and why not: unreadable, not UTF-8,
-    not JSON, too deep (RecursionError) or an integer past Python's digit limit (ValueError), not
-    an object, or (with root) a link that leads out of the folder root."""
+def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
+    """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
+    unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
+    limit (ValueError), not an object, or (with root) a link that leads out of the folder root.
+    FileNotFoundError when there is no file."""
     path = Path(path)
     if root is not None and not _inside(path, root):
         raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
         value = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise
+    except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
+        raise FileNotFoundError(path) from None
     except OSError as exc:
-        raise RecordError(f"{path}: unreadable ({exc.strerror or exc})") from None
+        raise RecordError(f"{path}: unreadable {kind} ({exc.strerror or exc})") from None
     except UnicodeDecodeError:
-        raise RecordError(f"{path}: unreadable record (not UTF-8 text)") from None
+        raise RecordError(f"{path}: unreadable {kind} (not UTF-8 text)") from None
     except RecursionError:
-        raise RecordError(f"{path}: unreadable record (JSON nested too deeply)") from None
+        raise RecordError(f"{path}: unreadable {kind} (JSON nested too deeply)") from None
     except ValueError as exc:  # json.JSONDecodeError, or an integer of more digits than Python converts
-        raise RecordError(f"{path}: unreadable record ({_one_line(exc)})") from None
+        raise RecordError(f"{path}: unreadable {kind} ({_one_line(exc)})") from None
     if not isinstance(value, dict):
         raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -229,8 +230,3 @@ def restore_attempt(cell_dir: str | Path, kept: Path) -> None:
     keep_as_attempt(cell_dir)
     os.replace(kept, Path(cell_dir) / RECORD_NAME)
 
-
-def attempts(cell_dir: str | Path) -> list[Path]:
-    """The cell's earlier records, oldest first."""
-    folder = Path(cell_dir) / ATTEMPTS_DIR
-    return sorted((p for p in folder.glob("*.json") if p.stem.isdigit()), key=lambda p: int(p.stem))

@@ -245,6 +245,7 @@ def _gpu_utilisation(summary: dict[str, float], env: DistEnv) -> dict[str, Any]:
 
 
 def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
+    exc = _signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
     elif isinstance(exc, CellCancelled):
@@ -256,6 +257,18 @@ def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, A
     return {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(), "failed_rank": env.rank,
             "memory_at_failure": memory_reading(env.device)}
+
+
+def _signal_cause(exc: BaseException) -> BaseException:
+    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
+    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
+    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, (CellTimeout, CellCancelled)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
 
 
 def _launch_rank() -> int:

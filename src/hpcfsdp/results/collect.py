@@ -121,7 +121,7 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
 def _missing_cells(sweep_dir: Path, recorded: set[str], problems: list[str],
                    scheduler_states: dict[str, str] | None) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
-    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems)
+    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
     planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
     rows = []
     for cell_id in sorted(planned - recorded):
@@ -142,7 +142,7 @@ def _job_state(cell_id: str, scheduler_states: dict[str, str] | None) -> str:
 def _planned_spec(spec_path: Path, sweep_dir: Path, problems: list[str]) -> dict[str, Any]:
     """The spec of a cell's spec.json; {} when there is none, or (with a note in problems) when
     it is not usable: the cell is still listed as missing, without its spec fields."""
-    spec = _read_json(spec_path, sweep_dir, problems).get("spec")
+    spec = _read_json(spec_path, sweep_dir, problems, "cell spec").get("spec")
     if spec is None:
         return {}
     problem = spec_problem(spec)
@@ -152,10 +152,10 @@ def _planned_spec(spec_path: Path, sweep_dir: Path, problems: list[str]) -> dict
     return spec
 
 
-def _read_json(path: Path, sweep_dir: Path, problems: list[str]) -> dict[str, Any]:
+def _read_json(path: Path, sweep_dir: Path, problems: list[str], kind: str) -> dict[str, Any]:
     """A JSON object from path; {} when absent, and a note in problems when it is not readable."""
     try:
-        return read_json_object(path, root=sweep_dir)
+        return read_json_object(path, root=sweep_dir, kind=kind)
     except FileNotFoundError:
         return {}
     except RecordError as exc:

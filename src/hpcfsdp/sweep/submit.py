@@ -256,7 +256,7 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
     line) when the file cannot be read."""
     path = Path(sweep_dir) / MANIFEST_NAME
     try:
-        manifest = read_json_object(path, root=sweep_dir)
+        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
     except FileNotFoundError:
         return {}
     for cell_id, entry in manifest.items():
@@ -348,7 +348,7 @@ def _scheduler_state(slurm_state: str) -> str:
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
     try:
-        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir).get("spec")
+        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir, kind="cell spec").get("spec")
     except (FileNotFoundError, RecordError):
         return "?"
     strategy = spec.get("strategy") if isinstance(spec, dict) else None
@@ -446,7 +446,7 @@ def record_lost_cells(report: StatusReport) -> list[CellState]:
     for cell in lost:
         state = f" ({cell.slurm})" if cell.slurm else ""
         directory = cell_dir(report.sweep_dir, cell.cell_id)
-        spec = read_json_object(directory / SPEC_NAME)["spec"]
+        spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
         logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
         record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs),
                               ENDED_BY.get(cell.slurm, "error"))
@@ -467,7 +467,7 @@ def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
 
 def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
     """A cell that ended before it could write its record still gets one, with its log's tail."""
-    meta = read_json_object(directory / SPEC_NAME)
+    meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
     spec = meta["spec"]
     write_record(directory / RECORD_NAME, {
         "status": status, "stage": "launch", "error": error, "traceback": log_tail,
