@@ -121,7 +121,8 @@ def copy_of(ok_sweep: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path, Pa
     return jobs, tmp_path / "results", cell
 
 
-def test_an_ok_record_survives_two_failed_reruns_and_a_failed_local_submit_exits_1(ok_sweep, tmp_path, monkeypatch, capsys):
+def test_an_ok_record_survives_two_failed_reruns_and_a_failed_local_submit_exits_1(ok_sweep, tmp_path, monkeypatch,
+                                                                                    capsys):
     jobs, results, cell = copy_of(ok_sweep, tmp_path)
     ok = read(cell / "result.json")
     capsys.readouterr()
@@ -162,18 +163,34 @@ def test_an_interrupted_local_submit_ends_its_cell_and_restores_the_ok_record(ok
         cell_processes = processes_under(proc.pid)  # torchrun and its rank (in a session of its own)
         assert len(cell_processes) >= 2, cell_processes
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + sig, err
-    assert TRACEBACK not in err and err.splitlines()[-1].startswith(f"interrupted ({sig.name}): the running cell was stopped")
+    assert TRACEBACK not in err
+    assert err.splitlines()[-1].startswith(f"interrupted ({sig.name}): the running cell was stopped")
     assert alive(cell_processes) == []
     assert read(cell / "result.json") == ok
     (attempt,) = (cell / "attempts").iterdir()
     cancelled = read(attempt)
     assert cancelled["status"] == "cancelled" and cancelled["stage"] == "train", cancelled.get("error")
     assert "before the time limit" in cancelled["error"]
+
+
+def test_a_cell_run_again_by_hand_keeps_its_earlier_record(tmp_path):
+    """`hpcfsdp run` into a folder that has a record (a command --executor print printed, or a
+    by-hand run of the same fields): the earlier record becomes an attempt, not overwritten."""
+    fields = [f"{key}={value}" for key, value in CPU_CELL.items()]
+    command = [sys.executable, "-m", "hpcfsdp", "run", "--results-dir", str(tmp_path), "--sweep", "manual", *fields]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    (cell,) = cell_dirs(tmp_path / "manual")
+    assert first.returncode == 0 and read(cell / "result.json")["status"] == "ok", first.stderr[-2000:]
+    ok = read(cell / "result.json")
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**env, "HPCFSDP_FAULT": "data:error"})
+    assert again.returncode != 0
+    assert read(cell / "result.json")["status"] == "error" and read(cell / "attempts" / "1.json") == ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +265,8 @@ def test_a_broken_manifest_is_one_line_to_status_and_collect_and_stops_submit(tm
     # submit cannot tell which cells are queued: it queues nothing, and keeps the file as it is.
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(results)]) == 1
     (error,) = capsys.readouterr().err.splitlines()
-    assert error.startswith(f"error: {sweep_dir / 'manifest.json'}: unreadable manifest (") and "nothing submitted" in error
+    assert error.startswith(f"error: {sweep_dir / 'manifest.json'}: unreadable manifest (")
+    assert error.endswith("nothing submitted")
     assert not list(sweep_dir.glob("cells/*/log.txt"))
 
 
@@ -288,8 +306,9 @@ def test_a_printed_command_runs_without_the_tokens_of_its_shell(tmp_path, capsys
     assert "secret" not in line
     # The line's environment part, run with `env` in place of torchrun, in a shell holding tokens.
     prefix = line.split(f" {shlex.quote(sys.executable)} ")[0]
+    tokens = {"HF_TOKEN": "hf_i12c_secret", "HUGGING_FACE_HUB_TOKEN": "hf_i12c_secret"}
     shown = subprocess.run(["bash", "-c", f"{prefix} env"], capture_output=True, text=True, check=True, timeout=30,
-                           env={**os.environ, "HF_TOKEN": "hf_i12c_secret", "HUGGING_FACE_HUB_TOKEN": "hf_i12c_secret"}).stdout
+                           env={**os.environ, **tokens}).stdout
     assert "HF_HUB_OFFLINE=1" in shown and "secret" not in shown
 
 
@@ -353,7 +372,8 @@ def test_two_submits_of_one_sweep_at_once_queue_each_cell_once(slurm_cluster, tm
     sweep_dir = results / name
     sweep_dir.mkdir(parents=True)
     submits, logs = [], [tmp_path / f"submit{i}.txt" for i in range(2)]
-    command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
+    command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm",
+               "--results-dir", str(results)]
     try:
         # The test holds the lock while both start, so that neither has read the sweep when it opens.
         with open(sweep_dir / ".submit.lock", "a+") as lock:

@@ -18,7 +18,16 @@ import pandas as pd
 
 from . import plots as plotting
 from ..spec import STRATEGY_KNOBS, SpecError
-from ..record import MISSING, RECORD_NAME, SPEC_NAME, STATUSES, RecordError, read_json_object, record_state, spec_problem
+from ..record import (
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    STATUSES,
+    RecordError,
+    read_json_object,
+    record_state,
+    spec_problem,
+)
 from .report import Section, to_html, to_markdown
 
 # Written by `hpcfsdp submit` and the cell set-up: together they name the cells a sweep planned.

@@ -25,10 +25,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping, TextIO
+from typing import Iterable, Iterator, TextIO
 
 import yaml
 
@@ -133,7 +133,8 @@ def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
     record was made with other values of its fields."""
     state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
-    if state.record is not None and isinstance(cell, Cell) and _made_with_other_values(state.record["spec"], cell.spec.to_dict()):
+    if (state.record is not None and isinstance(cell, Cell)
+            and _made_with_other_values(state.record["spec"], cell.spec.to_dict())):
         return state._replace(status=STALE)
     return state
 
