@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="slurm: wait for the arrays to finish, then print the table (local always waits)")
     rerun = submit.add_mutually_exclusive_group()
     rerun.add_argument("--retry-failed", action="store_true",
-                       help="also rerun cells whose record says oom, error or timeout (cells without one always run)")
+                       help="also rerun cells whose record is not ok (oom, error, timeout, cancelled, node_fail) or "
+                            "is corrupt (cells without one always run; every earlier record is kept in attempts/)")
     rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.set_defaults(func=_submit)
 
@@ -96,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler",
                             description="Count the cells of a sweep folder by state: pending / running (squeue), "
-                                        "else their record's ok / oom / error / timeout, else missing (no record) "
-                                        "or corrupt (unreadable record); then a row per cell that is not ok.")
+                                        "else their record's status (ok, oom, error, timeout, cancelled, node_fail), "
+                                        "else missing (no record) or corrupt (a record file that cannot be used, named "
+                                        "in one line); then a row per cell that is not ok.")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")
