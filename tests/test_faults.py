@@ -425,6 +425,38 @@ def test_ctrl_c_in_submit_wait_says_how_many_cells_are_still_queued(slurm_cluste
         cancel_sweep_jobs(name)
 
 
+@pytest.mark.slurm
+def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, tmp_path):
+    """SIGINT to `submit --force` while sbatch is queueing: the array is queued and the manifest
+    names it (never a job the manifest does not know), and the record it replaces stays an attempt:
+    the queued cell will write result.json. (sbatch is the real one, started 3 s late by a wrapper.)"""
+    name = unique("defer")
+    jobs = jobs_file(tmp_path, name, slurm={"extra_sbatch": {"hold": True}})
+    results = tmp_path / "results"
+    (cell,) = load_sweep(jobs).cells
+    write_record(results / name / "cells" / cell.id / "result.json", {"status": "ok", "spec": cell.spec.to_dict()})
+    wrappers, started = tmp_path / "bin", tmp_path / "sbatch-started"
+    wrappers.mkdir()
+    (wrappers / "sbatch").write_text(f"#!/bin/sh\ntouch {started}\nsleep 3\nexec {shutil.which('sbatch')} \"$@\"\n")
+    (wrappers / "sbatch").chmod(0o755)
+    proc = hpcfsdp("submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(results),
+                   PATH=f"{wrappers}:{os.environ['PATH']}")
+    try:
+        wait_until(started.exists, 60, "sbatch to start")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and TRACEBACK not in err, err
+        assert err.splitlines()[-1].startswith("interrupted (SIGINT): arrays queued before it are in manifest.json")
+        (job,) = queued_job_ids(name)
+        assert read(results / name / "manifest.json")[cell.id]["job_id"] == job
+        folder = results / name / "cells" / cell.id
+        assert not (folder / "result.json").exists() and read(folder / "attempts" / "1.json")["status"] == "ok"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cancel_sweep_jobs(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Folders that cannot be written (a file where a folder should be: root is refused too)
 

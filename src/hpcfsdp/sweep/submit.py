@@ -556,8 +556,9 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
         executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
         executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
         # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
-        # sbatch queues the array and the manifest names it, or neither happens: signals wait.
-        with records_set_aside(sub.sweep_dir, cells), interrupts_deferred(), secrets_removed():
+        # sbatch queues the array and the manifest names it, or neither happens: signals wait until
+        # then (outermost, so that a signal during a queueing that worked restores no record).
+        with interrupts_deferred(), records_set_aside(sub.sweep_dir, cells), secrets_removed():
             try:
                 jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
             except FailedJobError as exc:
