@@ -203,10 +203,12 @@ WRONG_VALUES = {
     "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers, got "oops"'),
     "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers, got [11.0, "x"]'),
     "spec-text": ({"spec": "ddp"}, 'spec: expected an object (the run\'s RunSpec), got "ddp"'),
-    "spec-empty": ({"spec": {}}, "spec.strategy: expected a strategy name, got null or missing"),
+    "spec-empty": ({"spec": {}}, "spec.strategy: missing"),
     "batch-text": ({"spec_batch_size": "4"}, 'spec.batch_size: expected an integer, got "4"'),
-    "spec-list": ({"spec_seq_len": [4096]}, "spec.seq_len: expected text, a number or true/false, got [4096]"),
-    "spec-odd-type": ({"spec_seq_len": "4096"}, 'spec.seq_len: expected a number like the sweep\'s other records, got "4096"'),
+    "spec-list": ({"spec_seq_len": [4096]}, "spec.seq_len: expected an integer, got [4096]"),
+    "spec-text-number": ({"spec_seq_len": "4096"}, 'spec.seq_len: expected an integer, got "4096"'),
+    "spec-unknown-choice": ({"spec_precision": "fp8"}, 'spec.precision: expected one of fp32, bf16_mixed, bf16, got "fp8"'),
+    "spec-newer-field-list": ({"spec_new_knob": [1]}, "spec.new_knob: expected text, a number or true/false, got [1]"),
 }
 
 
@@ -259,7 +261,7 @@ def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path)
     collection = load_records(sweep)
     assert sorted(collection.unreadable) == [
         f"{paths['older']}: schema_version {SCHEMA_VERSION - 1} is not supported (expected {SCHEMA_VERSION})",
-        f"{paths['unversioned']}: schema_version None is not supported (expected {SCHEMA_VERSION})",
+        f"{paths['unversioned']}: schema_version null or missing is not supported (expected {SCHEMA_VERSION})",
     ]
     assert len(collection.frame) == 4 and collection.missing.empty  # the cpu sweep's records; not missing either
 

@@ -26,7 +26,7 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     jobs = tmp_path / "local.yaml"
     jobs.write_text(SWEEP.replace("MODEL_DIR", str(broken)))
-    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1  # a cell failed
     out = capsys.readouterr().out
     records = {r["spec"]["strategy"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))}
     assert records["fsdp2_zero3"]["status"] == "ok" and records["fsdp2_zero3"]["world_size"] == 2
@@ -59,7 +59,7 @@ def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, c
     jobs.write_text("name: stuck\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, gpus_per_node: 2}\n"
                     "slurm: {time_min: 1, signal_delay_s: 30}\n")
     started = time.monotonic()
-    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1
     assert 60 <= time.monotonic() - started < 120
     (path,) = tmp_path.glob("stuck/cells/*/result.json")
     record = json.loads(path.read_text())

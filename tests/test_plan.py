@@ -133,9 +133,11 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
                 "--signal=USR2@120", "--requeue", "--reservation=maint", "--hold", "--mail-type=FAIL"} <= flags, flags
         assert not any(flag.startswith("--gres") for flag in flags)
         setup = script[script.index("# setup"):script.index("# command")].splitlines()[1:]
-        assert setup[:7] == ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1", "export TRANSFORMERS_OFFLINE=1",
+        assert setup[:8] == ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1", "export TRANSFORMERS_OFFLINE=1",
                              "export HPCFSDP_CACHE=/shared/hpcfsdp-cache", "export HPCFSDP_MAX_REQUEUE=2",
-                             "unset HF_TOKEN HUGGING_FACE_HUB_TOKEN", "module load cuda/12.4"]
+                             "unset HF_TOKEN HUGGING_FACE_HUB_TOKEN",
+                             'export HPCFSDP_JOB_END_TIME="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" '
+                             '--format=%e 2>/dev/null)"', "module load cuda/12.4"]
         assert "hf_secret_value" not in script
         assert f"-m submitit.core._submit {folder}/%j" in script
     assert "#SBATCH --array=0-2%2" in one_node and "#SBATCH --nodes=1" in one_node
@@ -170,7 +172,8 @@ def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
     sweep = load_sweep(path)
     assert len(out) == len(sweep.cells) == 3
     for line, cell in zip(out, sweep.cells):
-        assert line.startswith("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 ")
+        assert line.startswith("env -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 "
+                               "TRANSFORMERS_OFFLINE=1 ")
         assert line.endswith(f"--cell-dir {(results / 'printed' / 'cells' / cell.id).absolute()}")
     assert "--standalone --nproc-per-node=1" in out[0]
     assert '--nnodes=2 --rdzv-backend=c10d "--rdzv-endpoint=${MASTER_ADDR:?}:29500"' in out[2]
@@ -212,7 +215,7 @@ def four_cell_sweep(tmp_path: Path):
         directory.mkdir(parents=True)
         (directory / "spec.json").write_text(json.dumps({"cell_id": cell.id, "sweep": "flight", "spec": cell.spec.to_dict()}))
         if status:
-            write_record(directory / "result.json", {"status": status})
+            write_record(directory / "result.json", {"status": status, "spec": cell.spec.to_dict()})
         manifest[cell.id] = {"executor": "slurm", "job_id": f"71_{index}", "submitted_at": 0}
     (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
     return path, sweep, sweep_dir
@@ -278,7 +281,7 @@ def test_a_refused_sbatch_is_one_line_and_keeps_the_records(tmp_path, fake_squeu
                               "sbatch: error: Batch job submission failed: Invalid account;"), err
     # --force set the records aside for the rerun; nothing was queued, so they are back.
     assert [cell_status_of(sweep_dir, c) for c in (ok, timed_out)] == ["ok", "timeout"]
-    assert not list(sweep_dir.glob("cells/*/result.previous.json"))
+    assert not list(sweep_dir.glob("cells/*/attempts/*.json"))
 
 
 def cell_status_of(sweep_dir: Path, cell) -> str:
@@ -414,14 +417,19 @@ def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_
 
 def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tmp_path, fake_squeue, capsys):
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    gone = sweep.cells[3]
+    lost_with_node, gone = sweep.cells[2:]
     fake_squeue.write_text("")
     sacct = tmp_path / "bin" / "sacct"
-    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\nprintf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n'\n")
+    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\n"
+                     "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n")
     assert main(["status", str(sweep_dir)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
+    assert rows[lost_with_node.id] == ["fsdp2_zero3", "missing", "71_2", "NODE_FAIL"]
     assert "--jobs=71_2,71_3" in (tmp_path / "sacct.args").read_text()  # only the unrecorded cells' jobs
+    # Their records say why they ended: cancelled, and node_fail, not error.
+    record_lost_cells(sweep_status(sweep_dir))
+    assert [cell_status_of(sweep_dir, c) for c in (gone, lost_with_node)] == ["cancelled", "node_fail"]
 
 
 def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(tmp_path, fake_squeue, capsys):

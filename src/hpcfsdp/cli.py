@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
-from .record import RECORD_NAME, SPEC_NAME
+from .record import RECORD_NAME, SPEC_NAME, RecordError
 from .spec import RunSpec, SpecError, check_folder_name, one_line
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
@@ -33,6 +33,24 @@ def main(argv: list[str] | None = None) -> int:
         # /dev/null so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except RecordError as exc:  # a sweep file that cannot be read where it must be (a cell's spec.json)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a folder that cannot be written: a file where a folder should be, no permission
+        print(f"error: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print("interrupted", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
+
+
+def _os_error(exc: OSError) -> str:
+    """'<path>: <what the system said>', as one line."""
+    paths = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+    what = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) and exc.filename and not os.path.isdir(exc.filename):
+        what = "a file is where a folder is needed"  # mkdir(exist_ok=True) of a path that is a file
+    return f"{paths}: {what}" if paths else what
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="slurm: wait for the arrays to finish, then print the table (local always waits)")
     rerun = submit.add_mutually_exclusive_group()
     rerun.add_argument("--retry-failed", action="store_true",
-                       help="also rerun cells whose record says oom, error, timeout or diverged (cells without one always run)")
+                       help="also rerun cells whose record is not ok (oom, error, timeout, diverged, cancelled, node_fail) or "
+                            "is corrupt (cells without one always run; every earlier record is kept in attempts/)")
     rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.set_defaults(func=_submit)
 
@@ -80,8 +99,9 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="cells by state in a sweep folder, from records and the scheduler",
                             description="Count the cells of a sweep folder by state: pending / running (squeue), "
-                                        "else their record's ok / oom / error / timeout / diverged, else missing "
-                                        "(no record) or corrupt (unreadable record); then a row per cell that is not ok.")
+                                        "else their record's status (ok, oom, error, timeout, diverged, cancelled, node_fail), "
+                                        "else missing (no record) or corrupt (a record file that cannot be used, named "
+                                        "in one line); then a row per cell that is not ok.")
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running")
@@ -226,7 +246,8 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from .sweep.submit import SchedulerError, SubmitError, default_executor, submit, wait_for
+    from .sweep.interrupts import Interrupted
+    from .sweep.submit import SchedulerError, SubmitError, default_executor, still_queued, submit, wait_for
 
     sweep = _load_sweep(args)
     misses = _cache_misses(sweep)
@@ -247,12 +268,35 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"error: {exc}; the cells of that array and any after it were not queued "
               f"(arrays queued before it are in {Path(args.results_dir) / sweep.name / 'manifest.json'})", file=sys.stderr)
         return 1
+    except RecordError as exc:  # the manifest: which jobs are the sweep's
+        print(f"error: {exc}; it names the sweep's queued jobs: repair or remove it (`squeue --name "
+              f"hpcfsdp-{sweep.name}` lists them); nothing submitted", file=sys.stderr)
+        return 1
+    except Interrupted as exc:
+        done = ("the running cell was stopped and its earlier record is current again" if executor == "local"
+                else "arrays queued before it are in manifest.json; the cells not queued keep their records")
+        print(f"interrupted ({exc}): {done}; run the same command again to go on", file=sys.stderr)
+        return exc.exit_status
     log(f"sweep folder: {sub.sweep_dir}")
+    # Exit status 1 when a cell did not finish ok: what a scheduled (cron, CI) run checks.
     if executor == "slurm" and args.wait:
-        _print_status(wait_for(sub, WAIT_POLL_S, log), summary=False)
-    if executor == "local" or (args.wait and executor == "slurm"):
-        return _print_collection(sub.sweep_dir)
-    return 0
+        try:
+            report = wait_for(sub, WAIT_POLL_S, log)
+        except KeyboardInterrupt as exc:  # the jobs run on
+            queued = still_queued(sub)
+            print(f"stopped waiting; {'?' if queued is None else queued} cells still queued; "
+                  f"`hpcfsdp status {sub.sweep_dir}`", file=sys.stderr)
+            return getattr(exc, "exit_status", 130)
+        _print_status(report, summary=False)
+        failed = sum(c.state != "ok" for c in report.cells)
+    elif executor == "local":
+        failed = sum(status != "ok" for status in sub.outcomes.values())
+    else:
+        return 0
+    code = _print_collection(sub.sweep_dir)
+    if failed:
+        print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
+    return 1 if failed else code
 
 
 def _to_stderr(message: str) -> None:
@@ -312,10 +356,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
     """Counts by state, then one row per cell that is not ok (yet), and where Slurm logs are."""
-    from .sweep.submit import IN_FLIGHT
+    from .sweep.submit import IN_FLIGHT, problem_lines
 
     if report.note:
         print(f"warning: {report.note}", file=sys.stderr)
+    for line in problem_lines(report.problems):
+        print(f"warning: {line}", file=sys.stderr)
     counts = report.counts()
     if summary:
         print(f"{report.sweep_dir}: {len(report.cells)} cell(s): " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
@@ -370,7 +416,10 @@ def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     from .sweep.submit import read_manifest, slurm_job_ids, sweep_status
 
     recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
-    cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+    try:
+        cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+    except RecordError:  # collect names the broken manifest itself
+        return {}
     if not slurm_job_ids(sweep_dir, cell_ids):
         return {}
     report = sweep_status(sweep_dir, cell_ids)

@@ -1,26 +1,55 @@
 """The result record: the contract between `hpcfsdp run` and the collector.
 
 One JSON file per cell, written atomically (temp file + rename) so a reader never sees half a
-record. Depends on nothing else in the package.
+record. This module is also the one reader of a sweep folder's JSON files (records, spec.json,
+manifest.json): `status`, `submit` and `collect` all read through `read_record` / `record_state`,
+so a file one of them calls corrupt is corrupt to all three, named in one line, never a traceback.
+
+A rerun never destroys a record: the current one moves to `attempts/<n>.json` first
+(`keep_as_attempt`), so `result.json` is always the latest attempt and every earlier one is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from .spec import RunSpec, choices
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "error", "timeout", "diverged")
-RECORD_NAME = "result.json"
-PREVIOUS_RECORD_NAME = "result.previous.json"  # the record a rerun replaces, kept until it has a new one
+STATUSES = ("ok", "oom", "error", "timeout", "diverged", "cancelled", "node_fail")
+MISSING = "missing"  # no record (yet)
+CORRUPT = "corrupt"  # a record file that cannot be read, or holds values of the wrong type
+RECORD_NAME = "result.json"  # the current record: the latest attempt
+ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
+
+# Fields the tables and plots compute with: a number (or null) each, lists of numbers.
+NUMBER_FIELDS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "data_time_fraction", "comm_exposed_fraction",
+                 "gpu_util_mean", "step_time_s", "final_loss")
+NUMBER_LIST_FIELDS = ("losses", "step_times_s")
+# Exact types, as json.loads gives them: true is a bool, not the number 1.
+NUMBER_TYPES = frozenset({int, float})
+SCALAR_TYPES = frozenset({str, int, float, bool})
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+# Every record has these spec fields (the cell id and every table group by them).
+REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
 
 
 class RecordError(ValueError):
-    """A record file that cannot be read: names the path and what is wrong."""
+    """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
+
+
+class RecordState(NamedTuple):
+    """What a cell's record says: its status, or missing / corrupt (then `problem` names the file)."""
+
+    status: str
+    record: dict[str, Any] | None = None
+    problem: str = ""
 
 
 def write_record(path: str | Path, record: dict[str, Any]) -> Path:
@@ -31,6 +60,7 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle, indent=2, sort_keys=True, default=str)
             handle.flush()
@@ -42,17 +72,161 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     return path
 
 
-def read_record(path: str | Path) -> dict[str, Any]:
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
+    """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
+    unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
+    limit (ValueError), not an object, or (with root) a link that leads out of the folder root.
+    FileNotFoundError when there is no file."""
     path = Path(path)
+    if root is not None and not _inside(path, root):
+        raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path}: unreadable record ({exc})") from None
-    if not isinstance(record, dict):
-        raise RecordError(f"{path}: a record must be a JSON object")
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
+        raise FileNotFoundError(path) from None
+    except OSError as exc:
+        raise RecordError(f"{path}: unreadable {kind} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: unreadable {kind} (not UTF-8 text)") from None
+    except RecursionError:
+        raise RecordError(f"{path}: unreadable {kind} (JSON nested too deeply)") from None
+    except ValueError as exc:  # json.JSONDecodeError, or an integer of more digits than Python converts
+        raise RecordError(f"{path}: unreadable {kind} ({_one_line(exc)})") from None
+    if not isinstance(value, dict):
+        raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, Any]:
+    """The record at path, checked: RecordError (one line) when it cannot be used; FileNotFoundError
+    when there is none."""
+    path = Path(path)
+    record = read_json_object(path, root)
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise RecordError(f"{path}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
+        raise RecordError(f"{path}: schema_version {_shown(version)} is not supported (expected {SCHEMA_VERSION})")
     if record.get("status") not in STATUSES:
-        raise RecordError(f"{path}: status {record.get('status')!r} is not one of {', '.join(STATUSES)}")
+        raise RecordError(f"{path}: status {_shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
+    problem = _record_problem(record)
+    if problem:
+        raise RecordError(f"{path}: {problem}")
     return record
+
+
+def record_state(path: str | Path, root: str | Path | None = None) -> RecordState:
+    """missing, corrupt (with the one-line problem), or the record's status and the record."""
+    try:
+        record = read_record(path, root)
+    except FileNotFoundError:
+        return RecordState(MISSING)
+    except RecordError as exc:
+        return RecordState(CORRUPT, problem=str(exc))
+    return RecordState(record["status"], record)
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What makes a parsed record unusable ("tokens_per_s_per_gpu: expected a number or null, got
+    "fast""), or None: its spec, and the fields the collector computes with. A wrong value
+    elsewhere is carried to results.csv as it is."""
+    problem = spec_problem(record.get("spec"))
+    if problem:
+        return problem
+    for name in NUMBER_FIELDS:
+        if record.get(name) is not None and type(record[name]) not in NUMBER_TYPES:
+            return f"{name}: expected a number or null, got {_shown(record[name])}"
+    for name in NUMBER_LIST_FIELDS:
+        values = record.get(name)
+        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= NUMBER_TYPES):
+            return f"{name}: expected a list of numbers, got {_shown(values)}"
+    return None
+
+
+def spec_problem(spec: Any) -> str | None:
+    """What makes a recorded spec unusable, or None. A field RunSpec has must have its type (and
+    be one of its choices); a field it lacks (written by a newer hpcfsdp) must be a single value.
+    A field the spec lacks is newer than the record: its default is what the record was made with."""
+    if not isinstance(spec, dict):
+        return f"spec: expected an object (the run's RunSpec), got {_shown(spec)}"
+    for name in REQUIRED_SPEC_FIELDS:
+        if name not in spec:
+            return f"spec.{name}: missing"
+    types, allowed = _spec_types(), choices(RunSpec)
+    for name, value in spec.items():
+        expected = types.get(name)
+        if expected is None:
+            if value is not None and type(value) not in SCALAR_TYPES:
+                return f"spec.{name}: expected text, a number or true/false, got {_shown(value)}"
+        elif not (type(value) is expected or (expected is float and type(value) is int)):
+            return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {_shown(value)}"
+        elif name in allowed and value not in allowed[name]:
+            return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {_shown(value)}"
+    return None
+
+
+def _spec_types() -> dict[str, type]:
+    return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value as it reads in the JSON file, cut short: "fast", [1, "x"]; None is a key null or absent."""
+    if value is None:
+        return "null or missing"
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):  # an integer past the digit limit, or deep nesting
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
+def _inside(path: Path, root: str | Path) -> bool:
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attempts: a rerun keeps the record it replaces
+
+
+def keep_as_attempt(cell_dir: str | Path) -> Path | None:
+    """Move the cell's current record to attempts/<n>.json (n one past the highest there), never
+    over an attempt kept before; returns where it went, or None when there was no record."""
+    current = Path(cell_dir) / RECORD_NAME
+    if not os.path.lexists(current):
+        return None
+    folder = current.parent / ATTEMPTS_DIR
+    folder.mkdir(exist_ok=True)
+    number = 1 + max((int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit()), default=0)
+    while True:
+        target = folder / f"{number}.json"
+        try:
+            os.link(current, target, follow_symlinks=False)  # fails where target exists: nothing is overwritten
+        except FileExistsError:
+            number += 1
+            continue
+        except FileNotFoundError:  # another process moved it first
+            return None
+        except OSError:  # a file system without hard links; submit holds the sweep's lock
+            if target.exists():
+                number += 1
+                continue
+            os.replace(current, target)
+            return target
+        current.unlink()
+        return target
+
+
+def restore_attempt(cell_dir: str | Path, kept: Path) -> None:
+    """Make a record set aside by keep_as_attempt current again (a rerun that did not happen, or
+    was interrupted); a record written since, the interrupted run's, is kept as an attempt first."""
+    keep_as_attempt(cell_dir)
+    os.replace(kept, Path(cell_dir) / RECORD_NAME)
+

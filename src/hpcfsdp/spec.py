@@ -89,6 +89,8 @@ CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_NAME_BYTES = 255  # a file name, on the file systems Linux clusters use
 # config.json keys that give how many positions a model's position embedding covers
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
+# The end of the cell's time limit as its job was scheduled (cell/run.py tells a time limit from a cancel).
+JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
 class SpecError(ValueError):
@@ -366,10 +368,17 @@ SBATCH_SET_BY = {
 }
 
 
+# An sbatch option name; anything else in a key (a newline, a space, '=', '#') would let the key
+# end its `#SBATCH --key=value` line and start a line of shell in the batch script.
+SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
 def _check_extra_sbatch(where: str, res: Resources) -> None:
     for key, value in res.extra_sbatch.items():
-        require_no_control_characters(where, "extra_sbatch", str(key))
-        flag = str(key).replace("_", "-")
+        if not isinstance(key, str) or not SBATCH_OPTION_NAME.fullmatch(key):
+            raise SpecError(where, f"extra_sbatch.{key!r}", "expected an sbatch option name (letters, digits, "
+                            "'-' and '_', e.g. reservation)")
+        flag = key.replace("_", "-")
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
             raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")

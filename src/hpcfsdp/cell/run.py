@@ -10,9 +10,11 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,8 @@ from .metrics import (
     reset_peak_memory,
 )
 from .models import build_model, materialize, resolve_model
-from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
-from ..spec import MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
+from ..record import RECORD_NAME, SPEC_NAME, RecordError, keep_as_attempt, read_record, write_record
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
 from .provenance import git_commit
 from .strategies import param_dtype, parallelize
 from .summary import summary_line
@@ -63,9 +65,27 @@ class CellTimeout(Exception):
     """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
 
 
+class CellCancelled(Exception):
+    """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
+    or Slurm ending the job because one of its nodes went down (`node_fail`)."""
+
+    def __init__(self, message: str, status: str):
+        super().__init__(message)
+        self.status = status
+
+
+# Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
+# never before it; a SIGTERM more than this before the job's end is something else.
+EARLY_SIGTERM_S = 30.0
+
+
 def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     """Train one cell on this process's rank and write the record; returns the status."""
     started = time.time()
+    if _launch_rank() == 0:
+        # Before the process group forms, so no rank has written yet: a record left by an earlier
+        # run (by hand, or a command --executor print printed) is kept in attempts/, not overwritten.
+        keep_as_attempt(cell_dir)
     if spec.expandable_segments:  # read when CUDA initialises, so before the process group
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     env = init_distributed(spec.device)
@@ -246,8 +266,11 @@ def _gpu_utilisation(summary: dict[str, float], env: DistEnv) -> dict[str, Any]:
 
 
 def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
+    exc = _signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
+    elif isinstance(exc, CellCancelled):
+        status = exc.status
     elif isinstance(exc, torch.OutOfMemoryError):
         status = "oom"
     elif isinstance(exc, Diverged):
@@ -267,6 +290,23 @@ def _read_or(path: Path, fallback: dict[str, Any]) -> dict[str, Any]:
         return read_record(path)
     except RecordError:
         return fallback
+
+
+def _signal_cause(exc: BaseException) -> BaseException:
+    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
+    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
+    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, (CellTimeout, CellCancelled)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def _launch_rank() -> int:
+    """This process's global rank as its launcher set it, before the process group exists."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
 def _launch_id() -> str:
@@ -314,11 +354,51 @@ def _raise_on_time_limit() -> dict:
             except Exception as exc:  # noqa: BLE001 - submitit declined to requeue: a plain timeout
                 raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
             return
+        if signum == signal.SIGTERM:
+            _raise_if_not_time_limit()
         raise CellTimeout(f"received {name} (time limit)")
 
     for sig in previous:
         signal.signal(sig, handler)
     return previous
+
+
+def _raise_if_not_time_limit() -> None:
+    """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
+    script from squeue, or by the local executor); then Slurm's reason for the job tells a failed
+    node (NodeDown) from a cancel. Without a known end time, SIGTERM counts as the time limit."""
+    left = _seconds_to_job_end()
+    if left is None or left <= EARLY_SIGTERM_S:
+        return
+    if "NodeDown" in _slurm_reason():
+        raise CellCancelled("received SIGTERM: a node of the job failed (Slurm: NodeDown)", "node_fail")
+    raise CellCancelled(f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted "
+                        "local submit)", "cancelled")
+
+
+def _seconds_to_job_end() -> float | None:
+    value = os.environ.get(JOB_END_ENV, "").strip()
+    try:
+        end = float(value)
+    except ValueError:
+        try:
+            end = datetime.fromisoformat(value).timestamp()  # squeue's %e, in this node's time zone
+        except ValueError:  # unset, or squeue did not answer when the job started
+            return None
+    return end - time.time()
+
+
+def _slurm_reason() -> str:
+    """squeue's reason for this process's job ("" outside Slurm, or when it does not answer soon:
+    Slurm's KillWait after SIGTERM is short)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    try:
+        return subprocess.run(["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True,
+                              text=True, timeout=3).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _requeues_left() -> bool:

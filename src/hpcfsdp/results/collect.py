@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,24 +17,25 @@ from typing import Any
 import pandas as pd
 
 from . import plots as plotting
-from ..spec import STRATEGY_KNOBS
-from ..record import RECORD_NAME, SPEC_NAME, RecordError, read_record
+from ..spec import STRATEGY_KNOBS, SpecError
+from ..record import (
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    STATUSES,
+    RecordError,
+    read_json_object,
+    record_state,
+    spec_problem,
+)
 from .report import Section, to_html, to_markdown
 
 # Written by `hpcfsdp submit` and the cell set-up: together they name the cells a sweep planned.
 MANIFEST_NAME = "manifest.json"
-MISSING = "missing"
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 # Optional per-step fractions and utilisation: averaged over repeats like the metrics.
 EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean")
-# Fields the tables and plots compute with, checked when a record is read (_record_problem).
-NUMBER_FIELDS = (*METRICS, *EXTRA_NUMBERS, "step_time_s", "final_loss")
-NUMBER_LIST_FIELDS = ("losses", "step_times_s")
-# Exact types, as json.loads gives them: true is a bool, not the number 1.
-NUMBER_TYPES = frozenset({int, float})
-# The types a spec value can have (checked by _spec_problem), as a message names them.
-JSON_TYPES = {str: "text", int: "a number", float: "a number", bool: "true/false"}
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
 METRIC_FORMATS = {"tokens_per_s_per_gpu": "{:,.0f}", "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}"}
 
@@ -82,108 +83,24 @@ class Collection:
 
 
 def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None) -> Collection:
-    """Every record under <sweep_dir>/cells; unreadable ones are listed by path, never fatal.
+    """Every record under <sweep_dir>/cells, read as status and submit read them (record.py);
+    unreadable ones are listed by path, never fatal, and no link out of the sweep folder is followed.
 
     scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
     the caller asked the scheduler, names the state of cells that have no record yet."""
     sweep_dir = Path(sweep_dir)
     paths = sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}"))
     unreadable: list[str] = []
-    records = [(path, record) for path in paths if (record := _checked_record(path, unreadable))]
-    usual = _usual_types([record["spec"] for _, record in records])
     rows, spec_fields = [], {}
-    for path, record in records:
-        problem = _type_problem(record["spec"], usual)
-        if problem:
-            unreadable.append(f"{path}: {problem}")
-            continue
-        spec_fields.update(dict.fromkeys(record["spec"]))
-        rows.append(_flatten(record))
-    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, usual, unreadable, scheduler_states)
+    for path in paths:
+        state = record_state(path, root=sweep_dir)
+        if state.problem:
+            unreadable.append(state.problem)
+        elif state.record is not None:
+            spec_fields.update(dict.fromkeys(state.record["spec"]))
+            rows.append(_flatten(state.record))
+    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
-
-
-def _checked_record(path: Path, problems: list[str]) -> dict[str, Any] | None:
-    """The record at path; None, with a note in problems, when it cannot be read or holds values
-    the collector cannot compute with."""
-    try:
-        record = read_record(path)
-    except RecordError as exc:
-        problems.append(str(exc))
-        return None
-    problem = _record_problem(record)
-    if problem:
-        problems.append(f"{path}: {problem}")
-        return None
-    return record
-
-
-def _record_problem(record: dict[str, Any]) -> str | None:
-    """What makes a record that parsed unusable ("tokens_per_s_per_gpu: expected a number or null,
-    got "fast""), or None. Only the fields the tables and plots compute with are checked; a wrong
-    value elsewhere is carried to results.csv as it is."""
-    problem = _spec_problem(record.get("spec"))
-    if problem:
-        return problem
-    for name in NUMBER_FIELDS:
-        if record.get(name) is not None and not _is_number(record[name]):
-            return f"{name}: expected a number or null, got {_shown(record[name])}"
-    for name in NUMBER_LIST_FIELDS:
-        values = record.get(name)
-        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= NUMBER_TYPES):
-            return f"{name}: expected a list of numbers, got {_shown(values)}"
-    return None
-
-
-def _spec_problem(spec: Any) -> str | None:
-    """What makes a spec unusable for grouping cells ("spec.batch_size: expected an integer,
-    got "4""), or None. RunSpec fields are all single values: a list or object in one would
-    break every group-by."""
-    if not isinstance(spec, dict):
-        return f"spec: expected an object (the run's RunSpec), got {_shown(spec)}"
-    if not isinstance(spec.get("strategy"), str):
-        return f"spec.strategy: expected a strategy name, got {_shown(spec.get('strategy'))}"
-    if type(spec.get("batch_size")) is not int:
-        return f"spec.batch_size: expected an integer, got {_shown(spec.get('batch_size'))}"
-    for name, value in spec.items():
-        if value is not None and type(value) not in JSON_TYPES:
-            return f"spec.{name}: expected text, a number or true/false, got {_shown(value)}"
-    return None
-
-
-def _usual_types(specs: list[dict[str, Any]]) -> dict[str, str]:
-    """Spec field -> the JSON type most records give it, for the fields whose records disagree
-    (normally none: then one pass over the specs is all it costs)."""
-    present = {(name, type(value)) for spec in specs for name, value in spec.items() if value is not None}
-    types: dict[str, set[str]] = {}
-    for name, kind in present:
-        types.setdefault(name, set()).add(JSON_TYPES[kind])
-    disagreeing = [name for name, kinds in types.items() if len(kinds) > 1]
-    counts = Counter((name, JSON_TYPES[type(spec[name])]) for spec in specs for name in disagreeing
-                     if spec.get(name) is not None)
-    return {name: max(types[name], key=lambda kind: (counts[name, kind], kind)) for name in disagreeing}  # ties: by name
-
-
-def _type_problem(spec: dict[str, Any], usual: dict[str, str]) -> str | None:
-    """A spec field of another type than the sweep's other records give it ("seq_len": "4096"
-    among numbers): its column could be neither sorted nor matched with a baseline."""
-    for name, expected in usual.items():
-        value = spec.get(name)
-        if value is not None and JSON_TYPES[type(value)] != expected:
-            return f"spec.{name}: expected {expected} like the sweep's other records, got {_shown(value)}"
-    return None
-
-
-def _is_number(value: Any) -> bool:
-    return type(value) in NUMBER_TYPES
-
-
-def _shown(value: Any, limit: int = 40) -> str:
-    """A value as it reads in the JSON file, cut short: "fast", [1, "x"]; None is a key null or absent."""
-    if value is None:
-        return "null or missing"
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:
@@ -210,14 +127,14 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
             row[f"{prefix}.{key}"] = value
 
 
-def _missing_cells(sweep_dir: Path, recorded: set[str], usual: dict[str, str], problems: list[str],
+def _missing_cells(sweep_dir: Path, recorded: set[str], problems: list[str],
                    scheduler_states: dict[str, str] | None) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
-    manifest = _read_json(sweep_dir / MANIFEST_NAME, problems)
+    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
     planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
     rows = []
     for cell_id in sorted(planned - recorded):
-        spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, usual, problems)
+        spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, sweep_dir, problems)
         entry = manifest.get(cell_id)
         job = entry.get("job_id") if isinstance(entry, dict) else None
         reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: {_job_state(cell_id, scheduler_states)})" if job else "")
@@ -231,32 +148,28 @@ def _job_state(cell_id: str, scheduler_states: dict[str, str] | None) -> str:
     return scheduler_states.get(cell_id) or "not in the queue, state unknown without accounting"
 
 
-def _planned_spec(spec_path: Path, usual: dict[str, str], problems: list[str]) -> dict[str, Any]:
+def _planned_spec(spec_path: Path, sweep_dir: Path, problems: list[str]) -> dict[str, Any]:
     """The spec of a cell's spec.json; {} when there is none, or (with a note in problems) when
     it is not usable: the cell is still listed as missing, without its spec fields."""
-    spec = _read_json(spec_path, problems).get("spec")
+    spec = _read_json(spec_path, sweep_dir, problems, "cell spec").get("spec")
     if spec is None:
         return {}
-    problem = _spec_problem(spec) or _type_problem(spec, usual)
+    problem = spec_problem(spec)
     if problem:
         problems.append(f"{spec_path}: {problem}")
         return {}
     return spec
 
 
-def _read_json(path: Path, problems: list[str]) -> dict[str, Any]:
+def _read_json(path: Path, sweep_dir: Path, problems: list[str], kind: str) -> dict[str, Any]:
     """A JSON object from path; {} when absent, and a note in problems when it is not readable."""
-    if not path.exists():
-        return {}
     try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        problems.append(f"{path}: unreadable ({exc})")
+        return read_json_object(path, root=sweep_dir, kind=kind)
+    except FileNotFoundError:
         return {}
-    if not isinstance(value, dict):
-        problems.append(f"{path}: expected a JSON object")
+    except RecordError as exc:
+        problems.append(str(exc))
         return {}
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +420,7 @@ def _counted(values: pd.Series) -> str:
 
 def status_counts(cells: Cells, unreadable: list[str]) -> str:
     counts = cells.frame["status"].value_counts()
-    order = ["ok", "oom", "error", "timeout", "diverged", MISSING]
+    order = [*STATUSES, MISSING]
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
     text = f"{len(cells.frame)} cell(s): " + (", ".join(parts) or "none")
     return text + (f"; {len(unreadable)} unreadable record file(s)" if unreadable else "")
@@ -535,8 +448,7 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     sweep_dir = Path(sweep_dir)
     collection = load_records(sweep_dir, scheduler_states)
     cells = label_cells(collection)
-    report = sweep_dir / "report"
-    report.mkdir(parents=True, exist_ok=True)
+    report = report_folder(sweep_dir)
     files, notes = write_tables(collection.cells, report)
 
     configs = ok_configs(cells)
@@ -554,6 +466,22 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     (report / "index.html").write_text(to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
     return Report(comparison_table(collection.cells), report, files, collection.unreadable, skipped, notes)
+
+
+def report_folder(sweep_dir: Path) -> Path:
+    """<sweep>/report/ (and plots/ in it), made ready to write into without leaving the sweep
+    folder: a link left among their files is removed (the file is written afresh in its place),
+    and a report/ or plots/ that is itself a link out of the sweep folder is refused."""
+    report = sweep_dir / "report"
+    for folder in (report, report / "plots"):
+        if folder.is_symlink() and not Path(os.path.realpath(folder)).is_relative_to(os.path.realpath(sweep_dir)):
+            raise SpecError(str(folder), "", f"a link to {os.path.realpath(folder)}, out of the sweep folder; "
+                            "remove it (collect writes report/ itself)")
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():
+            if entry.is_symlink():
+                entry.unlink()
+    return report
 
 
 def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[str]]:
@@ -797,7 +725,6 @@ def write_comparison(sweep_dir: str | Path, reference_dir: str | Path, threshold
     """Compare and write report/compare.md; returns the comparison, its text and the file."""
     comparison = compare_sweeps(sweep_dir, reference_dir, threshold)
     text = comparison.render(str(sweep_dir), str(reference_dir))
-    path = Path(sweep_dir) / "report" / "compare.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = report_folder(Path(sweep_dir)) / "compare.md"
     path.write_text(text)
     return comparison, text, path

@@ -27,27 +27,40 @@ class Section:
 
 
 def to_markdown(title: str, sections: list[Section], relative_to: Path | None = None) -> str:
-    """Markdown; images are linked relative to `relative_to` (the folder the file is written in)."""
-    lines = [f"# {title}", ""]
+    """Markdown; images are linked relative to `relative_to` (the folder the file is written in).
+    Every string is escaped (`markdown_text`): values come from records and YAML files."""
+    lines = [f"# {markdown_text(title)}", ""]
     for section in sections:
-        lines += [f"{'#' * section.level} {section.title}", ""]
+        lines += [f"{'#' * section.level} {markdown_text(section.title)}", ""]
         if section.text:
-            lines += [section.text, ""]
+            lines += [markdown_text(section.text), ""]
         if section.items:
-            lines += [*(f"- {item}" for item in section.items), ""]
+            lines += [*(f"- {markdown_text(item)}" for item in section.items), ""]
         if section.table is not None:
             lines += [_markdown_table(section.table), ""]
         for caption, path in section.images:
             link = path.relative_to(relative_to) if relative_to else path
-            lines += [f"![{caption}]({link.as_posix()})", ""]
+            lines += [f"![{markdown_text(caption)}]({link.as_posix()})", ""]
     return "\n".join(lines)
+
+
+# Characters that would turn a value into markup: a line break (ends a table row or an item), a
+# pipe (ends a table cell), brackets (a link, or an image fetched from anywhere) and `<` (raw
+# HTML, which Markdown viewers render). Each gets CommonMark's backslash escape; the
+# backslash itself first, so that a value's own backslash cannot undo one.
+_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<",
+                                   "\n": " ", "\r": " "})
+
+
+def markdown_text(value: object) -> str:
+    """A value as literal Markdown text, on one line."""
+    return str(value).translate(_MARKDOWN_ESCAPES)
 
 
 def _markdown_table(table: pd.DataFrame) -> str:
     if table.empty:
         return "(none)"
-    # A pipe or a line break inside a cell would end the Markdown cell early.
-    rows = [[str(v).replace("|", "\\|").replace("\n", " ") for v in row] for row in _rows(table)]
+    rows = [[markdown_text(v) for v in row] for row in _rows(table)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(table.columns))]
     lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join(":" + "-" * (width + 1) for width in widths) + "|")

@@ -4,17 +4,20 @@ Layout of a sweep folder (results/<sweep>/):
     matrix.yaml          the matrix as submitted
     manifest.json        cell id -> executor, job id, submit time
     cells/<id>/spec.json the resolved spec of the cell
-    cells/<id>/result.json   written by the cell (record.py)
-    cells/<id>/result.previous.json   the record a rerun (--retry-failed, --force) set aside
+    cells/<id>/result.json   written by the cell (record.py): its current record
+    cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
     slurm/               submitit's scripts and logs
+    .submit.lock         held by the submit running now (lock.py)
 
-A cell is in flight while its job (manifest) is in squeue: never submitted twice, whatever the flags.
+A cell is in flight while its job (manifest) is in squeue: never submitted twice, whatever the flags,
+and never by two submits at once (the lock).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -22,23 +25,41 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, TextIO
+from typing import Iterable, Iterator, TextIO
 
 import yaml
 
 from ..cache.hub import CACHE_ENV
 from .matrix import Cell, Sweep, by_shape
-from ..record import PREVIOUS_RECORD_NAME, RECORD_NAME, SPEC_NAME, RecordError, read_record, write_record
-from ..spec import MAX_REQUEUE_ENV, Resources
+from ..record import (
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    RecordError,
+    RecordState,
+    keep_as_attempt,
+    read_json_object,
+    record_state,
+    restore_attempt,
+    write_record,
+)
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources
+from .interrupts import interrupts_deferred, interrupts_raise
+from .lock import sweep_lock
 
 EXECUTORS = ("slurm", "local", "print")
 MANIFEST_NAME = "manifest.json"
 # Compute nodes never reach the network: the hub clients must read the pre-downloaded cache only.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# sbatch copies the submitting environment into the job; tokens stay on the login node.
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# sbatch copies the submitting environment into the job, and slurmctld keeps that copy: tokens and
+# keys are taken out of the environment sbatch (and the local executor's torchrun) starts with.
+HF_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|API_KEY|SECRET|SECRET_KEY|ACCESS_KEY|PASSWORD)$", re.IGNORECASE)
+# Slurm's final job states that say why a job without a record ended: the status its record gets.
+ENDED_BY = {"CANCELLED": "cancelled", "NODE_FAIL": "node_fail", "TIMEOUT": "timeout"}
 IN_FLIGHT = ("pending", "running")
 STALE = "stale"  # a record made with other values of the cell's fields (a default changed since)
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
@@ -62,6 +83,7 @@ class Submission:
     submitted: list[Cell] = field(default_factory=list)
     in_flight: dict[str, str] = field(default_factory=dict)  # cell id -> job id, still queued or running
     job_ids: dict[str, str] = field(default_factory=dict)  # cell id -> Slurm job id, of the cells queued now
+    outcomes: dict[str, str] = field(default_factory=dict)  # local executor: cell id -> the status it recorded
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ class StatusReport:
     sweep_dir: Path
     cells: list[CellState]
     note: str = ""  # why the scheduler could not be asked, if it could not
+    problems: list[str] = field(default_factory=list)  # one line per corrupt record or manifest
 
     def counts(self) -> Counter:
         return Counter(c.state for c in self.cells)
@@ -105,27 +128,25 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
     return Path(sweep_dir) / "cells" / (cell if isinstance(cell, str) else cell.id)
 
 
+def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
+    """The cell's record as status, submit and collect all read it (record.record_state): its
+    status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
+    record was made with other values of its fields."""
+    state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
+    if (state.record is not None and isinstance(cell, Cell)
+            and _made_with_other_values(state.record["spec"], cell.spec.to_dict())):
+        return state._replace(status=STALE)
+    return state
+
+
 def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
-    """ok / oom / error / timeout / diverged from the record, 'missing' without one, 'corrupt' if unreadable;
-    given a Cell, 'stale' when its record was made with other values of its fields."""
-    path = cell_dir(sweep_dir, cell) / RECORD_NAME
-    if not path.exists():
-        return "missing"
-    try:
-        record = read_record(path)
-    except RecordError:
-        return "corrupt"
-    if isinstance(cell, Cell) and _made_with_other_values(record.get("spec"), cell.spec.to_dict()):
-        return STALE
-    return record["status"]
+    return cell_state(sweep_dir, cell).status
 
 
-def _made_with_other_values(recorded: object, spec: dict) -> bool:
+def _made_with_other_values(recorded: dict, spec: dict) -> bool:
     """A cell id hashes only non-default fields, so a changed default keeps the id: the record then
     holds another value of a field both know. (A field the record lacks is newer than it: its
     default is the behaviour the record was made with.)"""
-    if not isinstance(recorded, dict):  # no spec to tell by
-        return False
     return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys())
 
 
@@ -136,14 +157,19 @@ def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_faile
     By default only cells without a (current) record run; --retry-failed adds oom / error / timeout / diverged /
     corrupt ones, --force every cell. A cell whose job is still queued or running is never chosen.
     """
-    chosen, done, stale = [], [], 0
+    chosen, done, stale, corrupt = [], [], 0, []
     for cell in sweep.cells:
-        status = cell_status(sweep_dir, cell)
-        stale += status == STALE
-        rerun = force or status in ("missing", STALE) or (retry_failed and status != "ok")
+        state = cell_state(sweep_dir, cell)
+        stale += state.status == STALE
+        corrupt += [state.problem] if state.problem else []
+        rerun = force or state.status in (MISSING, STALE) or (retry_failed and state.status != "ok")
         (chosen if rerun else done).append(cell)
     if stale and not force:
         log(f"rerunning {stale} cell(s) whose record was made with other values of their fields (a changed default)")
+    for line in problem_lines(corrupt):
+        log(f"corrupt record: {line}")
+    if corrupt and not (force or retry_failed):
+        log(f"{len(corrupt)} cell(s) with a corrupt record are left as they are (--retry-failed reruns them)")
     jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
     queued = queued_states(jobs.values())
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
@@ -162,6 +188,13 @@ def submit(
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
+    # The lock: from reading which cells are queued to the manifest naming what this submit
+    # queued (for the local executor, to its last cell). Signals end what it started (interrupts.py).
+    with interrupts_raise(), sweep_lock(sweep_dir, log):
+        return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log)
+
+
+def _submit_locked(sweep: Sweep, sweep_dir: Path, executor: str, force: bool, retry_failed: bool, log) -> Submission:
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
     sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, in_flight=flying)
     if done:
@@ -174,14 +207,10 @@ def submit(
         log("nothing to submit")
         return sub
     _write_sweep_files(sweep, sweep_dir, cells)
-    if executor != "print":  # which runs nothing, so the old records stay where they are
-        _set_records_aside(sweep_dir, cells)
+    # The records of rerun cells are kept as attempts just before each array is queued or each
+    # local cell starts (the print executor runs nothing: records stay where they are).
     if executor == "slurm":
-        try:
-            _submit_slurm(sweep, sub, log)
-        except SubmitError:
-            _restore_records(sweep_dir, [c for c in cells if c.id not in sub.job_ids])
-            raise
+        _submit_slurm(sweep, sub, log)
     elif executor == "local":
         _run_local(sweep, sub, log)
     else:
@@ -199,25 +228,24 @@ def _write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> 
         write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name)
 
 
-def _set_records_aside(sweep_dir: Path, cells: Iterable[Cell]) -> None:
-    """A rerun cell's old record becomes result.previous.json: status then reads the new run's
-    state, and the old record is there to compare with, or to restore if sbatch refuses."""
-    for cell in cells:
-        record = cell_dir(sweep_dir, cell) / RECORD_NAME
-        if record.exists():
-            os.replace(record, record.with_name(PREVIOUS_RECORD_NAME))
-
-
-def _restore_records(sweep_dir: Path, cells: Iterable[Cell]) -> None:
-    for cell in cells:
-        previous = cell_dir(sweep_dir, cell) / PREVIOUS_RECORD_NAME
-        if previous.exists():
-            os.replace(previous, previous.with_name(RECORD_NAME))
+@contextmanager
+def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
+    """Keep the cells' current records as attempts (record.keep_as_attempt) for a rerun: status
+    then reads the new run's state. If the block fails or is interrupted (sbatch refused, Ctrl-C,
+    a local run cut short), each earlier record is current again, and whatever the cut-short run
+    recorded is kept as an attempt too."""
+    kept = {cell.id: path for cell in cells if (path := keep_as_attempt(cell_dir(sweep_dir, cell)))}
+    try:
+        yield
+    except BaseException:
+        for cell_id, path in kept.items():
+            restore_attempt(cell_dir(sweep_dir, cell_id), path)
+        raise
 
 
 def _update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     path = sweep_dir / MANIFEST_NAME
-    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest = read_manifest(sweep_dir)
     manifest.update(entries)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -225,8 +253,24 @@ def _update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, dict]:
+    """cell id -> {executor, job_id, submitted_at}; {} before the first submit; RecordError (one
+    line) when the file cannot be read."""
     path = Path(sweep_dir) / MANIFEST_NAME
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
+    except FileNotFoundError:
+        return {}
+    for cell_id, entry in manifest.items():
+        if not isinstance(entry, dict):
+            raise RecordError(f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), "
+                              f"got {type(entry).__name__}")
+    return manifest
+
+
+def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
+    """The first `limit` problems, then how many more there are."""
+    more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
+    return problems[:limit] + more
 
 
 def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
@@ -275,22 +319,28 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     if cell_ids is None:
         cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / SPEC_NAME).is_file())
     cell_ids = list(cell_ids)
-    jobs = slurm_job_ids(sweep_dir, cell_ids)
+    problems = []
+    try:
+        jobs = slurm_job_ids(sweep_dir, cell_ids)
+    except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
+        jobs = {}
+        problems.append(f"{exc}; queued cells show as missing")
     note = ""
     try:
         queued = queued_states(jobs.values())
     except SchedulerError as exc:
         queued, note = {}, f"{exc}; cells still queued show as missing"
-    records = {cid: cell_status(sweep_dir, cid) for cid in cell_ids}
-    unrecorded = [jid for cid, jid in jobs.items() if records[cid] == "missing" and jid not in queued]
+    states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
+    problems += [state.problem for state in states.values() if state.problem]
+    unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_states(unrecorded)
     cells = []
     for cid in cell_ids:
         jid = jobs.get(cid, "")
         slurm = queued.get(jid) or finished.get(jid, "")
-        state = _scheduler_state(queued[jid]) if jid in queued else records[cid]
+        state = _scheduler_state(queued[jid]) if jid in queued else states[cid].status
         cells.append(CellState(cid, _strategy(sweep_dir, cid), state, jid, slurm))
-    return StatusReport(sweep_dir, cells, note)
+    return StatusReport(sweep_dir, cells, note, problems)
 
 
 def _scheduler_state(slurm_state: str) -> str:
@@ -299,9 +349,11 @@ def _scheduler_state(slurm_state: str) -> str:
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
     try:
-        return json.loads((cell_dir(sweep_dir, cell_id) / SPEC_NAME).read_text())["spec"]["strategy"]
-    except (OSError, ValueError, KeyError):
+        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir, kind="cell spec").get("spec")
+    except (FileNotFoundError, RecordError):
         return "?"
+    strategy = spec.get("strategy") if isinstance(spec, dict) else None
+    return strategy if isinstance(strategy, str) else "?"
 
 
 def progress_line(report: StatusReport, width: int = 30) -> str:
@@ -356,33 +408,49 @@ def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = N
 
 def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:
     """submit --wait: watch the cells queued now and those already in flight until none is pending
-    or running, then give each whose job left the queue without a record an `error` record."""
-    waited = [c.id for c in sub.submitted] + list(sub.in_flight)
+    or running, then give each whose job left the queue without a record a record of its own.
+    Ctrl-C, SIGTERM or SIGHUP raise interrupts.Interrupted (the jobs keep running)."""
+    waited = waited_cells(sub)
     if not waited:
         return sweep_status(sub.sweep_dir, [])
-    report = watch(sub.sweep_dir, interval_s, waited)
+    with interrupts_raise():
+        report = watch(sub.sweep_dir, interval_s, waited)
     if report.note:  # the scheduler stopped answering: which cells are lost cannot be known
         return report
     for cell in record_lost_cells(report):
-        log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as error "
-            f"(logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
+        log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as "
+            f"{cell_status(sub.sweep_dir, cell.cell_id)} (logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
     return sweep_status(sub.sweep_dir, waited)
 
 
+def waited_cells(sub: Submission) -> list[str]:
+    """The cells submit --wait waits for: those it queued and those it found in flight."""
+    return [c.id for c in sub.submitted] + list(sub.in_flight)
+
+
+def still_queued(sub: Submission) -> int | None:
+    """How many of the cells submit --wait waited for are still pending or running (None: squeue
+    did not answer)."""
+    report = sweep_status(sub.sweep_dir, waited_cells(sub))
+    return None if report.note else sum(c.state in IN_FLIGHT for c in report.cells)
+
+
 def record_lost_cells(report: StatusReport) -> list[CellState]:
-    """Give each cell whose Slurm job left the queue without a record an `error` record.
+    """Give each cell whose Slurm job left the queue without a record a record of its own.
 
     Such a cell was cancelled, killed with its node, or crashed before training began (a failed
     rendezvous, an import error); its record names the job, the scheduler's final state where
-    accounting tells it, and the tail of every rank's log, so that collect shows why.
+    accounting tells it (CANCELLED, NODE_FAIL and TIMEOUT give the status `cancelled`, `node_fail`
+    and `timeout`; else `error`), and the tail of every rank's log, so that collect shows why.
     """
-    lost = [c for c in report.cells if c.state == "missing" and c.job_id]
+    lost = [c for c in report.cells if c.state == MISSING and c.job_id]
     for cell in lost:
         state = f" ({cell.slurm})" if cell.slurm else ""
         directory = cell_dir(report.sweep_dir, cell.cell_id)
-        spec = json.loads((directory / SPEC_NAME).read_text())["spec"]
+        spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
         logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
-        record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs))
+        record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs),
+                              ENDED_BY.get(cell.slurm, "error"))
     return lost
 
 
@@ -400,7 +468,7 @@ def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
 
 def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
     """A cell that ended before it could write its record still gets one, with its log's tail."""
-    meta = json.loads((directory / SPEC_NAME).read_text())
+    meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
     spec = meta["spec"]
     write_record(directory / RECORD_NAME, {
         "status": status, "stage": "launch", "error": error, "traceback": log_tail,
@@ -416,6 +484,12 @@ def job_environment(sweep: Sweep) -> dict[str, str]:
     if cache:
         env[CACHE_ENV] = os.path.expanduser(cache)
     return env
+
+
+# The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
+# SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
+JOB_END_SETUP = (f'export {JOB_END_ENV}="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e '
+                 '2>/dev/null)"')
 
 
 def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
@@ -434,7 +508,9 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
         cpus_per_task=res.cpus_per_task,
         array_parallelism=res.array_parallelism,
         signal_delay_s=res.signal_delay_s,
-        setup=[*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), f"unset {' '.join(SECRET_ENV)}", *sweep.setup],
+        # The unset is for a script submitted by hand (plan --sbatch): submit's sbatch never has them.
+        setup=[*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), f"unset {' '.join(HF_TOKEN_ENV)}",
+               JOB_END_SETUP, *sweep.setup],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
         srun_args=["--kill-on-bad-exit=1"],
         additional_parameters=additional,
@@ -480,18 +556,38 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
         executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
         executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
         # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
-        try:
-            jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
-        except FailedJobError as exc:
-            reason = " ".join(str(exc).split()) or "no message"
-            raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
-                              f"GPU(s): {reason}") from None
-        entries = {}
-        for cell, job in zip(cells, jobs):
-            sub.job_ids[cell.id] = job.job_id
-            entries[cell.id] = {"executor": "slurm", "job_id": job.job_id, "submitted_at": time.time()}
-        _update_manifest(sub.sweep_dir, entries)
+        # sbatch queues the array and the manifest names it, or neither happens: signals wait until
+        # then (outermost, so that a signal during a queueing that worked restores no record).
+        with interrupts_deferred(), records_set_aside(sub.sweep_dir, cells), secrets_removed():
+            try:
+                jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
+            except FailedJobError as exc:
+                reason = " ".join(str(exc).split()) or "no message"
+                raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
+                                  f"GPU(s): {reason}") from None
+            entries = {}
+            for cell, job in zip(cells, jobs):
+                sub.job_ids[cell.id] = job.job_id
+                entries[cell.id] = {"executor": "slurm", "job_id": job.job_id, "submitted_at": time.time()}
+            _update_manifest(sub.sweep_dir, entries)
         log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+
+
+def is_secret(name: str) -> bool:
+    """An environment variable that holds a token, key or password (HF_TOKEN, WANDB_API_KEY,
+    AWS_SECRET_ACCESS_KEY, ...): it never goes with a cell."""
+    return name in HF_TOKEN_ENV or bool(SECRET_NAME.search(name))
+
+
+@contextmanager
+def secrets_removed() -> Iterator[None]:
+    """Take tokens out of os.environ while sbatch runs: submitit starts it with this process's
+    environment, and sbatch hands that to the job and to slurmctld's saved copy of it."""
+    removed = {name: os.environ.pop(name) for name in list(os.environ) if is_secret(name)}
+    try:
+        yield
+    finally:
+        os.environ.update(removed)
 
 
 def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
@@ -507,16 +603,20 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]
 
 
 def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
-    """One runnable shell line for the cell: its environment, then torchrun."""
+    """One runnable shell line for the cell: `env` without the tokens of the shell it runs in
+    (the Hugging Face ones always, and any other set here), the cell's environment, then torchrun."""
+    unset = dict.fromkeys([*HF_TOKEN_ENV, *sorted(name for name in os.environ if is_secret(name))])
     env = [f"{k}={shlex.quote(v)}" for k, v in job_environment(sweep).items()]
     args = torchrun_command(cell_dir(sweep_dir, cell).absolute(), cell.spec.gpus_per_node, cell.spec.nodes)
-    return " ".join([*env, *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)])
+    return " ".join(["env", *(f"-u {shlex.quote(name)}" for name in unset), *env,
+                     *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)])
 
 
 def _run_local(sweep: Sweep, sub: Submission, log) -> None:
     """One cell at a time on this machine, each as a torchrun with the cell's world size, within
-    the sweep's time limit as under Slurm."""
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV} | job_environment(sweep)
+    the sweep's time limit as under Slurm. Interrupted (Ctrl-C, SIGTERM, SIGHUP): the running
+    cell's processes are ended, and its earlier record is current again."""
+    env = {k: v for k, v in os.environ.items() if not is_secret(k)} | job_environment(sweep)
     limit_s = sweep.resources.time_min * 60
     for index, cell in enumerate(sub.submitted, 1):
         directory = cell_dir(sub.sweep_dir, cell)
@@ -524,15 +624,18 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
             log(f"note: {cell.id} asks for {cell.spec.nodes} nodes; the local executor runs its {cell.spec.world_size} ranks on this machine")
         log(f"[{index}/{len(sub.submitted)}] {cell.id} ({cell.spec.world_size} process(es))")
         _update_manifest(sub.sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
-        with open(directory / "log.txt", "w") as out:
+        with records_set_aside(sub.sweep_dir, [cell]), open(directory / "log.txt", "w") as out:
+            # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
+            limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
             proc = subprocess.Popen(torchrun_command(directory, cell.spec.world_size), stdout=out,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=env | limits, start_new_session=True)
             returncode = _wait_within(proc, limit_s)
         status = cell_status(sub.sweep_dir, cell)
-        if status == "missing":
+        sub.outcomes[cell.id] = status
+        if status == MISSING:
             timed_out = returncode is None
             ended = f"was killed at the {sweep.resources.time_min} min time limit" if timed_out else f"exited {returncode}"
-            status = "timeout" if timed_out else "error"
+            status = sub.outcomes[cell.id] = "timeout" if timed_out else "error"
             record_launch_failure(directory, f"torchrun {ended} without a record",
                                   _log_tails([directory / "log.txt"], chars=4000), status=status)
             status += f" ({ended} without a record; see {directory / 'log.txt'})"
@@ -540,10 +643,11 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
 
 
 def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
-    """The cell's exit status; None when it reached its time limit. Then, as Slurm does, every
-    process of the cell (torchrun and its ranks: one session) gets SIGTERM, which each rank
-    records as `timeout`, and SIGKILL after grace_s. Ctrl-C ends the cell the same way (its own
-    session no longer gets the terminal's SIGINT)."""
+    """The cell's exit status; None when it reached its time limit. Then, as Slurm does, the cell
+    gets SIGTERM (torchrun passes it to each rank, which records `timeout`: the time limit's end
+    has come), and SIGKILL after grace_s. An interrupt of submit (Ctrl-C, SIGTERM, SIGHUP: its
+    own session no longer gets the terminal's signals) ends the cell the same way, before its end
+    time, so that each rank records `cancelled`."""
     try:
         return proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
@@ -555,9 +659,55 @@ def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_
 
 
 def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to torchrun's session, which passes it on to the ranks; SIGKILL after grace_s, or
+    at once on a second interrupt, to torchrun and to every process that was under it (the ranks
+    run in sessions of their own, and outlive a killed torchrun)."""
+    under = processes_under(proc.pid)  # now: once torchrun has ended, its ranks are no longer under it
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+        under |= processes_under(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _kill_survivors(under)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+    _kill_survivors(under)
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from /proc (Linux)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def processes_under(pid: int) -> dict[int, str]:
+    """The processes under pid (children, theirs, ...): pid -> start time, which tells a process
+    from a later one that reuses its pid."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
+def _kill_survivors(processes: dict[int, str]) -> None:
+    table = _proc_table()
+    for pid, started in processes.items():
+        if pid in table and table[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
