@@ -24,7 +24,7 @@ StrategyName = Literal[
     "fsdp2_zero3", "fsdp2_zero2", "fsdp2_hsdp",
 ]
 Family = Literal["ddp", "fsdp1", "fsdp2"]
-Checkpointing = Literal["none", "full", "selective"]
+Checkpointing = Literal["none", "full", "selective", "op"]
 Precision = Literal["fp32", "bf16_mixed", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
 AdamWImpl = Literal["plain", "foreach", "fused"]
@@ -33,6 +33,9 @@ BackwardPrefetch = Literal["pre", "post", "none"]
 WrapPolicy = Literal["layer", "size", "none"]
 ReduceDtype = Literal["fp32", "bf16"]
 Kernels = Literal["none", "liger"]
+Attention = Literal["sdpa", "cudnn", "flash", "efficient"]
+Loss = Literal["default", "cce", "liger"]
+Float8 = Literal["none", "tensorwise", "rowwise"]
 Init = Literal["random", "pretrained"]
 GpuRequest = Literal["gres", "gpus_per_node", "none"]
 
@@ -141,11 +144,14 @@ class RunSpec:
     global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
     sync_every_microbatch: bool = False
     # compute
-    activation_checkpointing: Checkpointing = "none"
+    activation_checkpointing: Checkpointing = "none"  # full | selective (every k-th layer) | op (op-level policy)
     checkpoint_every: int = 2  # for selective: checkpoint every k-th decoder layer
     precision: Precision = "bf16_mixed"
     compile: bool = False
-    kernels: Kernels = "none"  # liger: Liger's fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (GPU)
+    kernels: Kernels = "none"  # liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`
+    attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: only that one (GPU)
+    loss: Loss = "default"  # the model's own; cce (cut-cross-entropy) | liger (GPU): fused, no logits in memory
+    float8: Float8 = "none"  # tensorwise | rowwise: torchao float8 matmuls in the decoder layers (GPU, SM89+)
     expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
     adamw_impl: AdamWImpl = "foreach"
     lr: float = 1e-4
@@ -242,6 +248,7 @@ class RunSpec:
             raise SpecError(where, "strategy", f"{self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy")
         if self.kernels == "liger" and self.device == "cpu":
             raise SpecError(where, "kernels", "liger needs a GPU (Triton kernels); use kernels: none on CPU")
+        self._check_levers(where)
         if self.cpu_offload and self.strategy == "ddp":
             raise SpecError(where, "cpu_offload", "DDP has no CPU offload; use an fsdp1_* or fsdp2_* strategy")
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
@@ -269,6 +276,21 @@ class RunSpec:
             raise SpecError(where, "meta_init", "applies to init: random only (pretrained weights are loaded whole, then sharded)")
         if self.meta_init and self.optimizer_order != "after_shard":
             raise SpecError(where, "meta_init", f"needs optimizer_order: after_shard, got {self.optimizer_order}")
+
+    def _check_levers(self, where: str) -> None:
+        """The levers of docs/levers.md that cannot run where the cell runs."""
+        if self.device == "cpu":
+            if self.attention != "sdpa":
+                raise SpecError(where, "attention", f"{self.attention} is a CUDA SDPA backend; use attention: sdpa on CPU")
+            if self.loss == "liger":
+                raise SpecError(where, "loss", "liger needs a GPU (Triton kernels); use loss: default or cce on CPU")
+            if self.float8 != "none":
+                raise SpecError(where, "float8", f"{self.float8} needs a GPU with float8 tensor cores (SM89+: "
+                                "Ada, Hopper or newer); use float8: none on CPU")
+        if self.float8 != "none" and self.family == "fsdp1":
+            raise SpecError(where, "float8", f"supported with ddp and fsdp2_* strategies, got {self.strategy}")
+        if self.float8 != "none" and self.cpu_offload:
+            raise SpecError(where, "float8", "not with cpu_offload (the float8 casts would run on the CPU)")
 
     def _check_model(self, where: str) -> None:
         kind = model_kind(self.model)

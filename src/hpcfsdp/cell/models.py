@@ -158,12 +158,12 @@ def _retie(model: PreTrainedModel) -> None:
 
 
 def apply_liger_kernels(model: nn.Module) -> None:
-    """Swap in Liger's Triton kernels; the fused linear cross-entropy never materialises the logits."""
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError as exc:
-        raise RuntimeError("kernels: liger needs the liger-kernel package (pip install 'hpcfsdp[liger]')") from exc
-    _apply_liger_kernel_to_instance(model=model)
+    """Swap in Liger's Triton kernels for RMSNorm, SwiGLU and RoPE. Its fused linear cross-entropy
+    is `loss: liger` (levers.py), so the loss is chosen in one place only."""
+    from .levers import require
+
+    liger = require("liger_kernel.transformers", "kernels: liger")
+    liger._apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False, cross_entropy=False)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

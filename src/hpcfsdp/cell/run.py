@@ -24,6 +24,7 @@ import transformers
 from .. import __version__
 from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
+from .levers import check_device, float8_linear_count, install_loss
 from .metrics import (
     NvmlSampler,
     communication_breakdown,
@@ -136,6 +137,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
             f"world size {env.world_size} does not match the spec's nodes x gpus_per_node = "
             f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
         )
+    check_device(spec, env.device)
     if spec.memory_snapshot and env.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     enter("data")
@@ -147,6 +149,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if spec.meta_init and spec.family != "fsdp2":
         materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
     check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
+    install_loss(model, spec, env.device)
     flops = flops_per_token(model, spec.seq_len)
     vocab_size = model.config.vocab_size
     memory = {"after_model": memory_reading(env.device)}
@@ -183,6 +186,8 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
                   optimizer_tracks_model=optimizer_tracks_model, model_source=source.provenance,
                   data_source=blocks.provenance if blocks else {"kind": "synthetic"})
+    if spec.float8 != "none":
+        record["float8_linears"] = float8_linear_count(model)
     if sampler is not None:
         record.update(_gpu_utilisation(sampler.summary(), env))
     if spec.comm_profile_steps:

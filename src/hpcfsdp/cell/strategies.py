@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed import DistEnv, build_mesh
+from .levers import convert_float8, op_checkpoint_context
 from .models import decoder_layers
 from ..spec import Family, RunSpec
 
@@ -23,14 +24,18 @@ Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 
 
 def apply_activation_checkpointing(model: nn.Module, spec: RunSpec) -> None:
-    """Wrap decoder layers in non-reentrant checkpointing: all of them, or every k-th (selective)."""
+    """Wrap decoder layers in non-reentrant checkpointing: all of them (full), every k-th
+    (selective), or all of them with an op-level policy that keeps some outputs (op)."""
     if spec.activation_checkpointing == "none":
         return
-    every = 1 if spec.activation_checkpointing == "full" else spec.checkpoint_every
+    every = spec.checkpoint_every if spec.activation_checkpointing == "selective" else 1
+    wrap = checkpoint_wrapper
+    if spec.activation_checkpointing == "op":
+        wrap = functools.partial(checkpoint_wrapper, context_fn=op_checkpoint_context)
     layers = decoder_layers(model)
     for index in range(len(layers)):
         if index % every == 0:
-            layers[index] = checkpoint_wrapper(layers[index])
+            layers[index] = wrap(layers[index])
 
 
 def apply_compile(model: nn.Module, spec: RunSpec) -> None:
@@ -113,6 +118,7 @@ WRAPPERS: dict[Family, Strategy] = {"ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2}
 
 
 def parallelize(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    convert_float8(model, spec)
     apply_activation_checkpointing(model, spec)
     apply_compile(model, spec)
     return WRAPPERS[spec.family](model, spec, env)

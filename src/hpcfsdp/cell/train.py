@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import DistEnv
+from .levers import add_float8_scale_hook, attention_backend
 from ..spec import RunSpec
 from .strategies import autocast, gradient_sync
 
@@ -40,7 +41,9 @@ class Diverged(RuntimeError):
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     impl = {"plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl])
+    add_float8_scale_hook(optimizer, model, spec)
+    return optimizer
 
 
 def train(
@@ -76,7 +79,8 @@ def train(
             fetch_started = time.perf_counter()
             tokens = next(batches)
             data_time += time.perf_counter() - fetch_started
-            with gradient_sync(model, spec, enabled=micro == spec.grad_accum - 1), autocast(spec, env.device):
+            with (gradient_sync(model, spec, enabled=micro == spec.grad_accum - 1), autocast(spec, env.device),
+                  attention_backend(spec)):
                 loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()
