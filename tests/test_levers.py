@@ -1,0 +1,136 @@
+"""The performance levers (docs/levers.md): attention backend, loss, float8, op-level checkpointing.
+
+Validation and recording everywhere; on the CPU the levers that can run there train the same model
+as the defaults: cut-cross-entropy (its torch.compile implementation) and op-level selective
+activation checkpointing. The GPU-only ones are refused with one line, at plan time or, when
+`device: auto` finds no GPU, in the cell's record.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpcfsdp.cli import main
+from hpcfsdp.levers import install_loss, require
+from hpcfsdp.matrix import cell_id, load_sweep
+from hpcfsdp.models import build_model, resolve_model
+from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.strategies import apply_activation_checkpointing
+
+from conftest import run_torchrun_cell
+from test_equivalence import assert_same_training
+
+CPU = {"device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"attention": "flashy"}, "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)"),
+        ({"loss": "fused"}, "loss: expected one of default, cce, liger; got 'fused'"),
+        ({"float8": "rowwize"}, "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)"),
+        ({"activation_checkpointing": "ops"}, "activation_checkpointing: expected one of none, full, selective, op; got 'ops'"),
+        ({**CPU, "attention": "cudnn"}, "attention: cudnn is a CUDA SDPA backend; use attention: sdpa on CPU"),
+        ({**CPU, "attention": "flash"}, "attention: flash is a CUDA SDPA backend"),
+        ({**CPU, "loss": "liger"}, "loss: liger needs a GPU (Triton kernels); use loss: default or cce on CPU"),
+        ({**CPU, "float8": "tensorwise"}, "float8: tensorwise needs a GPU with float8 tensor cores (SM89+"),
+        ({"float8": "rowwise", "strategy": "fsdp1_full_shard", "device": "cuda"},
+         "float8: supported with ddp and fsdp2_* strategies, got fsdp1_full_shard"),
+        ({"float8": "tensorwise", "cpu_offload": True}, "float8: not with cpu_offload"),
+    ],
+)
+def test_a_bad_or_impossible_lever_is_refused_in_one_line(fields, message):
+    with pytest.raises(SpecError) as error:
+        RunSpec.from_dict(fields, where="jobs.yaml")
+    assert message in str(error.value) and str(error.value).startswith("jobs.yaml: ")
+    assert "\n" not in str(error.value)
+
+
+def test_plan_refuses_a_gpu_lever_on_cpu_naming_file_and_key(tmp_path, capsys):
+    path = tmp_path / "jobs.yaml"
+    path.write_text("base: {device: cpu}\nmatrix:\n  float8: [none, tensorwise]\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and "float8: tensorwise needs a GPU" in err
+
+
+def test_the_levers_are_yaml_axes_and_their_defaults_keep_todays_cell_ids(tmp_path):
+    path = tmp_path / "jobs.yaml"
+    path.write_text("base: {device: cpu}\nmatrix:\n  loss: [default, cce]\n  activation_checkpointing: [none, op]\n")
+    cells = load_sweep(path).cells
+    assert {(c.spec.loss, c.spec.activation_checkpointing) for c in cells} == {
+        ("default", "none"), ("default", "op"), ("cce", "none"), ("cce", "op")}
+    plain = next(c for c in cells if c.spec.loss == "default" and c.spec.activation_checkpointing == "none")
+    assert plain.id == cell_id(RunSpec(device="cpu"))
+    assert (plain.spec.attention, plain.spec.float8) == ("sdpa", "none")
+
+
+def test_a_missing_package_is_one_line_naming_the_extra():
+    with pytest.raises(RuntimeError) as error:
+        require("cut_cross_entropy.not_a_module", "loss: cce")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("loss: cce needs the cut-cross-entropy package") and "pip install 'hpcfsdp[gpu]'" in message
+
+
+def _tiny_backward(**fields) -> tuple[float, float, torch.Tensor]:
+    """Loss, backward FLOPs and the embedding's gradient of one step of the tiny model (fp32, CPU)."""
+    spec = RunSpec(device="cpu", precision="fp32", **fields)
+    model = build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), seed=0)
+    install_loss(model, spec, torch.device("cpu"))
+    apply_activation_checkpointing(model, spec)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    with FlopCounterMode(display=False) as flops:
+        loss.backward()
+    return loss.item(), flops.get_total_flops(), model.get_input_embeddings().weight.grad
+
+
+def test_op_checkpointing_recomputes_part_of_the_forward_and_changes_no_gradient():
+    """Backward FLOPs count what is recomputed: none < op (every other matmul) < full (all of it)."""
+    loss_none, flops_none, grad_none = _tiny_backward()
+    loss_op, flops_op, grad_op = _tiny_backward(activation_checkpointing="op")
+    _, flops_full, _ = _tiny_backward(activation_checkpointing="full")
+    assert flops_none < flops_op < flops_full
+    assert loss_op == loss_none
+    torch.testing.assert_close(grad_op, grad_none, rtol=0, atol=0)
+
+
+def test_cut_cross_entropy_gives_the_models_own_loss_and_gradient_on_cpu():
+    loss_default, _, grad_default = _tiny_backward()
+    loss_cce, _, grad_cce = _tiny_backward(loss="cce")
+    assert loss_cce == pytest.approx(loss_default, rel=1e-6)
+    torch.testing.assert_close(grad_cce, grad_default, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def zero2_default(tmp_path_factory):
+    return run_torchrun_cell(tmp_path_factory.mktemp("zero2"), 2, strategy="fsdp2_zero2", record_param_norm=True)
+
+
+def test_op_checkpointing_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op", record_param_norm=True)
+    assert record["spec"]["activation_checkpointing"] == "op"
+    assert_same_training(zero2_default, record)
+
+
+def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
+    """The replaced forward still runs FSDP2's root hooks: the tied LM head is gathered for the
+    loss and its gradient reduced, so the parameters end where the model's own loss takes them."""
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", loss="cce", record_param_norm=True)
+    assert record["spec"]["loss"] == "cce"
+    assert (record["spec"]["attention"], record["spec"]["float8"]) == ("sdpa", "none") and "float8_linears" not in record
+    assert_same_training(zero2_default, record)
+    assert zero2_default["losses"][0] != zero2_default["losses"][-1]
+
+
+def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):
+    """device: auto passes plan; the cell finds no GPU and says so in its record."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    record = run_torchrun_cell(tmp_path, 2, device="auto", loss="liger", attention="cudnn")
+    assert record["status"] == "error" and record["stage"] == "setup"
+    assert record["error"] == "RuntimeError: attention: cudnn, loss: liger need a GPU, and this run is on cpu"
+    assert record["spec"]["loss"] == "liger"
