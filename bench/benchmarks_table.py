@@ -23,6 +23,10 @@ PERF_COLUMNS = {
     "seq_len": "seq",
     "compile": "compile",
     "kernels": "kernels",
+    "attention": "attention",
+    "loss": "loss",
+    "float8": "float8",
+    "activation_checkpointing": "AC",
     "adamw_impl": "AdamW",
     "status": "status",
     "tokens_per_s_per_gpu": "tokens/s/GPU",
@@ -53,6 +57,11 @@ def perf_table(frame: pd.DataFrame) -> pd.DataFrame:
     table["tokens/s/GPU"] = table["tokens/s/GPU"].map(lambda v: "-" if pd.isna(v) else f"{v:,.0f}")
     for column in [c for c in ("MFU", "exposed comm") if c in table]:
         table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{100 * float(v):.1f}%")
+    # Lever columns only where some cell sets the lever, so tables of older records stay as quoted.
+    lever_defaults = {"attention": "sdpa", "loss": "default", "float8": "none", "AC": "none"}
+    table = table.drop(columns=[c for c, d in lever_defaults.items() if c in table and (table[c].fillna(d) == d).all()])
+    if "float8" in table:
+        table = table.rename(columns={"MFU": "MFU (bf16 peak)"})  # float8 cells too: one scale (docs/metrics.md)
     order = [c for c in ("sweep", "model", "strategy", "compile", "kernels", "seq", "batch") if c in table]
     return table.sort_values(order)
 
