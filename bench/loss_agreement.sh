@@ -7,19 +7,21 @@
 #   bash bench/loss_agreement.sh               # on a GPU machine, from the repository root
 #   SMOKE=1 bash bench/loss_agreement.sh       # tiny model, CPU: tests the script
 #
-# The variants run one per GPU (1 process each, FSDP2 on a one-rank mesh: the float8 casts, the
-# float8 all-gather path and the scale precomputation run as with more ranks, and the numerics do
-# not depend on the number of ranks), as many at a time as there are GPUs. Writes under $OUT
-# (default ./bench-out): loss_agreement.md (the table), loss_agreement.csv (every step's loss per
-# variant), loss_agreement.tar.gz (logs, records, machine.txt, the data manifest). Prints the
-# table last. Starts no run after BUDGET_S seconds (default 210); each run is cut at RUN_TIMEOUT_S.
+# Every variant is one process on one GPU (FSDP2 on a one-rank mesh: the float8 casts, the float8
+# all-gather path and the scale precomputation run as with more ranks, and the numerics do not
+# depend on the number of ranks). All variants run at once, spread over the GPUs (variant i on GPU
+# i % GPUS; a few tens of GiB each at the default shape, so 3 share an H200): their compilations
+# overlap, and their speed is not measured. Writes under $OUT (default ./bench-out):
+# loss_agreement.md (the table), loss_agreement.csv (every step's loss per variant) and
+# loss_agreement.tar.gz (logs, records, machine.txt, the data manifest). Prints the table last.
+# Each run is cut at RUN_TIMEOUT_S (default 240).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 started=$SECONDS
 
 # ---- what is compared (edit here) ---------------------------------------------------------------
-# name and the RunSpec fields that make the variant; the first is the reference.
+# A name, then the RunSpec fields that make the variant; the first is the reference.
 VARIANTS=(
   "bf16 float8=none loss=default"
   "float8_tensorwise float8=tensorwise loss=default"
@@ -29,14 +31,13 @@ VARIANTS=(
 )
 COMMON=(
   model=qwen2.5-1.5b device=cuda precision=bf16 strategy=fsdp2_zero2 compile=true adamw_impl=fused
-  seq_len=2048 batch_size=2 lr=1e-4 seed=0
+  seq_len=2048 batch_size=2 lr=1e-4 seed=0 expandable_segments=true
 )
 STEPS=${STEPS:-300}
 LAST=${LAST:-50}            # the steps compared
 TOLERANCE=${TOLERANCE:-0.01}
-BUDGET_S=${BUDGET_S:-210}   # no run is started after this many seconds
-RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}
-SLOTS=${SLOTS:-}            # runs at a time, one per GPU (default: the number of GPUs)
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-240}
+GPUS=${GPUS:-}              # GPUs to spread the variants over (default: all that nvidia-smi lists)
 # -------------------------------------------------------------------------------------------------
 
 if [[ "${SMOKE:-0}" == 1 ]]; then  # the same script on the CPU with the tiny model
@@ -45,7 +46,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # the same script on the CPU with the tiny mo
     src/hpcfsdp/presets/tiny.json "$tiny/config.json"
   VARIANTS=("fp32 loss=default" "cce loss=cce")
   COMMON=(model="$tiny" device=cpu precision=fp32 strategy=fsdp2_zero2 seq_len=64 batch_size=2 lr=1e-3 seed=0)
-  STEPS=${SMOKE_STEPS:-30} LAST=10 SLOTS=2
+  STEPS=${SMOKE_STEPS:-30} LAST=10 GPUS=1
   export OMP_NUM_THREADS=1
 fi
 
@@ -63,43 +64,32 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # wheels carried to a machine witho
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH="/tmp/site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
-if [[ -z "$SLOTS" ]]; then
-  SLOTS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
-  (( SLOTS > 0 )) || SLOTS=1
+if [[ -z "$GPUS" ]]; then
+  GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+  (( GPUS > 0 )) || GPUS=1
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
-  python3 -c 'import torchao; print("torchao", torchao.__version__)' 2>/dev/null
-  python3 -c 'import cut_cross_entropy as c; print("cut-cross-entropy", c.__version__)' 2>/dev/null
+  python3 bench/versions.py
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; date -u
-  printf '%s\n' "COMMON: ${COMMON[*]}" "STEPS=$STEPS LAST=$LAST TOLERANCE=$TOLERANCE SLOTS=$SLOTS"
+  printf '%s\n' "COMMON: ${COMMON[*]}" "STEPS=$STEPS LAST=$LAST TOLERANCE=$TOLERANCE GPUS=$GPUS"
 } > "$work/machine.txt"
 cp "$data/manifest.json" "$work/data_manifest.json" 2>/dev/null
 
-run_variant() {  # run_variant SLOT NAME FIELDS...: one cell on the slot's GPU
-  local slot=$1 name=$2; shift 2
-  local elapsed=$(( SECONDS - started ))
-  if (( elapsed >= BUDGET_S )); then
-    echo "[loss] $name: not started, ${elapsed}s of the ${BUDGET_S}s budget spent" | tee -a "$work/skipped.txt"
-    return
-  fi
-  echo "[loss] $(date -u +%T) $name on slot $slot (at ${elapsed}s)"
-  CUDA_VISIBLE_DEVICES=$slot timeout --kill-after=10 "$RUN_TIMEOUT_S" \
+run_variant() {  # run_variant GPU NAME FIELDS...: one cell, one process on that GPU
+  local gpu=$1 name=$2; shift 2
+  echo "[loss] $(date -u +%T) $name on GPU $gpu"
+  CUDA_VISIBLE_DEVICES=$gpu timeout --kill-after=10 "$RUN_TIMEOUT_S" \
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m hpcfsdp run \
     --results-dir "$work/suite" --sweep "$name" "${COMMON[@]}" "$@" \
     data="$data/loss_text" tokenizer="$data/tokenizer" steps="$STEPS" warmup_steps=5 \
     nvml=false comm_profile_steps=0 > "$work/logs/$name.log" 2>&1 \
     || echo "[loss] $name: exit $? (log: logs/$name.log)" | tee -a "$work/failed.txt"
+  echo "[loss] $(date -u +%T) $name done"
 }
 
-# Variant i runs on slot i % SLOTS; each slot runs its variants one after another.
-for (( slot = 0; slot < SLOTS; slot++ )); do
-  (
-    for (( i = slot; i < ${#VARIANTS[@]}; i += SLOTS )); do
-      # shellcheck disable=SC2086
-      run_variant "$slot" ${VARIANTS[$i]}
-    done
-  ) &
+for (( i = 0; i < ${#VARIANTS[@]}; i++ )); do
+  # shellcheck disable=SC2086
+  run_variant $(( i % GPUS )) ${VARIANTS[$i]} &
 done
 wait
 
@@ -121,19 +111,21 @@ print("step," + ",".join(losses), file=sys.stderr)
 for step in range(steps):
     print(f"{step + 1}," + ",".join(f"{v[step]:.6f}" if step < len(v) else "" for v in losses.values()), file=sys.stderr)
 
+
 def tail_mean(values):
     return sum(values[-last:]) / len(values[-last:])
 
+
 ref = losses.get(reference)
-header = ["variant", "float8", "loss", "first loss", f"mean loss, last {last} steps",
-          f"relative to {reference}", f"max step deviation, last {last}", f"within {tolerance:.0%}", "tok/s/GPU", "peak GiB"]
+header = ["variant", "float8", "loss", "first loss", f"mean loss, last {last} steps", f"relative to {reference}",
+          f"largest step deviation, last {last}", f"within {tolerance:.0%}", "peak GiB"]
 print("| " + " | ".join(header) + " |")
 print("|" + "---|" * len(header))
 for name in names:
     record = records[name]
     if not record or record.get("status") != "ok":
-        why = record.get("error", "")[:80] if record else "no record"
-        print(f"| {name} | | | | | | | no ({why}) | | |")
+        why = (record.get("error") or "")[:80] if record else "no record"
+        print(f"| {name} | | | | | | | no ({why}) | |")
         continue
     values, spec = record["losses"], record["spec"]
     row = [name, spec["float8"], spec["loss"], f"{values[0]:.4f}", f"{tail_mean(values):.4f}"]
@@ -143,18 +135,17 @@ for name in names:
         row += [f"{rel:+.3%}", f"{step_dev:.2%}", "yes" if abs(rel) <= tolerance else "NO"]
     else:
         row += ["reference" if name == reference else "-", "-", "-"]
-    row += [f"{record['tokens_per_s_per_gpu']:,.0f}", f"{record['peak_memory_gib']:.1f}"]
+    row.append(f"{record['peak_memory_gib']:.1f}")
     print("| " + " | ".join(row) + " |")
 print()
-first = next(iter(records.values()), None) or {}
-source = first.get("data_source", {})
-print(f"{first.get('spec', {}).get('model', '?')}, seq {first.get('spec', {}).get('seq_len', '?')}, "
-      f"batch {first.get('spec', {}).get('batch_size', '?')} x {first.get('world_size', '?')} rank(s), "
-      f"{steps} steps, lr {first.get('spec', {}).get('lr', '?')}; text: {source.get('documents', '?')} documents, "
-      f"{source.get('tokens', '?')} tokens in {source.get('blocks', '?')} blocks (bench/make_text_data.py).")
-for name in ("skipped.txt", "failed.txt"):
-    if (work / name).exists():
-        print(f"{name[:-4]}: " + "; ".join((work / name).read_text().split("\n")).strip("; "))
+first = next((r for r in records.values() if r), None) or {}
+spec, source = first.get("spec", {}), first.get("data_source", {})
+print(f"{spec.get('model', '?')}, {spec.get('precision', '?')}, seq {spec.get('seq_len', '?')}, batch "
+      f"{spec.get('batch_size', '?')} x {first.get('world_size', '?')} rank(s), {steps} steps, lr {spec.get('lr', '?')}; "
+      f"text: {source.get('documents', '?')} documents, {source.get('tokens', '?')} tokens in "
+      f"{source.get('blocks', '?')} blocks (bench/make_text_data.py). Runs shared GPUs: no speeds.")
+if (work / "failed.txt").exists():
+    print("failed: " + "; ".join((work / "failed.txt").read_text().split("\n")).strip("; "))
 EOF
 cp "$work/loss_agreement.md" "$work/loss_agreement.csv" "$out/"
 tar -czf "$out/loss_agreement.tar.gz" -C "$work" .

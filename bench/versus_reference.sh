@@ -61,9 +61,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # wheels carried to a machine witho
 fi
 export PYTHONPATH="/tmp/site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'
-  python3 -c 'import torchao; print("torchao", torchao.__version__)' 2>/dev/null
-  python3 -c 'import cut_cross_entropy as c; print("cut-cross-entropy", c.__version__)' 2>/dev/null
+  python3 bench/versions.py
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; date -u
 } > "$work/machine.txt"
 printf '%s\n' "SUITE: ${SUITE[*]}" "REFERENCE: ${REFERENCE[*]}" "CASES: ${CASES[*]}" \
@@ -94,12 +92,12 @@ for repeat in $(seq 1 "$REPEATS"); do
   done
 done
 
-python3 - "$work" "$PEAK_TFLOPS" > "$work/versus_reference.md" <<'EOF'
+python3 - "$work" "$PEAK_TFLOPS" "${SUITE[*]}" "${REFERENCE[*]}" > "$work/versus_reference.md" <<'EOF'
 """Medians per shape over the repeats: reference (REFERENCE_RESULT lines) and suite (records)."""
 import json, re, statistics, sys
 from pathlib import Path
 
-work, peak = Path(sys.argv[1]), float(sys.argv[2])
+work, peak, suite_fields, reference_flags = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
 runs = {}  # (seq, side) -> list of dicts
 for log in sorted((work / "logs").glob("reference-*.log")):
     seq = int(re.search(r"-s(\d+)-", log.name).group(1))
@@ -110,8 +108,7 @@ for path in sorted((work / "suite").glob("*/cells/*/result.json")):
     record = json.loads(path.read_text())
     if record.get("status") == "ok":
         runs.setdefault((record["spec"]["seq_len"], "suite"), []).append(record)
-suite_spec = next((r[0]["spec"] for (s, side), r in runs.items() if side == "suite"), {})
-float8 = suite_spec.get("float8", "none") != "none"
+float8 = not re.search(r"\bfloat8=none\b", suite_fields) and "float8=" in suite_fields
 mfu_label = "MFU (bf16 peak; the suite's matmuls run in float8)" if float8 else "MFU (bf16 peak)"
 rows = []
 for seq in sorted({s for s, _ in runs}):
@@ -140,7 +137,8 @@ print("|" + "---|" * len(header))
 for row in rows:
     print("| " + " | ".join(row) + " |")
 print()
-print(f"Suite: {' '.join(f'{k}={v}' for k, v in suite_spec.items() if k in ('strategy', 'precision', 'compile', 'adamw_impl', 'float8', 'loss', 'attention', 'activation_checkpointing', 'prefetch_depth', 'reduce_dtype'))}.")
+print(f"Suite: `hpcfsdp run {suite_fields}` (+ seq_len, batch_size). Reference: `bench/reference_loop.py {reference_flags}` "
+      "(per-layer fully_shard and torch.compile, ZeRO-2, fused AdamW, the model's own loss).")
 print(f"MFU: tokens/s/GPU x FLOPs per token (6 x non-embedding params + 12 x layers x hidden x seq + "
       f"6 x vocab x hidden for the tied LM head) / {peak} TFLOP/s (dense bf16 peak).")
 for name in ("skipped.txt", "failed.txt"):
