@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from hpcfsdp.cell.levers import install_loss, require
+from hpcfsdp.cell.models import build_model, resolve_model
+from hpcfsdp.cell.strategies import apply_activation_checkpointing
 from hpcfsdp.cli import main
-from hpcfsdp.levers import install_loss, require
-from hpcfsdp.matrix import cell_id, load_sweep
-from hpcfsdp.models import build_model, resolve_model
 from hpcfsdp.spec import RunSpec, SpecError
-from hpcfsdp.strategies import apply_activation_checkpointing
+from hpcfsdp.sweep.matrix import cell_id, load_sweep
 
 from conftest import run_torchrun_cell
 from test_equivalence import assert_same_training
