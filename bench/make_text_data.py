@@ -45,7 +45,7 @@ def python_files() -> list[Path]:
 
 
 def read_text(path: Path) -> str:
-    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     return raw.decode("utf-8", errors="ignore")
 
 

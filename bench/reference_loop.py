@@ -37,7 +37,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12, help="timed steps after the warm-up")
     parser.add_argument("--precision", choices=("bf16", "bf16_mixed"), default="bf16",
-                        help="bf16: parameters stored in bf16; bf16_mixed: fp32 parameters, bf16 compute, fp32 gradient reduction")
+                        help="bf16: parameters stored in bf16; "
+                             "bf16_mixed: fp32 parameters, bf16 compute, fp32 gradient reduction")
     parser.add_argument("--zero3", action="store_true", help="reshard after forward (default: ZeRO-2, keep gathered)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -95,7 +96,8 @@ def main() -> None:
     slowest = torch.tensor(step_times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
     step_time = statistics.median(slowest.tolist())
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0], device=device)
+    on_gpu = device.type == "cuda"
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else 0.0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         result = {
@@ -104,7 +106,7 @@ def main() -> None:
             "seq_len": args.seq_len, "batch_size": args.batch_size, "world_size": world, "precision": args.precision,
             "zero3": args.zero3, "compile": not args.no_compile, "warmup": args.warmup, "timed_steps": args.steps,
             "peak_memory_gib": peak.item(), "first_loss": losses[0], "last_loss": losses[-1],
-            "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         }
         print("REFERENCE_RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ import importlib
 for name in ("torch", "transformers", "torchao", "cut_cross_entropy", "liger_kernel", "triton"):
     try:
         module = importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - a missing or broken package is what we want to see
+    except Exception as exc:
         print(f"{name}: not importable ({type(exc).__name__})")
         continue
     extra = f" cuda {module.version.cuda}" if name == "torch" else ""

@@ -12,14 +12,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import run_torchrun_cell
 from hpcfsdp.cell.levers import install_loss, require
 from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import apply_activation_checkpointing
 from hpcfsdp.cli import main
 from hpcfsdp.spec import RunSpec, SpecError
 from hpcfsdp.sweep.matrix import cell_id, load_sweep
-
-from conftest import run_torchrun_cell
 from test_equivalence import assert_same_training
 
 CPU = {"device": "cpu"}
@@ -28,10 +27,13 @@ CPU = {"device": "cpu"}
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"attention": "flashy"}, "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)"),
+        ({"attention": "flashy"},
+         "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)"),
         ({"loss": "fused"}, "loss: expected one of default, cce, liger; got 'fused'"),
-        ({"float8": "rowwize"}, "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)"),
-        ({"activation_checkpointing": "ops"}, "activation_checkpointing: expected one of none, full, selective, op; got 'ops'"),
+        ({"float8": "rowwize"},
+         "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)"),
+        ({"activation_checkpointing": "ops"},
+         "activation_checkpointing: expected one of none, full, selective, op; got 'ops'"),
         ({**CPU, "attention": "cudnn"}, "attention: cudnn is a CUDA SDPA backend; use attention: sdpa on CPU"),
         ({**CPU, "attention": "flash"}, "attention: flash is a CUDA SDPA backend"),
         ({**CPU, "loss": "liger"}, "loss: liger needs a GPU (Triton kernels); use loss: default or cce on CPU"),
@@ -72,7 +74,8 @@ def test_a_missing_package_is_one_line_naming_the_extra():
         require("cut_cross_entropy.not_a_module", "loss: cce")
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("loss: cce needs the cut-cross-entropy package") and "pip install 'hpcfsdp[gpu]'" in message
+    assert message.startswith("loss: cce needs the cut-cross-entropy package")
+    assert "pip install 'hpcfsdp[gpu]'" in message
 
 
 def _tiny_backward(**fields) -> tuple[float, float, torch.Tensor]:
@@ -111,7 +114,8 @@ def zero2_default(tmp_path_factory):
 
 
 def test_op_checkpointing_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op", record_param_norm=True)
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op",
+                               record_param_norm=True)
     assert record["spec"]["activation_checkpointing"] == "op"
     assert_same_training(zero2_default, record)
 
@@ -121,7 +125,8 @@ def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(tmp
     loss and its gradient reduced, so the parameters end where the model's own loss takes them."""
     record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", loss="cce", record_param_norm=True)
     assert record["spec"]["loss"] == "cce"
-    assert (record["spec"]["attention"], record["spec"]["float8"]) == ("sdpa", "none") and "float8_linears" not in record
+    assert (record["spec"]["attention"], record["spec"]["float8"]) == ("sdpa", "none")
+    assert "float8_linears" not in record
     assert_same_training(zero2_default, record)
     assert zero2_default["losses"][0] != zero2_default["losses"][-1]
 

@@ -149,7 +149,7 @@ class RunSpec:
     precision: Precision = "bf16_mixed"
     compile: bool = False
     kernels: Kernels = "none"  # liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`
-    attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: only that one (GPU)
+    attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: that one (GPU)
     loss: Loss = "default"  # the model's own; cce (cut-cross-entropy) | liger (GPU): fused, no logits in memory
     float8: Float8 = "none"  # tensorwise | rowwise: torchao float8 matmuls in the decoder layers (GPU, SM89+)
     expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
@@ -281,7 +281,8 @@ class RunSpec:
         """The levers of docs/levers.md that cannot run where the cell runs."""
         if self.device == "cpu":
             if self.attention != "sdpa":
-                raise SpecError(where, "attention", f"{self.attention} is a CUDA SDPA backend; use attention: sdpa on CPU")
+                raise SpecError(where, "attention",
+                                f"{self.attention} is a CUDA SDPA backend; use attention: sdpa on CPU")
             if self.loss == "liger":
                 raise SpecError(where, "loss", "liger needs a GPU (Triton kernels); use loss: default or cce on CPU")
             if self.float8 != "none":

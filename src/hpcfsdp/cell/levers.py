@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections import defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any, Callable, ContextManager
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,7 +57,7 @@ def _needs_gpu(spec: RunSpec, name: str) -> bool:
 
 # --- attention -------------------------------------------------------------------------------
 
-def attention_backend(spec: RunSpec) -> ContextManager:
+def attention_backend(spec: RunSpec) -> AbstractContextManager:
     """SDPA restricted to one backend (`sdpa_kernel`), or PyTorch's own choice for `sdpa`.
 
     Entered around forward and backward; with compiled layers it must also be active when they
@@ -86,17 +88,19 @@ def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
     """
     if spec.loss == "default":
         return
-    if getattr(model, "lm_head", None) is None or model.lm_head.bias is not None:
+    lm_head: nn.Module | None = getattr(model, "lm_head", None)
+    if lm_head is None or getattr(lm_head, "bias", None) is not None:
         raise RuntimeError(f"loss: {spec.loss} needs a model with a bias-free lm_head; use loss: default")
     softcap = getattr(model.config, "final_logit_softcapping", None)
     loss_fn = _cce_loss(device, softcap) if spec.loss == "cce" else _liger_loss(softcap)
-    decoder = model.model
+    decoder = model.get_submodule("model")
     from transformers.modeling_outputs import CausalLMOutput
 
     def forward(input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> CausalLMOutput:
         hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
-        weight = model.lm_head.weight
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else weight.dtype
+        weight = cast(torch.Tensor, lm_head.weight)  # the gathered one while FSDP runs this forward
+        device_type = hidden.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         return CausalLMOutput(loss=loss_fn(hidden.to(dtype), weight.to(dtype), labels))
 
     model.forward = forward
@@ -144,7 +148,7 @@ def convert_float8(model: nn.Module, spec: RunSpec) -> None:
     float8.convert_to_float8_training(model, module_filter_fn=_float8_eligible, config=config)
 
 
-def _float8_eligible(module: nn.Module, fqn: str) -> bool:
+def _float8_eligible(module: nn.Linear, fqn: str) -> bool:
     return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
@@ -164,7 +168,7 @@ def add_float8_scale_hook(optimizer: torch.optim.Optimizer, model: nn.Module, sp
 
 # --- op-level selective activation checkpointing ---------------------------------------------
 
-def op_checkpoint_context() -> tuple[ContextManager, ContextManager]:
+def op_checkpoint_context() -> tuple[AbstractContextManager, AbstractContextManager]:
     """torchtitan's `op` policy for one checkpointed layer call (torch.utils.checkpoint's
     selective checkpointing): keep the outputs of attention, of reduce-scatters and max, and of
     every other matmul; recompute everything else (norms, activations, RoPE, the other matmuls).
