@@ -24,12 +24,15 @@ CASES=(
   "4096 4 8"
   "8192 2 4"
 )
+if [[ -n "${VERSUS_CASES:-}" ]]; then IFS=';' read -r -a CASES <<< "$VERSUS_CASES"; fi  # e.g. "4096 4 16;8192 2 8"
 # The suite's configuration: every RunSpec field (docs/levers.md), as `hpcfsdp run` takes them.
 SUITE=(
   model=qwen2.5-1.5b device=cuda precision=bf16 strategy=fsdp2_zero2
   compile=true adamw_impl=fused float8=tensorwise loss=cce attention=sdpa
   activation_checkpointing=none expandable_segments=true
 )
+# shellcheck disable=SC2206
+SUITE+=(${SUITE_EXTRA:-})  # more fields, later ones win: SUITE_EXTRA="attention=cudnn"
 REFERENCE=(--model qwen2.5-1.5b --device cuda --precision bf16)  # bench/reference_loop.py flags
 WARMUP=${WARMUP:-5}
 TIMED=${TIMED:-12}
