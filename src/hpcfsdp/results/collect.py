@@ -98,7 +98,7 @@ def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None 
             unreadable.append(state.problem)
         elif state.record is not None:
             spec_fields.update(dict.fromkeys(state.record["spec"]))
-            rows.append(_flatten(state.record))
+            rows.append({"cell_id": path.parent.name, **_flatten(state.record)})  # the folder names the cell
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
 

@@ -302,11 +302,11 @@ class History:
         if read_only and not self.path.is_file():
             raise HistoryError(f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
                                "--history PATH names another)")
-        if not read_only:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            if not read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except duckdb.Error as exc:
+        except (OSError, duckdb.Error) as exc:  # in use by another collect, no permission, not a DuckDB file
             raise HistoryError(f"{self.path}: cannot open ({str(exc).splitlines()[0]})") from None
         if not read_only:
             self._create()
