@@ -74,7 +74,8 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
     # Where it ran, for the history: the cluster's name and partition from the job's environment.
-    assert {(r["slurm"]["cluster_name"], r["slurm"]["job_partition"]) for r in got.values()} == {("hpcfsdp-local", "gpu")}
+    systems = {(r["slurm"]["cluster_name"], r["slurm"]["job_partition"]) for r in got.values()}
+    assert systems == {("hpcfsdp-local", "gpu")}
     with duckdb.connect(str(tmp_path / "results" / "history.duckdb"), read_only=True) as con:
         assert con.execute("SELECT DISTINCT cluster, count(*) OVER () FROM runs").fetchall() == [("hpcfsdp-local", 9)]
     # The local cluster has no slurmdbd: collect says so in one line and carries on.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -137,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     over_time.add_argument("--references", metavar="PATH",
                            help="a references YAML (default: references.yaml beside the sweep folder, where it exists)")
     over_time.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="FRACTION",
-                           help="how far below its reference or its history's median a cell may fall (default "
-                                f"{DEFAULT_TOLERANCE}, i.e. {DEFAULT_TOLERANCE * 100:.0f}%%; a reference may set its own)")
+                           help="how far below its reference or its history's median a cell may fall "
+                                f"(default {DEFAULT_TOLERANCE}, i.e. {DEFAULT_TOLERANCE * 100:.0f}%%; a reference may "
+                                "set its own)")
     over_time.add_argument("--fail-on-regression", action="store_true",
                            help="exit status 1 when a cell regressed against its reference or history")
     collect.set_defaults(func=_collect)
@@ -161,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--set-reference", action="store_true",
                          help="write the median of each setup's ok runs (of those filtered) as its reference")
     history.add_argument("--references", metavar="PATH",
-                         help="with --set-reference: the file to write (default: references.yaml beside the history file)")
+                         help="with --set-reference: the file to write (default: references.yaml beside the "
+                              "history file)")
     history.add_argument("--tolerance", type=float, metavar="FRACTION",
                          help="with --set-reference: the tolerance written into each new reference")
     history.set_defaults(func=_history)
@@ -562,7 +565,7 @@ def _set_reference(medians, path: Path, tolerance: float | None) -> int:
     today = datetime.date.today().isoformat()
     new = [Reference(tokens_per_s_per_gpu=round(float(row.tokens_per_s_per_gpu), 1), cluster=_text_or_none(row.cluster),
                      gpu=_text_or_none(row.gpu), setup=row.setup, match=json.loads(row.setup_fields),
-                     peak_memory_gib=round(float(row.peak_memory_gib), 3) if row.peak_memory_gib == row.peak_memory_gib else None,
+                     peak_memory_gib=None if math.isnan(row.peak_memory_gib) else round(float(row.peak_memory_gib), 3),
                      tolerance=tolerance, extra={"runs": int(row.runs), "set_at": today})
            for row in medians.itertuples(index=False)]
     merged = write_references(path, new)

@@ -54,6 +54,6 @@ def driver_version() -> str | None:
             version = pynvml.nvmlSystemGetDriverVersion()
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML library, driver or permission: the record says null
+    except Exception:  # no NVML library, driver or permission: the record says null
         return None
     return version.decode() if isinstance(version, bytes) else str(version)

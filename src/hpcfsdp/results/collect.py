@@ -398,7 +398,8 @@ def _config_rows(configs: pd.DataFrame, cells: Cells, metrics: tuple[str, ...]) 
 
 def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Distinct values (with cell counts) of the fields that describe where the cells ran."""
-    fields = ["device_name", "world_size", "nodes", "backend", "git_commit", "slurm.cluster_name", "slurm.job_partition",
+    fields = ["device_name", "world_size", "nodes", "backend", "git_commit",
+              "slurm.cluster_name", "slurm.job_partition",
               *sorted(c for c in frame.columns if c.startswith(("versions.", "environment.")))]
     rows = [(name, _counted(frame[name].dropna())) for name in fields if name in frame and frame[name].notna().any()]
     if "hostnames" in frame:
