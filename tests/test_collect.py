@@ -560,7 +560,8 @@ def test_compare_cli_prints_deltas_and_fails_on_regression(gpu, tmp_path, capsys
     out = capsys.readouterr().out
     assert f"{slow}: tokens/s/gpu 13,200 -> 10,560 (-20.0%)" in out
     assert "REGRESSION" in out and (again / "report" / "compare.md").exists()
-    assert main(["collect", str(gpu), "--compare", str(gpu), "--no-plots"]) == 0
+    same = Path(shutil.copytree(gpu, tmp_path / "same"))  # gpu's own report stays the one gpu_report wrote
+    assert main(["collect", str(same), "--compare", str(same), "--no-plots"]) == 0
 
 
 def test_compare_reports_run_to_run_noise_from_repeated_seeds(tmp_path):
@@ -577,7 +578,8 @@ def test_compare_reports_run_to_run_noise_from_repeated_seeds(tmp_path):
 # The command
 
 
-def test_collect_command_ends_with_the_cell_table(gpu, capsys):
+def test_collect_command_ends_with_the_cell_table(gpu, tmp_path, capsys):
+    gpu = Path(shutil.copytree(gpu, tmp_path / "gpu"))  # a copy: gpu_report's plots stay in the shared folder
     assert main(["collect", str(gpu), "--no-plots"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()

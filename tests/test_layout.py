@@ -57,10 +57,11 @@ def test_submit_with_the_print_executor_loads_no_torch(printed):
     assert len(list((sweep / "cells").glob("*/spec.json"))) == 8
 
 
-def test_status_and_collect_load_no_torch(printed):
+def test_status_collect_and_history_load_no_torch(printed):
     sweep, _ = printed
     assert loaded_by(["status", str(sweep)])["loaded"] == []
     assert loaded_by(["collect", str(sweep), "--no-plots"])["loaded"] == []
+    assert loaded_by(["history", "--history", str(sweep.parent / "history.duckdb")]) == {"code": 0, "loaded": []}
     assert "RuntimeError: x" in (sweep / "report" / "summary.md").read_text()
 
 

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from hpcfsdp.cli import main
@@ -43,8 +44,9 @@ def records(sweep_dir: Path) -> dict[str, dict]:
 def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, capsys):
     jobs = tmp_path / "e2e.yaml"
     jobs.write_text(SWEEP)
-    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 0
-    out = capsys.readouterr().out
+    # Exit status 1: one cell (lr 1e12) diverges, and --wait fails when a cell did not finish ok.
+    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 1
+    out, err = capsys.readouterr()
     for shape in ("6 cell(s) on 1 node(s) x 2 GPU(s)", "1 cell(s) on 1 node(s) x 1 GPU(s)",
                   "1 cell(s) on 2 node(s) x 2 GPU(s)", "1 cell(s) on 2 node(s) x 1 GPU(s)"):
         assert re.search(rf"submitted array \d+: {re.escape(shape)}", out), out
@@ -71,6 +73,13 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     assert all(r["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"] for r in two_node)
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
+    # Where it ran, for the history: the cluster's name and partition from the job's environment.
+    systems = {(r["slurm"]["cluster_name"], r["slurm"]["job_partition"]) for r in got.values()}
+    assert systems == {("hpcfsdp-local", "gpu")}
+    with duckdb.connect(str(tmp_path / "results" / "history.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT DISTINCT cluster, count(*) OVER () FROM runs").fetchall() == [("hpcfsdp-local", 9)]
+    # The local cluster has no slurmdbd: collect says so in one line and carries on.
+    assert len([line for line in err.splitlines() if "no Slurm accounting (sacct" in line]) == 1, err
     # Resubmitting the same YAML finds every record and queues nothing.
     assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
     assert "skipping 9 cell(s)" in capsys.readouterr().out

@@ -1,8 +1,10 @@
-"""`hpcfsdp plan | submit | run | status | collect | download`."""
+"""`hpcfsdp plan | submit | run | status | collect | history | export | download`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -10,8 +12,14 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
-from .record import RECORD_NAME, SPEC_NAME, RecordError
+from .record import RECORD_NAME, SPEC_NAME, STATUSES, RecordError
 from .spec import RunSpec, SpecError, check_folder_name, one_line
+
+# Constants of the login-side modules that the parser shows; those modules load pandas, so the
+# values are repeated here and a test keeps them equal (tests/test_history.py).
+HISTORY_NAME = "history.duckdb"
+REFERENCES_NAME = "references.yaml"
+DEFAULT_TOLERANCE = 0.10
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
     from .sweep.matrix import Sweep
@@ -121,7 +129,56 @@ def _parser() -> argparse.ArgumentParser:
     collect.add_argument("--threshold", type=float, default=0.05, metavar="FRACTION",
                          help="with --compare: relative change counted as a regression (default 0.05, i.e. 5%%)")
     collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
+    over_time = collect.add_argument_group("over time (docs/history.md)")
+    where = over_time.add_mutually_exclusive_group()
+    where.add_argument("--history", metavar="PATH",
+                       help="the history file this collect appends to and checks against (default: history.duckdb "
+                            "beside the sweep folder, e.g. results/history.duckdb)")
+    where.add_argument("--no-history", action="store_true", help="neither append to nor check against a history")
+    over_time.add_argument("--references", metavar="PATH",
+                           help="a references YAML (default: references.yaml beside the sweep folder, where it exists)")
+    over_time.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, metavar="FRACTION",
+                           help="how far below its reference or its history's median a cell may fall "
+                                f"(default {DEFAULT_TOLERANCE}, i.e. {DEFAULT_TOLERANCE * 100:.0f}%%; a reference may "
+                                "set its own)")
+    over_time.add_argument("--fail-on-regression", action="store_true",
+                           help="exit status 1 when a cell regressed against its reference or history")
     collect.set_defaults(func=_collect)
+
+    history = sub.add_parser(
+        "history", help="list the history of runs that collect appended to (docs/history.md)",
+        description="Print the runs in the history file, filtered; or, with --set-reference, write each "
+                    "setup's median tokens/s per GPU and peak memory (per cluster and GPU) to a references file.")
+    history.add_argument("--history", default=str(Path(DEFAULT_RESULTS) / HISTORY_NAME), metavar="PATH",
+                         help=f"the history file (default {Path(DEFAULT_RESULTS) / HISTORY_NAME})")
+    history.add_argument("--model", default="", help="only this model")
+    history.add_argument("--strategy", default="", help="only this strategy")
+    history.add_argument("--system", default="", metavar="TEXT", help="only clusters or GPUs whose name contains TEXT")
+    history.add_argument("--setup", default="", metavar="KEY", help="only this setup (a key or its beginning)")
+    history.add_argument("--sweep", default="", help="only this sweep name")
+    history.add_argument("--status", default="", help="only this status (ok, oom, error, timeout)")
+    history.add_argument("--since", metavar="DATE", help="only runs started on or after DATE (YYYY-MM-DD, UTC)")
+    history.add_argument("--until", metavar="DATE", help="only runs started up to DATE, that day included (UTC)")
+    history.add_argument("--limit", type=int, default=0, metavar="N", help="only the latest N runs")
+    history.add_argument("--set-reference", action="store_true",
+                         help="write the median of each setup's ok runs (of those filtered) as its reference")
+    history.add_argument("--references", metavar="PATH",
+                         help="with --set-reference: the file to write (default: references.yaml beside the "
+                              "history file)")
+    history.add_argument("--tolerance", type=float, metavar="FRACTION",
+                         help="with --set-reference: the tolerance written into each new reference")
+    history.set_defaults(func=_history)
+
+    export = sub.add_parser(
+        "export", help="one run per cell in TensorBoard event files or an MLflow store (docs/history.md)",
+        description="Write each cell record of a sweep as a run: loss per step and step time as series, the spec as "
+                    "hyperparameters, tokens/s per GPU, MFU and peak memory as final values. Needs the extra of the "
+                    "target: pip install 'hpcfsdp[tensorboard]' or 'hpcfsdp[mlflow]'.")
+    export.add_argument("sweep_dir", help="e.g. results/smoke")
+    export.add_argument("--to", nargs=2, required=True, metavar=("TARGET", "DIR"),
+                        help="tensorboard DIR (event files in DIR/<sweep>/<cell>), or mlflow DIR (a local file store; "
+                             "an MLflow tracking URI works too)")
+    export.set_defaults(func=_export)
 
     download = sub.add_parser(
         "download", help="pre-download models, tokenizers and datasets into the cache (where there is internet)",
@@ -351,7 +408,19 @@ def _status(args: argparse.Namespace) -> int:
         raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
     _print_status(report)
+    _note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES})
     return 0
+
+
+def _note_accounting(sweep_dir: Path, jobs: dict[str, str]) -> dict[str, dict]:
+    """Add Slurm accounting to the records of these jobs (cell id -> job id) where it exists; one
+    line where it does not."""
+    from .sweep.accounting import add_accounting
+
+    added, note = add_accounting(sweep_dir, jobs)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return added
 
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
@@ -377,21 +446,50 @@ def _print_status(report: StatusReport, summary: bool = True) -> None:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    if not 0 < args.threshold < 1:
-        raise SpecError(f"collect: --threshold: expected a fraction between 0 and 1, got {args.threshold}")
-    return _print_collection(Path(args.sweep_dir), baseline=args.baseline, plots=not args.no_plots,
-                             compare=Path(args.compare) if args.compare else None, threshold=args.threshold)
+    for flag, value in (("--threshold", args.threshold), ("--tolerance", args.tolerance)):
+        if not 0 < value < 1:
+            raise SpecError(f"collect: {flag}: expected a fraction between 0 and 1, got {value}")
+    if args.references and not Path(args.references).is_file():
+        raise SpecError(f"collect: --references: {args.references}: no such file")
+    sweep_dir = Path(args.sweep_dir)
+    options = _over_time_options(sweep_dir, Path(args.history) if args.history else None, args.references,
+                                 args.tolerance, use_history=not args.no_history)
+    return _print_collection(sweep_dir, baseline=args.baseline, plots=not args.no_plots,
+                             compare=Path(args.compare) if args.compare else None, threshold=args.threshold,
+                             over_time=options, fail_on_regression=args.fail_on_regression)
+
+
+def _over_time_options(sweep_dir: Path, history: Path | None = None, references: str | None = None,
+                       tolerance: float = DEFAULT_TOLERANCE, use_history: bool = True):
+    """The history and references a collection of sweep_dir uses: those given, else the defaults
+    beside the sweep folder (results/history.duckdb, results/references.yaml where it exists)."""
+    from .results.references import References, load_references
+    from .results.regressions import OverTimeOptions
+
+    beside = sweep_dir.resolve().parent
+    path = Path(references) if references else beside / REFERENCES_NAME
+    return OverTimeOptions(history=(history or beside / HISTORY_NAME) if use_history else None,
+                           references=load_references(path) if path.is_file() else References(), tolerance=tolerance)
 
 
 def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool = True,
-                      compare: Path | None = None, threshold: float = 0.05) -> int:
-    """Write the report, print the comparison against `compare` if given, then the cell table."""
-    from .results.collect import markdown_table, write_comparison, write_report
+                      compare: Path | None = None, threshold: float = 0.05, over_time=None,
+                      fail_on_regression: bool = False) -> int:
+    """Add Slurm accounting, append to the history and check each cell over time, write the report;
+    print the comparison against `compare` if given, the cell table, the regressions, and what was written."""
+    from .results.collect import load_records, markdown_table, write_comparison, write_report
+    from .results.history import accounting_jobs, merge_accounting
+    from .results.regressions import over_time as check_over_time
 
     for folder in (sweep_dir, compare):
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
-    report = write_report(sweep_dir, baseline=baseline, plots=plots, scheduler_states=_scheduler_states(sweep_dir))
+    options = over_time or _over_time_options(sweep_dir)  # a bad references file stops here, before any writing
+    collection = load_records(sweep_dir, _scheduler_states(sweep_dir))
+    merge_accounting(collection.frame, _note_accounting(sweep_dir, accounting_jobs(collection.frame)))
+    checked = check_over_time(collection, sweep_dir, options)
+    report = write_report(sweep_dir, baseline=baseline, plots=plots, collection=collection,
+                          first_sections=(checked.section(),))
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
     for note in report.notes:
@@ -403,11 +501,97 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
         print(text)
         print(f"wrote {path}\n")
     print(markdown_table(report.table))
+    print("over time: " + " ".join(checked.notes))
+    for line in checked.regressions:
+        print(f"regression: {line}")
+    for line in checked.hints:
+        print(f"note: {line}")
     tables = [p.name for p in report.files if p.suffix != ".png"]
     plots_drawn = len(report.files) - len(tables)
     skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
     print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
-    return 1 if regressions else 0
+    return 1 if regressions or (fail_on_regression and checked.regressions) else 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    from .results.collect import markdown_table
+    from .results.history import Filters, History, HistoryError, medians_by_setup, parse_day
+
+    filters = Filters(model=args.model, strategy=args.strategy, system=args.system, setup=args.setup, sweep=args.sweep,
+                      status=args.status, since=parse_day(args.since, "--since") if args.since else None,
+                      until=parse_day(args.until, "--until", end_of_day=True) if args.until else None)
+    if args.tolerance is not None and not 0 < args.tolerance < 1:
+        raise SpecError(f"history: --tolerance: expected a fraction between 0 and 1, got {args.tolerance}")
+    if args.limit < 0:
+        raise SpecError(f"history: --limit: expected a number of runs >= 0, got {args.limit}")
+    try:
+        with History(Path(args.history), read_only=True) as store:
+            rows = store.select(filters)
+    except HistoryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.set_reference:
+        return _set_reference(medians_by_setup(rows), Path(args.references) if args.references else
+                              Path(args.history).parent / REFERENCES_NAME, args.tolerance)
+    if args.limit:
+        rows = rows.tail(args.limit)
+    print(markdown_table(_history_table(rows)))
+    print(f"{len(rows)} run(s) of {rows['setup'].nunique()} setup(s) in {args.history}")
+    return 0
+
+
+# Columns of the printed history: (history column, header).
+HISTORY_COLUMNS = (("started_at", "started (UTC)"), ("sweep", "sweep"), ("cluster", "cluster"), ("gpu", "gpu"),
+                   ("model", "model"), ("strategy", "strategy"), ("batch_size", "batch"), ("grad_accum", "accum"),
+                   ("world_size", "ranks"), ("status", "status"), ("tokens_per_s_per_gpu", "tokens/s/gpu"),
+                   ("mfu", "MFU"), ("peak_memory_gib", "peak GiB"), ("torch_version", "torch"), ("setup", "setup"),
+                   ("cell_id", "cell"))
+
+
+def _history_table(rows):
+    table = rows[[column for column, _ in HISTORY_COLUMNS]].rename(columns=dict(HISTORY_COLUMNS))
+    table["started (UTC)"] = table["started (UTC)"].dt.strftime("%Y-%m-%d %H:%M")
+    return table
+
+
+def _set_reference(medians, path: Path, tolerance: float | None) -> int:
+    import datetime
+
+    from .results.references import Reference, write_references
+
+    if medians.empty:
+        print("error: no ok run matches these filters: no reference written", file=sys.stderr)
+        return 1
+    today = datetime.date.today().isoformat()
+    new = [Reference(tokens_per_s_per_gpu=round(float(row.tokens_per_s_per_gpu), 1), cluster=_text_or_none(row.cluster),
+                     gpu=_text_or_none(row.gpu), setup=row.setup, match=json.loads(row.setup_fields),
+                     peak_memory_gib=None if math.isnan(row.peak_memory_gib) else round(float(row.peak_memory_gib), 3),
+                     tolerance=tolerance, extra={"runs": int(row.runs), "set_at": today})
+           for row in medians.itertuples(index=False)]
+    merged = write_references(path, new)
+    print(f"wrote {len(new)} reference(s) to {path} ({len(merged.entries)} in the file)")
+    return 0
+
+
+def _text_or_none(value) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .results.export import ExportError, export_sweep
+
+    sweep_dir = Path(args.sweep_dir)
+    if not (sweep_dir / "cells").is_dir():
+        raise SpecError(f"{sweep_dir}: not a sweep folder (no cells/ inside; e.g. results/<name> of a jobs YAML)")
+    target, destination = args.to
+    try:
+        written, skipped = export_sweep(sweep_dir, target, destination)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    already = f" ({skipped} exported before, left as they were)" if skipped else ""
+    print(f"exported {written} run(s) of {sweep_dir} to {target} at {destination}{already}")
+    return 0
 
 
 def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:

@@ -27,6 +27,7 @@ CORRUPT = "corrupt"  # a record file that cannot be read, or holds values of the
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
+ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status once its Slurm job ended
 
 # Fields the tables and plots compute with: a number (or null) each, lists of numbers.
 NUMBER_FIELDS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "data_time_fraction", "comm_exposed_fraction",
@@ -230,3 +231,20 @@ def restore_attempt(cell_dir: str | Path, kept: Path) -> None:
     keep_as_attempt(cell_dir)
     os.replace(kept, Path(cell_dir) / RECORD_NAME)
 
+
+def slurm_job_of(slurm: Any) -> str | None:
+    """The id Slurm knows a record's job by (a record's `slurm` object): ARRAY_TASK for an array
+    task, as sacct and squeue print it, else the job id; None outside Slurm."""
+    if not isinstance(slurm, dict):
+        return None
+    array, task, job = (_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
+    return f"{array}_{task}" if array and task else job
+
+
+def _id_text(value: Any) -> str | None:
+    """An id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0; None for nothing."""
+    if value is None or value != value or value == "":  # None, NaN, empty
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)

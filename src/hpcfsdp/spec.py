@@ -338,6 +338,15 @@ class RunSpec:
             _require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
 
 
+# RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
+# what it runs: cells that differ only in these are the same *setup* to the history and its
+# regression checks (results/history.py). Not among them: sync_each_step (it changes what the step
+# time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
+MEASUREMENT_FIELDS = ("steps", "warmup_steps", "seed", "nvml", "comm_profile_steps", "profile",
+                      "record_param_norm", "peak_tflops")
+assert set(MEASUREMENT_FIELDS) <= {f.name for f in fields(RunSpec)}, "MEASUREMENT_FIELDS names RunSpec fields"
+
+
 @dataclass(frozen=True)
 class Resources:
     """What every array task of a sweep asks Slurm for, beside nodes and GPUs per node (in RunSpec)."""

@@ -1,12 +1,18 @@
-"""Which hpcfsdp source a record was made with: the git commit of its own checkout, if it runs from one."""
+"""What a record says it was made with: the git commit of hpcfsdp's own checkout (if it runs from
+one), the NVIDIA driver, and the communication and PyTorch settings of the environment."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../hpcfsdp
 UNKNOWN = "unknown"
+# The settings that steer the communication library and PyTorch, recorded with their values.
+ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
+# A variable whose name has one of these is left out whatever its prefix: a record is shared.
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 
 
 def git_commit(package_dir: Path = PACKAGE_DIR) -> str:
@@ -30,3 +36,24 @@ def git_commit(package_dir: Path = PACKAGE_DIR) -> str:
     if Path(top).resolve() / "src" / package_dir.name != package_dir:
         return UNKNOWN
     return commit if len(commit) in (40, 64) else UNKNOWN  # SHA-1 or SHA-256 repositories
+
+
+def framework_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL_*, TORCH_* and PYTORCH_* variables, except any whose name suggests a secret."""
+    return {name: value for name, value in sorted(environ.items())
+            if name.startswith(ENV_PREFIXES) and not any(marker in name.upper() for marker in SECRET_MARKERS)}
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, from NVML; None where NVML cannot answer."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, driver or permission: the record says null
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)

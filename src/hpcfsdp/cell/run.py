@@ -40,7 +40,7 @@ from .metrics import (
 from .models import build_model, materialize, resolve_model
 from ..record import RECORD_NAME, SPEC_NAME, RecordError, keep_as_attempt, read_record, write_record
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
-from .provenance import git_commit
+from .provenance import driver_version, framework_environment, git_commit
 from .strategies import param_dtype, parallelize
 from .summary import summary_line
 from .train import Diverged, TrainLog, build_optimizer, train
@@ -531,17 +531,23 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
     }
 
 
+SLURM_FIELDS = ("job_id", "array_job_id", "array_task_id", "job_nodelist", "cluster_name", "job_partition")
+
+
 def _provenance() -> dict[str, Any]:
     """What every record carries about where and with what it ran, whatever stage it ended in."""
+    gpu = torch.cuda.is_available()
     return {
-        "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "array_job_id", "array_task_id", "job_nodelist")},
+        "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in SLURM_FIELDS},
         "versions": {
             "hpcfsdp": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
+            "driver": driver_version() if gpu else None,
         },
+        "environment": framework_environment(os.environ),
         "git_commit": git_commit(),
         "launch_id": _launch_id(),
     }

@@ -98,7 +98,7 @@ def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None 
             unreadable.append(state.problem)
         elif state.record is not None:
             spec_fields.update(dict.fromkeys(state.record["spec"]))
-            rows.append(_flatten(state.record))
+            rows.append({"cell_id": path.parent.name, **_flatten(state.record)})  # the folder names the cell
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
 
@@ -399,7 +399,8 @@ def _config_rows(configs: pd.DataFrame, cells: Cells, metrics: tuple[str, ...]) 
 def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Distinct values (with cell counts) of the fields that describe where the cells ran."""
     fields = ["device_name", "world_size", "nodes", "backend", "git_commit",
-              *sorted(c for c in frame.columns if c.startswith("versions."))]
+              "slurm.cluster_name", "slurm.job_partition",
+              *sorted(c for c in frame.columns if c.startswith(("versions.", "environment.")))]
     rows = [(name, _counted(frame[name].dropna())) for name in fields if name in frame and frame[name].notna().any()]
     if "hostnames" in frame:
         hosts = sorted({str(h) for hs in frame["hostnames"].dropna() if isinstance(hs, list) for h in hs})
@@ -443,16 +444,20 @@ class Report:
 
 
 def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True,
-                 scheduler_states: dict[str, str] | None = None) -> Report:
-    """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png."""
+                 scheduler_states: dict[str, str] | None = None, collection: Collection | None = None,
+                 first_sections: tuple[Section, ...] = ()) -> Report:
+    """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png.
+
+    `collection`: the sweep's records when the caller read them already; `first_sections` go
+    before the others (the over-time checks)."""
     sweep_dir = Path(sweep_dir)
-    collection = load_records(sweep_dir, scheduler_states)
+    collection = collection if collection is not None else load_records(sweep_dir, scheduler_states)
     cells = label_cells(collection)
     report = report_folder(sweep_dir)
     files, notes = write_tables(collection.cells, report)
 
     configs = ok_configs(cells)
-    sections = summary_sections(cells, configs, baseline, collection.unreadable)
+    sections = [*first_sections, *summary_sections(cells, configs, baseline, collection.unreadable)]
     figures, skipped = [], {}
     if plots:
         reference, label = reference_cells(cells)

@@ -1,0 +1,150 @@
+"""Over time: append a collection to the history, then check each cell against its reference and
+against the earlier runs of its setup on its system (docs/history.md).
+
+Flagged as a regression:
+- tokens/s per GPU below its reference by more than the tolerance, or peak memory above it;
+- tokens/s per GPU below the median of the earlier ok runs of its setup on its system (cluster and
+  GPU) by more than the tolerance;
+- a cell that is not ok while its setup has a reference or ran ok on its system before.
+A cell faster than its reference by more than the tolerance is named too, as a hint to update the
+reference, but is no regression.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .collect import ROW_LIMIT, Collection, fmt
+from .history import KEY, History, HistoryError, history_rows
+from .references import Reference, References
+from .report import Section
+
+DEFAULT_TOLERANCE = 0.10
+REGRESSION = "REGRESSION"
+
+
+@dataclass(frozen=True)
+class OverTimeOptions:
+    history: Path | None  # None: --no-history
+    references: References = field(default_factory=References)  # read and checked before anything is written
+    tolerance: float = DEFAULT_TOLERANCE
+
+
+@dataclass
+class OverTime:
+    """What the checks found: a table of the cells that had something to be compared with, one
+    line per regression, hints (faster than the reference) and notes (what was appended)."""
+
+    table: pd.DataFrame
+    regressions: list[str] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def section(self) -> Section:
+        text = " ".join(self.notes)
+        if self.table.empty:
+            return Section("Over time", text=text)
+        shown = self.table.head(ROW_LIMIT)
+        if len(self.table) > ROW_LIMIT:
+            text += f" The first {ROW_LIMIT:,} of {len(self.table):,} checked cells, regressions first."
+        return Section("Over time", text=text, table=shown, items=[*self.regressions, *self.hints])
+
+
+def over_time(collection: Collection, sweep_dir: Path, options: OverTimeOptions) -> OverTime:
+    """Append the collection to the history (unless there is none) and check every record."""
+    references = options.references
+    rows = history_rows(collection, sweep_dir)
+    notes, earlier = [], None
+    if options.history is not None:
+        try:
+            with History(options.history) as store:
+                added = store.append(rows)
+                earlier = store.earlier_runs(rows)
+            notes.append(f"History: {added} new row(s) in {options.history} ({len(rows) - added} collected before).")
+        except HistoryError as exc:
+            notes.append(f"History not updated: {exc}.")
+    if references.path:
+        notes.append(f"References: {len(references.entries)} in {references.path}.")
+    result = check(rows, earlier, references, options.tolerance)
+    result.notes[:0] = notes
+    return result
+
+
+def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: References, tolerance: float) -> OverTime:
+    """Compare each history row of the current collection with its reference and its earlier runs."""
+    if earlier is not None and not earlier.empty:
+        rows = rows.merge(earlier, on=list(KEY), how="left")
+    else:
+        rows = rows.assign(history_median=float("nan"), history_runs=0)
+    rows["history_runs"] = rows["history_runs"].fillna(0).astype(int)
+    out = OverTime(pd.DataFrame())
+    table, unchecked, flagged = [], 0, 0
+    needed = ["cell_id", "setup", "cluster", "gpu", "spec", "status", "tokens_per_s_per_gpu", "peak_memory_gib",
+              "history_median", "history_runs"]
+    records: list[Any] = list(rows[needed].itertuples(index=False))  # one named tuple per history row
+    for row in records:
+        ref = references.find(row.cluster, row.gpu, row.setup, json.loads(row.spec)) if references.entries else None
+        if ref is None and not row.history_runs:
+            unchecked += 1
+            continue
+        problems, hints = _problems(row, ref, references.tolerance_of(ref, tolerance) if ref else tolerance, tolerance)
+        flagged += bool(problems)
+        out.regressions += [f"{row.cell_id}: {p}" for p in problems]
+        out.hints += [f"{row.cell_id}: {h}" for h in hints]
+        table.append({
+            "cell": row.cell_id, "setup": row.setup, "system": f"{row.cluster or '-'} / {row.gpu or '-'}",
+            "status": row.status, "tokens/s/gpu": fmt("tokens_per_s_per_gpu", row.tokens_per_s_per_gpu),
+            "reference": (f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} "
+                          f"±{references.tolerance_of(ref, tolerance):.0%}") if ref else "-",
+            "history median (runs)": (f"{fmt('tokens_per_s_per_gpu', row.history_median)} ({row.history_runs})"
+                                      if row.history_runs else "-"),
+            "verdict": REGRESSION if problems else ("faster" if hints else "ok"),
+        })
+    if table:
+        frame = pd.DataFrame(table)
+        out.table = frame.sort_values("verdict", key=lambda v: v != REGRESSION, kind="stable").reset_index(drop=True)
+    out.notes.append(f"Tolerance {tolerance:.0%} (a reference may set its own). {len(table)} cell(s) checked, "
+                     f"{flagged} with a regression; "
+                     f"{unchecked} with neither a reference nor an earlier run of their setup on their system.")
+    return out
+
+
+def _problems(row: Any, ref: Reference | None, ref_tolerance: float, tolerance: float) -> tuple[list[str], list[str]]:
+    """The regressions of one cell (a history row), and its hints."""
+    problems: list[str] = []
+    hints: list[str] = []
+    system = f"{row.cluster or '-'} / {row.gpu or '-'}"
+    if row.status != "ok":
+        if ref is not None:
+            problems.append(f"status {row.status}; its reference ({ref.where}) expects "
+                            f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} tokens/s/gpu")
+        else:
+            problems.append(f"status {row.status}; its setup ran ok {row.history_runs} time(s) before on {system}")
+        return problems, hints
+    tokens = row.tokens_per_s_per_gpu
+    if ref is not None and pd.notna(tokens):
+        change = tokens / ref.tokens_per_s_per_gpu - 1
+        expected = fmt("tokens_per_s_per_gpu", ref.tokens_per_s_per_gpu)
+        shown = (f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {abs(change):.1%} {{}} its reference "
+                 f"{expected} (tolerance {ref_tolerance:.0%}; {ref.where})")
+        if change < -ref_tolerance:
+            problems.append(shown.format("below"))
+        elif change > ref_tolerance:
+            hints.append(shown.format("above") + ": `hpcfsdp history --set-reference` updates it")
+    if ref is not None and ref.peak_memory_gib and pd.notna(row.peak_memory_gib):
+        change = row.peak_memory_gib / ref.peak_memory_gib - 1
+        if change > ref_tolerance:
+            problems.append(f"peak memory {row.peak_memory_gib:.2f} GiB is {change:.1%} above its reference "
+                            f"{ref.peak_memory_gib:.2f} GiB (tolerance {ref_tolerance:.0%}; {ref.where})")
+    if row.history_runs and pd.notna(tokens):
+        change = tokens / row.history_median - 1
+        if change < -tolerance:
+            problems.append(f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {-change:.1%} below the median "
+                            f"{fmt('tokens_per_s_per_gpu', row.history_median)} of {row.history_runs} earlier run(s) "
+                            f"of setup {row.setup} on {system} (tolerance {tolerance:.0%})")
+    return problems, hints

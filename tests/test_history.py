@@ -1,0 +1,311 @@
+"""Over time: the history that every collect appends to, references, and regression flags.
+
+Records with known throughput are written with the project's record writer; every collection goes
+through the real `hpcfsdp collect` and `hpcfsdp history` commands and a real DuckDB file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from hpcfsdp import cli
+from hpcfsdp.cli import main
+from hpcfsdp.record import write_record
+from hpcfsdp.results import history, references, regressions
+from hpcfsdp.results.history import setup_key
+from hpcfsdp.sweep.accounting import parse_sacct
+from hpcfsdp.sweep.matrix import cell_id
+from test_collect import GPU_BASE, H100, failed_record, ok_record, spec_of
+
+H200 = "NVIDIA H200"
+DAY = 86_400.0
+T0 = datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc).timestamp()  # sweep k starts on 2026-11-0(2+k)
+
+# The setups of the test, by name: spec fields over GPU_BASE.
+SETUPS = {
+    "a": {"strategy": "fsdp2_zero3", "batch_size": 1},
+    "b": {"strategy": "fsdp2_zero3", "batch_size": 2},
+    "c": {"strategy": "ddp", "batch_size": 1},
+    "d": {"strategy": "fsdp2_zero2", "batch_size": 1},
+    "e": {"strategy": "fsdp2_zero2", "batch_size": 2},
+    # a's setup measured differently (more steps, another seed): the same setup to the history
+    "a_again": {"strategy": "fsdp2_zero3", "batch_size": 1, "steps": 20, "seed": 1},
+}
+# Sweeps 0-2 on alps / H100: tokens/s per GPU per setup. Sweep 3 is the one checked.
+EARLIER = {"a": (1000, 1010, 990), "b": (2000, 2000, 2000), "c": (1500, 1500, 1500), "d": (800, 800, 800)}
+
+
+def write_sweep(results: Path, name: str, index: int, cells: dict[str, float | str], cluster: str = "alps",
+                gpu: str = H100, peak: float = 30.0) -> Path:
+    """A sweep folder whose cells (setup name -> tokens/s per GPU, or a failed status) started on
+    day `index`, on the given system."""
+    sweep = results / name
+    for number, (setup, value) in enumerate(cells.items()):
+        spec = spec_of(GPU_BASE, **SETUPS[setup])
+        if isinstance(value, str):
+            record = failed_record(spec, value, "train", "OutOfMemoryError: CUDA out of memory")
+        else:
+            record = ok_record(spec, value, peak)
+        record.update(sweep=name, started_at=T0 + index * DAY + number, device_name=gpu, hostnames=["node-1"],
+                      launch_id=f"slurm-{1000 + 10 * index + number}-0",
+                      slurm={"job_id": str(1000 + 10 * index + number), "array_job_id": None, "array_task_id": None,
+                             "job_nodelist": "node-1", "cluster_name": cluster, "job_partition": "gpu"})
+        write_record(sweep / "cells" / record["cell_id"] / "result.json", record)
+    return sweep
+
+
+def collect(sweep: Path, *flags: str) -> int:
+    return main(["collect", str(sweep), "--no-plots", *flags])
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory) -> Path:
+    """A results folder with sweeps 0-2 collected into its history.duckdb."""
+    results = tmp_path_factory.mktemp("history") / "results"
+    for index in range(3):
+        cells = {name: values[index] for name, values in EARLIER.items()}
+        sweep = write_sweep(results, f"nightly-{index}", index, cells)
+        assert collect(sweep) == 0
+    return results
+
+
+@pytest.fixture
+def results(earlier, tmp_path) -> Path:
+    """A copy of the earlier results, for a test to add to."""
+    return Path(shutil.copytree(earlier, tmp_path / "results"))
+
+
+def flagged(out: str) -> dict[str, list[str]]:
+    """Cell id -> the regression lines printed for it."""
+    found: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("regression: "):
+            cell, _, why = line.removeprefix("regression: ").partition(": ")
+            found.setdefault(cell, []).append(why)
+    return found
+
+
+def ids(*names: str) -> set[str]:
+    return {cell_id(spec_of(GPU_BASE, **SETUPS[name])) for name in names}
+
+
+def test_collect_flags_exactly_the_cells_slower_than_their_history_or_failing_where_they_ran_ok(results, capsys):
+    capsys.readouterr()
+    # a: 15% below the median 1000; b: 5% below 2000 (within 10%); c: out of memory after 3 ok runs;
+    # d: as before; a_again (a's setup, other steps and seed): 1% above; a on another cluster: no history there.
+    sweep = write_sweep(results, "nightly-3", 3, {"a": 850, "b": 1900, "c": "oom", "d": 800, "a_again": 1010})
+    other = write_sweep(results, "elsewhere", 3, {"a": 500}, cluster="daint")
+    assert collect(sweep) == 0  # flags are reported; only --fail-on-regression fails
+    out = capsys.readouterr().out
+    got = flagged(out)
+    assert set(got) == ids("a", "c")
+    assert got[cell_id(spec_of(GPU_BASE, **SETUPS["a"]))] == [
+        f"tokens/s/gpu 850 is 15.0% below the median 1,000 of 3 earlier run(s) of setup "
+        f"{setup_key(spec_of(GPU_BASE, **SETUPS['a']).to_dict())} on alps / {H100} (tolerance 10%)"]
+    assert got[cell_id(spec_of(GPU_BASE, **SETUPS["c"]))] == [
+        f"status oom; its setup ran ok 3 time(s) before on alps / {H100}"]
+    assert "5 cell(s) checked, 2 with a regression; 0 with neither" in out
+
+    summary = (sweep / "report" / "summary.md").read_text()
+    page = (sweep / "report" / "index.html").read_text()
+    for text in (summary, page):
+        assert "Over time" in text and "is 15.0% below the median 1,000" in text and "status oom" in text
+    assert summary.count("REGRESSION") == 2
+
+    assert collect(other) == 0
+    out = capsys.readouterr().out
+    assert not flagged(out) and "0 cell(s) checked, 0 with a regression; 1 with neither" in out
+    assert collect(sweep, "--fail-on-regression") == 1
+    assert set(flagged(capsys.readouterr().out)) == ids("a", "c")
+    assert collect(other, "--fail-on-regression") == 0
+
+
+def test_collecting_the_same_sweep_again_adds_no_rows_and_rerunning_a_cell_adds_one(results, capsys):
+    path = results / "history.duckdb"
+
+    def rows() -> int:
+        with duckdb.connect(str(path), read_only=True) as con:
+            return con.execute("SELECT count(*) FROM runs").fetchone()[0]
+
+    assert rows() == 12  # 3 sweeps x 4 cells
+    sweep = write_sweep(results, "nightly-3", 3, {"a": 850, "b": 1900})
+    assert collect(sweep) == 0 and rows() == 14
+    assert collect(sweep) == 0 and rows() == 14
+    assert "History: 0 new row(s)" in capsys.readouterr().out
+    write_sweep(results, "nightly-3", 4, {"a": 1000})  # cell a rerun in the same folder, a day later
+    assert collect(sweep) == 0 and rows() == 15
+    out = capsys.readouterr().out
+    assert "History: 1 new row(s)" in out
+    assert not flagged(out)  # the 850 of the first attempt is history now: median of 1000, 1010, 990, 850 is 995
+
+
+def test_references_flag_cells_below_or_above_memory_and_name_faster_ones(results, capsys):
+    (results / "references.yaml").write_text(
+        "tolerance: 0.05\n"
+        "references:\n"
+        f"  - gpu: {H100}\n"
+        "    match: {strategy: fsdp2_zero2, batch_size: 1}\n"
+        "    tokens_per_s_per_gpu: 1000\n"
+        "  - match: {strategy: fsdp2_zero2, batch_size: 2}\n"
+        "    tokens_per_s_per_gpu: 1000\n"
+        "    peak_memory_gib: 20\n"
+        "    tolerance: 0.2\n"
+        "  - match: {strategy: fsdp2_zero3, batch_size: 2}\n"
+        "    tokens_per_s_per_gpu: 1700\n"
+        f"  - gpu: {H200}\n"
+        "    match: {strategy: ddp}\n"
+        "    tokens_per_s_per_gpu: 99999\n")
+    capsys.readouterr()
+    # d: 800 vs 1000 (-20%, tolerance 5%); e: 1100 vs 1000 (+10% within 20%) but 30 GiB vs 20 (+50%);
+    # b: 2000 vs 1700 (+18%): faster, a hint; c: the H200 reference is not for this H100 cell.
+    sweep = write_sweep(results, "nightly-3", 3, {"b": 2000, "c": 1500, "d": 800, "e": 1100})
+    assert collect(sweep, "--fail-on-regression") == 1
+    out = capsys.readouterr().out
+    got = flagged(out)
+    assert set(got) == ids("d", "e")
+    (d_line,) = got[cell_id(spec_of(GPU_BASE, **SETUPS["d"]))]
+    assert re.fullmatch(r"tokens/s/gpu 800 is 20\.0% below its reference 1,000 "
+                        r"\(tolerance 5%; .*references\.yaml:5\)", d_line)
+    (e_line,) = got[cell_id(spec_of(GPU_BASE, **SETUPS["e"]))]
+    assert e_line.startswith("peak memory 30.00 GiB is 50.0% above its reference 20.00 GiB (tolerance 20%")
+    hint = f"note: {cell_id(spec_of(GPU_BASE, **SETUPS['b']))}: tokens/s/gpu 2,000 is 17.6% above its reference 1,700"
+    assert hint in out and "faster" in (sweep / "report" / "summary.md").read_text()
+
+
+def test_history_lists_and_filters_runs(results, capsys):
+    write_sweep(results, "h200-0", 3, {"a": 1800, "c": 2500}, cluster="alps", gpu=H200)
+    assert collect(results / "h200-0") == 0
+    path = str(results / "history.duckdb")
+    capsys.readouterr()
+
+    def listed(*flags: str) -> list[str]:
+        assert main(["history", "--history", path, *flags]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return [line for line in lines if line.startswith("| 2026")]
+
+    assert len(listed()) == 14
+    assert len(listed("--strategy", "ddp")) == 4
+    h200 = listed("--system", "h200")
+    assert len(h200) == 2 and all(H200 in line for line in h200)
+    assert len(listed("--model", "qwen2.5-1.5b", "--since", "2026-11-03", "--until", "2026-11-04")) == 8
+    assert len(listed("--until", "2026-11-02")) == 4
+    key = setup_key(spec_of(GPU_BASE, **SETUPS["c"]).to_dict())
+    assert len(listed("--setup", key[:6])) == 4
+    assert len(listed("--limit", "3")) == 3
+    assert listed("--strategy", "fsdp1_full_shard") == []
+
+    assert main(["history", "--history", path, "--since", "November"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: history: --since: expected a date YYYY-MM-DD or "
+                                               "YYYY-MM-DDTHH:MM, got 'November'")
+    assert main(["history", "--history", str(results / "nothing.duckdb")]) == 1
+    assert "no history here yet" in capsys.readouterr().err
+
+
+def test_set_reference_writes_each_setups_median_and_collect_then_checks_against_it(results, capsys):
+    path = results / "history.duckdb"
+    assert main(["history", "--history", str(path), "--strategy", "fsdp2_zero3", "--set-reference",
+                 "--tolerance", "0.04"]) == 0
+    written = results / "references.yaml"
+    assert "wrote 2 reference(s)" in capsys.readouterr().out
+    refs = references.load_references(written)
+    by_setup = {ref.setup: ref for ref in refs.entries}
+    a, b = (spec_of(GPU_BASE, **SETUPS[name]).to_dict() for name in ("a", "b"))
+    assert by_setup[setup_key(a)].tokens_per_s_per_gpu == 1000 and by_setup[setup_key(b)].tokens_per_s_per_gpu == 2000
+    # fsdp2_zero3 and bf16_mixed are defaults: a setup is named by the fields that differ from them
+    assert by_setup[setup_key(b)].match == {"batch_size": 2, "device": "cuda", "gpus_per_node": 2,
+                                            "model": "qwen2.5-1.5b", "seq_len": 4096}
+    systems = {(ref.cluster, ref.gpu, ref.tolerance, ref.extra["runs"]) for ref in refs.entries}
+    assert systems == {("alps", H100, 0.04, 3)}
+
+    # b at 1900 is 5% below its median: within the history's 10%, outside the reference's 4%.
+    sweep = write_sweep(results, "nightly-3", 3, {"a": 990, "b": 1900})
+    assert collect(sweep, "--fail-on-regression") == 1
+    assert set(flagged(capsys.readouterr().out)) == ids("b")
+    # Setting it again replaces the entries of the same system and setup instead of adding to them.
+    assert main(["history", "--history", str(path), "--strategy", "fsdp2_zero3", "--set-reference"]) == 0
+    assert "(2 in the file)" in capsys.readouterr().out
+
+
+def test_no_history_appends_nothing_and_checks_references_only(results, capsys):
+    before = (results / "history.duckdb").stat().st_mtime_ns
+    sweep = write_sweep(results, "nightly-3", 3, {"a": 500})
+    assert collect(sweep, "--no-history", "--fail-on-regression") == 0
+    assert "0 cell(s) checked" in capsys.readouterr().out
+    assert (results / "history.duckdb").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: fast\n",
+     "references.yaml:3: references[0].tokens_per_s_per_gpu: expected a positive number, got 'fast'"),
+    ("references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: 10\n    tolerence: 0.1\n",
+     "references.yaml:4: references[0].tolerence: unknown key; did you mean 'tolerance'?"),
+    ("references:\n  - gpu: x\n    tokens_per_s_per_gpu: 10\n",
+     "references.yaml:2: references[0]: expected a setup key or a match of spec fields "
+     "(an entry for every cell is a mistake)"),
+    ("references:\n  - tokens_per_s_per_gpu: 10\n    match: {batch_size: two}\n",
+     "references.yaml:3: references[0].match.batch_size: expected an integer, got 'two'"),
+    ("tolerance: 10\nreferences: []\n",
+     "references.yaml:1: tolerance: expected a fraction between 0 and 1 (0.1 is 10%), got 10"),
+    ("references:\n  - [1, 2\n", "references.yaml:3: not valid YAML (expected ',' or ']', but got '<stream end>')"),
+])
+def test_a_bad_references_file_is_one_line_naming_file_line_and_key(results, capsys, text, message):
+    (results / "references.yaml").write_text(text)
+    assert collect(results / "nightly-0") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {results}/{message}"
+
+
+def test_the_parser_shows_the_constants_of_the_modules_it_does_not_import():
+    assert cli.HISTORY_NAME == history.HISTORY_NAME
+    assert cli.REFERENCES_NAME == references.REFERENCES_NAME
+    assert cli.DEFAULT_TOLERANCE == regressions.DEFAULT_TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm accounting
+
+
+def test_sacct_lines_give_elapsed_queue_wait_and_energy_for_ended_jobs_only():
+    # sacct --noheader --parsable2 --allocations --format=JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw
+    text = ("4242_0|COMPLETED|2026-11-23T10:00:00|2026-11-23T10:02:30|2026-11-23T10:12:30|600|183000\n"
+            "4242_1|CANCELLED by 1000|2026-11-23T10:00:00|2026-11-23T10:00:05|2026-11-23T10:01:05|60|0\n"
+            "4242_2|RUNNING|2026-11-23T10:00:00|2026-11-23T10:03:00|Unknown|120|\n"
+            "4243|PENDING|2026-11-23T10:00:00|Unknown|Unknown|0|\n")
+    got = parse_sacct(text)
+    assert set(got) == {"4242_0", "4242_1"}
+    assert got["4242_0"] == {"state": "COMPLETED", "submit": "2026-11-23T10:00:00", "start": "2026-11-23T10:02:30",
+                             "end": "2026-11-23T10:12:30", "elapsed_s": 600, "queue_wait_s": 150.0,
+                             "consumed_energy_j": 183000}
+    assert got["4242_1"]["state"] == "CANCELLED" and got["4242_1"]["consumed_energy_j"] is None
+
+
+def test_collect_without_slurm_accounting_says_so_in_one_line_and_carries_on(results, capsys):
+    # The records have Slurm job ids; this machine has no sacct, or one without slurmdbd (the local cluster).
+    assert collect(results / "nightly-0") == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "no Slurm accounting" in line]
+    assert len(notes) == 1, err
+    assert re.fullmatch(r"note: no Slurm accounting \((sacct not found|sacct: .+)\): elapsed time, queue wait and "
+                        r"energy not added to 4 record\(s\)", notes[0])
+
+
+def test_status_without_slurm_accounting_says_so_in_one_line(results, capsys):
+    sweep = results / "nightly-0"
+    manifest = {}
+    for path in sweep.glob("cells/*/result.json"):  # as submit leaves them: spec.json and a manifest entry
+        record = json.loads(path.read_text())
+        (path.parent / "spec.json").write_text(json.dumps({key: record[key] for key in ("cell_id", "sweep", "spec")}))
+        manifest[record["cell_id"]] = {"executor": "slurm", "job_id": record["slurm"]["job_id"]}
+    (sweep / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["status", str(sweep)]) == 0
+    out, err = capsys.readouterr()
+    assert "4 cell(s): ok 4" in out
+    assert len([line for line in err.splitlines() if line.startswith("note: no Slurm accounting (")]) == 1, err
