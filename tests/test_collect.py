@@ -578,11 +578,40 @@ def test_compare_reports_run_to_run_noise_from_repeated_seeds(tmp_path):
 # The command
 
 
-def test_collect_command_ends_with_the_cell_table(gpu, tmp_path, capsys):
+def test_collect_command_prints_the_recommendation_then_the_cell_table(gpu, tmp_path, capsys):
     gpu = Path(shutil.copytree(gpu, tmp_path / "gpu"))  # a copy: gpu_report's plots stay in the shared folder
     assert main(["collect", str(gpu), "--no-plots"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     assert lines[-1].startswith(f"wrote {gpu / 'report'}/: results.csv")
-    assert lines[0].startswith("| strategy") and len([l for l in lines if l.startswith("|")]) == 2 + 15
+    assert [line.split(":")[0] for line in lines[:3]] == ["Fastest", "Most memory headroom", "Cheapest"]
+    assert lines[3].startswith("| strategy") and len([l for l in lines if l.startswith("|")]) == 2 + 15
     assert "warning: skipped" in captured.err and "corrupt-cell" in captured.err
+
+
+def test_the_report_opens_with_one_recommendation_line_each_for_speed_headroom_and_cost(gpu_report):
+    summary = (gpu_report.directory / "summary.md").read_text()
+    assert summary.split("\n## ")[1].startswith("Recommendation")
+    fastest, roomy, cheapest = gpu_report.recommendation
+    zero2_b4 = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=4))
+    zero3_b1 = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1))
+    assert fastest == f"Fastest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 14,000 tokens/s per GPU (cell {zero2_b4})"
+    # The H100's 79.6 GiB from its name (these records predate memory_capacity_gib); 20 GiB peak.
+    assert roomy == (f"Most memory headroom: fsdp2_zero3 at batch 1, accum 1, ckpt none: peak 20.00 of 79.6 GiB, "
+                     f"59.6 GiB (75%) free (cell {zero3_b1})")
+    assert cheapest.startswith("Cheapest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 19.8 GPU-hours per billion tokens (the fastest")
+    assert all(line in summary for line in gpu_report.recommendation)
+    assert "Recommendation" in (gpu_report.directory / "index.html").read_text().split("Best configuration")[0]
+
+
+def test_cheapest_names_the_least_energy_per_token_where_nvml_measured_it(tmp_path):
+    sweep = tmp_path / "energy"
+    for strategy, tps, joules in (("ddp", 12000, 0.05), ("fsdp2_zero3", 11000, 0.04)):
+        spec = spec_of(GPU_BASE, strategy=strategy, batch_size=2)
+        put(sweep, ok_record(spec, tps, 50, joules_per_token=joules, memory_capacity_gib=139.8,
+                             gpu_hours_per_billion_tokens=1e9 / (3600 * tps)))
+    fastest, roomy, cheapest = write_report(sweep, plots=False).recommendation
+    assert fastest.startswith("Fastest: ddp at batch 2") and "of 139.8 GiB, 89.8 GiB (64%) free" in roomy
+    assert cheapest.startswith("Cheapest: ddp at batch 2, accum 1, ckpt none: 23.1 GPU-hours per billion tokens")
+    assert cheapest.endswith("least energy: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token "
+                             "(11.1 kWh per billion tokens)")

@@ -131,3 +131,57 @@ def test_plan_prints_every_cell(capsys):
 def test_every_shipped_jobs_file_plans(jobs):
     sweep = load_sweep(jobs)
     assert sweep.cells and sweep.name == jobs.stem
+
+
+def test_batch_size_auto_in_base_matrix_or_include_sets_auto_batch(tmp_path):
+    sweep = load_sweep(write(tmp_path, """
+        base: {device: cpu, gpus_per_node: 2, batch_size: auto}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+          batch_size: [auto, 4]
+        exclude:
+          - {strategy: ddp, batch_size: auto}
+        include:
+          - {strategy: fsdp2_zero2, max_batch_size: 32, batch_margin: 0.05}
+        """))
+    cells = {(c.spec.strategy, c.spec.auto_batch, c.spec.batch_size): c for c in sweep.cells}
+    assert set(cells) == {("ddp", False, 4), ("fsdp2_zero3", True, 1), ("fsdp2_zero3", False, 4), ("fsdp2_zero2", True, 1)}
+    assert cells["fsdp2_zero3", True, 1].id.startswith("fsdp2_zero3-bauto-a1-")
+    zero2 = cells["fsdp2_zero2", True, 1].spec
+    assert (zero2.max_batch_size, zero2.batch_margin, zero2.batch_cap) == (32, 0.05, 32)
+    assert RunSpec.from_dict({"batch_size": "auto", "auto_batch": True}).auto_batch
+
+
+@pytest.mark.parametrize("values, key, message", [
+    ({"batch_size": "big"}, "batch_size", "expected an integer or auto, got 'big'"),
+    ({"batch_size": "auto", "auto_batch": False}, "auto_batch", "contradicts batch_size: auto"),
+    ({"batch_size": "auto", "batch_margin": 1.0}, "batch_margin", "expected a fraction in [0, 1)"),
+    ({"batch_size": "auto", "batch_probe_steps": 1}, "batch_probe_steps", "expected at least 2"),
+    ({"batch_size": "auto", "max_batch_size": 0}, "max_batch_size", "expected a positive integer"),
+    ({"batch_size": "auto", "gpus_per_node": 4, "global_batch_size": 6}, "global_batch_size", "not a multiple of the world size 4"),
+    ({"batch_size": 64, "auto_batch": True, "max_batch_size": 32}, "batch_size", "above its cap 32"),
+])
+def test_batch_search_settings_are_validated(values, key, message):
+    with pytest.raises(SpecError) as caught:
+        RunSpec.from_dict(values)
+    assert caught.value.key == key and message in caught.value.what
+
+
+def test_a_searched_cells_record_is_not_stale_for_the_batch_it_chose(tmp_path):
+    from hpcfsdp.record import write_record
+    from hpcfsdp.sweep.matrix import Cell
+    from hpcfsdp.sweep.submit import cell_status
+
+    cell = Cell.of(RunSpec.from_dict({"batch_size": "auto", "global_batch_size": 16, "gpus_per_node": 2, "device": "cpu"}))
+    measured = cell.spec.with_batch_size(4)
+    path = tmp_path / "cells" / cell.id / "result.json"
+    write_record(path, {"status": "ok", "spec": measured.to_dict()})
+    assert (measured.batch_size, measured.grad_accum) == (4, 2) and cell_status(tmp_path, cell) == "ok"
+    write_record(path, {"status": "ok", "spec": measured.replace(seq_len=64).to_dict()})
+    assert cell_status(tmp_path, cell) == "stale"
+
+
+def test_an_unknown_gpu_name_asks_for_its_memory_size(tmp_path):
+    with pytest.raises(SpecError, match=r"jobs.yaml:1: slurm.gpu_name: memory size of 'X9000' unknown .*set gpu_memory_gib"):
+        load_sweep(write(tmp_path, "slurm: {gpu_name: X9000}\n"))
+    assert load_sweep(write(tmp_path, "slurm: {gpu_name: X9000, gpu_memory_gib: 96}\n")).resources.gpu_memory_gib == 96

@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--sbatch", action="store_true",
                       help="print the sbatch script of each array instead (as submit would write it for a fresh sweep)")
     plan.add_argument("--results-dir", default=DEFAULT_RESULTS, help=f"with --sbatch: parent of the sweep folder (default {DEFAULT_RESULTS}/)")
+    plan.add_argument("--memory", action="store_true",
+                      help="predicted peak GPU memory per rank of every cell, flagging those predicted not to fit "
+                           "(slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the batch predicted "
+                           "to be found (docs/submit.md)")
     plan.set_defaults(func=_plan)
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
@@ -90,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="also rerun cells whose record is not ok (oom, error, timeout, diverged, cancelled, node_fail) or "
                             "is corrupt (cells without one always run; every earlier record is kept in attempts/)")
     rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
+    submit.add_argument("--skip-predicted-oom", action="store_true",
+                        help="leave out the cells `plan --memory` predicts not to fit in slurm.gpu_memory_gib / gpu_name")
     submit.set_defaults(func=_submit)
 
     run = sub.add_parser("run", help="train one cell on this process (under torchrun, srun, or alone)",
@@ -251,7 +257,7 @@ def _plan(args: argparse.Namespace) -> int:
         return _print_sbatch(sweep, Path(args.results_dir))
     groups = sweep.groups()
     print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(groups)} array(s)")
-    sys.stdout.write("\n".join(_plan_table(sweep)) + "\n")
+    sys.stdout.write("\n".join(_memory_table(sweep) if args.memory else _plan_table(sweep)) + "\n")
     for index, ((nodes, gpus), cells) in enumerate(groups.items()):
         print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
     res = sweep.resources
@@ -293,6 +299,39 @@ def _plan_table(sweep: Sweep) -> list[str]:
     return lines
 
 
+def _memory_table(sweep: Sweep) -> list[str]:
+    """`plan --memory`: the predicted memory of every cell, GiB per GPU (hpcfsdp/memory.py)."""
+    from .memory import RUNTIME_RESERVE_GIB, predict_cells, usable_gib
+
+    res = sweep.resources
+    capacity = _capacity(sweep)
+    rows = predict_cells(sweep.cells, capacity, res.cache_dir or None)
+    id_width = max(4, *(len(r.cell_id) for r in rows))
+    lines = [f"{'cell':{id_width}} {'strategy':19} {'batch':>9} {'ckpt':>9} {'seq':>6} {'states':>7} {'gathered':>8} "
+             f"{'activ.':>7} {'loss':>7} {'peak GiB':>8} {'peak at':>9} fit"]
+    for row in rows:
+        s, p = row.spec, row.prediction
+        batch = f"auto:{row.batch}" if s.auto_batch and capacity and s.device != "cpu" else str(row.batch)
+        figures = (f"{p.states_gib:7.2f} {p.gathered_gib:8.2f} {p.activations_gib:7.2f} {p.loss_gib:7.2f} "
+                   f"{p.peak_gib:8.2f} {p.peak_moment:>9}") if p else f"{'-':>7} {'-':>8} {'-':>7} {'-':>7} {'-':>8} {'-':>9}"
+        fit = {"oom": "OOM", "": "n/a (cpu)" if s.device == "cpu" else "-"}.get(row.fit, row.fit)
+        lines.append(f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6} "
+                     f"{figures} {fit}" + (f"  ({row.note})" if row.note else ""))
+    if capacity is None:
+        lines.append("GPU memory unknown: set slurm.gpu_memory_gib or slurm.gpu_name to flag cells that do not fit")
+    else:
+        lines.append(f"GPU memory {capacity:g} GiB, {usable_gib(capacity):g} usable after a {RUNTIME_RESERVE_GIB:g} GiB "
+                     f"runtime reserve: {sum(r.fit == 'oom' for r in rows)} cell(s) predicted not to fit, "
+                     f"{sum(r.fit == 'tight' for r in rows)} tight (above 90%)")
+    return lines
+
+
+def _capacity(sweep: Sweep) -> float | None:
+    from .memory import capacity_gib
+
+    return capacity_gib(sweep.resources.gpu_memory_gib, sweep.resources.gpu_name)
+
+
 def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
     from .sweep.submit import sbatch_script
 
@@ -314,6 +353,8 @@ def _submit(args: argparse.Namespace) -> int:
     executor, why = (args.executor, "") if args.executor else default_executor()
     # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
     log = _to_stderr if executor == "print" else print
+    if args.skip_predicted_oom:
+        sweep = _without_predicted_oom(sweep, log)
     if why:
         log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
     try:
@@ -354,6 +395,27 @@ def _submit(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
     return 1 if failed else code
+
+
+def _without_predicted_oom(sweep: Sweep, log) -> Sweep:
+    import dataclasses
+
+    from .memory import predict_cells
+
+    capacity = _capacity(sweep)
+    if capacity is None:
+        raise SpecError(sweep.source, "slurm.gpu_memory_gib", "--skip-predicted-oom needs the GPU's memory: "
+                        "set slurm.gpu_memory_gib or slurm.gpu_name")
+    oom = {row.cell_id: row for row in predict_cells(sweep.cells, capacity, sweep.resources.cache_dir or None)
+           if row.fit == "oom"}
+    for row in oom.values():
+        needed = f"{row.prediction.required_gib:.1f}" if row.prediction else "?"
+        log(f"skipping {row.cell_id}: predicted {needed} GiB per GPU of {capacity:g} GiB "
+            f"(--skip-predicted-oom; `hpcfsdp plan --memory` shows why)")
+    kept = tuple(cell for cell in sweep.cells if cell.id not in oom)
+    if not kept:
+        raise SpecError(sweep.source, "", f"every cell is predicted not to fit in {capacity:g} GiB: nothing to submit")
+    return dataclasses.replace(sweep, cells=kept)
 
 
 def _to_stderr(message: str) -> None:
@@ -500,6 +562,8 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
         regressions = len(comparison.regressions)
         print(text)
         print(f"wrote {path}\n")
+    for line in report.recommendation:
+        print(line)
     print(markdown_table(report.table))
     print("over time: " + " ".join(checked.notes))
     for line in checked.regressions:

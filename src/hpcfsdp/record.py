@@ -31,7 +31,8 @@ ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status onc
 
 # Fields the tables and plots compute with: a number (or null) each, lists of numbers.
 NUMBER_FIELDS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "data_time_fraction", "comm_exposed_fraction",
-                 "gpu_util_mean", "step_time_s", "final_loss")
+                 "gpu_util_mean", "step_time_s", "final_loss", "gpu_hours_per_billion_tokens", "joules_per_token",
+                 "memory_capacity_gib")
 NUMBER_LIST_FIELDS = ("losses", "step_times_s")
 # Exact types, as json.loads gives them: true is a bool, not the number 1.
 NUMBER_TYPES = frozenset({int, float})

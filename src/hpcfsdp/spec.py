@@ -139,9 +139,14 @@ class RunSpec:
     reduce_dtype: ReduceDtype = "fp32"
     optimizer_order: OptimizerOrder = "after_shard"
     # batch shape
-    batch_size: int = 1  # per device
+    batch_size: int = 1  # per device; with auto_batch, the first batch the search tries
     grad_accum: int = 1
     global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
+    # batch_size: auto (cell/batch_search.py): the largest per-device batch that fits, found in the cell
+    auto_batch: bool = False  # set by `batch_size: auto`; the record's batch_size is then the one found
+    max_batch_size: int = 256  # the search never tries a larger batch
+    batch_margin: float = 0.0  # a batch fits only if its peak reserved memory stays this fraction below the GPU's
+    batch_probe_steps: int = 2  # steps per probe; the second one holds the optimizer states
     sync_every_microbatch: bool = False
     # compute
     activation_checkpointing: Checkpointing = "none"  # full | selective (every k-th layer) | op (op-level policy)
@@ -204,7 +209,8 @@ class RunSpec:
         _require_choices(where, self)
         for name, value in _text_fields(self):
             require_no_control_characters(where, name, value)
-        for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every"):
+        for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every",
+                     "max_batch_size"):
             if getattr(self, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
         for name in ("warmup_steps", "global_batch_size", "hsdp_shard_size", "prefetch_depth", "min_num_params",
@@ -218,11 +224,39 @@ class RunSpec:
         for name in ("weight_decay", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
-        spec = self._with_derived_grad_accum(where, grad_accum_given)
+        self._check_batch_search(where)
+        # batch_size: auto derives grad_accum once the search has chosen a batch (with_batch_size).
+        spec = self if self.auto_batch else self._with_derived_grad_accum(where, grad_accum_given)
         spec._check_combinations(where)
         spec._check_model(where)
         spec._check_data(where)
         return spec
+
+    def _check_batch_search(self, where: str) -> None:
+        if not 0 <= self.batch_margin < 1:
+            raise SpecError(where, "batch_margin", f"expected a fraction in [0, 1), got {self.batch_margin}")
+        if self.batch_probe_steps < 2:
+            raise SpecError(where, "batch_probe_steps", "expected at least 2 (the optimizer states exist from "
+                            f"the second step on), got {self.batch_probe_steps}")
+        if not self.auto_batch:
+            return
+        if self.global_batch_size % self.world_size:
+            raise SpecError(where, "global_batch_size", f"{self.global_batch_size} is not a multiple of the world "
+                            f"size {self.world_size} (batch_size: auto needs a per-rank share to divide)")
+        if self.batch_size > self.batch_cap:
+            raise SpecError(where, "batch_size", f"the search's first batch {self.batch_size} is above its cap "
+                            f"{self.batch_cap} (max_batch_size, or global_batch_size / world size)")
+
+    @property
+    def batch_cap(self) -> int:
+        """The largest batch `batch_size: auto` may try: max_batch_size, and the per-rank share of
+        global_batch_size where one is given."""
+        share = self.global_batch_size // self.world_size if self.global_batch_size else self.max_batch_size
+        return min(self.max_batch_size, share)
+
+    def with_batch_size(self, batch_size: int, where: str = "batch_size: auto") -> "RunSpec":
+        """This spec at another per-device batch, grad_accum derived again from global_batch_size."""
+        return dataclasses.replace(self, batch_size=batch_size)._with_derived_grad_accum(where, grad_accum_given=False)
 
     def _with_derived_grad_accum(self, where: str, grad_accum_given: bool) -> "RunSpec":
         """grad_accum from global_batch_size; one given beside it must agree, never be overridden."""
@@ -364,6 +398,8 @@ class Resources:
     max_requeue: int = 0  # requeues after the time-limit signal; the cell then starts over
     signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
     cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
+    gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
+    gpu_memory_gib: float = 0.0  # GPU memory for plan --memory and submit --skip-predicted-oom; 0: from gpu_name
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
 
     @classmethod
@@ -376,6 +412,15 @@ class Resources:
         for name in ("mem_gb", "max_requeue"):
             if getattr(res, name) < 0:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(res, name)}")
+        if res.gpu_memory_gib < 0:
+            raise SpecError(where, "gpu_memory_gib", f"expected a number >= 0, got {res.gpu_memory_gib}")
+        if res.gpu_name and not res.gpu_memory_gib:
+            from .memory import GPU_MEMORY_GIB, gpu_memory_gib
+
+            if gpu_memory_gib(res.gpu_name) is None:
+                known = ", ".join(name for name, gib in GPU_MEMORY_GIB if gib)
+                raise SpecError(where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); "
+                                "set gpu_memory_gib")
         if res.signal_delay_s >= res.time_min * 60:
             raise SpecError(where, "signal_delay_s", f"{res.signal_delay_s} s is not below the time limit "
                             f"(time_min {res.time_min} = {res.time_min * 60} s)")
@@ -428,6 +473,13 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
             raise SpecError(where, f"extra_sbatch.{key}", f"GPUs are already asked for (slurm.gpu_request: "
                             f"{res.gpu_request}); set gpu_request: none to ask with --{flag}")
 
+
+# `batch_size: auto` in a jobs YAML or on the command line: RunSpec.auto_batch (batch_size stays an int).
+AUTO = "auto"
+# The fields whose values a `batch_size: auto` cell's record holds as the search chose them.
+SEARCHED_FIELDS = ("batch_size", "grad_accum")
+# The fields that say how the search ran (not what its cell then measured).
+BATCH_SEARCH_FIELDS = ("auto_batch", "max_batch_size", "batch_margin", "batch_probe_steps")
 
 # A model / data / tokenizer value written like this names a local path, which must exist.
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
@@ -523,9 +575,15 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
     """Check names and types of user values against the dataclass fields (YAML gives plain types)."""
     types = _field_types(cls)
     out: dict[str, Any] = {}
+    auto = cls is RunSpec and values.get("batch_size") == AUTO
+    if auto and values.get("auto_batch", True) is not True:
+        raise SpecError(where, "auto_batch", f"{shown(values['auto_batch'])} contradicts batch_size: auto; leave auto_batch out")
     for key, value in values.items():
         if key not in types:
             raise unknown_key(where, key, tuple(types))
+        if auto and key == "batch_size":
+            out["auto_batch"] = True  # batch_size keeps its default: the search's first batch
+            continue
         out[key] = _coerce(where, key, value, types[key])
     return out
 
@@ -544,7 +602,7 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise SpecError(where, key, f"expected an integer, got {shown(value)}")
+        raise SpecError(where, key, f"expected an integer{' or auto' if key == 'batch_size' else ''}, got {shown(value)}")
     if expected is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -76,8 +77,12 @@ def init_distributed(device_kind: str) -> DistEnv:
     )
 
 
+@functools.cache
 def build_mesh(env: DistEnv, replicate: int = 0) -> DeviceMesh:
-    """1-D mesh over all ranks (replicate=0), or 2-D (replicate, shard) for hybrid sharding."""
+    """1-D mesh over all ranks (replicate=0), or 2-D (replicate, shard) for hybrid sharding.
+
+    One per shape and process: `batch_size: auto` builds the model again for every probe, and
+    a 2-D mesh makes new process groups (NCCL communicators hold GPU memory) each time it is made."""
     if not replicate:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(

@@ -69,6 +69,13 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def memory_capacity_gib(device: torch.device) -> float | None:
+    """The GPU's total memory as torch sees it (GiB); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 1024**3
+
+
 def memory_reading(device: torch.device) -> dict[str, float]:
     """Memory in GiB: CUDA allocator figures on a GPU, process peak RSS everywhere."""
     gib = 1024**3
@@ -98,10 +105,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class NvmlSampler:
-    """Samples GPU utilisation, SM clock and power of one GPU in a background thread.
+    """Samples GPU utilisation, SM clock and power of one GPU in a background thread, and reads
+    its total-energy counter (nvmlDeviceGetTotalEnergyConsumption, mJ since the driver loaded) at
+    start and stop.
 
     `start()` when the timed steps begin (after warm-up and compilation), `stop()` after them;
-    does nothing when NVML is absent, so a record simply has no GPU-utilisation fields then.
+    does nothing when NVML is absent, so a record simply has no GPU-utilisation fields then, and
+    no energy where the GPU has no energy counter (before Volta) either.
     """
 
     def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
@@ -111,6 +121,7 @@ class NvmlSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
+        self._energy_mj: list[int | None] = []  # the counter at start and at stop
 
     def start(self) -> None:
         if self.device.type != "cuda" or self._thread is not None:
@@ -122,8 +133,17 @@ class NvmlSampler:
             self._handle = pynvml.nvmlDeviceGetHandleByUUID(_cuda_uuid(self.device))
         except Exception:  # noqa: BLE001 - no NVML (library, driver or permissions): measure without it
             return
+        self._energy_mj.append(self._energy_counter())
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
         self._thread.start()
+
+    def _energy_counter(self) -> int | None:
+        import pynvml
+
+        try:
+            return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        except pynvml.NVMLError:  # not supported on this GPU
+            return None
 
     def _run(self) -> None:
         import pynvml
@@ -138,14 +158,22 @@ class NvmlSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._energy_mj.append(self._energy_counter())
 
-    def summary(self) -> dict[str, float]:
+    @property
+    def energy_j(self) -> float | None:
+        """Joules between start() and stop(); None without both counter readings."""
+        if len(self._energy_mj) != 2 or None in self._energy_mj:
+            return None
+        return (self._energy_mj[1] - self._energy_mj[0]) / 1000
+
+    def summary(self) -> dict[str, float | None]:
         if not self.samples:
-            return {}
+            return {"energy_j": self.energy_j}
         util, clock, power = zip(*self.samples)
         return {"gpu_util_mean": statistics.fmean(util), "gpu_util_min": min(util),
                 "sm_clock_mhz_mean": statistics.fmean(clock), "power_w_mean": statistics.fmean(power),
-                "nvml_samples": float(len(self.samples))}
+                "nvml_samples": float(len(self.samples)), "energy_j": self.energy_j}
 
 
 def _cuda_uuid(device: torch.device) -> str:

@@ -16,28 +16,31 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
 
 from .. import __version__
+from .batch_search import BatchSearch, is_oom, search_batch_size
 from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
 from .levers import check_device, float8_linear_count, install_loss
 from .metrics import (
+    FlopCount,
     NvmlSampler,
     communication_breakdown,
     device_name,
     flops_per_token,
     median,
+    memory_capacity_gib,
     memory_reading,
     peak_tflops,
     percentile,
     quiet_profiler,
     reset_peak_memory,
 )
-from .models import build_model, materialize, resolve_model
+from .models import ModelSource, build_model, materialize, resolve_model
 from ..record import RECORD_NAME, SPEC_NAME, RecordError, keep_as_attempt, read_record, write_record
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
 from .provenance import driver_version, framework_environment, git_commit
@@ -101,6 +104,9 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
     finally:
         _restore(previous_handlers)
+    if progress.batch_search is not None:
+        record["batch_search"] = progress.batch_search.record()
+        spec = progress.measured or spec  # the record holds the batch the search chose
     status = record["status"]
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     hosts = all_gather_objects(node) if status == "ok" else [node]
@@ -122,6 +128,8 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
 @dataclass
 class _Progress:
     stage: str = "setup"
+    batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
+    measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
 
 
 def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> dict[str, Any]:
@@ -138,27 +146,27 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
             f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
         )
     check_device(spec, env.device)
-    if spec.memory_snapshot and env.device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
     enter("data")
     blocks = open_data(spec.data, spec.text_tokenizer, spec.seq_len, spec.text_column)
-    enter("model")
-    pretrained = spec.init == "pretrained"
-    source = resolve_model(spec.model, weights=pretrained)
-    model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
-    if spec.meta_init and spec.family != "fsdp2":
-        materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
-    check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
-    install_loss(model, spec, env.device)
-    flops = flops_per_token(model, spec.seq_len)
-    vocab_size = model.config.vocab_size
-    memory = {"after_model": memory_reading(env.device)}
-    enter("shard")
-    model, optimizer, optimizer_tracks_model = _parallelize_with_optimizer(model, spec, env, memory)
-    memory["after_optimizer"] = memory_reading(env.device)
+    if spec.auto_batch:
+        enter("batch_search")
+
+        def say(line: str) -> None:
+            if env.is_main:
+                print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
+
+        progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
+        spec = progress.measured = search_batch_size(
+            progress.batch_search, spec, env, blocks, lambda probe: _build_probe(probe, env),
+            on_first_step=lambda batch: _inject_fault("train_step", env, batch), log=say)
+    if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    memory: dict[str, dict[str, float]] = {}
+    built = _build(spec, env, memory, enter)
+    model, optimizer, flops = built.model, built.optimizer, built.flops
     enter("train")
     reset_peak_memory(env.device)
-    batches = training_batches(blocks, vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank,
+    batches = training_batches(blocks, built.vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank,
                                env.world_size, env.device)
     if env.is_main:
         print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
@@ -167,7 +175,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
 
     def on_step_end(step: int) -> None:
         if step == 0:
-            _inject_fault("train_step", env)
+            _inject_fault("train_step", env, spec.batch_size)
         if step == spec.warmup_steps - 1:
             memory["after_warmup"] = memory_reading(env.device)
             if sampler is not None:
@@ -184,12 +192,13 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     memory["end"] = memory_reading(env.device)
     record = _ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
-                  optimizer_tracks_model=optimizer_tracks_model, model_source=source.provenance,
+                  optimizer_tracks_model=built.optimizer_tracks_model, model_source=built.source.provenance,
                   data_source=blocks.provenance if blocks else {"kind": "synthetic"})
     if spec.float8 != "none":
         record["float8_linears"] = float8_linear_count(model)
     if sampler is not None:
         record.update(_gpu_utilisation(sampler.summary(), env))
+    record.update(_energy(record.get("energy_per_rank_j"), record))
     if spec.comm_profile_steps:
         enter("comm_profile")
         record.update(_profile_communication(model, optimizer, batches, spec, env))
@@ -200,6 +209,41 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     if spec.record_param_norm:
         record["final_param_norm"] = full_param_norm(model)
     return record
+
+
+@dataclass(frozen=True)
+class _Built:
+    model: Any
+    optimizer: torch.optim.Optimizer
+    optimizer_tracks_model: bool
+    flops: FlopCount
+    source: ModelSource
+    vocab_size: int
+
+
+def _build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], None]) -> _Built:
+    """Model, strategy and optimizer for `spec`; memory is read after each stage."""
+    enter("model")
+    pretrained = spec.init == "pretrained"
+    source = resolve_model(spec.model, weights=pretrained)
+    model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
+    if spec.meta_init and spec.family != "fsdp2":
+        materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
+    check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
+    install_loss(model, spec, env.device)
+    flops = flops_per_token(model, spec.seq_len)
+    vocab_size = model.config.vocab_size
+    memory["after_model"] = memory_reading(env.device)
+    enter("shard")
+    model, optimizer, tracks = _parallelize_with_optimizer(model, spec, env, memory)
+    memory["after_optimizer"] = memory_reading(env.device)
+    return _Built(model, optimizer, tracks, flops, source, vocab_size)
+
+
+def _build_probe(spec: RunSpec, env: DistEnv):
+    """What a batch-search probe trains: the cell's own set-up at the probe's batch."""
+    built = _build(spec, env, {}, enter=lambda stage: None)
+    return built.model, built.optimizer, built.vocab_size
 
 
 def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv) -> dict:
@@ -256,17 +300,35 @@ def _memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, s
     return {"memory_snapshot": str(path)}
 
 
-def _gpu_utilisation(summary: dict[str, float], env: DistEnv) -> dict[str, Any]:
+def _gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str, Any]:
     """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
-    per_gpu = [s for s in all_gather_objects(summary) if s]
+    gathered: list[dict[str, Any]] = all_gather_objects(summary)  # type: ignore[assignment]
+    per_gpu = [s for s in gathered if s.get("nvml_samples")]
+    energy = [s.get("energy_j") for s in gathered]
+    out: dict[str, Any] = {"energy_per_rank_j": energy if all(e is not None for e in energy) else None}
     if not per_gpu:
-        return {}
+        return out
     return {
+        **out,
         "gpu_util_mean": sum(s["gpu_util_mean"] for s in per_gpu) / len(per_gpu),
         "gpu_util_min": min(s["gpu_util_min"] for s in per_gpu),
         "sm_clock_mhz_mean": sum(s["sm_clock_mhz_mean"] for s in per_gpu) / len(per_gpu),
         "power_w_mean": sum(s["power_w_mean"] for s in per_gpu) / len(per_gpu),
         "gpu_utilisation_per_rank": per_gpu,
+    }
+
+
+def _energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str, Any]:
+    """Energy of the timed steps (NVML's counter, summed over ranks) and what a token costs.
+
+    GPU-hours per billion tokens = 1e9 / (3600 x tokens/s per GPU): devices x hours, for every
+    record with a throughput, a CPU run's included (then device-hours of its processes)."""
+    tokens = record["tokens_per_step"] * record["timed_steps"]
+    energy = sum(per_rank_j) if per_rank_j else None
+    return {
+        "energy_j": energy,
+        "joules_per_token": energy / tokens if energy is not None and tokens else None,
+        "gpu_hours_per_billion_tokens": 1e9 / (3600 * record["tokens_per_s_per_gpu"]),
     }
 
 
@@ -276,7 +338,7 @@ def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, A
         status = "timeout"
     elif isinstance(exc, CellCancelled):
         status = exc.status
-    elif isinstance(exc, torch.OutOfMemoryError):
+    elif is_oom(exc):
         status = "oom"
     elif isinstance(exc, Diverged):
         status = "diverged"
@@ -418,17 +480,20 @@ def _restore(previous: dict) -> None:
 FAULT_ENV = "HPCFSDP_FAULT"
 
 
-def _inject_fault(stage: str, env: DistEnv) -> None:
-    """Test-only hook: HPCFSDP_FAULT=stage:kind[:rank] raises a real exception (or signal) there.
+def _inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
+    """Test-only hook: HPCFSDP_FAULT=stage:kind[>N][:rank] raises a real exception (or signal) there.
 
     kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself) or hang
-    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell).
+    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell). With >N
+    (train_step only) it fires only above a per-device batch of N: a memory budget the CPU path
+    enforces, for the batch search (`train_step:oom>4` lets batches up to 4 fit).
     """
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return
     fault_stage, kind, *rank = spec.split(":")
-    if fault_stage != stage or (rank and int(rank[0]) != env.rank):
+    kind, _, above = kind.partition(">")
+    if fault_stage != stage or (rank and int(rank[0]) != env.rank) or (above and batch_size <= int(above)):
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
@@ -508,6 +573,7 @@ def _ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory:
         "memory": memory_max,
         "peak_memory_gib": memory_max["end"].get("peak_allocated_gib", memory_max["end"]["cpu_max_rss_gib"]),
         "peak_memory_kind": "cuda_peak_allocated" if env.device.type == "cuda" else "cpu_max_rss",
+        "memory_capacity_gib": memory_capacity_gib(env.device),
         "losses": log.losses,
         "final_loss": log.losses[-1],
     }

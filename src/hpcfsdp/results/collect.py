@@ -17,7 +17,8 @@ from typing import Any
 import pandas as pd
 
 from . import plots as plotting
-from ..spec import STRATEGY_KNOBS, SpecError
+from ..memory import gpu_memory_gib
+from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, SpecError
 from ..record import (
     MISSING,
     RECORD_NAME,
@@ -35,7 +36,8 @@ MANIFEST_NAME = "manifest.json"
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 # Optional per-step fractions and utilisation: averaged over repeats like the metrics.
-EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean")
+EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean", "gpu_hours_per_billion_tokens",
+                 "joules_per_token", "memory_capacity_gib")
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
 METRIC_FORMATS = {"tokens_per_s_per_gpu": "{:,.0f}", "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}"}
 
@@ -204,7 +206,8 @@ def label_cells(collection: Collection) -> Cells:
     for column in (*METRICS, *EXTRA_NUMBERS):
         frame[column] = pd.to_numeric(frame[column], errors="coerce")
     _fill_added_fields(frame, spec_fields)
-    workload = tuple(f for f in spec_fields if f not in (*STRATEGY_KNOBS, "strategy", "seed"))
+    # How batch_size: auto searched does not change what its cell then measured at the batch it chose.
+    workload = tuple(f for f in spec_fields if f not in (*STRATEGY_KNOBS, *BATCH_SEARCH_FIELDS, "strategy", "seed"))
     varied = [f for f in workload if f != "batch_size" and frame[f].nunique() > 1]
     fixed = tuple(dict.fromkeys(("grad_accum", "activation_checkpointing", *varied)))
     frame["variant"] = _variants(frame, [k for k in STRATEGY_KNOBS if k in frame])
@@ -267,7 +270,7 @@ def ok_configs(cells: Cells) -> pd.DataFrame:
     ok = cells.ok
     keys = ["variant", *cells.workload]
     numbers = {c: "mean" for c in (*METRICS, *EXTRA_NUMBERS)}
-    firsts = {c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type") if c in ok}
+    firsts = {c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch") if c in ok}
     configs = ok.groupby(keys, dropna=False, sort=False, observed=True).agg({**numbers, **firsts, "status": "size"})
     return configs.rename(columns={"status": "repeats"}).reset_index()
 
@@ -330,16 +333,39 @@ def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.Dat
     return rows
 
 
+def probe_rows(cells: Cells) -> pd.DataFrame:
+    """One row per probe of the `batch_size: auto` cells: the cell's labels and spec fields, with
+    the probe's batch, status (ok, oom, over_margin), peak memory and tokens/s per GPU."""
+    frame = cells.frame
+    if "batch_search.probes" not in frame:
+        return pd.DataFrame(columns=["variant", "setting", *cells.fixed, "batch_size", "status", *PROBE_NUMBERS])
+    labels = ["cell_id", "variant", "setting", *dict.fromkeys(cells.fixed)]
+    rows = [{**{k: cell[k] for k in labels}, **{k: probe.get(k) for k in ("batch_size", "status", *PROBE_NUMBERS)}}
+            for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list))].iterrows()
+            for probe in cell["batch_search.probes"] if isinstance(probe, dict)]
+    probes = pd.DataFrame(rows, columns=[*labels, "batch_size", "status", *PROBE_NUMBERS])
+    probes[list(PROBE_NUMBERS)] = probes[list(PROBE_NUMBERS)].apply(pd.to_numeric, errors="coerce")
+    probes["setting"] = pd.Categorical(probes["setting"], categories=frame["setting"].cat.categories, ordered=True)
+    return probes
+
+
+PROBE_NUMBERS = ("peak_memory_gib", "tokens_per_s_per_gpu")
+
+
 def frontier_table(cells: Cells) -> pd.DataFrame:
-    """Largest batch that ran per strategy and setting (grad_accum aside: it does not change what fits)."""
+    """Largest batch that ran per strategy and setting (grad_accum aside: it does not change what
+    fits), from the cells and the probes of `batch_size: auto` searches (a probe over the
+    margin counts as not fitting)."""
     keys = ["variant", *(f for f in cells.fixed if f != "grad_accum")]
-    frame = cells.frame.dropna(subset=["variant", "batch_size"])
+    probes = probe_rows(cells)
+    runs = [part[[*keys, "batch_size", "status"]] for part in (cells.frame, probes) if not part.empty]
+    frame = pd.concat(runs, ignore_index=True).dropna(subset=["variant", "batch_size"]) if runs else pd.DataFrame()
     if frame.empty:
         return pd.DataFrame()
     groups = frame.groupby(keys, dropna=False, sort=True)
     table = pd.DataFrame({
         "largest ok batch": frame[frame["status"] == "ok"].groupby(keys, dropna=False)["batch_size"].max(),
-        "smallest OOM batch": frame[frame["status"] == "oom"].groupby(keys, dropna=False)["batch_size"].min(),
+        "smallest OOM batch": frame[frame["status"].isin(("oom", "over_margin"))].groupby(keys, dropna=False)["batch_size"].min(),
         "batches run": groups["batch_size"].agg(lambda s: ", ".join(_text(b) for b in sorted(s.unique()))),
     }).reset_index()
     table["largest ok batch"] = table["largest ok batch"].map(lambda v: _text(v) if pd.notna(v) else "none")
@@ -441,6 +467,7 @@ class Report:
     unreadable: list[str]
     skipped_plots: dict[str, str]  # plot name -> why it was not drawn
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
+    recommendation: list[str] = field(default_factory=list)  # fastest, most headroom, cheapest
 
 
 def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True,
@@ -461,7 +488,7 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     figures, skipped = [], {}
     if plots:
         reference, label = reference_cells(cells)
-        figures, skipped = plotting.write_plots(configs, reference, label, report / "plots")
+        figures, skipped = plotting.write_plots(configs, reference, label, report / "plots", probe_rows(cells))
         files += [path for _, path in figures]
     sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *pivot_sections(cells, configs),
                  all_cells_section(cells), Section("Environment", table=environment_table(collection.frame))]
@@ -470,7 +497,8 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
     (report / "summary.md").write_text(to_markdown(title, sections, relative_to=report))
     (report / "index.html").write_text(to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
-    return Report(comparison_table(collection.cells), report, files, collection.unreadable, skipped, notes)
+    return Report(comparison_table(collection.cells), report, files, collection.unreadable, skipped, notes,
+                  recommendation(configs, cells))
 
 
 def report_folder(sweep_dir: Path) -> Path:
@@ -545,8 +573,11 @@ def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]) -> list[Section]:
-    """Best configurations, baseline comparison, OOM frontier, then what did not finish or read."""
-    sections = [_best_section(configs, cells), _baseline_section(configs, cells, baseline),
+    """Recommendation, best configurations, baseline comparison, OOM frontier, then what did not
+    finish or read."""
+    lines = recommendation(configs, cells)
+    sections = [Section("Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines),
+                _best_section(configs, cells), _baseline_section(configs, cells, baseline),
                 Section("OOM frontier", text="Largest per-device batch that ran, per strategy and setting.",
                         table=frontier_table(cells))]
     failures = failures_table(cells)
@@ -581,6 +612,51 @@ def all_cells_section(cells: Cells) -> Section:
         if header in table:
             table[header] = table[header].map(lambda v, m=metric: fmt(m, v))
     return Section("All cells", table=table.map(_text))
+
+
+def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
+    """One line each for the fastest (tokens/s per GPU), the most memory headroom (GPU memory left
+    at the peak; the lowest peak where the device's size is unknown) and the cheapest (GPU-hours
+    per billion tokens) ok configuration, with its setup and the figures it was picked by."""
+    ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).copy()
+    if ranked.empty:
+        return []
+    # Records from before gpu_hours_per_billion_tokens existed: the same figure from their throughput.
+    ranked["gpu_hours_per_billion_tokens"] = ranked["gpu_hours_per_billion_tokens"].fillna(
+        1e9 / (3600 * ranked["tokens_per_s_per_gpu"]))
+    named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
+    by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
+    ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
+    fastest = ranked.loc[ranked["tokens_per_s_per_gpu"].idxmax()]
+    cheapest = ranked.loc[ranked["gpu_hours_per_billion_tokens"].idxmin()]
+    lines = [f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+             f"tokens/s per GPU (cell {fastest['cell_id']})"]
+    known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
+    if known.empty:
+        lowest = ranked.loc[ranked["peak_memory_gib"].idxmin()]
+        lines.append(f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
+                     f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
+                     f"cell {lowest['cell_id']})")
+    else:
+        roomy = known.loc[(known["capacity"] - known["peak_memory_gib"]).idxmax()]
+        free = roomy["capacity"] - roomy["peak_memory_gib"]
+        lines.append(f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
+                     f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
+                     f"(cell {roomy['cell_id']})")
+    same = " (the fastest: GPU-hours per token are the inverse of tokens/s per GPU)" if cheapest.name == fastest.name else ""
+    line = (f"Cheapest: {_setup(cheapest, cells)}: {cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion "
+            f"tokens{same} (cell {cheapest['cell_id']})")
+    energy = ranked.dropna(subset=["joules_per_token"])
+    if not energy.empty:
+        frugal = energy.loc[energy["joules_per_token"].idxmin()]
+        line += (f"; least energy: {_setup(frugal, cells)}: {frugal['joules_per_token']:.3g} J per token "
+                 f"({frugal['joules_per_token'] * 1e9 / 3.6e6:.3g} kWh per billion tokens)")
+    return lines + [line]
+
+
+def _setup(config: pd.Series, cells: Cells) -> str:
+    batch = _text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 - numpy bool or NaN
+    return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
 
 
 def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:

@@ -6,7 +6,8 @@ is absent raises NoData and is skipped with a note instead of failing the report
 that fails for any other reason, with the error as the note.
 
 Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the
-ok cells of one workload run by most strategies; both carry `variant` and `setting` labels.
+ok cells of one workload run by most strategies, `probes` the batches `batch_size: auto` tried
+(drawn as unjoined markers beside the lines); all carry `variant` and `setting` labels.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,22 +29,13 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
+from ..memory import gpu_memory_gib
+
 DPI = 100
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
 MARKERS = "osD^vP*Xh<>p"
 LINESTYLES = ("-", "--", ":", "-.")
 
-# Device memory in GiB as nvidia-smi reports it, by a fragment of the CUDA device name; the first
-# match wins, so specific names come first. GH200 ships with 96 or 144 GB: no line.
-GPU_MEMORY_GIB: tuple[tuple[str, float | None], ...] = (
-    ("GH200", None),
-    ("H200", 140.4),
-    ("H100 NVL", 93.6),
-    ("H100", 79.6),
-    ("A100-SXM4-80GB", 80.0),
-    ("A100 80GB", 80.0),
-    ("A100", 40.0),
-)
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
 
 
@@ -57,28 +49,25 @@ class PlotData:
     reference: pd.DataFrame
     reference_label: str
     styles: dict[str, dict[str, Any]]  # variant -> line style, the same in every figure
+    probes: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @classmethod
-    def of(cls, configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str) -> "PlotData":
-        return cls(configs, reference, reference_label, _styles([*configs["variant"], *reference["variant"]]))
+    def of(cls, configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str,
+           probes: pd.DataFrame | None = None) -> "PlotData":
+        probes = probes if probes is not None else pd.DataFrame()
+        variants = [*configs["variant"], *reference["variant"], *probes.get("variant", [])]
+        return cls(configs, reference, reference_label, _styles(variants), probes)
 
 
-def gpu_memory_gib(device_name: str) -> float | None:
-    for fragment, gib in GPU_MEMORY_GIB:
-        if fragment.lower() in device_name.lower():
-            return gib
-    return None
-
-
-def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str,
-                out_dir: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str, out_dir: Path,
+                probes: pd.DataFrame | None = None) -> tuple[list[tuple[str, Path]], dict[str, str]]:
     """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}.
 
     Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
     so they are drawn in worker processes, one per core.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = PlotData.of(configs, reference, reference_label)
+    data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
     workers = min(len(jobs), os.cpu_count() or 1)
     if workers > 1:
@@ -253,8 +242,10 @@ def _facets(frame: pd.DataFrame, title: str, panel: tuple[float, float] = (5.0, 
 
 def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
     """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
-    labelled horizontal lines (a GPU's memory capacity)."""
+    labelled horizontal lines (a GPU's memory capacity). Batch-search probes that fitted are
+    hollow markers; those that ran out of memory are crosses at their peak up to the failure."""
     frame = data.configs.dropna(subset=[column])
+    probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
     figure, panels = _facets(frame, title)
@@ -262,15 +253,24 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
         for variant, line in part.groupby("variant", sort=True):
             line = line.sort_values("batch_size")
             ax.plot(line["batch_size"], line[column], **data.styles[variant], label=variant)
+        for (variant, fitted), points in (probes[probes["setting"] == setting].groupby(["variant", probes["status"] == "ok"])
+                                          if not probes.empty else []):
+            colour = data.styles[variant]["color"]
+            marker = dict(marker=data.styles[variant]["marker"], markerfacecolor="none") if fitted else dict(marker="x")
+            ax.plot(points["batch_size"], points[column], linestyle="none", color=colour, markersize=8, **marker)
         for level in (levels or {}).values():
             ax.axhline(level, color="crimson", linestyle="--", linewidth=1.2)
         ax.set_title(setting)
         ax.grid(alpha=0.3)
-    _batch_axis(ax, frame["batch_size"])
-    ax.set_ylim(0, 1.08 * max([frame[column].max(), *(levels or {}).values()]))  # from 0, headroom over every panel
+    _batch_axis(ax, pd.concat([frame["batch_size"], probes.get("batch_size", pd.Series(dtype=float))]))
+    top = max([frame[column].max(), *(probes[column] if not probes.empty else []), *(levels or {}).values()])
+    ax.set_ylim(0, 1.08 * top)  # from 0, headroom over every panel
     figure.supxlabel("per-device batch size")
     figure.supylabel(ylabel)
     handles = [Line2D([], [], **data.styles[name], label=name) for name in sorted(set(frame["variant"]))]
+    if not probes.empty:
+        handles += [Line2D([], [], color="grey", marker="o", markerfacecolor="none", linestyle="none", label="search probe: fitted"),
+                    Line2D([], [], color="grey", marker="x", linestyle="none", label="search probe: did not fit")]
     handles += [Line2D([], [], color="crimson", linestyle="--", label=label) for label in (levels or {})]
     figure.legend(handles=handles, loc="outside right upper", title="strategy")
     return figure

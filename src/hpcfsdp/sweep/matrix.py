@@ -81,7 +81,8 @@ def cell_id(spec: RunSpec) -> str:
     values = {name: value for name in _SPEC_FIELDS if (value := getattr(spec, name)) != _DEFAULTS[name]}
     canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
-    return f"{spec.strategy}-b{spec.batch_size}-a{spec.grad_accum}-{digest}"
+    batch = "auto" if spec.auto_batch else spec.batch_size
+    return f"{spec.strategy}-b{batch}-a{spec.grad_accum}-{digest}"
 
 
 class _LineLoader(BoundedLoader):
@@ -232,7 +233,7 @@ class _Exclusion:
     def drops(self, values: dict) -> bool:
         cell = {**_DEFAULTS, **values}
         try:
-            hit = coerce_fields(RunSpec, {k: cell[k] for k in self._coerced}, "cell") == self._coerced
+            hit = coerce_fields(RunSpec, {k: cell[k] for k in self.values}, "cell") == self._coerced
         except SpecError:  # the cell's own bad value: RunSpec.from_dict reports it, with its line
             return False
         self.matched |= hit

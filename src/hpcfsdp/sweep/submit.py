@@ -46,7 +46,7 @@ from ..record import (
     restore_attempt,
     write_record,
 )
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, SEARCHED_FIELDS, Resources
 from .interrupts import interrupts_deferred, interrupts_raise
 from .lock import sweep_lock
 
@@ -147,7 +147,8 @@ def _made_with_other_values(recorded: dict, spec: dict) -> bool:
     """A cell id hashes only non-default fields, so a changed default keeps the id: the record then
     holds another value of a field both know. (A field the record lacks is newer than it: its
     default is the behaviour the record was made with.)"""
-    return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys())
+    searched = SEARCHED_FIELDS if spec.get("auto_batch") else ()  # the record holds the batch found
+    return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys() if name not in searched)
 
 
 def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False,

@@ -1,0 +1,160 @@
+"""The memory prediction (hpcfsdp/memory.py): its parts by hand and against torch on the CPU, its
+accuracy on the project's GPU records, and `plan --memory` / `submit --skip-predicted-oom`."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import ROOT
+from hpcfsdp.cell.models import build_model, resolve_model
+from hpcfsdp.cell.strategies import param_dtype
+from hpcfsdp.cell.train import build_optimizer
+from hpcfsdp.cli import main
+from hpcfsdp.memory import (
+    GIB,
+    WORKSPACE_GIB,
+    layer_activation_bytes,
+    load_shape,
+    loss_bytes,
+    predict,
+)
+from hpcfsdp.spec import RunSpec, preset_names
+from test_layout import loaded_by
+
+sys.path.insert(0, str(ROOT / "bench"))
+import memory_prediction
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_parameter_count_matches_the_model_transformers_builds(preset):
+    with torch.device("meta"):
+        model = build_model(resolve_model(preset), torch.float32, torch.device("meta"), 0, meta=True)
+    assert load_shape(preset).params == sum(p.numel() for p in model.parameters())
+
+
+def saved_bytes_per_token(model, vocab: int, autocast: bool) -> float:
+    """Bytes autograd saves for backward per token (forward only, parameters left out), from the
+    difference between two batch sizes: what does not grow with the tokens cancels."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(batch: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in params:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        tokens = torch.randint(0, vocab, (batch, 64))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=tokens, labels=tokens)
+        return sum(storages.values())
+
+    return (saved(4) - saved(2)) / (2 * 64)
+
+
+@pytest.mark.parametrize("strategy, precision",
+                         [("fsdp2_zero3", "fp32"), ("fsdp2_zero3", "bf16"), ("ddp", "bf16_mixed")])
+def test_saved_activations_per_token_match_autograd_on_cpu(strategy, precision):
+    """fp32; pure bf16 (what FSDP's mixed precision computes in); and DDP's autocast, whose
+    residual stream stays fp32. In forward the loss saves log-softmax's fp32 output (4 bytes per
+    vocabulary entry); backward adds two more fp32 logits-sized gradients (12 in the prediction)."""
+    spec = RunSpec(device="cpu", strategy=strategy, precision=precision, seq_len=64)
+    shape = load_shape("tiny")
+    model = build_model(resolve_model("tiny"), param_dtype(spec), torch.device("cpu"), 0)
+    measured = saved_bytes_per_token(model, shape.vocab, autocast=precision == "bf16_mixed")
+    forward = shape.layers * layer_activation_bytes(shape, spec) + loss_bytes(shape, spec) - 8 * shape.vocab
+    assert measured == pytest.approx(forward, rel=0.01)
+
+
+def test_states_are_the_parameters_gradients_and_adamw_moments_torch_allocates():
+    spec = RunSpec(device="cpu", strategy="fsdp2_zero3", precision="fp32", gpus_per_node=1, seq_len=64)
+    model = build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), 0)
+    optimizer = build_optimizer(model, spec)
+    tokens = torch.randint(0, 512, (2, 64))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    tensors = [*model.parameters(), *(s for state in optimizer.state.values() for s in state.values() if s.dim())]
+    states = sum(t.numel() * t.element_size() for t in tensors)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    prediction = predict(spec, load_shape("tiny"))
+    assert prediction.states_gib * GIB == states == 3 * grads  # parameters + exp_avg + exp_avg_sq, one shard
+
+
+def test_the_peak_of_a_zero3_cell_by_hand():
+    """Qwen2.5-1.5B, FSDP2 ZeRO-3 over 2 ranks, bf16, one sequence of 8192 tokens (the record of
+    2026-11-22 measured 41.02 GiB)."""
+    spec = RunSpec(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, precision="bf16", seq_len=8192)
+    h, f, v, layers, kv = 1536, 8960, 151936, 28, 2 * 128
+    params = 1_543_714_304
+    layer = 3 * h * f + 2 * h * h + 2 * h * kv + h + 2 * kv + 2 * h  # MLP, q/o, k/v, q/k/v biases, norms
+    states = 3 * params * 2 / 2  # bf16 parameters and two AdamW moments, half of them per rank
+    gathered = (v * h + h + layer) * 2  # the root (tied embedding, final norm) and the last layer
+    norm = (4 + 2 + 2) * h + 4  # fp32 upcast, normalised bf16, output bf16, fp32 rsqrt
+    per_layer = 2 * norm + 2 * (2 * h + 2 * kv) + 4 * 12 + 4 * 2 * f  # norms, q/out/k/v + lse, MLP
+    loss = norm + 8 + 12 * v
+    expected = (states + gathered + 8192 * (layers * per_layer + loss)) / GIB + WORKSPACE_GIB
+    prediction = predict(spec, load_shape("qwen2.5-1.5b"))
+    assert prediction.peak_moment == "backward"
+    assert prediction.peak_gib == pytest.approx(expected, rel=1e-9)
+    assert prediction.peak_gib == pytest.approx(41.02, rel=0.02)
+
+
+def test_checkpointing_keeps_each_layers_input_only():
+    base = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, seq_len=4096, batch_size=4)
+    none, full = (predict(RunSpec(**base, activation_checkpointing=mode), load_shape("qwen2.5-1.5b"))
+                  for mode in ("none", "full"))
+    assert full.activations_gib * GIB == 4 * 4096 * 28 * 2 * 1536  # bf16 inputs of 28 layers
+    assert full.loss_gib == none.loss_gib and full.peak_gib < none.peak_gib / 1.5
+
+
+def test_prediction_is_within_15_percent_of_every_gpu_record():
+    lines, worst = memory_prediction.table([memory_prediction.DEFAULT])
+    assert len(lines) >= 30 and {line[0] for line in lines} >= {"qwen2.5-1.5b", "smollm3-3b", "codellama-7b"}
+    assert worst <= 0.15
+
+
+def jobs(tmp_path, gpu_memory_gib: float = 80):
+    path = tmp_path / "mem.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: mem
+        base: {{model: qwen2.5-1.5b, seq_len: 4096, gpus_per_node: 2, strategy: fsdp2_zero3}}
+        slurm: {{gpu_memory_gib: {gpu_memory_gib}}}
+        matrix:
+          batch_size: [1, 8, auto]
+        """))
+    return path
+
+
+def test_plan_memory_flags_cells_predicted_not_to_fit_and_loads_no_torch(tmp_path, capsys):
+    path = jobs(tmp_path)
+    assert loaded_by(["plan", str(path), "--memory"]) == {"code": 0, "loaded": []}
+    assert main(["plan", str(path), "--memory"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("fsdp2_zero3-")}
+    by_batch = {line.split()[2]: line for line in rows.values()}
+    assert by_batch["1"].split()[-1] == "fits" and by_batch["8"].split()[-1] == "OOM"
+    assert by_batch["auto:3"].split()[-1] in ("fits", "tight")  # 80 GiB: batch 3 is the largest predicted to fit
+    assert "GPU memory 80 GiB, 78 usable" in out and "1 cell(s) predicted not to fit" in out
+
+
+def test_submit_skips_the_cells_predicted_not_to_fit(tmp_path, capsys):
+    assert main(["submit", str(jobs(tmp_path)), "--executor", "print", "--skip-predicted-oom",
+                 "--results-dir", str(tmp_path / "results")]) == 0
+    captured = capsys.readouterr()
+    commands = captured.out.strip().splitlines()
+    assert len(commands) == 2 and not any("-b8-" in c for c in commands)
+    assert "skipping fsdp2_zero3-b8-" in captured.err and "--skip-predicted-oom" in captured.err
+
+
+def test_skip_predicted_oom_without_a_gpu_size_is_one_line_error(tmp_path, capsys):
+    path = tmp_path / "nosize.yaml"
+    path.write_text("base: {model: qwen2.5-1.5b, gpus_per_node: 2}\n")
+    assert main(["submit", str(path), "--executor", "print", "--skip-predicted-oom"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gpu_memory_gib" in err and "gpu_name" in err
