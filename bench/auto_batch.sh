@@ -15,7 +15,7 @@
 # Knobs: AUTO_BATCH_BUDGET_S (default 265 s for the cells, smoke 900; a search cell starts only
 # with 40 s of it left, the snapshot cell with 25 s, and a running cell is stopped at the budget;
 # collecting and packing take some 15 s more), AUTO_BATCH_GRID=1 (also run a fresh cell at each found batch + 1;
-# default in smoke mode only), AUTO_BATCH_MAX (max_batch_size, default 64).
+# default in smoke mode only), AUTO_BATCH_MAX (max_batch_size, default 64), AUTO_BATCH_NPROC (GPUs per cell, default 2).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -26,6 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python="${PYTHON:-python3}"
 budget="${AUTO_BATCH_BUDGET_S:-$([[ "${AUTO_BATCH_SMOKE:-0}" == 1 ]] && echo 900 || echo 265)}"
+nproc="${AUTO_BATCH_NPROC:-2}"  # processes (GPUs) per cell
 started=$SECONDS
 work="$(mktemp -d)"
 results="$work/results"
@@ -55,7 +56,7 @@ search=(batch_size=auto max_batch_size=$max batch_probe_steps=2)
 # The same cells as a jobs YAML, for `plan --memory` (predicted batch and peak of every cell).
 cat >"$work/auto_batch.yaml" <<EOF
 name: auto_batch
-base: {model: $model, seq_len: $seq, device: $device, precision: $precision, gpus_per_node: 2, steps: 3,
+base: {model: $model, seq_len: $seq, device: $device, precision: $precision, gpus_per_node: $nproc, steps: 3,
        warmup_steps: 1, comm_profile_steps: 0, batch_size: auto, max_batch_size: $max}
 slurm: {gpu_memory_gib: $gib}
 matrix:
@@ -79,7 +80,7 @@ run() {
   fi
   echo "== $label ($((SECONDS - started)) s elapsed)" | tee -a "$log"
   local t0=$EPOCHREALTIME
-  timeout --kill-after=5 "$left" $python -m torch.distributed.run --standalone --nproc-per-node 2 -m hpcfsdp run "$@" \
+  timeout --kill-after=5 "$left" $python -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m hpcfsdp run "$@" \
     --results-dir "$results" --sweep auto_batch >"$work/logs/${label//\//_}.log" 2>&1
   local code=$?
   local wall; wall=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.1f", b - a}')
