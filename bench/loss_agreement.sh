@@ -88,9 +88,11 @@ run_variant() {  # run_variant GPU NAME FIELDS...: one cell, one process on that
   echo "[loss] $(date -u +%T) $name done"
 }
 
+PER_GPU=${PER_GPU:-3}  # variants at once on one GPU (bf16_mixed keeps fp32 weights and states: ~30 GiB each)
 for (( i = 0; i < ${#VARIANTS[@]}; i++ )); do
   # shellcheck disable=SC2086
   run_variant $(( i % GPUS )) ${VARIANTS[$i]} &
+  if (( (i + 1) % (GPUS * PER_GPU) == 0 )); then wait; fi  # the next wave once this one is done
 done
 wait
 
