@@ -41,7 +41,7 @@ if [[ "${AUTO_BATCH_SMOKE:-0}" == 1 ]]; then
 else
   model=qwen2.5-1.5b seq=4096 device=cuda precision=bf16_mixed grid="${AUTO_BATCH_GRID:-0}"
   gib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%.1f", $1 / 1024}')"
-  machine="2 x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  machine="${nproc} x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
 max="${AUTO_BATCH_MAX:-64}"
 # steps=3, warmup 1: the measurement at the batch found times 2 steps; each probe trains 2.
