@@ -15,15 +15,44 @@ import dataclasses
 import json
 import os
 import tempfile
+from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from .spec import RunSpec, choices
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "error", "timeout", "diverged", "cancelled", "node_fail")
-MISSING = "missing"  # no record (yet)
-CORRUPT = "corrupt"  # a record file that cannot be read, or holds values of the wrong type
+
+
+class CellState(str, Enum):
+    """Every state a cell can be in, as status, submit and collect name it (one set for all three).
+
+    A str, so a state equals the text it is written as in records, tables and JSON.
+    """
+
+    # what a record's `status` says
+    OK = "ok"
+    OOM = "oom"
+    ERROR = "error"
+    TIMEOUT = "timeout"  # the time limit
+    DIVERGED = "diverged"  # a loss that is not finite
+    CANCELLED = "cancelled"  # scancel, or an interrupted local submit
+    NODE_FAIL = "node_fail"
+    # what the sweep folder and the scheduler say of a cell
+    MISSING = "missing"  # no record (yet)
+    CORRUPT = "corrupt"  # a record file that cannot be read, or holds values of the wrong type
+    STALE = "stale"  # a record made with other values of the cell's fields (a default changed since)
+    PENDING = "pending"  # queued
+    RUNNING = "running"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+# What a record's `status` may say.
+STATUSES = tuple(s.value for s in (CellState.OK, CellState.OOM, CellState.ERROR, CellState.TIMEOUT, CellState.DIVERGED,
+                                   CellState.CANCELLED, CellState.NODE_FAIL))
+MISSING, CORRUPT = CellState.MISSING, CellState.CORRUPT
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit

@@ -36,6 +36,7 @@ from ..cache.hub import CACHE_ENV
 from .matrix import Cell, Sweep, by_shape
 from ..record import (
     MISSING,
+    CellState,
     RECORD_NAME,
     SPEC_NAME,
     RecordError,
@@ -60,8 +61,8 @@ HF_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|API_KEY|SECRET|SECRET_KEY|ACCESS_KEY|PASSWORD)$", re.IGNORECASE)
 # Slurm's final job states that say why a job without a record ended: the status its record gets.
 ENDED_BY = {"CANCELLED": "cancelled", "NODE_FAIL": "node_fail", "TIMEOUT": "timeout"}
-IN_FLIGHT = ("pending", "running")
-STALE = "stale"  # a record made with other values of the cell's fields (a default changed since)
+IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
+STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 
@@ -87,7 +88,7 @@ class Submission:
 
 
 @dataclass(frozen=True)
-class CellState:
+class CellStatus:
     cell_id: str
     strategy: str
     state: str  # pending / running (squeue), else the record's status, else missing
@@ -98,7 +99,7 @@ class CellState:
 @dataclass(frozen=True)
 class StatusReport:
     sweep_dir: Path
-    cells: list[CellState]
+    cells: list[CellStatus]
     note: str = ""  # why the scheduler could not be asked, if it could not
     problems: list[str] = field(default_factory=list)  # one line per corrupt record or manifest
 
@@ -340,12 +341,12 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
         jid = jobs.get(cid, "")
         slurm = queued.get(jid) or finished.get(jid, "")
         state = _scheduler_state(queued[jid]) if jid in queued else states[cid].status
-        cells.append(CellState(cid, _strategy(sweep_dir, cid), state, jid, slurm))
+        cells.append(CellStatus(cid, _strategy(sweep_dir, cid), state, jid, slurm))
     return StatusReport(sweep_dir, cells, note, problems)
 
 
 def _scheduler_state(slurm_state: str) -> str:
-    return "pending" if slurm_state.startswith(("PENDING", "REQUEUE")) else "running"
+    return CellState.PENDING if slurm_state.startswith(("PENDING", "REQUEUE")) else CellState.RUNNING
 
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
@@ -436,7 +437,7 @@ def still_queued(sub: Submission) -> int | None:
     return None if report.note else sum(c.state in IN_FLIGHT for c in report.cells)
 
 
-def record_lost_cells(report: StatusReport) -> list[CellState]:
+def record_lost_cells(report: StatusReport) -> list[CellStatus]:
     """Give each cell whose Slurm job left the queue without a record a record of its own.
 
     Such a cell was cancelled, killed with its node, or crashed before training began (a failed
