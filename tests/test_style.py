@@ -1,0 +1,28 @@
+"""The tree stays as the linter, the formatter and the type checker want it (pyproject.toml's
+[tool.ruff] and [tool.mypy]); CI runs this with the other tests, so none of them drifts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("check", [("check",), ("format", "--check")], ids=["lint", "format"])
+def test_ruff_finds_nothing_to_change(check):
+    proc = run(str(BIN / "ruff"), *check, "src", "tests", "bench")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_mypy_finds_no_type_error_in_the_package():
+    proc = run(str(BIN / "mypy"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
