@@ -14,6 +14,7 @@ ANSWER_TIMEOUT_S): its callers then skip what they would check, as a plan on a l
 
 from __future__ import annotations
 
+import getpass
 import re
 import subprocess
 from dataclasses import dataclass
@@ -91,13 +92,13 @@ def read_partitions() -> dict[str, Partition] | None:
         fields = row.split("|")
         if len(fields) != 6:
             continue
-        name, cpus, memory, gres, state, partition = (f.strip() for f in fields)
+        node, cpus, memory, gres, state, partition = (f.strip() for f in fields)
         nodes.setdefault(partition, []).append(
-            Node(name, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state))
+            Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state))
     partitions = {}
     for line in listing.splitlines():
         values = dict(item.split("=", 1) for item in line.split() if "=" in item)
-        name = values.get("PartitionName")
+        name = values.get("PartitionName", "")
         if not name:
             continue
         max_time = values.get("MaxTime", "UNLIMITED")
@@ -112,7 +113,7 @@ def read_partitions() -> dict[str, Partition] | None:
 
 def jobs_in_queue() -> int | None:
     """Your jobs that Slurm holds pending or running, each array task one (as MaxSubmitJobs counts)."""
-    out = _ask("squeue", "--me", "--noheader", "--array", "--format=%i")
+    out = _ask("squeue", f"--user={getpass.getuser()}", "--noheader", "--array", "--format=%i")
     return None if out is None else sum(1 for line in out.splitlines() if line.strip())
 
 

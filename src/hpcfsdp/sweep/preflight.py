@@ -9,7 +9,8 @@ per nodes x GPUs shape that can never run, naming the YAML line and key that set
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .cluster import Partition, read_partitions
 from .matrix import Cell, Sweep, by_shape
@@ -22,21 +23,29 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     if partitions is None:
         return []
     res = sweep.resources
-    name = res.partition or next((p.name for p in partitions.values() if p.default), "")
-    if name not in partitions:
+    # sbatch takes a list of partitions (the job runs in the first that can run it); "": the default.
+    names = [n.strip() for n in res.partition.split(",") if n.strip()]
+    names = names or [p.name for p in partitions.values() if p.default]
+    unknown = [name for name in names if name not in partitions] if names else [""]  # "": no default partition
+    if unknown:
         known = ", ".join(sorted(partitions)) or "none"
-        return [f"{_place(sweep, 'slurm.partition')}: no partition {name!r} on this cluster (partitions: {known})"]
-    partition = partitions[name]
+        return [f"{_place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster "
+                f"(partitions: {known})"]
+    where = f"partition {names[0]}" if len(names) == 1 else f"any of the partitions {', '.join(names)}"
     problems = []
-    if partition.max_time_min is not None and res.time_min > partition.max_time_min:  # no cell can run
-        problems.append(f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of partition "
-                        f"{name} ({partition.max_time_text}, {partition.max_time_min} min): no cell can ever run")
+    limits = [limit for name in names if (limit := partitions[name].max_time_min) is not None]
+    if len(limits) == len(names) and res.time_min > max(limits):  # no cell can run
+        texts = ", ".join(f"{name} {partitions[name].max_time_text}" for name in names) if len(names) > 1 \
+            else partitions[names[0]].max_time_text
+        problems.append(f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
+                        f"({texts}, {max(limits)} min): no cell can ever run")
     for (nodes, gpus), group in by_shape(sweep.cells if cells is None else cells).items():
-        found = _why_never(partition, nodes, gpus, sweep)
-        if found:
-            key, value, why = found
+        found = [_why_never(partitions[name], nodes, gpus, sweep) for name in names]
+        first = found[0]
+        if first is not None and all(found):  # the first partition's reason
+            key, value, why = first
             problems.append(f"{_place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
-                            f"can never run in partition {name}: {why}")
+                            f"can never run in {where}: {why}")
     return problems
 
 
