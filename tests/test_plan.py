@@ -268,26 +268,6 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, 
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
 
 
-def test_a_refused_sbatch_is_one_line_and_keeps_the_records(tmp_path, fake_squeue, capsys):
-    path, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    ok, timed_out, _, _ = sweep.cells
-    fake_squeue.write_text("")  # nothing queued
-    sbatch = tmp_path / "bin" / "sbatch"
-    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Invalid account' >&2\nexit 1\n")
-    sbatch.chmod(0o755)
-    assert main(["submit", str(path), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("error: sbatch refused the array of 4 cell(s) on 1 node(s) x 1 GPU(s): "
-                              "sbatch: error: Batch job submission failed: Invalid account;"), err
-    # --force set the records aside for the rerun; nothing was queued, so they are back.
-    assert [cell_status_of(sweep_dir, c) for c in (ok, timed_out)] == ["ok", "timeout"]
-    assert not list(sweep_dir.glob("cells/*/attempts/*.json"))
-
-
-def cell_status_of(sweep_dir: Path, cell) -> str:
-    return json.loads((sweep_dir / "cells" / cell.id / "result.json").read_text())["status"]
-
-
 def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(tmp_path, fake_squeue):
     """A busy slurmctld times out one squeue: the cell still runs, so the wait must go on."""
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)
