@@ -145,7 +145,8 @@ def test_a_cell_the_partition_can_never_run_is_one_line_and_nothing_is_queued(
     assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [expected] and captured.out == ""
-    assert not (tmp_path / "results").exists()
+    sweep_dir = tmp_path / "results" / "never"  # holds at most submit's lock file: no cell, no manifest
+    assert not (sweep_dir / "cells").exists() and not (sweep_dir / "manifest.json").exists()
 
 
 def wait_for_reason(job: str, reason: str, timeout_s: float = 60) -> None:

@@ -268,6 +268,10 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, 
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
 
 
+def cell_status_of(sweep_dir: Path, cell) -> str:
+    return json.loads((sweep_dir / "cells" / cell.id / "result.json").read_text())["status"]
+
+
 def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(tmp_path, fake_squeue):
     """A busy slurmctld times out one squeue: the cell still runs, so the wait must go on."""
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)

@@ -114,7 +114,7 @@ def test_a_refused_sbatch_is_one_line_and_keeps_the_records(slurm_cluster, tmp_p
     assert "Batch job submission failed: Requested reservation is invalid" in err[0]
     # --force set the records aside for the rerun; nothing was queued, so they are back.
     assert [record(sweep_dir, c.id)["status"] for c in (ok, timed_out)] == ["ok", "timeout"]
-    assert not list(sweep_dir.glob("cells/*/result.previous.json"))
+    assert not list(sweep_dir.glob("cells/*/attempts/*.json"))
     assert not (sweep_dir / "manifest.json").exists()
 
 

@@ -338,7 +338,7 @@ def queued_states(job_ids: Iterable[str]) -> dict[str, QueuedJob]:
 def _queued_job(line: str) -> tuple[str, QueuedJob]:
     """One squeue line, '%i %T %D %P %r' (the reason last: it may hold spaces)."""
     job_id, state, *rest = line.split(None, 4)
-    nodes, partition, reason = (rest + ["", "", ""])[:3]
+    nodes, partition, reason = [*rest, "", "", ""][:3]
     pending = state.startswith("PENDING")
     return job_id, QueuedJob(state, reason if pending and reason != "None" else "",
                              int(nodes) if nodes.isdigit() else 1, partition)
@@ -660,7 +660,8 @@ def _queue_room(cap: int) -> int | None:
         return None
     queued = jobs_in_queue()
     if queued is None:
-        raise SubmitError(f"squeue did not answer, so your queued jobs cannot be counted against slurm.max_jobs_in_queue {cap}")
+        raise SubmitError("squeue did not answer, so your queued jobs cannot be counted against "
+                          f"slurm.max_jobs_in_queue {cap}")
     return cap - queued
 
 
