@@ -251,10 +251,12 @@ def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, 
     (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {fake_squeue}\n: > {fake_squeue}\n")
     assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 0
     captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
+    bars, note = captured.err.splitlines()[:-1], captured.err.splitlines()[-1]
+    assert bars == [
         "[######################........] 3/4 finished (missing 1, ok 1, running 1, timeout 1)",
         "[##############################] 4/4 finished (missing 2, ok 1, timeout 1)",
     ]
+    assert note.startswith("note: no Slurm accounting (sacct: Slurm accounting storage is disabled)"), note
     assert captured.out.startswith(f"{sweep_dir}: 4 cell(s): missing 2, ok 1, timeout 1")
 
 
@@ -404,13 +406,14 @@ def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tm
     lost_with_node, gone = sweep.cells[2:]
     fake_squeue.write_text("")
     sacct = tmp_path / "bin" / "sacct"
-    sacct.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sacct.args\n"
+    sacct.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sacct.args\n"
                      "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n")
     assert main(["status", str(sweep_dir)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
     assert rows[lost_with_node.id] == ["fsdp2_zero3", "missing", "71_2", "NODE_FAIL"]
-    assert "--jobs=71_2,71_3" in (tmp_path / "sacct.args").read_text()  # only the unrecorded cells' jobs
+    # The final states are asked for the unrecorded cells' jobs only (accounting, for the recorded ones).
+    assert "--format=JobID,State --jobs=71_2,71_3\n" in (tmp_path / "sacct.args").read_text()
     # Their records say why they ended: cancelled, and node_fail, not error.
     record_lost_cells(sweep_status(sweep_dir))
     assert [cell_status_of(sweep_dir, c) for c in (gone, lost_with_node)] == ["cancelled", "node_fail"]
