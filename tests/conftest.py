@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,15 +38,49 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
     return json.loads(records[-1].read_text()), proc
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> dict[str, str]:
-    """Start (or reuse) the local Slurm cluster of slurm/local/start.sh; return the environment to use."""
-    start = subprocess.run(["bash", str(ROOT / "slurm/local/start.sh")], capture_output=True, text=True, timeout=900)
+def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
+    """Run slurm/local/start.sh with these HPCFSDP_SLURM_* knobs: the environment that reaches the
+    cluster, and whether start.sh started any Slurm daemon (else it found them all running)."""
+    start = subprocess.run(["bash", str(ROOT / "slurm/local/start.sh")], capture_output=True, text=True, timeout=900,
+                           env={**os.environ, **knobs})
     if start.returncode != 0:
         pytest.fail(f"slurm/local/start.sh failed ({start.returncode}):\n{start.stderr[-3000:]}")
     last = start.stdout.strip().splitlines()[-1]
     assert last.startswith("export SLURM_CONF="), last
     env = {"SLURM_CONF": last.split("=", 1)[1].strip().strip("'\""), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    os.environ.update(env)
     assert shutil.which("sbatch"), "sbatch not on PATH after start.sh"
-    return env
+    # start.sh logs "starting slurmctld ..." / "starting slurmd <node>" for each daemon it starts.
+    return env, re.search(r"^\[hpcfsdp-slurm\] starting slurm", start.stderr, flags=re.M) is not None
+
+
+def stop_slurm(knobs: dict[str, str], *args: str) -> None:
+    stop = subprocess.run(["bash", str(ROOT / "slurm/local/stop.sh"), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **knobs})
+    assert stop.returncode == 0, stop.stderr[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def _no_slurm_unless_asked(monkeypatch) -> None:
+    """A SLURM_CONF exported in the shell that runs pytest reaches no test but those that ask for a
+    cluster (they set their own), so plan's check against the cluster never depends on it."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[dict[str, str]]:
+    """The default local cluster (slurm/local/start.sh, as configured by HPCFSDP_SLURM_* in the
+    environment), started once per session or found running. A cluster this session started is
+    stopped at its end (slurm/local/stop.sh) unless HPCFSDP_KEEP_SLURM=1; one found running is left."""
+    env, started = start_slurm({})
+    yield env
+    if started and os.environ.get("HPCFSDP_KEEP_SLURM") != "1":
+        stop_slurm({})
+
+
+@pytest.fixture
+def slurm_cluster(local_slurm, monkeypatch) -> dict[str, str]:
+    """The local cluster's environment (SLURM_CONF, ...) for this test only: tests without this
+    fixture never reach a Slurm controller, whatever ran before them."""
+    for key, value in local_slurm.items():
+        monkeypatch.setenv(key, value)
+    return local_slurm

@@ -250,7 +250,7 @@ def test_no_history_appends_nothing_and_checks_references_only(results, capsys):
      "references.yaml:2: references[0]: expected a setup key or a match of spec fields "
      "(an entry for every cell is a mistake)"),
     ("references:\n  - tokens_per_s_per_gpu: 10\n    match: {batch_size: two}\n",
-     "references.yaml:3: references[0].match.batch_size: expected an integer, got 'two'"),
+     "references.yaml:3: references[0].match.batch_size: expected an integer or auto, got 'two'"),
     ("tolerance: 10\nreferences: []\n",
      "references.yaml:1: tolerance: expected a fraction between 0 and 1 (0.1 is 10%), got 10"),
     ("references:\n  - [1, 2\n", "references.yaml:3: not valid YAML (expected ',' or ']', but got '<stream end>')"),

@@ -1,6 +1,7 @@
 """The submitter against the real local Slurm cluster (slurm/local/start.sh): in-flight cells are
 left alone, a cancelled task is rerun by --retry-failed, the sbatch script is the one plan prints,
-and the time limit ends a cell with a `timeout` record, after a requeue when one is allowed.
+an array sbatch refuses is one line and keeps the records, and the time limit ends a cell with a
+`timeout` record, after a requeue when one is allowed.
 
 The 8-cell sweep on 1 and 2 nodes is tests/test_slurm.py's."""
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcfsdp.cli import main
+from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
 
 pytestmark = pytest.mark.slurm
@@ -88,6 +90,32 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
     assert main(["status", str(sweep_dir), "--watch", "1"]) == 0
     assert f"{sweep_dir}: 3 cell(s): ok 3" in capsys.readouterr().out
     assert record(sweep_dir, cancelled)["slurm"]["job_id"] == rerun
+
+
+def test_a_refused_sbatch_is_one_line_and_keeps_the_records(slurm_cluster, tmp_path, capsys):
+    # The cluster has no reservation of that name: sbatch refuses the array (plan's check against
+    # the partition has nothing to say about reservations).
+    jobs = write(tmp_path, "refused", f"""
+        name: refused
+        base: {{{CPU_CELL}, steps: 3}}
+        slurm: {{time_min: 10, extra_sbatch: {{reservation: no-such-reservation}}}}
+        matrix:
+          batch_size: [1, 2, 3, 4]
+        """)
+    sweep_dir = tmp_path / "results" / "refused"
+    ok, timed_out, *_ = load_sweep(jobs).cells
+    for cell, status in ((ok, "ok"), (timed_out, "timeout")):
+        (sweep_dir / "cells" / cell.id).mkdir(parents=True)
+        write_record(sweep_dir / "cells" / cell.id / "result.json", {"status": status})
+    assert main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "error: sbatch refused the array of 4 cell(s) on 1 node(s) x 1 GPU(s): "), err
+    assert "Batch job submission failed: Requested reservation is invalid" in err[0]
+    # --force set the records aside for the rerun; nothing was queued, so they are back.
+    assert [record(sweep_dir, c.id)["status"] for c in (ok, timed_out)] == ["ok", "timeout"]
+    assert not list(sweep_dir.glob("cells/*/attempts/*.json"))
+    assert not (sweep_dir / "manifest.json").exists()
 
 
 def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tmp_path, capsys):

@@ -16,6 +16,8 @@
 #   HPCFSDP_SLURM_MEM_MB   RealMemory per node in MB                        [8000]
 #   HPCFSDP_SLURM_PORT     slurmctld port; slurmd of node i uses PORT+i     [6817]
 #   HPCFSDP_SLURM_TIMEOUT  seconds to wait for the nodes to become idle     [60]
+#   HPCFSDP_SLURM_MAX_ARRAY_SIZE   MaxArraySize (array indices 0..N-1)       [10001]
+#   HPCFSDP_SLURM_MAX_TIME         the partition's MaxTime in minutes         [INFINITE]
 set -euo pipefail
 
 # Everything we (and the tools we call) print goes to stderr; fd 3 keeps the real stdout for the
@@ -31,6 +33,8 @@ CPUS=${HPCFSDP_SLURM_CPUS:-$((NPROC > 4 ? NPROC : 4))}
 MEM_MB=${HPCFSDP_SLURM_MEM_MB:-8000}
 PORT=${HPCFSDP_SLURM_PORT:-6817}
 TIMEOUT=${HPCFSDP_SLURM_TIMEOUT:-60}
+MAX_ARRAY_SIZE=${HPCFSDP_SLURM_MAX_ARRAY_SIZE:-10001}
+MAX_TIME=${HPCFSDP_SLURM_MAX_TIME:-INFINITE}
 
 CONF=$DIR/conf/slurm.conf
 NODES=()
@@ -128,7 +132,7 @@ GresTypes=gpu
 # config_overrides slurmctld would drain them for "Low CPU count".
 SlurmdParameters=config_overrides
 ReturnToService=2
-MaxArraySize=10001
+MaxArraySize=$MAX_ARRAY_SIZE
 MaxJobCount=50000
 # Short timeouts for tests; finished jobs stay visible in squeue for MinJobAge seconds.
 MinJobAge=300
@@ -153,7 +157,7 @@ EOF
     for ((i = 1; i <= NNODES; i++)); do
         echo "NodeName=${NODES[i-1]} NodeHostname=${NODES[i-1]} NodeAddr=127.0.0.1 Port=$((PORT + i)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS State=UNKNOWN"
     done
-    echo "PartitionName=gpu Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
+    echo "PartitionName=gpu Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=$MAX_TIME State=UP OverSubscribe=NO"
 } >"$CONF.new"
 
 {

@@ -22,7 +22,7 @@ REFERENCES_NAME = "references.yaml"
 DEFAULT_TOLERANCE = 0.10
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
-    from .sweep.matrix import Sweep
+    from .sweep.matrix import Cell, Sweep
     from .sweep.submit import StatusReport
 
 DEFAULT_RESULTS = "results"
@@ -252,23 +252,30 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .sweep.cluster import array_size_limit
+    from .sweep.matrix import arrays
+
     sweep = _load_sweep(args)
-    if args.sbatch:
-        return _print_sbatch(sweep, Path(args.results_dir))
-    groups = sweep.groups()
-    print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(groups)} array(s)")
-    sys.stdout.write("\n".join(_memory_table(sweep) if args.memory else _plan_table(sweep)) + "\n")
-    for index, ((nodes, gpus), cells) in enumerate(groups.items()):
-        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
     res = sweep.resources
+    size = array_size_limit(res.max_array_size)
+    planned = arrays(sweep.cells, size)
+    if args.sbatch:
+        return _print_sbatch(sweep, planned, Path(args.results_dir))
+    print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s)")
+    sys.stdout.write("\n".join(_memory_table(sweep) if args.memory else _plan_table(sweep, planned)) + "\n")
+    for index, ((nodes, gpus), cells) in enumerate(planned):
+        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+    if len(planned) > len(sweep.groups()):
+        limit = "slurm.max_array_size" if size == res.max_array_size else "the cluster's MaxArraySize"
+        print(f"(an array holds at most {size} cells: {limit})")
     runs = 1 + res.max_requeue  # every requeue may use a whole time limit again
     gpu_hours = sum(c.spec.world_size for c in sweep.cells) * res.time_min * runs / 60
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {res.time_min} min limit per cell{requeues}")
-    misses = _cache_misses(sweep)
-    for miss in misses:
-        print(f"error: {miss}", file=sys.stderr)
-    return 2 if misses else 0
+    problems = _cache_misses(sweep) + _cluster_problems(sweep)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def _cache_misses(sweep: Sweep) -> list[str]:
@@ -278,12 +285,19 @@ def _cache_misses(sweep: Sweep) -> list[str]:
     return cache_misses(sweep, sweep.resources.cache_dir or None)
 
 
-def _plan_table(sweep: Sweep) -> list[str]:
+def _cluster_problems(sweep: Sweep) -> list[str]:
+    """Shapes of the sweep that its partition can never run; none where no Slurm answers."""
+    from .sweep.preflight import cluster_problems
+
+    return cluster_problems(sweep)
+
+
+def _plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) -> list[str]:
     from .sweep.matrix import plain_value
     from .spec import field_names
 
     cells = sweep.cells
-    shape_index = {shape: i for i, shape in enumerate(sweep.groups())}
+    array_of = {cell.id: index for index, (_, members) in enumerate(planned) for cell in members}
     varying = [name for name in field_names(RunSpec)
                if name not in PLAN_FIELDS and len({getattr(c.spec, name) for c in cells}) > 1]
     columns = {name: [plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
@@ -294,7 +308,7 @@ def _plan_table(sweep: Sweep) -> list[str]:
     for row, cell in enumerate(cells):
         s = cell.spec
         lines.append(f"{cell.id:{id_width}} {s.strategy:19} {s.batch_size:5} {s.grad_accum:5} {s.activation_checkpointing:>9} "
-                     f"{f'{s.nodes} x {s.gpus_per_node}':>12} {shape_index[cell.shape]:5}"
+                     f"{f'{s.nodes} x {s.gpus_per_node}':>12} {array_of[cell.id]:5}"
                      + "".join(f" {columns[name][row]:>{widths[name]}}" for name in varying))
     return lines
 
@@ -332,10 +346,10 @@ def _capacity(sweep: Sweep) -> float | None:
     return capacity_gib(sweep.resources.gpu_memory_gib, sweep.resources.gpu_name)
 
 
-def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
+def _print_sbatch(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]], results_dir: Path) -> int:
     from .sweep.submit import sbatch_script
 
-    for index, ((nodes, gpus), cells) in enumerate(sweep.groups().items()):
+    for index, ((nodes, gpus), cells) in enumerate(planned):
         print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
         print(sbatch_script(sweep, results_dir / sweep.name, nodes, gpus, len(cells)))
     return 0
@@ -343,7 +357,8 @@ def _print_sbatch(sweep: Sweep, results_dir: Path) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from .sweep.interrupts import Interrupted
-    from .sweep.submit import SchedulerError, SubmitError, default_executor, still_queued, submit, wait_for
+    from .sweep.submit import (SchedulerError, SubmitError, blocked_message, default_executor, still_queued, submit,
+                               wait_for)
 
     sweep = _load_sweep(args)
     misses = _cache_misses(sweep)
@@ -358,7 +373,8 @@ def _submit(args: argparse.Namespace) -> int:
     if why:
         log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
     try:
-        sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed, log=log)
+        sub = submit(sweep, Path(args.results_dir), executor, force=args.force, retry_failed=args.retry_failed, log=log,
+                     room_poll_s=WAIT_POLL_S if args.wait else None)
     except SchedulerError as exc:
         print(f"error: cannot tell which cells are still queued ({exc}); nothing submitted", file=sys.stderr)
         return 1
@@ -386,6 +402,11 @@ def _submit(args: argparse.Namespace) -> int:
                   f"`hpcfsdp status {sub.sweep_dir}`", file=sys.stderr)
             return getattr(exc, "exit_status", 130)
         _print_status(report, summary=False)
+        if report.stuck:  # every cell left waits on a reason that cannot clear
+            if not all(c.blocked for c in report.cells):  # some cells finished: their table
+                _print_collection(sub.sweep_dir)
+            print(f"error: {blocked_message(report.blocked)}", file=sys.stderr)
+            return 1
         failed = sum(c.state != "ok" for c in report.cells)
     elif executor == "local":
         failed = sum(status != "ok" for status in sub.outcomes.values())
@@ -461,7 +482,7 @@ def _exit_worker(code: int) -> NoReturn:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .sweep.submit import sweep_status, watch
+    from .sweep.submit import blocked_message, sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "cells").is_dir():
@@ -471,6 +492,11 @@ def _status(args: argparse.Namespace) -> int:
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
     _print_status(report)
     _note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES})
+    if report.stuck and args.watch:  # the watch ended with cells still queued
+        print(f"error: {blocked_message(report.blocked)}", file=sys.stderr)
+        return 1
+    if report.blocked:
+        print(f"warning: {blocked_message(report.blocked)}", file=sys.stderr)
     return 0
 
 
@@ -486,7 +512,8 @@ def _note_accounting(sweep_dir: Path, jobs: dict[str, str]) -> dict[str, dict]:
 
 
 def _print_status(report: StatusReport, summary: bool = True) -> None:
-    """Counts by state, then one row per cell that is not ok (yet), and where Slurm logs are."""
+    """Counts by state, then one row per cell that is not ok (yet) with Slurm's word for it (and
+    why it is pending), and where Slurm logs are."""
     from .sweep.submit import IN_FLIGHT, problem_lines
 
     if report.note:
@@ -502,7 +529,8 @@ def _print_status(report: StatusReport, summary: bool = True) -> None:
     width = max(4, *(len(c.cell_id) for c in rows))
     print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
     for c in rows:
-        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {c.slurm or '-'}")
+        slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         print(f"logs: {report.sweep_dir / 'slurm' / '<job>' / '<job>_<rank>_log.err'}")
 
@@ -671,7 +699,8 @@ def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     if not slurm_job_ids(sweep_dir, cell_ids):
         return {}
     report = sweep_status(sweep_dir, cell_ids)
-    return None if report.note else {c.cell_id: c.slurm for c in report.cells if c.job_id}
+    return None if report.note else {c.cell_id: f"{c.slurm} ({c.reason})" if c.reason else c.slurm
+                                      for c in report.cells if c.job_id}
 
 
 def _download(args: argparse.Namespace) -> int:

@@ -394,6 +394,8 @@ class Resources:
     constraint: str = ""
     exclusive: bool = False
     array_parallelism: int = 64
+    max_array_size: int = 0  # cells per array at most; 0: the cluster's MaxArraySize (scontrol show config)
+    max_jobs_in_queue: int = 0  # your jobs (array tasks) queued at once at most, e.g. MaxSubmitJobs; 0: no cap
     gpu_request: GpuRequest = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
     max_requeue: int = 0  # requeues after the time-limit signal; the cell then starts over
     signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
@@ -409,7 +411,7 @@ class Resources:
         for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(res, name)}")
-        for name in ("mem_gb", "max_requeue"):
+        for name in ("mem_gb", "max_requeue", "max_array_size", "max_jobs_in_queue"):
             if getattr(res, name) < 0:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(res, name)}")
         if res.gpu_memory_gib < 0:

@@ -55,9 +55,10 @@ class Sweep:
     resources: Resources = field(default_factory=Resources)
     setup: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)  # 'section.key' / 'include[i].key' -> its YAML line
 
     def groups(self) -> dict[tuple[int, int], list[Cell]]:
-        """Cells by resource shape (nodes, GPUs per node): one job array each."""
+        """Cells by resource shape (nodes, GPUs per node); arrays() splits each into job arrays."""
         return by_shape(self.cells)
 
 
@@ -66,6 +67,16 @@ def by_shape(cells: Iterable[Cell]) -> dict[tuple[int, int], list[Cell]]:
     out: dict[tuple[int, int], list[Cell]] = {}
     for cell in cells:
         out.setdefault(cell.shape, []).append(cell)
+    return out
+
+
+def arrays(cells: Iterable[Cell], max_size: int | None) -> list[tuple[tuple[int, int], list[Cell]]]:
+    """The job arrays of these cells: one per shape, split into arrays of at most max_size cells
+    (the cluster's MaxArraySize or slurm.max_array_size; None: no limit)."""
+    out = []
+    for shape, group in by_shape(cells).items():
+        size = max_size or len(group)
+        out += [(shape, group[start:start + size]) for start in range(0, len(group), size)]
     return out
 
 
@@ -190,7 +201,21 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
                             f"({_plain_partial(exclusion.values)}); check its keys and values")
     if not cells:
         raise SpecError(_where(source, raw, 'exclude'), "exclude", "no cells left after exclude")
-    return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup), raw=_plain(raw))
+    return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup),
+                 raw=_plain(raw), lines=_key_lines(raw))
+
+
+def _key_lines(raw: dict) -> dict[str, int]:
+    """The YAML line of every key of base, matrix, slurm and the include entries, for messages
+    about a value found later (preflight.py)."""
+    lines = {}
+    for section in ("base", "matrix", "slurm"):
+        for key, line in getattr(raw.get(section), "lines", {}).items():
+            lines[f"{section}.{key}"] = line
+    for index, entry in enumerate(raw.get("include") or []):
+        for key, line in getattr(entry, "lines", {}).items():
+            lines[f"include[{index}].{key}"] = line
+    return lines
 
 
 def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cells: int) -> None:

@@ -1,4 +1,6 @@
-"""Submit a sweep: one Slurm job array per resource shape (submitit), or run cells locally.
+"""Submit a sweep: Slurm job arrays (submitit), one per resource shape, split at the cluster's
+array size limit (cluster.py), after the check against the partition (preflight.py); or run the
+cells locally.
 
 Layout of a sweep folder (results/<sweep>/):
     matrix.yaml          the matrix as submitted
@@ -15,6 +17,8 @@ and never by two submits at once (the lock).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -33,7 +37,9 @@ from typing import Iterable, Iterator, TextIO
 import yaml
 
 from ..cache.hub import CACHE_ENV
-from .matrix import Cell, Sweep, by_shape
+from .cluster import array_size_limit, jobs_in_queue, never_clears, read_partitions, waits_for_nodes
+from .matrix import Cell, Sweep, arrays
+from .preflight import cluster_problems
 from ..record import (
     MISSING,
     CellState,
@@ -47,7 +53,7 @@ from ..record import (
     restore_attempt,
     write_record,
 )
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, SEARCHED_FIELDS, Resources
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, SEARCHED_FIELDS, Resources, SpecError
 from .interrupts import interrupts_deferred, interrupts_raise
 from .lock import sweep_lock
 
@@ -85,6 +91,17 @@ class Submission:
     in_flight: dict[str, str] = field(default_factory=dict)  # cell id -> job id, still queued or running
     job_ids: dict[str, str] = field(default_factory=dict)  # cell id -> Slurm job id, of the cells queued now
     outcomes: dict[str, str] = field(default_factory=dict)  # local executor: cell id -> the status it recorded
+    not_queued: list[Cell] = field(default_factory=list)  # left out: no room under slurm.max_jobs_in_queue
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job (array task) as squeue shows it."""
+
+    state: str  # PENDING, RUNNING, COMPLETING, ...
+    reason: str = ""  # why it is pending (squeue %r): Priority, Resources, PartitionNodeLimit, ...
+    nodes: int = 1
+    partition: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,8 @@ class CellStatus:
     state: str  # pending / running (squeue), else the record's status, else missing
     job_id: str = ""
     slurm: str = ""  # the scheduler's word: squeue's state, or sacct's once the job left the queue
+    reason: str = ""  # why a pending cell waits (squeue %r)
+    blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,16 @@ class StatusReport:
     @property
     def in_flight(self) -> bool:
         return any(c.state in IN_FLIGHT for c in self.cells)
+
+    @property
+    def blocked(self) -> list[CellStatus]:
+        return [c for c in self.cells if c.blocked]
+
+    @property
+    def stuck(self) -> bool:
+        """Cells are in flight and every one of them waits on a reason that cannot clear."""
+        flying = [c for c in self.cells if c.state in IN_FLIGHT]
+        return bool(flying) and all(c.blocked for c in flying)
 
 
 def default_executor() -> tuple[str, str]:
@@ -185,7 +214,10 @@ def submit(
     force: bool = False,
     retry_failed: bool = False,
     log=print,
+    room_poll_s: float | None = None,
 ) -> Submission:
+    """Run or queue the cells that need it. room_poll_s (submit --wait): when slurm.max_jobs_in_queue
+    leaves no room, look again this often until all are queued; None: queue what fits and say so."""
     executor = executor or default_executor()[0]
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
@@ -193,11 +225,16 @@ def submit(
     # The lock: from reading which cells are queued to the manifest naming what this submit
     # queued (for the local executor, to its last cell). Signals end what it started (interrupts.py).
     with interrupts_raise(), sweep_lock(sweep_dir, log):
-        return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log)
+        return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
 
 
-def _submit_locked(sweep: Sweep, sweep_dir: Path, executor: str, force: bool, retry_failed: bool, log) -> Submission:
+def _submit_locked(sweep: Sweep, sweep_dir: Path, executor: str, force: bool, retry_failed: bool, log,
+                   room_poll_s: float | None) -> Submission:
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
+    problems = cluster_problems(sweep, cells) if executor == "slurm" and cells else []
+    if problems:  # before anything is written or queued
+        more = f" (and {len(problems) - 1} more: `hpcfsdp plan` lists them)" if len(problems) > 1 else ""
+        raise SpecError(f"{problems[0]}{more}")
     sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, in_flight=flying)
     if done:
         log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
@@ -212,7 +249,7 @@ def _submit_locked(sweep: Sweep, sweep_dir: Path, executor: str, force: bool, re
     # The records of rerun cells are kept as attempts just before each array is queued or each
     # local cell starts (the print executor runs nothing: records stay where they are).
     if executor == "slurm":
-        _submit_slurm(sweep, sub, log)
+        _submit_slurm(sweep, sub, log, room_poll_s)
     elif executor == "local":
         _run_local(sweep, sub, log)
     else:
@@ -282,12 +319,12 @@ def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
     return {cid: str(e["job_id"]) for cid, e in entries.items() if e.get("executor") == "slurm" and e.get("job_id")}
 
 
-def queued_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """job id -> Slurm state, for those of the jobs still in squeue (pending, running, completing)."""
+def queued_states(job_ids: Iterable[str]) -> dict[str, QueuedJob]:
+    """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running, completing)."""
     arrays = sorted({jid.split("_")[0] for jid in job_ids})
     if not arrays:
         return {}
-    command = ["squeue", "--noheader", "--array", "--format=%i %T", f"--jobs={','.join(arrays)}"]
+    command = ["squeue", "--noheader", "--array", "--format=%i %T %D %P %r", f"--jobs={','.join(arrays)}"]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -296,7 +333,16 @@ def queued_states(job_ids: Iterable[str]) -> dict[str, str]:
         if "Invalid job id" in proc.stderr:  # every one of them has left the queue
             return {}
         raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    return dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
+    return dict(_queued_job(line) for line in proc.stdout.splitlines() if line.strip())
+
+
+def _queued_job(line: str) -> tuple[str, QueuedJob]:
+    """One squeue line, '%i %T %D %P %r' (the reason last: it may hold spaces)."""
+    job_id, state, *rest = line.split(None, 4)
+    nodes, partition, reason = [*rest, "", "", ""][:3]
+    pending = state.startswith("PENDING")
+    return job_id, QueuedJob(state, reason if pending and reason != "None" else "",
+                             int(nodes) if nodes.isdigit() else 1, partition)
 
 
 def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
@@ -336,17 +382,30 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_states(unrecorded)
+    blocked = _blocked_jobs(queued)
     cells = []
     for cid in cell_ids:
         jid = jobs.get(cid, "")
-        slurm = queued.get(jid) or finished.get(jid, "")
-        state = _scheduler_state(queued[jid]) if jid in queued else states[cid].status
-        cells.append(CellStatus(cid, _strategy(sweep_dir, cid), state, jid, slurm))
+        job = queued.get(jid)
+        if job is None:
+            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), states[cid].status, jid, finished.get(jid, "")))
+        else:
+            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), _scheduler_state(job.state), jid, job.state,
+                                   job.reason, jid in blocked))
     return StatusReport(sweep_dir, cells, note, problems)
 
 
 def _scheduler_state(slurm_state: str) -> str:
     return CellState.PENDING if slurm_state.startswith(("PENDING", "REQUEUE")) else CellState.RUNNING
+
+
+def _blocked_jobs(queued: dict[str, QueuedJob]) -> set[str]:
+    """The pending jobs whose reason cannot clear as the cluster stands; the partitions are read
+    only when a reason depends on which nodes are up."""
+    waiting = {jid: job for jid, job in queued.items() if job.reason}
+    partitions = read_partitions() if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
+    return {jid for jid, job in waiting.items()
+            if never_clears(job.reason, job.nodes, (partitions or {}).get(job.partition))}
 
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
@@ -369,7 +428,9 @@ def progress_line(report: StatusReport, width: int = 30) -> str:
 
 def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = None,
           stream: TextIO | None = None, patience_s: float = SCHEDULER_PATIENCE_S) -> StatusReport:
-    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running.
+    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running, or
+    until every one still in flight waits on a reason that cannot clear (report.stuck), two looks
+    in a row (a reason seen once may be the scheduler's passing word).
 
     A busy slurmctld can time out one squeue ("Socket timed out on send/recv"); taking that for
     "nothing queued" would end a wait while cells still run. So an unanswered squeue is asked again,
@@ -380,6 +441,7 @@ def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = N
     tty = stream.isatty()
     last = ""
     unanswered_since: float | None = None
+    stuck_before = False
     while True:
         report = sweep_status(sweep_dir, cell_ids)
         if report.note:
@@ -401,11 +463,24 @@ def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = N
             stream.write(f"{line}\n")
         stream.flush()
         last = line
-        if not report.in_flight:
+        if not report.in_flight or (report.stuck and stuck_before):
             if tty:
                 stream.write("\n")
             return report
+        stuck_before = report.stuck
         time.sleep(interval_s)
+
+
+def blocked_message(cells: list[CellStatus]) -> str:
+    """One line for cells Slurm holds with a reason that cannot clear: which, why, how to cancel."""
+    by_reason: dict[str, list[str]] = {}
+    for cell in cells:
+        by_reason.setdefault(cell.reason, []).append(cell.cell_id)
+    why = "; ".join(f"{reason}: {', '.join(ids[:3])}{f' and {len(ids) - 3} more' if len(ids) > 3 else ''}"
+                    for reason, ids in by_reason.items())
+    jobs = " ".join(sorted({c.job_id.split("_")[0] for c in cells}, key=lambda j: (len(j), j)))
+    return (f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
+            f"their jobs stay queued: `scancel {jobs}` removes them")
 
 
 def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:
@@ -548,31 +623,75 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
                                **slurm_parameters(sweep, nodes, gpus_per_node))
 
 
-def _submit_slurm(sweep: Sweep, sub: Submission, log) -> None:
+def _submit_slurm(sweep: Sweep, sub: Submission, log, room_poll_s: float | None) -> None:
+    """One array per shape, split at the most cells an array may hold (cluster.array_size_limit).
+    Under slurm.max_jobs_in_queue only as many cells go out as there is room for: the rest wait for
+    room (room_poll_s seconds between looks) or, without room_poll_s, stay out (sub.not_queued)."""
+    cap = sweep.resources.max_jobs_in_queue
+    todo = arrays(sub.submitted, array_size_limit(sweep.resources.max_array_size))
+    total = len(sub.submitted)
+    last_note = ""
+    while todo:
+        (nodes, gpus), cells = todo[0]
+        room = _queue_room(cap)
+        if room is not None and room < 1:
+            if room_poll_s is None:
+                break
+            note = (f"waiting for room in the queue (slurm.max_jobs_in_queue {cap}, {cap - room} of your jobs queued): "
+                    f"{sum(len(c) for _, c in todo)} of {total} cell(s) still to submit")
+            if note != last_note:
+                log(note)
+                last_note = note
+            time.sleep(room_poll_s)
+            continue
+        take = len(cells) if room is None else min(room, len(cells))
+        todo[0:1] = [((nodes, gpus), cells[take:])] if take < len(cells) else []
+        _submit_array(sweep, sub, nodes, gpus, cells[:take], log)
+    sub.not_queued = [cell for _, cells in todo for cell in cells]
+    sub.submitted = [cell for cell in sub.submitted if cell.id in sub.job_ids]
+    if sub.not_queued:
+        log(f"queued {len(sub.submitted)} of {total} cell(s): the queue is full (slurm.max_jobs_in_queue {cap}); "
+            f"submit the same YAML again once jobs have finished to queue the other {len(sub.not_queued)} "
+            "(it skips cells with a record or in flight), or add --wait to wait for room")
+
+
+def _queue_room(cap: int) -> int | None:
+    """How many more cells slurm.max_jobs_in_queue lets into the queue now; None: no cap."""
+    if not cap:
+        return None
+    queued = jobs_in_queue()
+    if queued is None:
+        raise SubmitError("squeue did not answer, so your queued jobs cannot be counted against "
+                          f"slurm.max_jobs_in_queue {cap}")
+    return cap - queued
+
+
+def _submit_array(sweep: Sweep, sub: Submission, nodes: int, gpus: int, cells: list[Cell], log) -> None:
     import submitit
     from submitit.core.utils import FailedJobError
 
     from .job import CellJob
 
-    for (nodes, gpus), cells in by_shape(sub.submitted).items():
-        executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
-        executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
-        # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
-        # sbatch queues the array and the manifest names it, or neither happens: signals wait until
-        # then (outermost, so that a signal during a queueing that worked restores no record).
-        with interrupts_deferred(), records_set_aside(sub.sweep_dir, cells), secrets_removed():
-            try:
+    executor = submitit.SlurmExecutor(folder=slurm_folder(sub.sweep_dir), max_num_timeout=sweep.resources.max_requeue)
+    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
+    # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
+    # sbatch queues the array and the manifest names it, or neither happens: signals wait until
+    # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
+    # is reported once, by SubmitError, with sbatch's message: submitit's own echo of it is dropped.
+    with interrupts_deferred(), records_set_aside(sub.sweep_dir, cells), secrets_removed():
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
-            except FailedJobError as exc:
-                reason = " ".join(str(exc).split()) or "no message"
-                raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
-                                  f"GPU(s): {reason}") from None
-            entries = {}
-            for cell, job in zip(cells, jobs):
-                sub.job_ids[cell.id] = job.job_id
-                entries[cell.id] = {"executor": "slurm", "job_id": job.job_id, "submitted_at": time.time()}
-            _update_manifest(sub.sweep_dir, entries)
-        log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+        except FailedJobError as exc:
+            reason = " ".join(str(exc).split()) or "no message"
+            raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
+                              f"GPU(s): {reason}") from None
+        entries = {}
+        for cell, job in zip(cells, jobs):
+            sub.job_ids[cell.id] = job.job_id
+            entries[cell.id] = {"executor": "slurm", "job_id": job.job_id, "submitted_at": time.time()}
+        _update_manifest(sub.sweep_dir, entries)
+    log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
 
 
 def is_secret(name: str) -> bool:

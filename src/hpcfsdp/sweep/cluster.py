@@ -1,0 +1,172 @@
+"""What the Slurm cluster here allows, asked on the login node with scontrol, sinfo and squeue.
+
+- `read_limits`: MaxArraySize and MaxJobCount (`scontrol show config`), which cap one array;
+- `read_partitions`: each partition's per-job limits and its nodes' CPUs, memory and GPUs
+  (`scontrol show partition`, `sinfo --Node`), for the preflight (preflight.py);
+- `jobs_in_queue`: how many of your jobs (array tasks one each) are pending or running, for
+  `slurm.max_jobs_in_queue`;
+- `never_clears`: whether a pending job's reason (squeue %r) waits on a change that no amount of
+  waiting brings.
+
+Each reader returns None when no Slurm answers here (not installed, no controller, no answer within
+ANSWER_TIMEOUT_S): its callers then skip what they would check, as a plan on a laptop must.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import subprocess
+from dataclasses import dataclass
+
+ANSWER_TIMEOUT_S = 15.0
+SLURM_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, for a config that does not print them
+SLURM_MAX_JOB_COUNT = 10000
+# sinfo's short node states (suffixes such as '*' for not responding stripped) of a node that takes
+# no new job until someone acts on it.
+DOWN_STATES = ("down", "drain", "drng", "drained", "fail", "failg", "inval")
+# Pending reasons that wait on a change of the cluster's configuration (or the job's), never on
+# other jobs ending: partition limits the job exceeds, constraints no node has, an account or QOS
+# it may not use, a dependency that can no longer be met.
+NEVER_CLEARING_REASONS = (
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+    "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+)
+# Per-job QOS or association limits that the job itself exceeds (QOSMaxWallDurationPerJobLimit,
+# AssocMaxNodesPerJobLimit, QOSMinGRES, ...); per-user and group limits clear as other jobs end.
+_PER_JOB_LIMIT = re.compile(r"^(QOS|Assoc)Max\w*PerJob|^QOSMin")
+# Reasons that mean "the nodes this job needs are not available": they clear when the nodes come
+# back, so they count as never clearing only while too few of the partition's nodes are up.
+NODE_REASONS = ("ReqNodeNotAvail", "Nodes required for job are DOWN")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_array_size: int  # array task ids run 0 .. max_array_size - 1
+    max_job_count: int  # jobs slurmctld holds at once, every user's, each array task one
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    cpus: int
+    memory_mb: int
+    gpus: int  # the gpu entries of its gres, summed over types
+    state: str  # sinfo's short state: idle, mix, alloc, down*, drain, ...
+
+    @property
+    def down(self) -> bool:
+        return self.state.rstrip("*~#!%$@^-+") in DOWN_STATES
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    nodes: tuple[Node, ...]
+    max_nodes: int | None  # per job; None: unlimited
+    min_nodes: int
+    max_time_min: int | None  # None: unlimited
+    max_time_text: str  # as Slurm prints it, for messages
+    max_cpus_per_node: int | None
+    max_mem_per_node_mb: int | None
+
+
+def read_limits() -> Limits | None:
+    out = _ask("scontrol", "show", "config")
+    if out is None:
+        return None
+    values = dict(re.findall(r"^(\w+)\s*=\s*(\S*)", out, flags=re.M))
+    return Limits(max_array_size=_number(values.get("MaxArraySize", "")) or SLURM_MAX_ARRAY_SIZE,
+                  max_job_count=_number(values.get("MaxJobCount", "")) or SLURM_MAX_JOB_COUNT)
+
+
+def read_partitions() -> dict[str, Partition] | None:
+    """Partition name -> its limits and nodes; None when Slurm does not answer."""
+    listing = _ask("scontrol", "show", "partition", "--oneliner")
+    rows = _ask("sinfo", "--Node", "--noheader", "--format=%N|%c|%m|%G|%t|%R")
+    if listing is None or rows is None:
+        return None
+    nodes: dict[str, list[Node]] = {}
+    for row in rows.splitlines():
+        fields = row.split("|")
+        if len(fields) != 6:
+            continue
+        node, cpus, memory, gres, state, partition = (f.strip() for f in fields)
+        nodes.setdefault(partition, []).append(
+            Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state))
+    partitions = {}
+    for line in listing.splitlines():
+        values = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        name = values.get("PartitionName", "")
+        if not name:
+            continue
+        max_time = values.get("MaxTime", "UNLIMITED")
+        partitions[name] = Partition(
+            name=name, default=values.get("Default") == "YES", nodes=tuple(nodes.get(name, ())),
+            max_nodes=_number(values.get("MaxNodes", "")), min_nodes=_number(values.get("MinNodes", "")) or 0,
+            max_time_min=slurm_minutes(max_time), max_time_text=max_time,
+            max_cpus_per_node=_number(values.get("MaxCPUsPerNode", "")),
+            max_mem_per_node_mb=_number(values.get("MaxMemPerNode", "")))
+    return partitions
+
+
+def jobs_in_queue() -> int | None:
+    """Your jobs that Slurm holds pending or running, each array task one (as MaxSubmitJobs counts)."""
+    out = _ask("squeue", f"--user={getpass.getuser()}", "--noheader", "--array", "--format=%i")
+    return None if out is None else sum(1 for line in out.splitlines() if line.strip())
+
+
+def never_clears(reason: str, nodes: int, partition: Partition | None) -> bool:
+    """Whether a pending job of `nodes` nodes, held with this squeue %r reason, can never start as
+    things are: a partition or per-job limit it exceeds, or (node reasons) fewer nodes of its
+    partition up than it needs. `partition` None: node reasons count as clearing."""
+    word = reason.split(",", 1)[0].strip()
+    if word in NEVER_CLEARING_REASONS or _PER_JOB_LIMIT.match(word):
+        return True
+    if waits_for_nodes(reason) and partition is not None:
+        return sum(not node.down for node in partition.nodes) < nodes
+    return False
+
+
+def waits_for_nodes(reason: str) -> bool:
+    """A reason that clears when nodes come back: whether it ever does depends on their state."""
+    return reason.startswith(NODE_REASONS)
+
+
+def gpus_in_gres(gres: str) -> int:
+    """GPUs in a gres string as sinfo prints it: gpu:4, gpu:a100:4(S:0-1), gpu:a:2,gpu:b:2, (null)."""
+    return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
+
+
+def slurm_minutes(text: str) -> int | None:
+    """[days-]hours:minutes:seconds (as scontrol prints a time limit) in whole minutes, rounded up;
+    None for UNLIMITED / INFINITE or anything else it cannot read."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d+):(\d+)", text.strip())
+    if not match:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return (days * 24 + hours) * 60 + minutes + (seconds > 0)
+
+
+def _number(text: str) -> int | None:
+    """An integer Slurm printed ('8000', '8000+'); None for UNLIMITED, N/A and the like."""
+    match = re.match(r"\d+", text.strip())
+    return int(match.group()) if match else None
+
+
+def _ask(*command: str) -> str | None:
+    """stdout of a Slurm client, or None when it is not installed, fails or does not answer."""
+    try:
+        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=ANSWER_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def array_size_limit(override: int) -> int | None:
+    """Cells one array may hold: the smallest of slurm.max_array_size (`override`; 0: none) and the
+    cluster's MaxArraySize and MaxJobCount; None when none of them is known (no Slurm here)."""
+    limits = read_limits()
+    caps = [override] + ([limits.max_array_size, limits.max_job_count] if limits else [])
+    return min((cap for cap in caps if cap > 0), default=None)
