@@ -18,7 +18,8 @@ import pytest
 
 from hpcfsdp.results.collect import write_report
 from hpcfsdp.sweep.matrix import parse_sweep
-from hpcfsdp.sweep.submit import select_cells, sweep_status
+from hpcfsdp.sweep.submit import select_cells
+from hpcfsdp.sweep.status import sweep_status
 
 from conftest import TINY_CPU, run_torchrun_cell, torchrun_cell
 

@@ -18,7 +18,8 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.matrix import load_sweep
 from hpcfsdp.record import write_record
-from hpcfsdp.sweep.submit import record_lost_cells, select_cells, sweep_status, watch
+from hpcfsdp.sweep.submit import select_cells
+from hpcfsdp.sweep.status import record_lost_cells, sweep_status, watch
 
 from conftest import ROOT
 

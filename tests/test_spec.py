@@ -170,7 +170,7 @@ def test_batch_search_settings_are_validated(values, key, message):
 def test_a_searched_cells_record_is_not_stale_for_the_batch_it_chose(tmp_path):
     from hpcfsdp.record import write_record
     from hpcfsdp.sweep.matrix import Cell
-    from hpcfsdp.sweep.submit import cell_status
+    from hpcfsdp.sweep.status import cell_status
 
     cell = Cell.of(RunSpec.from_dict({"batch_size": "auto", "global_batch_size": 16, "gpus_per_node": 2, "device": "cpu"}))
     measured = cell.spec.with_batch_size(4)

@@ -23,7 +23,7 @@ DEFAULT_TOLERANCE = 0.10
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
     from .sweep.matrix import Cell, Sweep
-    from .sweep.submit import StatusReport
+    from .sweep.status import StatusReport
 
 DEFAULT_RESULTS = "results"
 
@@ -357,8 +357,8 @@ def _print_sbatch(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]
 
 def _submit(args: argparse.Namespace) -> int:
     from .sweep.interrupts import Interrupted
-    from .sweep.submit import (SchedulerError, SubmitError, blocked_message, default_executor, still_queued, submit,
-                               wait_for)
+    from .sweep.submit import SubmitError, default_executor, still_queued, submit, wait_for
+    from .sweep.status import SchedulerError, blocked_message
 
     sweep = _load_sweep(args)
     misses = _cache_misses(sweep)
@@ -482,7 +482,7 @@ def _exit_worker(code: int) -> NoReturn:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .sweep.submit import blocked_message, sweep_status, watch
+    from .sweep.status import blocked_message, sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "cells").is_dir():
@@ -514,7 +514,7 @@ def _note_accounting(sweep_dir: Path, jobs: dict[str, str]) -> dict[str, dict]:
 def _print_status(report: StatusReport, summary: bool = True) -> None:
     """Counts by state, then one row per cell that is not ok (yet) with Slurm's word for it (and
     why it is pending), and where Slurm logs are."""
-    from .sweep.submit import IN_FLIGHT, problem_lines
+    from .sweep.status import IN_FLIGHT, problem_lines
 
     if report.note:
         print(f"warning: {report.note}", file=sys.stderr)
@@ -689,7 +689,7 @@ def _export(args: argparse.Namespace) -> int:
 def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from .sweep.submit import read_manifest, slurm_job_ids, sweep_status
+    from .sweep.status import read_manifest, slurm_job_ids, sweep_status
 
     recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
     try:

@@ -28,37 +28,46 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, TextIO
+from typing import Iterable, Iterator
 
 import yaml
 
 from ..cache.hub import CACHE_ENV
-from .cluster import array_size_limit, jobs_in_queue, never_clears, read_partitions, waits_for_nodes
-from .matrix import Cell, Sweep, arrays
-from .preflight import cluster_problems
 from ..record import (
     MISSING,
-    CellState,
-    RECORD_NAME,
-    SPEC_NAME,
-    RecordError,
-    RecordState,
     keep_as_attempt,
-    read_json_object,
-    record_state,
     restore_attempt,
-    write_record,
 )
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, SEARCHED_FIELDS, Resources, SpecError
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources, SpecError
+from .cluster import array_size_limit, jobs_in_queue
 from .interrupts import interrupts_deferred, interrupts_raise
 from .lock import sweep_lock
+from .matrix import Cell, Sweep, arrays
+from .preflight import cluster_problems
+from .status import (
+    IN_FLIGHT,
+    MANIFEST_NAME,
+    STALE,
+    StatusReport,
+    _log_tails,
+    cell_dir,
+    cell_state,
+    cell_status,
+    problem_lines,
+    queued_states,
+    read_manifest,
+    record_launch_failure,
+    record_lost_cells,
+    slurm_folder,
+    slurm_job_ids,
+    sweep_status,
+    watch,
+)
 
 EXECUTORS = ("slurm", "local", "print")
-MANIFEST_NAME = "manifest.json"
 # Compute nodes never reach the network: the hub clients must read the pre-downloaded cache only.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # sbatch copies the submitting environment into the job, and slurmctld keeps that copy: tokens and
@@ -66,15 +75,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 HF_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|API_KEY|SECRET|SECRET_KEY|ACCESS_KEY|PASSWORD)$", re.IGNORECASE)
 # Slurm's final job states that say why a job without a record ended: the status its record gets.
-ENDED_BY = {"CANCELLED": "cancelled", "NODE_FAIL": "node_fail", "TIMEOUT": "timeout"}
-IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
-STALE = CellState.STALE
-SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
-
-
-class SchedulerError(RuntimeError):
-    """squeue did not answer, so whether a cell is still queued cannot be known."""
 
 
 class SubmitError(RuntimeError):
@@ -94,52 +95,6 @@ class Submission:
     not_queued: list[Cell] = field(default_factory=list)  # left out: no room under slurm.max_jobs_in_queue
 
 
-@dataclass(frozen=True)
-class QueuedJob:
-    """A job (array task) as squeue shows it."""
-
-    state: str  # PENDING, RUNNING, COMPLETING, ...
-    reason: str = ""  # why it is pending (squeue %r): Priority, Resources, PartitionNodeLimit, ...
-    nodes: int = 1
-    partition: str = ""
-
-
-@dataclass(frozen=True)
-class CellStatus:
-    cell_id: str
-    strategy: str
-    state: str  # pending / running (squeue), else the record's status, else missing
-    job_id: str = ""
-    slurm: str = ""  # the scheduler's word: squeue's state, or sacct's once the job left the queue
-    reason: str = ""  # why a pending cell waits (squeue %r)
-    blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
-
-
-@dataclass(frozen=True)
-class StatusReport:
-    sweep_dir: Path
-    cells: list[CellStatus]
-    note: str = ""  # why the scheduler could not be asked, if it could not
-    problems: list[str] = field(default_factory=list)  # one line per corrupt record or manifest
-
-    def counts(self) -> Counter:
-        return Counter(c.state for c in self.cells)
-
-    @property
-    def in_flight(self) -> bool:
-        return any(c.state in IN_FLIGHT for c in self.cells)
-
-    @property
-    def blocked(self) -> list[CellStatus]:
-        return [c for c in self.cells if c.blocked]
-
-    @property
-    def stuck(self) -> bool:
-        """Cells are in flight and every one of them waits on a reason that cannot clear."""
-        flying = [c for c in self.cells if c.state in IN_FLIGHT]
-        return bool(flying) and all(c.blocked for c in flying)
-
-
 def default_executor() -> tuple[str, str]:
     """slurm when a Slurm controller answers here, else local (this machine's processes), and why."""
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
@@ -152,33 +107,6 @@ def default_executor() -> tuple[str, str]:
         reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]  # its fatal line
         return "local", f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)"
     return "slurm", ""
-
-
-def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
-    return Path(sweep_dir) / "cells" / (cell if isinstance(cell, str) else cell.id)
-
-
-def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
-    """The cell's record as status, submit and collect all read it (record.record_state): its
-    status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
-    record was made with other values of its fields."""
-    state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
-    if (state.record is not None and isinstance(cell, Cell)
-            and _made_with_other_values(state.record["spec"], cell.spec.to_dict())):
-        return state._replace(status=STALE)
-    return state
-
-
-def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
-    return cell_state(sweep_dir, cell).status
-
-
-def _made_with_other_values(recorded: dict, spec: dict) -> bool:
-    """A cell id hashes only non-default fields, so a changed default keeps the id: the record then
-    holds another value of a field both know. (A field the record lacks is newer than it: its
-    default is the behaviour the record was made with.)"""
-    searched = SEARCHED_FIELDS if spec.get("auto_batch") else ()  # the record holds the batch found
-    return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys() if name not in searched)
 
 
 def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False,
@@ -291,198 +219,6 @@ def _update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     os.replace(tmp, path)
 
 
-def read_manifest(sweep_dir: Path) -> dict[str, dict]:
-    """cell id -> {executor, job_id, submitted_at}; {} before the first submit; RecordError (one
-    line) when the file cannot be read."""
-    path = Path(sweep_dir) / MANIFEST_NAME
-    try:
-        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
-    except FileNotFoundError:
-        return {}
-    for cell_id, entry in manifest.items():
-        if not isinstance(entry, dict):
-            raise RecordError(f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), "
-                              f"got {type(entry).__name__}")
-    return manifest
-
-
-def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
-    """The first `limit` problems, then how many more there are."""
-    more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
-    return problems[:limit] + more
-
-
-def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
-    """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
-    manifest = read_manifest(sweep_dir)
-    entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
-    return {cid: str(e["job_id"]) for cid, e in entries.items() if e.get("executor") == "slurm" and e.get("job_id")}
-
-
-def queued_states(job_ids: Iterable[str]) -> dict[str, QueuedJob]:
-    """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running, completing)."""
-    arrays = sorted({jid.split("_")[0] for jid in job_ids})
-    if not arrays:
-        return {}
-    command = ["squeue", "--noheader", "--array", "--format=%i %T %D %P %r", f"--jobs={','.join(arrays)}"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"squeue: {exc}") from None
-    if proc.returncode != 0:
-        if "Invalid job id" in proc.stderr:  # every one of them has left the queue
-            return {}
-        raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    return dict(_queued_job(line) for line in proc.stdout.splitlines() if line.strip())
-
-
-def _queued_job(line: str) -> tuple[str, QueuedJob]:
-    """One squeue line, '%i %T %D %P %r' (the reason last: it may hold spaces)."""
-    job_id, state, *rest = line.split(None, 4)
-    nodes, partition, reason = [*rest, "", "", ""][:3]
-    pending = state.startswith("PENDING")
-    return job_id, QueuedJob(state, reason if pending and reason != "None" else "",
-                             int(nodes) if nodes.isdigit() else 1, partition)
-
-
-def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """job id -> final Slurm state from sacct; empty where there is no accounting (sacct fails)."""
-    ids = sorted(set(job_ids))
-    if not ids or not shutil.which("sacct"):
-        return {}
-    command = ["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State", f"--jobs={','.join(ids)}"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    if proc.returncode != 0:
-        return {}
-    rows = (line.split("|") for line in proc.stdout.splitlines() if "|" in line)
-    return {row[0]: row[1].split()[0] for row in rows if row[1]}
-
-
-def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> StatusReport:
-    """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
-    sweep_dir = Path(sweep_dir)
-    if cell_ids is None:
-        cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / SPEC_NAME).is_file())
-    cell_ids = list(cell_ids)
-    problems = []
-    try:
-        jobs = slurm_job_ids(sweep_dir, cell_ids)
-    except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
-        jobs = {}
-        problems.append(f"{exc}; queued cells show as missing")
-    note = ""
-    try:
-        queued = queued_states(jobs.values())
-    except SchedulerError as exc:
-        queued, note = {}, f"{exc}; cells still queued show as missing"
-    states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
-    problems += [state.problem for state in states.values() if state.problem]
-    unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
-    finished = finished_states(unrecorded)
-    blocked = _blocked_jobs(queued)
-    cells = []
-    for cid in cell_ids:
-        jid = jobs.get(cid, "")
-        job = queued.get(jid)
-        if job is None:
-            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), states[cid].status, jid, finished.get(jid, "")))
-        else:
-            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), _scheduler_state(job.state), jid, job.state,
-                                   job.reason, jid in blocked))
-    return StatusReport(sweep_dir, cells, note, problems)
-
-
-def _scheduler_state(slurm_state: str) -> str:
-    return CellState.PENDING if slurm_state.startswith(("PENDING", "REQUEUE")) else CellState.RUNNING
-
-
-def _blocked_jobs(queued: dict[str, QueuedJob]) -> set[str]:
-    """The pending jobs whose reason cannot clear as the cluster stands; the partitions are read
-    only when a reason depends on which nodes are up."""
-    waiting = {jid: job for jid, job in queued.items() if job.reason}
-    partitions = read_partitions() if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
-    return {jid for jid, job in waiting.items()
-            if never_clears(job.reason, job.nodes, (partitions or {}).get(job.partition))}
-
-
-def _strategy(sweep_dir: Path, cell_id: str) -> str:
-    try:
-        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir, kind="cell spec").get("spec")
-    except (FileNotFoundError, RecordError):
-        return "?"
-    strategy = spec.get("strategy") if isinstance(spec, dict) else None
-    return strategy if isinstance(strategy, str) else "?"
-
-
-def progress_line(report: StatusReport, width: int = 30) -> str:
-    counts = report.counts()
-    total = len(report.cells)
-    finished = total - sum(counts[s] for s in IN_FLIGHT)
-    filled = width * finished // max(1, total)
-    states = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
-
-
-def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = None,
-          stream: TextIO | None = None, patience_s: float = SCHEDULER_PATIENCE_S) -> StatusReport:
-    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running, or
-    until every one still in flight waits on a reason that cannot clear (report.stuck), two looks
-    in a row (a reason seen once may be the scheduler's passing word).
-
-    A busy slurmctld can time out one squeue ("Socket timed out on send/recv"); taking that for
-    "nothing queued" would end a wait while cells still run. So an unanswered squeue is asked again,
-    with a warning, and watch gives up (the report then carries the note) only after patience_s.
-    """
-    cell_ids = None if cell_ids is None else list(cell_ids)
-    stream = stream or sys.stderr
-    tty = stream.isatty()
-    last = ""
-    unanswered_since: float | None = None
-    stuck_before = False
-    while True:
-        report = sweep_status(sweep_dir, cell_ids)
-        if report.note:
-            if unanswered_since is None:
-                unanswered_since = time.monotonic()
-            if time.monotonic() - unanswered_since >= patience_s:
-                return report
-            clear = "\r\033[K" if tty else ""
-            stream.write(f"{clear}warning: {report.note} (asking again in {interval_s:g} s)\n")
-            stream.flush()
-            last = ""
-            time.sleep(interval_s)
-            continue
-        unanswered_since = None
-        line = progress_line(report)
-        if tty:
-            stream.write(f"\r\033[K{line}")
-        elif line != last:
-            stream.write(f"{line}\n")
-        stream.flush()
-        last = line
-        if not report.in_flight or (report.stuck and stuck_before):
-            if tty:
-                stream.write("\n")
-            return report
-        stuck_before = report.stuck
-        time.sleep(interval_s)
-
-
-def blocked_message(cells: list[CellStatus]) -> str:
-    """One line for cells Slurm holds with a reason that cannot clear: which, why, how to cancel."""
-    by_reason: dict[str, list[str]] = {}
-    for cell in cells:
-        by_reason.setdefault(cell.reason, []).append(cell.cell_id)
-    why = "; ".join(f"{reason}: {', '.join(ids[:3])}{f' and {len(ids) - 3} more' if len(ids) > 3 else ''}"
-                    for reason, ids in by_reason.items())
-    jobs = " ".join(sorted({c.job_id.split("_")[0] for c in cells}, key=lambda j: (len(j), j)))
-    return (f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
-            f"their jobs stay queued: `scancel {jobs}` removes them")
-
-
 def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:
     """submit --wait: watch the cells queued now and those already in flight until none is pending
     or running, then give each whose job left the queue without a record a record of its own.
@@ -510,48 +246,6 @@ def still_queued(sub: Submission) -> int | None:
     did not answer)."""
     report = sweep_status(sub.sweep_dir, waited_cells(sub))
     return None if report.note else sum(c.state in IN_FLIGHT for c in report.cells)
-
-
-def record_lost_cells(report: StatusReport) -> list[CellStatus]:
-    """Give each cell whose Slurm job left the queue without a record a record of its own.
-
-    Such a cell was cancelled, killed with its node, or crashed before training began (a failed
-    rendezvous, an import error); its record names the job, the scheduler's final state where
-    accounting tells it (CANCELLED, NODE_FAIL and TIMEOUT give the status `cancelled`, `node_fail`
-    and `timeout`; else `error`), and the tail of every rank's log, so that collect shows why.
-    """
-    lost = [c for c in report.cells if c.state == MISSING and c.job_id]
-    for cell in lost:
-        state = f" ({cell.slurm})" if cell.slurm else ""
-        directory = cell_dir(report.sweep_dir, cell.cell_id)
-        spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
-        logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
-        record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs),
-                              ENDED_BY.get(cell.slurm, "error"))
-    return lost
-
-
-def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
-    """submitit's stderr logs of one job, one per task (rank), in rank order: those that exist."""
-    from submitit.core.utils import JobPaths
-
-    paths = (JobPaths(slurm_folder(sweep_dir), job_id=job_id, task_id=task).stderr for task in range(tasks))
-    return [path for path in paths if path.exists()]
-
-
-def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
-    return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
-
-
-def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
-    """A cell that ended before it could write its record still gets one, with its log's tail."""
-    meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
-    spec = meta["spec"]
-    write_record(directory / RECORD_NAME, {
-        "status": status, "stage": "launch", "error": error, "traceback": log_tail,
-        "cell_id": meta["cell_id"], "sweep": meta["sweep"], "spec": spec,
-        "world_size": spec["nodes"] * spec["gpus_per_node"], "nodes": spec["nodes"],
-    })
 
 
 def job_environment(sweep: Sweep) -> dict[str, str]:
@@ -604,11 +298,6 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
     if res.exclusive:
         params["exclusive"] = True
     return params
-
-
-def slurm_folder(sweep_dir: Path) -> Path:
-    """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
-    return (Path(sweep_dir) / "slurm" / "%j").expanduser().absolute()
 
 
 def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int) -> str:
