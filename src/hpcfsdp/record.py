@@ -45,8 +45,11 @@ class CellState(str, Enum):
     PENDING = "pending"  # queued
     RUNNING = "running"
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # What a record's `status` may say.

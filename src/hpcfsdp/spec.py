@@ -593,7 +593,8 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
 @functools.cache
 def _field_types(cls: type) -> dict[str, type]:
     """Each field's type, read off its default (annotations are strings here)."""
-    return {f.name: type(f.default if f.default is not dataclasses.MISSING else f.default_factory()) for f in fields(cls)}
+    return {f.name: type(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            for f in fields(cls)}
 
 
 def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
@@ -638,7 +639,7 @@ def choices(cls: type) -> dict[str, tuple[str, ...]]:
 
 
 def _require_choices(where: str, instance: Any) -> None:
-    for key, allowed in choices(type(instance)).items():
+    for key, allowed in choices(type(instance)).items():  # type: ignore[arg-type]  # a class is hashable
         value = getattr(instance, key)
         if value not in allowed:
             close = difflib.get_close_matches(value, allowed, n=1)
@@ -673,7 +674,7 @@ def check_folder_name(where: str, key: str, value: Any) -> None:
 
 def _text_fields(instance: Any) -> Iterator[tuple[str, str]]:
     """The free-text fields of a RunSpec or Resources and their values."""
-    for name in _text_field_names(type(instance)):
+    for name in _text_field_names(type(instance)):  # type: ignore[arg-type]  # a class is hashable
         yield name, getattr(instance, name)
 
 

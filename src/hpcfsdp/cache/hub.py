@@ -254,11 +254,11 @@ def offline_mode() -> None:
         os.environ[var] = "1"
     hub_constants = sys.modules.get("huggingface_hub.constants")
     if hub_constants is not None:
-        hub_constants.HF_HUB_OFFLINE = True
+        setattr(hub_constants, "HF_HUB_OFFLINE", True)
     ds_config = sys.modules.get("datasets.config")
     if ds_config is not None:
-        ds_config.HF_HUB_OFFLINE = True
-        ds_config.HF_DATASETS_OFFLINE = True
+        setattr(ds_config, "HF_HUB_OFFLINE", True)
+        setattr(ds_config, "HF_DATASETS_OFFLINE", True)
 
 
 def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:

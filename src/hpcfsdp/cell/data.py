@@ -47,7 +47,8 @@ def open_data(data: str, tokenizer: str, seq_len: int, text_column: str = "") ->
     path = Path(data).expanduser().resolve()
     column = text_column or TEXT_FIELD
     if is_saved_dataset(path):
-        documents, source = _saved_dataset_texts(path, column), {"kind": "saved_dataset", "path": str(path)}
+        source: dict[str, Any] = {"kind": "saved_dataset", "path": str(path)}
+        documents = _saved_dataset_texts(path, column)
     else:
         files = sorted(text_files(path))
         documents = [text for f in files for text in read_documents(f, column)]

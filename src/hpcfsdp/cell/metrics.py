@@ -163,9 +163,10 @@ class NvmlSampler:
     @property
     def energy_j(self) -> float | None:
         """Joules between start() and stop(); None without both counter readings."""
-        if len(self._energy_mj) != 2 or None in self._energy_mj:
+        start, stop = (self._energy_mj + [None, None])[:2]
+        if start is None or stop is None or len(self._energy_mj) != 2:
             return None
-        return (self._energy_mj[1] - self._energy_mj[0]) / 1000
+        return (stop - start) / 1000
 
     def summary(self) -> dict[str, float | None]:
         if not self.samples:

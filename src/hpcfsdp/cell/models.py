@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -74,8 +74,9 @@ def build_model(
     (`meta`: no storage; `materialize` it after sharding)."""
     if pretrained:
         # Loaded in host memory, then moved: transformers' device_map would need accelerate.
-        built = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, attn_implementation="sdpa",
-                                                     use_cache=False).to(device)
+        loaded: nn.Module = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, attn_implementation="sdpa",
+                                                                 use_cache=False)
+        built = loaded.to(device)
     else:
         config = load_config(source)
         config.use_cache = False
@@ -168,4 +169,4 @@ def apply_liger_kernels(model: nn.Module) -> None:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated transformer blocks: the unit of sharding, checkpointing and compilation."""
-    return model.model.layers
+    return cast(nn.ModuleList, model.model.layers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def apply_compile(model: nn.Module, spec: RunSpec) -> None:
         return
     layers = decoder_layers(model)
     for index in range(len(layers)):
-        layers[index] = torch.compile(layers[index], fullgraph=False)
+        layers[index] = cast(nn.Module, torch.compile(layers[index], fullgraph=False))
 
 
 def ddp(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:

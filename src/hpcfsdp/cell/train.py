@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,11 @@ class Diverged(RuntimeError):
 
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
-    impl = {"plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl])
+    impl: dict[str, dict[str, Any]] = {
+        "plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
+                                  **impl[spec.adamw_impl])
     add_float8_scale_hook(optimizer, model, spec)
     return optimizer
 

@@ -140,8 +140,8 @@ def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
                         f"{exc.reason})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        at = f":{mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}{at}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     except OSError as exc:
         raise SpecError(str(path), "", f"cannot read the jobs file ({exc.strerror})") from None
     if raw is None:  # nothing but comments and blank lines: a mistake, never a sweep of one default cell
@@ -247,7 +247,8 @@ class _Exclusion:
     def __init__(self, source: str, index: int, partial: dict):
         self.index = index
         self.values = partial
-        self.where = f"{source}:{min(partial.lines.values())}" if getattr(partial, "lines", None) else source
+        lines = getattr(partial, "lines", None)
+        self.where = f"{source}:{min(lines.values())}" if lines else source
         label = f"{source}: exclude[{index}]"
         try:
             self._coerced = coerce_fields(RunSpec, partial, label)

@@ -116,7 +116,10 @@ def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_faile
     By default only cells without a (current) record run; --retry-failed adds oom / error / timeout / diverged /
     corrupt ones, --force every cell. A cell whose job is still queued or running is never chosen.
     """
-    chosen, done, stale, corrupt = [], [], 0, []
+    chosen: list[Cell] = []
+    done: list[Cell] = []
+    corrupt: list[str] = []
+    stale = 0
     for cell in sweep.cells:
         state = cell_state(sweep_dir, cell)
         stale += state.status == STALE

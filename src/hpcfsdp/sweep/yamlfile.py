@@ -51,7 +51,7 @@ class BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent: Node | None, index: object) -> Node:
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -61,9 +61,10 @@ class BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def compose_document(self) -> Node:
+    def compose_document(self) -> Node | None:
         node = super().compose_document()
-        _expanded_size(node)
+        if node is not None:
+            _expanded_size(node)
         return node
 
 
