@@ -13,7 +13,9 @@ import sys
 
 import pandas as pd
 
-from hpcfsdp.results.collect import load_records, markdown_table
+from hpcfsdp.results.read import load_records
+from hpcfsdp.results.render import markdown_table
+from hpcfsdp.results.tables import printable
 
 PERF_COLUMNS = {
     "sweep": "sweep",
@@ -105,7 +107,7 @@ def _select(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 def main(view: str, sweep_dirs: list[str]) -> None:
     frame = pd.concat([load_records(d).frame for d in sweep_dirs], ignore_index=True)
     table = {"perf": perf_table, "training": training_table, "overhead": overhead_table}[view](frame)
-    print(markdown_table(table))
+    print(markdown_table(printable(table)))
 
 
 if __name__ == "__main__":

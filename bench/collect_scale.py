@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcfsdp.results.collect import label_cells, load_records, ok_configs, write_report
+from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results.report import write_report
 from hpcfsdp.sweep.matrix import cell_id
 from hpcfsdp.record import write_record
 from hpcfsdp.spec import RunSpec

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from hpcfsdp.results.collect import load_records, markdown_table
+from hpcfsdp.results.read import load_records
+from hpcfsdp.results.render import markdown_table
+from hpcfsdp.results.tables import printable
 
 KEY = ["model", "strategy", "batch_size", "seq_len"]
 
@@ -26,4 +28,4 @@ def scaling_table(sweep_dir: str):
 
 
 if __name__ == "__main__":
-    print(markdown_table(scaling_table(sys.argv[1])))
+    print(markdown_table(printable(scaling_table(sys.argv[1]))))

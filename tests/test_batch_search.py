@@ -8,7 +8,9 @@ import pytest
 
 from conftest import run_torchrun_cell
 from hpcfsdp.cell.batch_search import Probe, largest_batch_for, next_batch
-from hpcfsdp.results.collect import frontier_table, label_cells, load_records, write_report
+from hpcfsdp.results.read import label_cells, load_records
+from hpcfsdp.results.report import write_report
+from hpcfsdp.results.tables import frontier_table
 from hpcfsdp.spec import RunSpec
 
 

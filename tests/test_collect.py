@@ -25,7 +25,10 @@ from PIL import Image
 
 from hpcfsdp.results import plots
 from hpcfsdp.cli import main
-from hpcfsdp.results.collect import compare_sweeps, label_cells, load_records, ok_configs, reference_cells, write_report
+from hpcfsdp.results.compare import compare_sweeps
+from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results.report import write_report
+from hpcfsdp.results.tables import reference_cells
 from hpcfsdp.sweep.matrix import cell_id
 from hpcfsdp.record import SCHEMA_VERSION, write_record
 from hpcfsdp.spec import RunSpec
@@ -615,3 +618,27 @@ def test_cheapest_names_the_least_energy_per_token_where_nvml_measured_it(tmp_pa
     assert cheapest.startswith("Cheapest: ddp at batch 2, accum 1, ckpt none: 23.1 GPU-hours per billion tokens")
     assert cheapest.endswith("least energy: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token "
                              "(11.1 kWh per billion tokens)")
+
+
+def test_the_printed_cell_table_has_a_column_for_each_field_the_sweep_varies(tmp_path, capsys):
+    sweep = tmp_path / "seq"
+    for seq_len, tps in ((2048, 15000), (4096, 13000)):
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp", batch_size=2, seq_len=seq_len), tps, 30))
+    assert main(["collect", str(sweep), "--no-plots"]) == 0
+    printed = rows(capsys.readouterr().out)
+    assert printed[0][:3] == ["strategy", "seq", "status"]  # batch_size is the same in both cells: no column
+    assert [row[1] for row in printed[1:]] == ["2048", "4096"]  # fastest first
+
+
+def test_collect_prints_the_best_30_of_40_cells_and_says_where_the_rest_are(tmp_path, capsys):
+    sweep = tmp_path / "forty"
+    for batch in range(1, 36):
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp", batch_size=batch), 10000 + batch, 30))
+    for batch in range(36, 41):
+        put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=batch), "oom", "train", "OutOfMemoryError"))
+    assert main(["collect", str(sweep), "--no-plots"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    printed = rows("\n".join(lines))
+    assert len(printed) == 1 + 30 and printed[1][1] == "35" and printed[-1][1] == "6"  # best tokens/s first
+    assert f"10 more row(s) not shown (of 40); the full table: {sweep / 'report' / 'results.csv'}" in lines
+    assert len(pd.read_csv(sweep / "report" / "results.csv")) == 40

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcfsdp.results.collect import write_report
+from hpcfsdp.results.report import write_report
 from hpcfsdp.sweep.matrix import parse_sweep
 from hpcfsdp.sweep.submit import select_cells
 from hpcfsdp.sweep.status import sweep_status

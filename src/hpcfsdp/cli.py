@@ -567,7 +567,10 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
                       fail_on_regression: bool = False) -> int:
     """Add Slurm accounting, append to the history and check each cell over time, write the report;
     print the comparison against `compare` if given, the cell table, the regressions, and what was written."""
-    from .results.collect import load_records, markdown_table, write_comparison, write_report
+    from .results.compare import write_comparison
+    from .results.read import load_records
+    from .results.report import write_report
+    from .results.tables import printed_comparison
     from .results.history import accounting_jobs, merge_accounting
     from .results.regressions import over_time as check_over_time
 
@@ -592,7 +595,7 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
         print(f"wrote {path}\n")
     for line in report.recommendation:
         print(line)
-    print(markdown_table(report.table))
+    print(printed_comparison(report.table, report.directory / "results.csv"))
     print("over time: " + " ".join(checked.notes))
     for line in checked.regressions:
         print(f"regression: {line}")
@@ -606,7 +609,8 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
 
 
 def _history(args: argparse.Namespace) -> int:
-    from .results.collect import markdown_table
+    from .results.render import markdown_table
+    from .results.tables import printable
     from .results.history import Filters, History, HistoryError, medians_by_setup, parse_day
 
     filters = Filters(model=args.model, strategy=args.strategy, system=args.system, setup=args.setup, sweep=args.sweep,
@@ -627,7 +631,7 @@ def _history(args: argparse.Namespace) -> int:
                               Path(args.history).parent / REFERENCES_NAME, args.tolerance)
     if args.limit:
         rows = rows.tail(args.limit)
-    print(markdown_table(_history_table(rows)))
+    print(markdown_table(printable(_history_table(rows))) if len(rows) else "(no records)")
     print(f"{len(rows)} run(s) of {rows['setup'].nunique()} setup(s) in {args.history}")
     return 0
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pandas as pd
 
-from .collect import METRICS, load_records
 from .history import attempt_of, setup_key, spec_values, system_of
+from .read import METRICS, load_records
 
 TARGETS = ("tensorboard", "mlflow")
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # target -> the pyproject extra that installs it

@@ -29,7 +29,7 @@ import pandas as pd
 
 from ..record import ACCOUNTING_KEY, slurm_job_of
 from ..spec import MEASUREMENT_FIELDS, RunSpec, SpecError
-from .collect import Collection
+from .read import Collection
 
 HISTORY_NAME = "history.duckdb"
 TABLE = "runs"

@@ -19,10 +19,12 @@ from typing import Any
 
 import pandas as pd
 
-from .collect import ROW_LIMIT, Collection, fmt
 from .history import KEY, History, HistoryError, history_rows
+from .read import Collection
 from .references import Reference, References
-from .report import Section
+from .render import Section
+from .report import ROW_LIMIT
+from .tables import fmt
 
 DEFAULT_TOLERANCE = 0.10
 REGRESSION = "REGRESSION"

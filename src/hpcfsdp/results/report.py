@@ -1,119 +1,268 @@
-"""Render report sections as Markdown (summary.md) or one self-contained HTML page (index.html).
+"""The report of one sweep: report/results.csv (+ .parquet), summary.md, index.html and plots/.
 
-A section is plain data (a title, a paragraph, a table of formatted strings, bullet items,
-images); this module knows nothing about records, so the same sections make both documents.
-Tables are rendered here rather than by pandas/tabulate: their cells are strings already, and a
-large sweep has hundreds of small pivot tables, where the generic renderers' per-table cost adds up.
+docs/collector.md describes the outputs; render.py turns the sections into Markdown and HTML.
 """
 
 from __future__ import annotations
 
-import base64
-import html
+import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from ..memory import gpu_memory_gib
+from ..spec import SpecError
+from . import plots as plotting
+from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
+from .render import Section, to_html, to_markdown
+from .tables import (
+    DEFAULT_BASELINES,
+    METRIC_NAMES,
+    baseline_table,
+    best_table,
+    choose_baseline,
+    comparison_table,
+    environment_table,
+    failures_table,
+    fmt,
+    frontier_table,
+    pivot_tables,
+    probe_rows,
+    reference_cells,
+    status_counts,
+)
+
+ROW_LIMIT = 1000  # longest per-cell table in summary.md / index.html; results.csv has every row
+
 
 @dataclass(frozen=True)
-class Section:
-    title: str
-    text: str = ""
-    table: pd.DataFrame | None = None
-    items: list[str] = field(default_factory=list)
-    images: list[tuple[str, Path]] = field(default_factory=list)  # (caption, PNG file)
-    level: int = 2
+class Report:
+    """What `write_report` wrote, and what `hpcfsdp collect` prints."""
+
+    table: pd.DataFrame  # the cell table (tables.comparison_table), one row per cell, best first
+    directory: Path
+    files: list[Path]
+    unreadable: list[str]
+    skipped_plots: dict[str, str]  # plot name -> why it was not drawn
+    notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
+    recommendation: list[str] = field(default_factory=list)  # fastest, most headroom, cheapest
 
 
-def to_markdown(title: str, sections: list[Section], relative_to: Path | None = None) -> str:
-    """Markdown; images are linked relative to `relative_to` (the folder the file is written in).
-    Every string is escaped (`markdown_text`): values come from records and YAML files."""
-    lines = [f"# {markdown_text(title)}", ""]
-    for section in sections:
-        lines += [f"{'#' * section.level} {markdown_text(section.title)}", ""]
-        if section.text:
-            lines += [markdown_text(section.text), ""]
-        if section.items:
-            lines += [*(f"- {markdown_text(item)}" for item in section.items), ""]
-        if section.table is not None:
-            lines += [_markdown_table(section.table), ""]
-        for caption, path in section.images:
-            link = path.relative_to(relative_to) if relative_to else path
-            lines += [f"![{markdown_text(caption)}]({link.as_posix()})", ""]
-    return "\n".join(lines)
+def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True,
+                 scheduler_states: dict[str, str] | None = None, collection: Collection | None = None,
+                 first_sections: tuple[Section, ...] = ()) -> Report:
+    """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png.
+
+    `collection`: the sweep's records when the caller read them already; `first_sections` go
+    before the others (the over-time checks)."""
+    sweep_dir = Path(sweep_dir)
+    collection = collection if collection is not None else load_records(sweep_dir, scheduler_states)
+    cells = label_cells(collection)
+    report = report_folder(sweep_dir)
+    files, notes = write_tables(collection.cells, report)
+
+    configs = ok_configs(cells)
+    table = comparison_table(cells.frame, collection.spec_fields)
+    sections = [*first_sections, *summary_sections(cells, configs, baseline, collection.unreadable)]
+    figures, skipped = [], {}
+    if plots:
+        reference, label = reference_cells(cells)
+        figures, skipped = plotting.write_plots(configs, reference, label, report / "plots", probe_rows(cells))
+        files += [path for _, path in figures]
+    sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *pivot_sections(cells, configs),
+                 all_cells_section(table), Section("Environment", table=environment_table(collection.frame))]
+
+    title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
+    (report / "summary.md").write_text(to_markdown(title, sections, relative_to=report))
+    (report / "index.html").write_text(to_html(title, sections))
+    files += [report / "summary.md", report / "index.html"]
+    return Report(table, report, files, collection.unreadable, skipped, notes,
+                  recommendation(configs, cells))
 
 
-# Characters that would turn a value into markup: a line break (ends a table row or an item), a
-# pipe (ends a table cell), brackets (a link, or an image fetched from anywhere) and `<` (raw
-# HTML, which Markdown viewers render). Each gets CommonMark's backslash escape; the
-# backslash itself first, so that a value's own backslash cannot undo one.
-_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<",
-                                   "\n": " ", "\r": " "})
+def report_folder(sweep_dir: Path) -> Path:
+    """<sweep>/report/ (and plots/ in it), made ready to write into without leaving the sweep
+    folder: a link left among their files is removed (the file is written afresh in its place),
+    and a report/ or plots/ that is itself a link out of the sweep folder is refused."""
+    report = sweep_dir / "report"
+    for folder in (report, report / "plots"):
+        if folder.is_symlink() and not Path(os.path.realpath(folder)).is_relative_to(os.path.realpath(sweep_dir)):
+            raise SpecError(str(folder), "", f"a link to {os.path.realpath(folder)}, out of the sweep folder; "
+                            "remove it (collect writes report/ itself)")
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():
+            if entry.is_symlink():
+                entry.unlink()
+    return report
 
 
-def markdown_text(value: object) -> str:
-    """A value as literal Markdown text, on one line."""
-    return str(value).translate(_MARKDOWN_ESCAPES)
+def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[str]]:
+    """results.csv, and results.parquet when pyarrow is there; lists and objects as JSON text.
+    Returns the files and a note per column that parquet could not keep as it was."""
+    table = _exportable(frame)
+    table.to_csv(report / "results.csv", index=False)
+    written = [report / "results.csv"]
+    try:
+        import pyarrow  # noqa: F401 - only to know whether parquet can be written
+    except ImportError:
+        return written, []
+    notes = _write_parquet(table, report / "results.parquet")
+    return written + [report / "results.parquet"], notes
 
 
-def _markdown_table(table: pd.DataFrame) -> str:
+def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
+    """A parquet column holds one type. Records checked only where the collector computes can
+    still disagree elsewhere (a field text in one record, a number in another): such a column
+    is written as text, with a note naming it; results.csv keeps the values as read."""
+    import pyarrow
+
+    try:
+        table.to_parquet(path, index=False)
+        return []
+    except pyarrow.ArrowException:
+        mixed = [column for column in table.columns[table.dtypes == object] if not _arrow_converts(table[column])]
+        table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(path, index=False)
+        return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
+
+
+def _arrow_converts(column: pd.Series) -> bool:
+    import pyarrow
+
+    try:
+        pyarrow.array(column, from_pandas=True)
+    except pyarrow.ArrowException:
+        return False
+    return True
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
+    first = [c for c in ("cell_id", "sweep", "status", "stage", "error") if c in frame]
+    table = frame[first + [c for c in frame.columns if c not in first]].copy()
+    for column in table.columns[table.dtypes == object]:
+        values = table[column].dropna()
+        if len(values) and isinstance(values.iloc[0], (list, dict)):  # a record field holds one JSON type
+            table[column] = table[column].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+    return table
+
+
+def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]) -> list[Section]:
+    """Recommendation, best configurations, baseline comparison, OOM frontier, then what did not
+    finish or read."""
+    lines = recommendation(configs, cells)
+    sections = [Section("Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines),
+                _best_section(configs, cells), _baseline_section(configs, cells, baseline),
+                Section("OOM frontier", text="Largest per-device batch that ran, per strategy and setting.",
+                        table=frontier_table(cells))]
+    failures = failures_table(cells)
+    if len(failures) > ROW_LIMIT:
+        note = f"The first {ROW_LIMIT:,} of {len(failures):,}; results.csv has them all (columns status, stage, error)."
+        sections.append(Section("Cells that did not finish ok", text=note, table=failures.head(ROW_LIMIT)))
+    elif len(failures):
+        sections.append(Section("Cells that did not finish ok", table=failures))
+    if unreadable:
+        sections.append(Section("Unreadable records (skipped)", items=list(unreadable)))
+    return sections
+
+
+def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
+    sections = []
+    for metric in METRICS:
+        if metric == "mfu" and configs[metric].isna().all():
+            sections.append(Section("Pivot: MFU", text="No MFU values (CPU runs, or a GPU without a known peak)."))
+            continue
+        sections.append(Section(f"Pivot: {METRIC_NAMES[metric]}",
+                                text="Strategy x per-device batch; a cell that did not run ok shows its status."))
+        sections += [Section(setting, table=table, level=3) for setting, table in pivot_tables(cells, metric)]
+    return sections
+
+
+def all_cells_section(table: pd.DataFrame) -> Section:
+    """The cell table; past ROW_LIMIT rows a page is no place for it: results.csv is."""
+    if len(table) > ROW_LIMIT:
+        return Section("All cells", text=f"{len(table):,} cells: too many to list here; see results.csv.")
+    return Section("All cells", table=table)
+
+
+def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
+    """One line each for the fastest (tokens/s per GPU), the most memory headroom (GPU memory left
+    at the peak; the lowest peak where the device's size is unknown) and the cheapest (GPU-hours
+    per billion tokens) ok configuration, with its setup and the figures it was picked by."""
+    ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).copy()
+    if ranked.empty:
+        return []
+    # Records from before gpu_hours_per_billion_tokens existed: the same figure from their throughput.
+    ranked["gpu_hours_per_billion_tokens"] = ranked["gpu_hours_per_billion_tokens"].fillna(
+        1e9 / (3600 * ranked["tokens_per_s_per_gpu"]))
+    named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
+    by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
+    ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
+    fastest = ranked.loc[ranked["tokens_per_s_per_gpu"].idxmax()]
+    cheapest = ranked.loc[ranked["gpu_hours_per_billion_tokens"].idxmin()]
+    lines = [f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+             f"tokens/s per GPU (cell {fastest['cell_id']})"]
+    known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
+    if known.empty:
+        lowest = ranked.loc[ranked["peak_memory_gib"].idxmin()]
+        lines.append(f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
+                     f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
+                     f"cell {lowest['cell_id']})")
+    else:
+        roomy = known.loc[(known["capacity"] - known["peak_memory_gib"]).idxmax()]
+        free = roomy["capacity"] - roomy["peak_memory_gib"]
+        lines.append(f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
+                     f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
+                     f"(cell {roomy['cell_id']})")
+    same = " (the fastest: GPU-hours per token are the inverse of tokens/s per GPU)" if cheapest.name == fastest.name else ""
+    line = (f"Cheapest: {_setup(cheapest, cells)}: {cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion "
+            f"tokens{same} (cell {cheapest['cell_id']})")
+    energy = ranked.dropna(subset=["joules_per_token"])
+    if not energy.empty:
+        frugal = energy.loc[energy["joules_per_token"].idxmin()]
+        line += (f"; least energy: {_setup(frugal, cells)}: {frugal['joules_per_token']:.3g} J per token "
+                 f"({frugal['joules_per_token'] * 1e9 / 3.6e6:.3g} kWh per billion tokens)")
+    return lines + [line]
+
+
+def _setup(config: pd.Series, cells: Cells) -> str:
+    batch = value_text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 - numpy bool or NaN
+    return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
+
+
+def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
+    if configs["tokens_per_s_per_gpu"].notna().sum() == 0:
+        return Section("Best configuration", text="No cell finished ok.")
+    top = configs.loc[configs["tokens_per_s_per_gpu"].idxmax()]
+    where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
+    text = (f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
+            f"tokens/s per GPU (cell {top['cell_id']}). Per strategy, by tokens/s per GPU among ok cells:")
+    return Section("Best configuration", text=text, table=best_table(configs, cells))
+
+
+def _baseline_section(configs: pd.DataFrame, cells: Cells, requested: str | None) -> Section:
+    title = "Speed-up and memory saving vs baseline"
+    baseline = choose_baseline(configs, requested)
+    if baseline is None or baseline not in set(configs["strategy"]):
+        wanted = baseline or " or ".join(DEFAULT_BASELINES)
+        return Section(title, text=f"No ok cell of {wanted}: pass --baseline with a strategy of this sweep.")
+    table = baseline_table(configs, cells, baseline)
     if table.empty:
-        return "(none)"
-    rows = [[markdown_text(v) for v in row] for row in _rows(table)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(table.columns))]
-    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join(":" + "-" * (width + 1) for width in widths) + "|")
-    return "\n".join(lines)
+        return Section(title, text=f"No ok {baseline} cell shares a workload with another strategy's ok cell.")
+    text = (f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
+            f"resources. Speed-up = tokens/s per GPU / baseline's; memory saving = 1 - peak / baseline's peak.")
+    return Section(title, text=text, table=table)
 
 
-def _html_table(table: pd.DataFrame) -> str:
-    if table.empty:
-        return "<p>(none)</p>"
-    head, *body = [[html.escape(str(v)) for v in row] for row in _rows(table)]
-    return ("<table><thead><tr>" + "".join(f"<th>{cell}</th>" for cell in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in body) + "</tbody></table>")
-
-
-def _rows(table: pd.DataFrame) -> list[list]:
-    """Header then data rows, with a blank for a missing value (None, or NaN: the value unequal to itself)."""
-    return [list(table.columns), *([("" if v is None or v != v else v) for v in row] for row in table.itertuples(index=False))]
-
-
-STYLE = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
-       padding: 0 1rem; color: #1d2430; line-height: 1.45; }
-h1 { font-size: 1.5rem; border-bottom: 2px solid #d0d7de; padding-bottom: .4rem; }
-h2 { font-size: 1.2rem; margin-top: 2rem; }
-h3 { font-size: 1rem; margin-top: 1.2rem; color: #444; }
-table { border-collapse: collapse; font-size: .85rem; margin: .5rem 0 1rem; }
-th, td { border: 1px solid #d0d7de; padding: .25rem .55rem; text-align: right; }
-th { background: #f3f5f7; }
-td:first-child, th:first-child { text-align: left; }
-tr:nth-child(even) td { background: #fafbfc; }
-figure { margin: 1rem 0 2rem; }
-figure img { max-width: 100%; border: 1px solid #e5e8eb; }
-figcaption { font-size: .85rem; color: #555; }
-nav a { margin-right: .8rem; font-size: .9rem; }
-"""
-
-
-def to_html(title: str, sections: list[Section]) -> str:
-    """One page with no outside references: styles inline, images as base64 data URIs."""
-    anchors = [f"s{i}" for i in range(len(sections))]
-    nav = " ".join(f'<a href="#{a}">{html.escape(s.title)}</a>' for a, s in zip(anchors, sections) if s.level == 2)
-    body = [f"<h1>{html.escape(title)}</h1>", f"<nav>{nav}</nav>"]
-    for anchor, section in zip(anchors, sections):
-        body.append(f'<h{section.level} id="{anchor}">{html.escape(section.title)}</h{section.level}>')
-        if section.text:
-            body.append(f"<p>{html.escape(section.text)}</p>")
-        if section.items:
-            body.append("<ul>" + "".join(f"<li>{html.escape(item)}</li>" for item in section.items) + "</ul>")
-        if section.table is not None:
-            body.append(_html_table(section.table))
-        for caption, path in section.images:
-            data = base64.b64encode(path.read_bytes()).decode("ascii")
-            body.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+def _plot_note(plots: bool, skipped: dict[str, str]) -> str:
+    if not plots:
+        return "Plots not drawn (--no-plots)."
+    return " ".join(f"Skipped {name}: {why}." for name, why in skipped.items())

@@ -1,0 +1,246 @@
+"""Reading a sweep's records into one DataFrame, and labelling its cells.
+
+Reading is never fatal: a record that cannot be read is named by path and skipped, and a cell
+that was planned (manifest.json, cells/<id>/spec.json) but left no record is listed as missing.
+Labelling adds each cell's `variant` (strategy and varied knobs) and `setting` (what a table
+holds fixed), and averages repeats into configurations (`ok_configs`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..record import (
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    RecordError,
+    read_json_object,
+    record_state,
+    spec_problem,
+)
+from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
+
+# Written by `hpcfsdp submit` and the cell set-up: together they name the cells a sweep planned.
+MANIFEST_NAME = "manifest.json"
+
+
+METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+
+
+# Optional per-step fractions and utilisation: averaged over repeats like the metrics.
+EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean", "gpu_hours_per_billion_tokens",
+                 "joules_per_token", "memory_capacity_gib")
+
+
+# Short names for table headers and plot panel titles.
+SHORT = {"batch_size": "batch", "grad_accum": "accum", "activation_checkpointing": "ckpt", "seq_len": "seq",
+         "gpus_per_node": "gpus/node"}
+
+
+@dataclass
+class Collection:
+    """The records of one sweep folder, and what could not be read or has no record yet."""
+
+    frame: pd.DataFrame  # one row per readable record; spec fields are top-level columns
+    unreadable: list[str]  # one message per bad file, naming its path and the problem
+    missing: pd.DataFrame = field(default_factory=pd.DataFrame)  # planned cells without a record
+    spec_fields: tuple[str, ...] = ()
+
+    @property
+    def cells(self) -> pd.DataFrame:
+        """Records and missing cells together: one row per cell of the sweep."""
+        parts = [part for part in (self.frame, self.missing) if not part.empty]
+        return pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts[0] if parts else pd.DataFrame())
+
+
+def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None) -> Collection:
+    """Every record under <sweep_dir>/cells, read as status and submit read them (record.py);
+    unreadable ones are listed by path, never fatal, and no link out of the sweep folder is followed.
+
+    scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
+    the caller asked the scheduler, names the state of cells that have no record yet."""
+    sweep_dir = Path(sweep_dir)
+    paths = sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}"))
+    unreadable: list[str] = []
+    rows, spec_fields = [], {}
+    for path in paths:
+        state = record_state(path, root=sweep_dir)
+        if state.problem:
+            unreadable.append(state.problem)
+        elif state.record is not None:
+            spec_fields.update(dict.fromkeys(state.record["spec"]))
+            rows.append({"cell_id": path.parent.name, **_flatten(state.record)})  # the folder names the cell
+    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
+    return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
+
+
+def _flatten(record: dict[str, Any]) -> dict[str, Any]:
+    """Spec fields become top-level columns so tables can group by any of them; other nested
+    objects become dotted columns (memory.end.peak_allocated_gib, versions.torch). Lists such as
+    `losses` stay lists. The traceback stays in the record file."""
+    row: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in ("spec", "traceback"):
+            continue
+        if isinstance(value, dict):
+            _add_dotted(row, key, value)
+        else:
+            row[key] = value
+    row.update(record["spec"])
+    return row
+
+
+def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> None:
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            _add_dotted(row, f"{prefix}.{key}", value)
+        else:
+            row[f"{prefix}.{key}"] = value
+
+
+def _missing_cells(sweep_dir: Path, recorded: set[str], problems: list[str],
+                   scheduler_states: dict[str, str] | None) -> pd.DataFrame:
+    """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
+    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
+    planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
+    rows = []
+    for cell_id in sorted(planned - recorded):
+        spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, sweep_dir, problems)
+        entry = manifest.get(cell_id)
+        job = entry.get("job_id") if isinstance(entry, dict) else None
+        reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: {_job_state(cell_id, scheduler_states)})" if job else "")
+        rows.append({"cell_id": cell_id, "status": MISSING, "error": reason, "slurm.job_id": job, **spec})
+    return pd.DataFrame(rows)
+
+
+def _job_state(cell_id: str, scheduler_states: dict[str, str] | None) -> str:
+    if scheduler_states is None:
+        return "pending, running or lost; `hpcfsdp status` asks Slurm"
+    return scheduler_states.get(cell_id) or "not in the queue, state unknown without accounting"
+
+
+def _planned_spec(spec_path: Path, sweep_dir: Path, problems: list[str]) -> dict[str, Any]:
+    """The spec of a cell's spec.json; {} when there is none, or (with a note in problems) when
+    it is not usable: the cell is still listed as missing, without its spec fields."""
+    spec = _read_json(spec_path, sweep_dir, problems, "cell spec").get("spec")
+    if spec is None:
+        return {}
+    problem = spec_problem(spec)
+    if problem:
+        problems.append(f"{spec_path}: {problem}")
+        return {}
+    return spec
+
+
+def _read_json(path: Path, sweep_dir: Path, problems: list[str], kind: str) -> dict[str, Any]:
+    """A JSON object from path; {} when absent, and a note in problems when it is not readable."""
+    try:
+        return read_json_object(path, root=sweep_dir, kind=kind)
+    except FileNotFoundError:
+        return {}
+    except RecordError as exc:
+        problems.append(str(exc))
+        return {}
+
+
+@dataclass(frozen=True)
+class Cells:
+    """Every cell of a sweep with two label columns added.
+
+    `variant`: the strategy, plus any strategy knob varied within it ("fsdp2_zero3 (prefetch_depth=1)").
+    `setting`: what a table or plot panel holds fixed: grad_accum, activation_checkpointing and
+    any other varied workload field (an ordered categorical, so groups sort naturally).
+    """
+
+    frame: pd.DataFrame
+    workload: tuple[str, ...]  # spec fields that define the work: all but strategy, its knobs, seed
+    fixed: tuple[str, ...]  # the fields a setting holds fixed
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        return self.frame[self.frame["status"] == "ok"]
+
+
+def label_cells(collection: Collection) -> Cells:
+    frame = collection.cells.copy()
+    spec_fields = collection.spec_fields or ("strategy", "batch_size", "grad_accum", "activation_checkpointing")
+    for column in ("cell_id", "status", *spec_fields, "strategy", "batch_size", "grad_accum",
+                   "activation_checkpointing", *METRICS, *EXTRA_NUMBERS):
+        if column not in frame:
+            frame[column] = None
+    for column in (*METRICS, *EXTRA_NUMBERS):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    _fill_added_fields(frame, spec_fields)
+    # How batch_size: auto searched does not change what its cell then measured at the batch it chose.
+    workload = tuple(f for f in spec_fields if f not in (*STRATEGY_KNOBS, *BATCH_SEARCH_FIELDS, "strategy", "seed"))
+    varied = [f for f in workload if f != "batch_size" and frame[f].nunique() > 1]
+    fixed = tuple(dict.fromkeys(("grad_accum", "activation_checkpointing", *varied)))
+    frame["variant"] = _variants(frame, [k for k in STRATEGY_KNOBS if k in frame])
+    frame["setting"] = _settings(frame, fixed)
+    return Cells(frame, workload, fixed)
+
+
+def _fill_added_fields(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> None:
+    """A record written before a spec field existed lacks it; when every other record of the
+    sweep has one same value, the old record ran with that behaviour too: fill it in, so the
+    record still matches its baseline and lands in the right table."""
+    records = frame["status"] != MISSING
+    for name in spec_fields:
+        values = frame.loc[records, name]
+        if values.isna().any() and values.nunique() == 1:
+            frame.loc[records & values.isna(), name] = values.dropna().iloc[0]
+
+
+def _variants(frame: pd.DataFrame, knobs: list[str]) -> pd.Series:
+    labels = frame["strategy"].copy()
+    for strategy, group in frame.groupby("strategy"):
+        varied = [k for k in knobs if group[k].nunique() > 1]
+        if varied:
+            labels[group.index] = [f"{strategy} ({', '.join(f'{k}={value_text(v)}' for k, v in zip(varied, values))})"
+                                   for values in group[varied].itertuples(index=False)]
+    return labels
+
+
+def _settings(frame: pd.DataFrame, fixed: tuple[str, ...]) -> pd.Categorical:
+    labels = pd.Series([describe(dict(zip(fixed, values))) for values in frame[list(fixed)].itertuples(index=False)],
+                       index=frame.index)
+    ordered = frame.assign(_label=labels).sort_values(list(fixed), key=_natural_order, na_position="last")
+    natural = ordered["_label"].unique()
+    return pd.Categorical(labels, categories=natural, ordered=True)
+
+
+def _natural_order(column: pd.Series) -> pd.Series:
+    """Checkpointing from least to most recomputation; everything else by value."""
+    if column.name == "activation_checkpointing":
+        return column.map({"none": 0, "selective": 1, "full": 2})
+    return column
+
+
+def describe(values: dict[str, Any]) -> str:
+    """{"grad_accum": 1, "activation_checkpointing": "none"} -> "accum 1, ckpt none"."""
+    return ", ".join(f"{SHORT.get(k, k)} {value_text(v)}" for k, v in values.items())
+
+
+def value_text(value: Any) -> str:
+    """A value as a person writes it: 2 not 2.0, 4 significant digits, a dash for nothing."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:.4g}"
+    return str(value)
+
+
+def ok_configs(cells: Cells) -> pd.DataFrame:
+    """Ok cells averaged over repeats (cells whose spec differs only in seed); `repeats` counts them."""
+    ok = cells.ok
+    keys = ["variant", *cells.workload]
+    numbers = {c: "mean" for c in (*METRICS, *EXTRA_NUMBERS)}
+    firsts = {c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch") if c in ok}
+    configs = ok.groupby(keys, dropna=False, sort=False, observed=True).agg({**numbers, **firsts, "status": "size"})
+    return configs.rename(columns={"status": "repeats"}).reset_index()

@@ -1,0 +1,255 @@
+"""Tables of labelled cells: the per-cell comparison, best configurations, the baseline
+comparison, the OOM frontier, pivots, failures and the environment, as DataFrames of text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..record import (
+    MISSING,
+    STATUSES,
+)
+from .read import SHORT, Cells, describe, value_text
+from .render import markdown_table
+
+METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
+
+
+METRIC_FORMATS = {"tokens_per_s_per_gpu": "{:,.0f}", "mfu": "{:.1%}", "peak_memory_gib": "{:.2f}"}
+
+
+DEFAULT_BASELINES = ("ddp", "fsdp2_zero3")
+
+
+# The metric columns of the cell table, in order: (DataFrame column, header).
+CELL_METRICS = (
+    ("tokens_per_s_per_gpu", "tokens/s/gpu"),
+    ("step_time_s", "step s"),
+    ("mfu", "MFU"),
+    ("peak_memory_gib", "peak GiB"),
+    ("final_loss", "final loss"),
+)
+PRINTED_ROWS = 30  # rows of the cell table that `hpcfsdp collect` prints; report/results.csv has them all
+
+
+def varied_fields(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[str]:
+    """The spec fields (and the number of ranks) whose value differs between the cells: what tells
+    two rows of the cell table apart. The strategy is always shown, so it is not among them."""
+    candidates = dict.fromkeys((*spec_fields, "world_size"))
+    return [name for name in candidates
+            if name != "strategy" and name in frame and frame[name].map(value_text).nunique() > 1]
+
+
+def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.DataFrame:
+    """One row per cell, as text, best first: ok cells by tokens/s per GPU, then the others by
+    status. Columns: the strategy, each field that varies in the sweep, the status, the metrics
+    and the cell id."""
+    fields = varied_fields(frame, spec_fields)
+    headers = ["strategy", *(SHORT.get(f, f) for f in fields), "status", *(h for _, h in CELL_METRICS), "cell"]
+    if frame.empty:
+        return pd.DataFrame(columns=headers)
+    speed = pd.to_numeric(frame["tokens_per_s_per_gpu"], errors="coerce") if "tokens_per_s_per_gpu" in frame else None
+    ranked = frame.assign(_failed=frame["status"] != "ok", _speed=speed).sort_values(
+        ["_failed", "_speed", "status", "cell_id"], ascending=[True, False, True, True], na_position="last", kind="stable")
+    columns = {"strategy": ranked["strategy"].map(value_text)}
+    columns.update({SHORT.get(f, f): ranked[f].map(value_text) for f in fields})
+    columns["status"] = ranked["status"].map(value_text)
+    for column, header in CELL_METRICS:
+        values = pd.to_numeric(ranked[column], errors="coerce") if column in ranked else pd.Series(None, index=ranked.index)
+        columns[header] = values.map(lambda v, c=column: fmt(c, v) if c in METRIC_FORMATS else value_text(v))
+    columns["cell"] = ranked["cell_id"].map(value_text)
+    return pd.DataFrame(columns, columns=headers).reset_index(drop=True)
+
+
+def printed_comparison(table: pd.DataFrame, full_table: Path) -> str:
+    """The cell table as `hpcfsdp collect` prints it: the best PRINTED_ROWS rows, then a line
+    saying how many were left out and where the full table is."""
+    if table.empty:
+        return "(no records)"
+    text = markdown_table(table.head(PRINTED_ROWS))
+    left_out = len(table) - PRINTED_ROWS
+    if left_out > 0:
+        text += f"\n{left_out:,} more row(s) not shown (of {len(table):,}); the full table: {full_table}"
+    return text
+
+
+def printable(table: pd.DataFrame) -> pd.DataFrame:
+    """A table of raw values as text for printing: tokens/s/gpu as a whole number, other numbers
+    to 4 significant digits, a dash for nothing."""
+    return pd.DataFrame({header: table[header].map(
+        (lambda v: f"{v:.0f}" if isinstance(v, float) and v == v else value_text(v)) if header == "tokens/s/gpu"
+        else value_text) for header in table.columns}, columns=table.columns)
+
+
+def fmt(metric: str, value: Any) -> str:
+    return METRIC_FORMATS[metric].format(value) if pd.notna(value) else "-"
+
+
+def choose_baseline(configs: pd.DataFrame, requested: str | None) -> str | None:
+    """The requested strategy, else the first default present among ok cells."""
+    if requested:
+        return requested
+    present = set(configs["strategy"])
+    return next((s for s in DEFAULT_BASELINES if s in present), None)
+
+
+def best_table(configs: pd.DataFrame, cells: Cells) -> pd.DataFrame:
+    ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).sort_values("tokens_per_s_per_gpu", ascending=False)
+    best = ranked.drop_duplicates("variant").sort_values("variant")
+    return _config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib"))
+
+
+def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.DataFrame:
+    """Each ok config against the baseline strategy's config of the same workload."""
+    workload = list(cells.workload)
+    base = (configs[configs["strategy"] == baseline]
+            .groupby(workload, dropna=False)[["tokens_per_s_per_gpu", "peak_memory_gib"]].mean()
+            .rename(columns=lambda c: f"base_{c}").reset_index())
+    others = configs[configs["strategy"] != baseline]
+    paired = others.merge(base, on=workload, how="inner").sort_values(["setting", "variant", "batch_size"])
+    rows = _config_rows(paired, cells, ())
+    rows["tokens/s/gpu"] = [fmt("tokens_per_s_per_gpu", v) for v in paired["tokens_per_s_per_gpu"]]
+    rows[f"{baseline} tokens/s/gpu"] = [fmt("tokens_per_s_per_gpu", v) for v in paired["base_tokens_per_s_per_gpu"]]
+    rows["speed-up"] = [f"{v:.2f}x" for v in paired["tokens_per_s_per_gpu"] / paired["base_tokens_per_s_per_gpu"]]
+    rows["peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["peak_memory_gib"]]
+    rows[f"{baseline} peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["base_peak_memory_gib"]]
+    saving = 1 - paired["peak_memory_gib"] / paired["base_peak_memory_gib"]
+    rows["memory saving"] = [f"{v:.1%}" if pd.notna(v) else "-" for v in saving]
+    return rows
+
+
+def probe_rows(cells: Cells) -> pd.DataFrame:
+    """One row per probe of the `batch_size: auto` cells: the cell's labels and spec fields, with
+    the probe's batch, status (ok, oom, over_margin), peak memory and tokens/s per GPU."""
+    frame = cells.frame
+    if "batch_search.probes" not in frame:
+        return pd.DataFrame(columns=["variant", "setting", *cells.fixed, "batch_size", "status", *PROBE_NUMBERS])
+    labels = ["cell_id", "variant", "setting", *dict.fromkeys(cells.fixed)]
+    rows = [{**{k: cell[k] for k in labels}, **{k: probe.get(k) for k in ("batch_size", "status", *PROBE_NUMBERS)}}
+            for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list))].iterrows()
+            for probe in cell["batch_search.probes"] if isinstance(probe, dict)]
+    probes = pd.DataFrame(rows, columns=[*labels, "batch_size", "status", *PROBE_NUMBERS])
+    probes[list(PROBE_NUMBERS)] = probes[list(PROBE_NUMBERS)].apply(pd.to_numeric, errors="coerce")
+    probes["setting"] = pd.Categorical(probes["setting"], categories=frame["setting"].cat.categories, ordered=True)
+    return probes
+
+
+PROBE_NUMBERS = ("peak_memory_gib", "tokens_per_s_per_gpu")
+
+
+def frontier_table(cells: Cells) -> pd.DataFrame:
+    """Largest batch that ran per strategy and setting (grad_accum aside: it does not change what
+    fits), from the cells and the probes of `batch_size: auto` searches (a probe over the
+    margin counts as not fitting)."""
+    keys = ["variant", *(f for f in cells.fixed if f != "grad_accum")]
+    probes = probe_rows(cells)
+    runs = [part[[*keys, "batch_size", "status"]] for part in (cells.frame, probes) if not part.empty]
+    frame = pd.concat(runs, ignore_index=True).dropna(subset=["variant", "batch_size"]) if runs else pd.DataFrame()
+    if frame.empty:
+        return pd.DataFrame()
+    groups = frame.groupby(keys, dropna=False, sort=True)
+    table = pd.DataFrame({
+        "largest ok batch": frame[frame["status"] == "ok"].groupby(keys, dropna=False)["batch_size"].max(),
+        "smallest OOM batch": frame[frame["status"].isin(("oom", "over_margin"))].groupby(keys, dropna=False)["batch_size"].min(),
+        "batches run": groups["batch_size"].agg(lambda s: ", ".join(value_text(b) for b in sorted(s.unique()))),
+    }).reset_index()
+    table["largest ok batch"] = table["largest ok batch"].map(lambda v: value_text(v) if pd.notna(v) else "none")
+    table["smallest OOM batch"] = table["smallest OOM batch"].map(value_text)
+    return table.rename(columns={"variant": "strategy", **SHORT})
+
+
+def pivot_tables(cells: Cells, metric: str) -> list[tuple[str, pd.DataFrame]]:
+    """strategy x batch_size per setting: the metric where the cell ran, else its status (OOM, ...)."""
+    keys = ["setting", "variant", "batch_size"]
+    frame = cells.frame[[*keys, "status", metric]].dropna(subset=["variant", "batch_size"])
+    ran = frame["status"] == "ok"
+    shown = frame[ran].groupby(keys, observed=True)[metric].mean().map(lambda v: fmt(metric, v))
+    failed = frame[~ran].groupby(keys, observed=True)["status"].first().str.upper()
+    tables = []
+    for setting, values in shown.combine_first(failed).groupby(level="setting", observed=True, sort=True):
+        grid = values.droplevel("setting").unstack("batch_size").fillna("")
+        grid.columns = [f"b{value_text(b)}" for b in grid.columns]
+        tables.append((str(setting), grid.rename_axis("strategy").reset_index()))
+    return tables
+
+
+def failures_table(cells: Cells) -> pd.DataFrame:
+    failed = cells.frame[cells.frame["status"] != "ok"]
+    stage = failed["stage"] if "stage" in failed else pd.Series("", index=failed.index)
+    error = failed["error"] if "error" in failed else pd.Series("", index=failed.index)
+    job = failed["slurm.job_id"] if "slurm.job_id" in failed else pd.Series(None, index=failed.index)
+    return pd.DataFrame({
+        "cell": failed["cell_id"],
+        "status": failed["status"],
+        "job": job.map(value_text),
+        "strategy": failed["variant"].map(value_text),
+        "batch": failed["batch_size"].map(value_text),
+        "setting": failed["setting"].astype(str),
+        "stage": stage.map(value_text),
+        "reason": error.map(_first_line),
+    }).sort_values(["status", "cell"]).reset_index(drop=True)
+
+
+def _first_line(error: Any, limit: int = 160) -> str:
+    text = value_text(error).strip().splitlines()[0] if pd.notna(error) and str(error).strip() else "-"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _config_rows(configs: pd.DataFrame, cells: Cells, metrics: tuple[str, ...]) -> pd.DataFrame:
+    """Identifying columns of configs (strategy, batch, the setting's fields) plus formatted metrics."""
+    rows = pd.DataFrame({"strategy": configs["variant"].to_numpy(), "batch": configs["batch_size"].map(value_text).to_numpy()})
+    for name in cells.fixed:
+        rows[SHORT.get(name, name)] = configs[name].map(value_text).to_numpy()
+    for metric in metrics:
+        rows[METRIC_NAMES[metric]] = [fmt(metric, v) for v in configs[metric]]
+    if len(configs) and (configs["repeats"] > 1).any():
+        rows["repeats"] = configs["repeats"].to_numpy()
+    return rows
+
+
+def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Distinct values (with cell counts) of the fields that describe where the cells ran."""
+    fields = ["device_name", "world_size", "nodes", "backend", "git_commit",
+              "slurm.cluster_name", "slurm.job_partition",
+              *sorted(c for c in frame.columns if c.startswith(("versions.", "environment.")))]
+    rows = [(name, _counted(frame[name].dropna())) for name in fields if name in frame and frame[name].notna().any()]
+    if "hostnames" in frame:
+        hosts = sorted({str(h) for hs in frame["hostnames"].dropna() if isinstance(hs, list) for h in hs})
+        if hosts:
+            shown = ", ".join(hosts[:20]) + (f" and {len(hosts) - 20} more" if len(hosts) > 20 else "")
+            rows.append(("hostnames", shown))
+    return pd.DataFrame(rows, columns=["field", "values (cells)"])
+
+
+def _counted(values: pd.Series) -> str:
+    counts = values.value_counts()
+    try:
+        counts = counts.sort_index()
+    except TypeError:  # values of more than one type (a record's context field holds a number here, text there)
+        counts = counts.sort_index(key=lambda index: index.map(value_text))
+    return ", ".join(f"{value_text(v)} ({n})" for v, n in counts.items())
+
+
+def status_counts(cells: Cells, unreadable: list[str]) -> str:
+    counts = cells.frame["status"].value_counts()
+    order = [*STATUSES, MISSING]
+    parts = [f"{counts[s]} {s}" for s in order if s in counts]
+    text = f"{len(cells.frame)} cell(s): " + (", ".join(parts) or "none")
+    return text + (f"; {len(unreadable)} unreadable record file(s)" if unreadable else "")
+
+
+def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
+    """The ok cells of the one workload run by the most strategies, for like-for-like plots
+    (loss curves, memory by stage), and a label naming that workload."""
+    ok = cells.ok
+    if ok.empty:
+        return ok, ""
+    groups = ok.groupby(list(cells.workload), dropna=False, sort=True)
+    best = int(groups["variant"].nunique().to_numpy().argmax())
+    chosen = ok[groups.ngroup() == best]
+    first = chosen.iloc[0]
+    return chosen, describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
