@@ -589,7 +589,7 @@ def _print_collection(sweep_dir: Path, baseline: str | None = None, plots: bool 
         print(f"warning: {note}", file=sys.stderr)
     regressions = 0
     if compare is not None:
-        comparison, text, path = write_comparison(sweep_dir, compare, threshold)
+        comparison, text, path = write_comparison(sweep_dir, compare, threshold, collection)
         regressions = len(comparison.regressions)
         print(text)
         print(f"wrote {path}\n")

@@ -21,6 +21,11 @@ from typing import Any, NamedTuple
 
 from .spec import RunSpec, choices
 
+try:
+    import orjson
+except ImportError:  # a dependency; without it records are parsed by the standard library, slower
+    orjson = None  # type: ignore[assignment]
+
 SCHEMA_VERSION = 1
 
 
@@ -112,6 +117,18 @@ def _umask() -> int:
     return mask
 
 
+def parse_json(data: bytes) -> Any:
+    """JSON text to a value: orjson (several times faster: collect parses every record of a sweep)
+    where it is installed and the text is within what it reads (64-bit integers, no NaN, 1,024
+    levels); the standard library otherwise, so values and error messages stay those of `json`."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data.decode("utf-8"))
+
+
 def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
     """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
     unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
@@ -121,7 +138,7 @@ def read_json_object(path: str | Path, root: str | Path | None = None, kind: str
     if root is not None and not _inside(path, root):
         raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = parse_json(path.read_bytes())
     except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
         raise FileNotFoundError(path) from None
     except OSError as exc:

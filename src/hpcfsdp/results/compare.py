@@ -39,11 +39,14 @@ class Comparison:
 WORSE = {"tokens_per_s_per_gpu": -1, "mfu": -1, "peak_memory_gib": +1}
 
 
-def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05) -> Comparison:
+def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05,
+                   current: Collection | None = None) -> Comparison:
     """Deltas current / reference - 1 for every cell of the reference sweep; a change beyond
     threshold in the worse direction, or a cell ok in the reference and not now (failed, or
-    `missing`: no readable record in the current sweep), is a regression."""
-    current, reference = load_records(current_dir), load_records(reference_dir)
+    `missing`: no readable record in the current sweep), is a regression. `current`: the current
+    sweep's records where the caller read them already (collect reads each record once)."""
+    current = current if current is not None else load_records(current_dir)
+    reference = load_records(reference_dir)
     cur = current.frame.reindex(columns=["cell_id", "status", *METRICS])
     ref = reference.frame.reindex(columns=["cell_id", "strategy", "batch_size", "status", *METRICS])
     for frame in (cur, ref):
@@ -114,9 +117,10 @@ def _noise_note(collections: dict[str, Collection], threshold: float) -> str:
     return "run-to-run noise: " + "; ".join(parts) + warning
 
 
-def write_comparison(sweep_dir: str | Path, reference_dir: str | Path, threshold: float) -> tuple[Comparison, str, Path]:
+def write_comparison(sweep_dir: str | Path, reference_dir: str | Path, threshold: float,
+                     current: Collection | None = None) -> tuple[Comparison, str, Path]:
     """Compare and write report/compare.md; returns the comparison, its text and the file."""
-    comparison = compare_sweeps(sweep_dir, reference_dir, threshold)
+    comparison = compare_sweeps(sweep_dir, reference_dir, threshold, current)
     text = comparison.render(str(sweep_dir), str(reference_dir))
     path = report_folder(Path(sweep_dir)) / "compare.md"
     path.write_text(text)
