@@ -91,7 +91,7 @@ LEAK_CHECK = """
 import gc, os, sys, weakref
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   HPCFSDP_FAULT="train_step:oom>3")
-from hpcfsdp.cell import run
+from hpcfsdp.cell import faults, run
 from hpcfsdp.cell.batch_search import BatchSearch, search_batch_size
 from hpcfsdp.cell.distributed import init_distributed
 from hpcfsdp.spec import RunSpec
@@ -105,7 +105,7 @@ for strategy in ("ddp", "fsdp2_zero3"):
         built.extend([weakref.ref(model), weakref.ref(optimizer)])
         return model, optimizer, vocab
     search = BatchSearch(1, spec.batch_cap, 0.0, 2)
-    chosen = search_batch_size(search, spec, env, None, build, lambda b: run._inject_fault("train_step", env, b), print)
+    chosen = search_batch_size(search, spec, env, None, build, lambda b: faults.inject_fault("train_step", env, b), print)
     print(strategy, chosen.batch_size, len(built), sum(ref() is not None for ref in built))
 """
 

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files  # noqa: E402
 
-from hpcfsdp.cache.download import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
+from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
 from hpcfsdp.cache.hub import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
 from hpcfsdp.sweep.matrix import load_sweep, parse_sweep  # noqa: E402
 
@@ -135,8 +135,8 @@ OFFLINE_SCRIPT = r"""
 import json, os, sys, time
 MODEL, DATASET, SEQ_LEN, SERVED = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 started = time.monotonic()
-from hpcfsdp.cache.hub import resolve_dataset_dir, resolve_model, resolve_tokenized
-model_item = resolve_model(MODEL, weights=True)
+from hpcfsdp.cache.hub import resolve_cached_model, resolve_dataset_dir, resolve_tokenized
+model_item = resolve_cached_model(MODEL, weights=True)
 tokenized = resolve_tokenized(DATASET, MODEL, SEQ_LEN)
 resolve_seconds = time.monotonic() - started
 offline = {v: os.environ.get(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
@@ -217,8 +217,8 @@ def test_a_hub_models_positions_bound_seq_len_on_the_compute_node(downloaded: Si
 def test_missing_item_fails_fast_with_one_line_naming_the_command(downloaded: SimpleNamespace) -> None:
     script = r"""
 import sys, time
-from hpcfsdp.cache.hub import CacheMissError, resolve_model, resolve_tokenized
-for call in (lambda: resolve_model("acme/absent-model"),
+from hpcfsdp.cache.hub import CacheMissError, resolve_cached_model, resolve_tokenized
+for call in (lambda: resolve_cached_model("acme/absent-model"),
              lambda: resolve_tokenized("acme/tiny-stories", "acme/tiny-qwen", 32)):
     started = time.monotonic()
     try:

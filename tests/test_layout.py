@@ -66,7 +66,8 @@ def test_status_collect_and_history_load_no_torch(printed):
 
 
 def test_the_cache_side_loads_no_torch_outside_tokenising():
-    probe = ("import sys, hpcfsdp.cache.download, hpcfsdp.cache.hub, hpcfsdp.cache.tokenize, hpcfsdp.sweep.job;"
+    probe = ("import sys, hpcfsdp.cache.download, hpcfsdp.cache.fetch, hpcfsdp.cache.hub, hpcfsdp.cache.manifest, "
+             "hpcfsdp.cache.plan, hpcfsdp.cache.tokenize, hpcfsdp.cache.verify, hpcfsdp.sweep.job;"
              "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

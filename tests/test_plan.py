@@ -321,7 +321,7 @@ def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(tmp
 
 
 def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
-    from hpcfsdp.cell import run
+    from hpcfsdp.cell import signals
 
     calls = []
 
@@ -332,17 +332,17 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
     try:
         monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "1")
         monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-        saved = run._raise_on_time_limit()
+        saved = signals.handle_time_limit()
         os.kill(os.getpid(), signal.SIGUSR2)  # a requeue is left: submitit's handler, training goes on
         assert calls == [signal.SIGUSR2]
         with pytest.raises(SystemExit, match="requeued after SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)  # the requeue ends this rank without a record
-        run._restore(saved)
+        signals.restore_handlers(saved)
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-        saved = run._raise_on_time_limit()
-        with pytest.raises(run.CellTimeout, match="SIGUSR2"):
+        saved = signals.handle_time_limit()
+        with pytest.raises(signals.CellTimeout, match="SIGUSR2"):
             os.kill(os.getpid(), signal.SIGUSR2)  # requeues used up: a timeout record
-        run._restore(saved)
+        signals.restore_handlers(saved)
         assert calls == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is submitit_handler
     finally:
         signal.signal(signal.SIGUSR2, previous)

@@ -280,7 +280,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _cache_misses(sweep: Sweep) -> list[str]:
     """Hub models and datasets the cells need but the pre-download cache lacks."""
-    from .cache.download import cache_misses
+    from .cache.plan import cache_misses
 
     return cache_misses(sweep, sweep.resources.cache_dir or None)
 
@@ -708,7 +708,8 @@ def _scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
 
 
 def _download(args: argparse.Namespace) -> int:
-    from .cache.download import DownloadError, Request, download_main
+    from .cache.download import download_main
+    from .cache.plan import DownloadError, Request
     from .cache.hub import CacheMissError
 
     request = Request(jobs=args.jobs, max_cells=args.max_cells, models=tuple(args.model), datasets=tuple(args.dataset), weights=args.weights,

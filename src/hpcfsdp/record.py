@@ -92,16 +92,40 @@ class RecordState(NamedTuple):
 
 
 def write_record(path: str | Path, record: dict[str, Any]) -> Path:
-    path = Path(path)
     if record.get("status") not in STATUSES:
         raise ValueError(f"record status must be one of {STATUSES}, got {record.get('status')!r}")
-    payload = {"schema_version": SCHEMA_VERSION, **record}
+    return write_json(path, {"schema_version": SCHEMA_VERSION, **record}, sort_keys=True)
+
+
+def failure_record(status: str, stage: str, error: str, trace: str | None = None,
+                   cell: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """The fields every failed cell's record has: its status, the stage it failed at, the error on
+    one line and, where there is one, the traceback (or a log's tail). `cell`: the cell's spec.json
+    ({cell_id, sweep, spec}), for a record written where the run's own context is not known (a
+    spec the compute node rejects, a launch that never ran): its identity and size. The callers
+    add their own fields."""
+    record: dict[str, Any] = {"status": status, "stage": stage, "error": error}
+    if trace is not None:
+        record["traceback"] = trace
+    if cell is not None:
+        spec = cell["spec"]
+        nodes, per_node = spec.get("nodes", 1), spec.get("gpus_per_node", 1)
+        record.update(cell_id=cell["cell_id"], sweep=cell["sweep"], spec=spec, world_size=nodes * per_node, nodes=nodes)
+    return {**record, **fields}
+
+
+def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
+    """The one atomic JSON writer (records, the sweep's and the cache's manifests): a temporary
+    file of a unique name beside path, fsync, then rename over path, so that a reader sees the old
+    file or the new one, never half of one. Values JSON does not know are written as text."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
         with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True, default=str)
+            json.dump(value, handle, indent=2, sort_keys=sort_keys, default=str)
+            handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

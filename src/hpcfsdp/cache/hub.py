@@ -207,7 +207,7 @@ def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return (Path.home() / ".cache" / "hpcfsdp").resolve()
 
 
-def read_manifest(cache_dir: Path) -> dict[str, Any]:
+def read_cache_manifest(cache_dir: Path) -> dict[str, Any]:
     """The manifest as a dict {"version": 1, "items": {key: entry}}; empty when there is none yet."""
     path = Path(cache_dir) / MANIFEST_NAME
     try:
@@ -261,7 +261,7 @@ def offline_mode() -> None:
         setattr(ds_config, "HF_DATASETS_OFFLINE", True)
 
 
-def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:
+def resolve_cached_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:
     """A hub model `ORG/NAME[@rev]` -> its snapshot folder (config.json, tokenizer files[, weights]).
 
     Offline only: reads the manifest and checks that the recorded files exist with their sizes.
@@ -272,11 +272,11 @@ def resolve_model(name: str, cache_dir: str | os.PathLike | None = None, weights
 
 
 def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:
-    """resolve_model without switching the process offline (for the downloader itself)."""
+    """resolve_cached_model without switching the process offline (for the downloader itself)."""
     ref = ModelRef.parse(name)
     cache = default_cache_dir(cache_dir)
     command = model_download_command(cache, ref, weights)
-    entry_key, entry = find_model_entry(read_manifest(cache)["items"], ref)
+    entry_key, entry = find_model_entry(read_cache_manifest(cache)["items"], ref)
     if entry is None:
         raise CacheMissError(f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
     item = _checked(cache, entry_key, entry, ref.name, command)
@@ -303,7 +303,7 @@ def lookup_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> Cac
     ref = DatasetRef.parse(name)
     cache = default_cache_dir(cache_dir)
     command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.name}"
-    entry = read_manifest(cache)["items"].get(ref.key)
+    entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
         raise CacheMissError(f"dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
     return _checked(cache, ref.key, entry, ref.name, command)
@@ -328,7 +328,7 @@ def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os
     column = f" --text-column {ref.text_column}" if ref.text_column != ref.dataset.text_column else ""
     command = (f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.dataset.name} "
                f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}{column}")
-    entry = read_manifest(cache)["items"].get(ref.key)
+    entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
         raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
     return _checked(cache, ref.key, entry, ref.name, command)

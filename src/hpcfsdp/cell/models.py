@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ..cache.hub import resolve_model as resolve_hub_model
+from ..cache.hub import resolve_cached_model
 from ..spec import PRESETS_DIR, model_kind, preset_names
 
 __all__ = ["ModelSource", "PRESETS_DIR", "build_model", "decoder_layers", "init_weights", "load_config",
@@ -48,7 +48,7 @@ def resolve_model(model: str, weights: bool = False) -> ModelSource:
         path = Path(model).expanduser().resolve()
         return ModelSource(kind, path, {"kind": kind, "path": str(path)})
     if kind == "hub":
-        item = resolve_hub_model(model, weights=weights)
+        item = resolve_cached_model(model, weights=weights)
         return ModelSource(kind, item.path, {"kind": kind, "item": item.item, "sha": item.sha, "path": str(item.path)})
     raise ValueError(f"model: {model!r} is neither a preset ({', '.join(preset_names())}), a folder with config.json, "
                      "nor a hub id ORG/NAME[@REV]")

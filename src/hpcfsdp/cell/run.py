@@ -1,35 +1,45 @@
 """Run one cell: build model, apply strategy, train, measure, write the record.
 
 Called by `hpcfsdp run` (under torchrun or by hand) and by each Slurm array task (submitit).
-A failing cell still leaves a record that says why.
+A failing cell still leaves a record that says why. This module is the cell's sequence; Slurm's
+signals are handled in signals.py, injected faults come from faults.py, and the optional
+profiles and memory snapshot from profiling.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
 
 from .. import __version__
+from ..record import (
+    RECORD_NAME,
+    SPEC_NAME,
+    RecordError,
+    failure_record,
+    keep_as_attempt,
+    read_json_object,
+    read_record,
+    write_record,
+)
+from ..spec import RunSpec, SpecError, check_seq_len
 from .batch_search import BatchSearch, is_oom, search_batch_size
 from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
+from .faults import inject_fault
 from .levers import check_device, float8_linear_count, install_loss
 from .metrics import (
     FlopCount,
     NvmlSampler,
-    communication_breakdown,
     device_name,
     flops_per_token,
     median,
@@ -37,50 +47,26 @@ from .metrics import (
     memory_reading,
     peak_tflops,
     percentile,
-    quiet_profiler,
     reset_peak_memory,
 )
 from .models import ModelSource, build_model, materialize, resolve_model
-from ..record import RECORD_NAME, SPEC_NAME, RecordError, keep_as_attempt, read_record, write_record
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, RunSpec, SpecError, check_seq_len
+from .profiling import memory_snapshot, profile_communication, write_trace
 from .provenance import driver_version, framework_environment, git_commit
-from .strategies import param_dtype, parallelize
+from .signals import CellCancelled, CellTimeout, handle_time_limit, restore_handlers, signal_cause
+from .strategies import parallelize, param_dtype
 from .summary import summary_line
 from .train import Diverged, TrainLog, build_optimizer, train
 
 
 def run_cell_dir(cell_dir: Path) -> str:
-    meta = json.loads((cell_dir / SPEC_NAME).read_text())
+    meta = read_json_object(cell_dir / SPEC_NAME, kind="cell spec")
     try:
         # Validated again on the compute node: a path checked at plan time may be gone by now.
         spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
     except SpecError as exc:
-        nodes, per_node = meta["spec"].get("nodes", 1), meta["spec"].get("gpus_per_node", 1)
-        write_record(cell_dir / RECORD_NAME, {
-            "status": "error", "stage": "setup", "error": str(exc), "cell_id": meta["cell_id"],
-            "sweep": meta["sweep"], "spec": meta["spec"], "world_size": nodes * per_node, "nodes": nodes,
-            **_provenance(),
-        })
+        write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **_provenance()))
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
     return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
-
-
-class CellTimeout(Exception):
-    """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
-
-
-class CellCancelled(Exception):
-    """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
-    or Slurm ending the job because one of its nodes went down (`node_fail`)."""
-
-    def __init__(self, message: str, status: str):
-        super().__init__(message)
-        self.status = status
-
-
-# Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
-# never before it; a SIGTERM more than this before the job's end is something else.
-EARLY_SIGTERM_S = 30.0
 
 
 def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
@@ -94,16 +80,16 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     env = init_distributed(spec.device)
     progress = _Progress()
-    previous_handlers = _raise_on_time_limit()
+    previous_handlers = handle_time_limit()
     try:
-        record = _measure(spec, env, cell_dir, cell_id, progress)
+        record = _train_cell(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # noqa: BLE001 - every failure must become a record
         record = _failure_record(exc, progress.stage, env)
         if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
-            record.update(_memory_snapshot(spec, env, cell_dir))
+            record.update(memory_snapshot(spec, env, cell_dir))
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
     finally:
-        _restore(previous_handlers)
+        restore_handlers(previous_handlers)
     if progress.batch_search is not None:
         record["batch_search"] = progress.batch_search.record()
         spec = progress.measured or spec  # the record holds the batch the search chose
@@ -132,12 +118,14 @@ class _Progress:
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
 
 
-def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> dict[str, Any]:
-    """The run proper, stage by stage; memory is read after each stage (max over ranks later)."""
+def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> dict[str, Any]:
+    """The whole cell on this rank, stage by stage (set-up, data, batch search, model, shard, train,
+    then the optional profiles): the ok record's fields. Memory is read after each stage (max over
+    ranks later); `progress` says which stage a failure happened at."""
 
     def enter(stage: str) -> None:
         progress.stage = stage
-        _inject_fault(stage, env)
+        inject_fault(stage, env)
 
     enter("setup")
     if env.world_size != spec.world_size:
@@ -158,7 +146,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
         progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
         spec = progress.measured = search_batch_size(
             progress.batch_search, spec, env, blocks, lambda probe: _build_probe(probe, env),
-            on_first_step=lambda batch: _inject_fault("train_step", env, batch), log=say)
+            on_first_step=lambda batch: inject_fault("train_step", env, batch), log=say)
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
@@ -175,7 +163,7 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
 
     def on_step_end(step: int) -> None:
         if step == 0:
-            _inject_fault("train_step", env, spec.batch_size)
+            inject_fault("train_step", env, spec.batch_size)
         if step == spec.warmup_steps - 1:
             memory["after_warmup"] = memory_reading(env.device)
             if sampler is not None:
@@ -201,11 +189,11 @@ def _measure(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress
     record.update(_energy(record.get("energy_per_rank_j"), record))
     if spec.comm_profile_steps:
         enter("comm_profile")
-        record.update(_profile_communication(model, optimizer, batches, spec, env))
+        record.update(profile_communication(model, optimizer, batches, spec, env))
     if spec.profile:
         enter("profile")
-        record["profile_trace_dir"] = _write_trace(model, optimizer, batches, spec, env, cell_dir)
-    record.update(_memory_snapshot(spec, env, cell_dir))
+        record["profile_trace_dir"] = write_trace(model, optimizer, batches, spec, env, cell_dir)
+    record.update(memory_snapshot(spec, env, cell_dir))
     if spec.record_param_norm:
         record["final_param_norm"] = full_param_norm(model)
     return record
@@ -246,60 +234,6 @@ def _build_probe(spec: RunSpec, env: DistEnv):
     return built.model, built.optimizer, built.vocab_size
 
 
-def _profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv) -> dict:
-    """A few extra steps under torch.profiler: collective time per step and its exposed part.
-
-    One step runs under the profiler before the measured ones, so that the profiler's start-up
-    (tracer set-up, and ranks starting it at different moments, which shows as collectives waiting
-    for the late rank) is not counted. Fractions are of the profiled steps' own duration: the
-    profiler lengthens a step, and dividing by the unprofiled step time could exceed 1.
-    """
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    quiet_profiler()
-    steps = spec.comm_profile_steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        log = train(model, optimizer, batches, spec, env, 1 + steps, warmup=1, on_step_end=lambda step: prof.step())
-    comm = communication_breakdown(prof.events(), steps)
-    comm["comm_profile_step_time_s"] = log.window_s / steps
-    comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
-    comm["comm_fraction"] = comm["comm_s_per_step"] / comm["comm_profile_step_time_s"]
-    comm["comm_exposed_fraction"] = comm["comm_exposed_s_per_step"] / comm["comm_profile_step_time_s"]
-    comm["comm_profile_steps"] = steps
-    return comm
-
-
-def _write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir: Path) -> str:
-    """A TensorBoard-readable trace of 1 wait + 1 warm-up + 2 active steps, one file per rank."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    quiet_profiler()
-    trace_dir = cell_dir / "profile"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2),
-                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{env.rank}"),
-                 profile_memory=True, record_shapes=True) as prof:
-        train(model, optimizer, batches, spec, env, 4, on_step_end=lambda step: prof.step())
-    return str(trace_dir)
-
-
-def _memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, str]:
-    """With memory_snapshot on a GPU: this rank's allocator history (pytorch.org/memory_viz), after
-    the run or at the out-of-memory error; {"memory_snapshot": path}, else nothing."""
-    if not (spec.memory_snapshot and env.device.type == "cuda"):
-        return {}
-    path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
-    try:
-        cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
-    except Exception as exc:  # noqa: BLE001 - the record matters more than the snapshot
-        print(f"[hpcfsdp] rank {env.rank}: no memory snapshot: {type(exc).__name__}: {exc}", flush=True)
-        return {}
-    return {"memory_snapshot": str(path)}
-
-
 def _gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str, Any]:
     """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
     gathered: list[dict[str, Any]] = all_gather_objects(summary)  # type: ignore[assignment]
@@ -333,7 +267,7 @@ def _energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str,
 
 
 def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
-    exc = _signal_cause(exc)
+    exc = signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
     elif isinstance(exc, CellCancelled):
@@ -344,9 +278,8 @@ def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, A
         status = "diverged"
     else:
         status = "error"
-    record = {"status": status, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
-              "traceback": traceback.format_exc(), "failed_rank": env.rank,
-              "memory_at_failure": memory_reading(env.device)}
+    record = failure_record(status, stage, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                            failed_rank=env.rank, memory_at_failure=memory_reading(env.device))
     if isinstance(exc, Diverged):
         record.update(diverged_step=exc.step, losses=exc.losses)
     return record
@@ -357,18 +290,6 @@ def _read_or(path: Path, fallback: dict[str, Any]) -> dict[str, Any]:
         return read_record(path)
     except RecordError:
         return fallback
-
-
-def _signal_cause(exc: BaseException) -> BaseException:
-    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
-    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
-    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, (CellTimeout, CellCancelled)):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return exc
 
 
 def _launch_rank() -> int:
@@ -394,116 +315,6 @@ def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
     except (RecordError, FileNotFoundError):
         return False
     return earlier["status"] != "ok" and earlier.get("launch_id") == _launch_id()
-
-
-def _raise_on_time_limit() -> dict:
-    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`.
-
-    Except while the sweep allows another requeue (HPCFSDP_MAX_REQUEUE > SLURM_RESTART_COUNT, the
-    same count on every rank): then SIGUSR2 goes to submitit's handler, which on rank 0 calls
-    CellJob.checkpoint and requeues the task, while the other ranks train on; the SIGTERM of the
-    requeue then ends every rank without a record, and the requeued run writes it.
-    """
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
-    submitit_handler = previous[signal.SIGUSR2]
-    requeue = callable(submitit_handler) and _requeues_left()
-    requeued = False
-
-    def handler(signum, frame):
-        nonlocal requeued
-        name = signal.Signals(signum).name
-        if requeued:
-            raise SystemExit(f"requeued after {name}")
-        if signum == signal.SIGUSR2 and requeue:
-            requeued = True
-            try:
-                submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns
-            except Exception as exc:  # noqa: BLE001 - submitit declined to requeue: a plain timeout
-                raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
-            return
-        if signum == signal.SIGTERM:
-            _raise_if_not_time_limit()
-        raise CellTimeout(f"received {name} (time limit)")
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    return previous
-
-
-def _raise_if_not_time_limit() -> None:
-    """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
-    script from squeue, or by the local executor); then Slurm's reason for the job tells a failed
-    node (NodeDown) from a cancel. Without a known end time, SIGTERM counts as the time limit."""
-    left = _seconds_to_job_end()
-    if left is None or left <= EARLY_SIGTERM_S:
-        return
-    if "NodeDown" in _slurm_reason():
-        raise CellCancelled("received SIGTERM: a node of the job failed (Slurm: NodeDown)", "node_fail")
-    raise CellCancelled(f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted "
-                        "local submit)", "cancelled")
-
-
-def _seconds_to_job_end() -> float | None:
-    value = os.environ.get(JOB_END_ENV, "").strip()
-    try:
-        end = float(value)
-    except ValueError:
-        try:
-            end = datetime.fromisoformat(value).timestamp()  # squeue's %e, in this node's time zone
-        except ValueError:  # unset, or squeue did not answer when the job started
-            return None
-    return end - time.time()
-
-
-def _slurm_reason() -> str:
-    """squeue's reason for this process's job ("" outside Slurm, or when it does not answer soon:
-    Slurm's KillWait after SIGTERM is short)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return ""
-    try:
-        return subprocess.run(["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True,
-                              text=True, timeout=3).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _requeues_left() -> bool:
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) < int(os.environ.get(MAX_REQUEUE_ENV) or 0)
-
-
-def _restore(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
-FAULT_ENV = "HPCFSDP_FAULT"
-
-
-def _inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
-    """Test-only hook: HPCFSDP_FAULT=stage:kind[>N][:rank] raises a real exception (or signal) there.
-
-    kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself) or hang
-    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell). With >N
-    (train_step only) it fires only above a per-device batch of N: a memory budget the CPU path
-    enforces, for the batch search (`train_step:oom>4` lets batches up to 4 fit).
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    fault_stage, kind, *rank = spec.split(":")
-    kind, _, above = kind.partition(">")
-    if fault_stage != stage or (rank and int(rank[0]) != env.rank) or (above and batch_size <= int(above)):
-        return
-    if kind == "oom":
-        raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
-    if kind == "timeout":
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the handler raises before this ends
-    if kind == "hang":
-        while True:
-            time.sleep(1)
-    raise RuntimeError(f"injected fault at {stage}")
 
 
 def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv, memory: dict):
@@ -617,4 +428,3 @@ def _provenance() -> dict[str, Any]:
         "git_commit": git_commit(),
         "launch_id": _launch_id(),
     }
-

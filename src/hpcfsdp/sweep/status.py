@@ -21,6 +21,7 @@ from ..record import (
     CellState,
     RecordError,
     RecordState,
+    failure_record,
     read_json_object,
     record_state,
     write_record,
@@ -344,9 +345,4 @@ def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
 def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
     """A cell that ended before it could write its record still gets one, with its log's tail."""
     meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
-    spec = meta["spec"]
-    write_record(directory / RECORD_NAME, {
-        "status": status, "stage": "launch", "error": error, "traceback": log_tail,
-        "cell_id": meta["cell_id"], "sweep": meta["sweep"], "spec": spec,
-        "world_size": spec["nodes"] * spec["gpus_per_node"], "nodes": spec["nodes"],
-    })
+    write_record(directory / RECORD_NAME, failure_record(status, "launch", error, log_tail, cell=meta))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import shlex
@@ -40,6 +39,7 @@ from ..record import (
     MISSING,
     keep_as_attempt,
     restore_attempt,
+    write_json,
 )
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources, SpecError
 from .cluster import array_size_limit, jobs_in_queue
@@ -214,12 +214,9 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
 
 
 def _update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
-    path = sweep_dir / MANIFEST_NAME
     manifest = read_manifest(sweep_dir)
     manifest.update(entries)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_json(sweep_dir / MANIFEST_NAME, manifest, sort_keys=True)
 
 
 def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:

@@ -1,0 +1,145 @@
+"""What to download: the hub items a jobs YAML's cells or the command line name (Plan, Request),
+parsed and checked, and which of them the cache still lacks (`cache_misses`, for plan and submit).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..spec import data_kind
+from .hub import (
+    CacheMissError,
+    DatasetRef,
+    ModelRef,
+    TokenizedRef,
+    is_hub_model,
+    lookup_model,
+    lookup_tokenized,
+)
+
+
+class DownloadError(RuntimeError):
+    """Something the user can fix (a wrong name, a gated repo, a bad file); str() is one line."""
+
+
+@dataclass
+class Plan:
+    """What to fetch: models (with or without weights), dataset splits, tokenized variants."""
+
+    models: dict[str, tuple[ModelRef, bool]] = field(default_factory=dict)
+    datasets: dict[str, DatasetRef] = field(default_factory=dict)
+    tokenized: dict[str, TokenizedRef] = field(default_factory=dict)
+
+    def add_model(self, ref: ModelRef, weights: bool = False) -> None:
+        old = self.models.get(ref.key)
+        self.models[ref.key] = (ref, weights or (old[1] if old else False))
+
+    def add_dataset(self, ref: DatasetRef) -> None:
+        self.datasets.setdefault(ref.key, ref)
+
+    def add_tokenized(self, ref: TokenizedRef) -> None:
+        self.add_model(ref.model)
+        self.add_dataset(ref.dataset)
+        self.tokenized.setdefault(ref.key, ref)
+
+    def __bool__(self) -> bool:
+        return bool(self.models or self.datasets or self.tokenized)
+
+
+def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
+    """The hub items a sweep's cells need.
+
+    model: a hub id (not a preset or local folder) -> config + tokenizer; with `init: pretrained`
+    also the weights. data: a hub dataset ORG/NAME[:config][@split] or preset -> that split, plus
+    the split tokenized at seq_len for the spec's text tokenizer (a hub id: RunSpec checks that),
+    from the spec's text_column, else the dataset's own.
+    """
+    plan = Plan() if plan is None else plan
+    for cell in sweep.cells:
+        spec, where = cell.spec, f"{sweep.source}: cell {cell.id}"
+        if is_hub_model(spec.model):
+            plan.add_model(_parse(ModelRef, spec.model, where), weights=spec.init == "pretrained")
+        if data_kind(spec.data) == "hub":
+            plan.add_tokenized(TokenizedRef(_parse(DatasetRef, spec.data, where),
+                                            _parse(ModelRef, spec.text_tokenizer, where), spec.seq_len,
+                                            spec.text_column or None))
+    return plan
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to fetch, as the command line names it: a jobs YAML and/or explicit items
+    (tokenized: every dataset x tokenize_for model x seq_len)."""
+
+    jobs: str | None = None
+    max_cells: int | None = None  # for the jobs file; None: the sweep's default limit
+    models: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = ()
+    weights: bool = False
+    tokenize_for: tuple[str, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+
+    @property
+    def names_items(self) -> bool:
+        return bool(self.jobs or self.models or self.datasets)
+
+
+def build_plan(request: Request, text_column: str | None = None) -> Plan:
+    """The items of a request, parsed and checked. text_column (--text-column) is the column that
+    the --dataset items are tokenized from; None: each dataset's own (DatasetRef.text_column)."""
+    plan = Plan()
+    if text_column and not request.tokenize_for:
+        raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
+                            "a jobs YAML names its cells' column with text_column")
+    if request.jobs:
+        from ..sweep.matrix import MAX_CELLS, load_sweep
+
+        plan_from_sweep(load_sweep(request.jobs, request.max_cells or MAX_CELLS), plan)
+    for text in request.models:
+        plan.add_model(_parse(ModelRef, text, "--model"), weights=request.weights)
+    if request.weights:  # --weights also applies to the models a jobs file names
+        for key, (ref, _) in list(plan.models.items()):
+            plan.models[key] = (ref, True)
+    dataset_refs = [_parse(DatasetRef, text, "--dataset") for text in request.datasets]
+    for ref in dataset_refs:
+        plan.add_dataset(ref)
+    if request.tokenize_for or request.seq_lens:
+        if not (request.tokenize_for and request.seq_lens and dataset_refs):
+            raise DownloadError("--tokenize-for MODEL and --seq-len N go together, with at least one --dataset")
+        for n in request.seq_lens:
+            if n < 1:
+                raise DownloadError(f"--seq-len: expected a positive integer, got {n}")
+        for text in request.tokenize_for:
+            if not is_hub_model(text):
+                raise DownloadError(f"--tokenize-for: {text!r}: expected a hub model id ORG/NAME[@REV] "
+                                    "(shipped presets have no tokenizer)")
+            model = _parse(ModelRef, text, "--tokenize-for")
+            for ds in dataset_refs:
+                for n in request.seq_lens:
+                    plan.add_tokenized(TokenizedRef(ds, model, n, text_column))
+    return plan
+
+
+def _parse(cls: type, text: str, where: str) -> Any:
+    try:
+        return cls.parse(text)
+    except ValueError as exc:
+        raise DownloadError(f"{where}: {exc}") from None
+
+
+def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
+    """One line per hub item the sweep's cells read that the cache lacks (models, and datasets in
+    their tokenized form): `plan` and `submit` check this before anything is queued."""
+    plan = plan_from_sweep(sweep)
+    checks = [functools.partial(lookup_model, ref.name, cache_dir, weights) for ref, weights in plan.models.values()]
+    checks += [functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column)
+               for ref in plan.tokenized.values()]
+    misses = []
+    for check in checks:
+        try:
+            check()
+        except CacheMissError as exc:
+            misses.append(str(exc))
+    return misses

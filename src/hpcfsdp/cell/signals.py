@@ -1,0 +1,125 @@
+"""Slurm's signals to a running cell: the time limit (SIGUSR2, or SIGTERM near the job's end)
+becomes CellTimeout, or a requeue through submitit's handler while requeues are left; an early
+SIGTERM becomes CellCancelled (scancel, or a failed node).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime
+
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
+
+
+class CellTimeout(Exception):
+    """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
+
+
+class CellCancelled(Exception):
+    """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
+    or Slurm ending the job because one of its nodes went down (`node_fail`)."""
+
+    def __init__(self, message: str, status: str):
+        super().__init__(message)
+        self.status = status
+
+
+# Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
+# never before it; a SIGTERM more than this before the job's end is something else.
+EARLY_SIGTERM_S = 30.0
+
+
+def signal_cause(exc: BaseException) -> BaseException:
+    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
+    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
+    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, (CellTimeout, CellCancelled)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def handle_time_limit() -> dict:
+    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`.
+
+    Except while the sweep allows another requeue (HPCFSDP_MAX_REQUEUE > SLURM_RESTART_COUNT, the
+    same count on every rank): then SIGUSR2 goes to submitit's handler, which on rank 0 calls
+    CellJob.checkpoint and requeues the task, while the other ranks train on; the SIGTERM of the
+    requeue then ends every rank without a record, and the requeued run writes it.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    submitit_handler = previous[signal.SIGUSR2]
+    requeue = callable(submitit_handler) and _requeues_left()
+    requeued = False
+
+    def handler(signum, frame):
+        nonlocal requeued
+        name = signal.Signals(signum).name
+        if requeued:
+            raise SystemExit(f"requeued after {name}")
+        if signum == signal.SIGUSR2 and requeue:
+            requeued = True
+            try:
+                submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns
+            except Exception as exc:  # noqa: BLE001 - submitit declined to requeue: a plain timeout
+                raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
+            return
+        if signum == signal.SIGTERM:
+            _raise_if_not_time_limit()
+        raise CellTimeout(f"received {name} (time limit)")
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return previous
+
+
+def _raise_if_not_time_limit() -> None:
+    """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
+    script from squeue, or by the local executor); then Slurm's reason for the job tells a failed
+    node (NodeDown) from a cancel. Without a known end time, SIGTERM counts as the time limit."""
+    left = _seconds_to_job_end()
+    if left is None or left <= EARLY_SIGTERM_S:
+        return
+    if "NodeDown" in _slurm_reason():
+        raise CellCancelled("received SIGTERM: a node of the job failed (Slurm: NodeDown)", "node_fail")
+    raise CellCancelled(f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted "
+                        "local submit)", "cancelled")
+
+
+def _seconds_to_job_end() -> float | None:
+    value = os.environ.get(JOB_END_ENV, "").strip()
+    try:
+        end = float(value)
+    except ValueError:
+        try:
+            end = datetime.fromisoformat(value).timestamp()  # squeue's %e, in this node's time zone
+        except ValueError:  # unset, or squeue did not answer when the job started
+            return None
+    return end - time.time()
+
+
+def _slurm_reason() -> str:
+    """squeue's reason for this process's job ("" outside Slurm, or when it does not answer soon:
+    Slurm's KillWait after SIGTERM is short)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    try:
+        return subprocess.run(["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True,
+                              text=True, timeout=3).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _requeues_left() -> bool:
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) < int(os.environ.get(MAX_REQUEUE_ENV) or 0)
+
+
+def restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
