@@ -84,7 +84,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     try:
         record = _train_cell(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # noqa: BLE001 - every failure must become a record
-        record = _failure_record(exc, progress.stage, env)
+        record = _record_exception(exc, progress.stage, env)
         if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
             record.update(memory_snapshot(spec, env, cell_dir))
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
@@ -266,7 +266,7 @@ def _energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str,
     }
 
 
-def _failure_record(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
+def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
     exc = signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
