@@ -50,27 +50,41 @@ def download_model(
     out(f"model {ref.name}{' (with weights)' if weights else ''}")
     with item_lock(cache, ref.key, ref.name, out):
         with _hub_errors("model", ref.name):
-            folder = Path(snapshot_download(
-                ref.repo_id,
-                revision=ref.revision,
-                cache_dir=cache / HUB_DIR,
-                allow_patterns=patterns,
-                force_download=force,
-            ))
+            folder = Path(
+                snapshot_download(
+                    ref.repo_id,
+                    revision=ref.revision,
+                    cache_dir=cache / HUB_DIR,
+                    allow_patterns=patterns,
+                    force_download=force,
+                )
+            )
         sha = folder.name
         if not (folder / "config.json").is_file():
             raise DownloadError(f"model {ref.name}: the repo has no config.json at {sha}; is it a transformers model?")
         has_weights = any(p.name.endswith(".safetensors") for p in folder.rglob("*"))
         if weights and not has_weights:
-            raise DownloadError(f"model {ref.name}: no *.safetensors weights in the repo at {sha} "
-                                "(pretrained init reads safetensors only)")
+            raise DownloadError(
+                f"model {ref.name}: no *.safetensors weights in the repo at {sha} "
+                "(pretrained init reads safetensors only)"
+            )
         previous = previous_entry(cache, ref.key, sha)
         paths = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         with _hub_errors("model", ref.name):
             expected = _hub_hashes(ref.repo_id, sha, paths)
         files = file_records(folder, previous, expected=expected, label=ref.name)
-        entry = manifest_entry(ref.key, "model", ref.name, folder, cache, files,
-                       repo_id=ref.repo_id, revision=ref.revision, sha=sha, weights=has_weights)
+        entry = manifest_entry(
+            ref.key,
+            "model",
+            ref.name,
+            folder,
+            cache,
+            files,
+            repo_id=ref.repo_id,
+            revision=ref.revision,
+            sha=sha,
+            weights=has_weights,
+        )
         add_to_manifest(cache, entry)
     out(f"  -> {ref.repo_id} at {sha} ({len(files)} files)")
     return entry
@@ -93,15 +107,34 @@ def download_dataset(
         import datasets
 
         with _hub_errors("dataset", ref.name):
-            ds = datasets.load_dataset(ref.repo_id, ref.load_config, split=ref.split, revision=sha,
-                                       cache_dir=str(cache / DATASETS_WORK_DIR), num_proc=num_proc,
-                                       download_mode="force_redownload" if force else None)
+            ds = datasets.load_dataset(
+                ref.repo_id,
+                ref.load_config,
+                split=ref.split,
+                revision=sha,
+                cache_dir=str(cache / DATASETS_WORK_DIR),
+                num_proc=num_proc,
+                download_mode="force_redownload" if force else None,
+            )
         folder = cache / ref.relpath
         save_dataset_atomically(ds, folder)
         files = file_records(folder, None, label=ref.name)
-        entry = manifest_entry(ref.key, "dataset", ref.name, folder, cache, files, repo_id=ref.repo_id,
-                       config=ref.config, split=ref.split, revision="main", sha=sha, num_rows=ds.num_rows,
-                       columns=list(ds.column_names), features=str(ds.features))
+        entry = manifest_entry(
+            ref.key,
+            "dataset",
+            ref.name,
+            folder,
+            cache,
+            files,
+            repo_id=ref.repo_id,
+            config=ref.config,
+            split=ref.split,
+            revision="main",
+            sha=sha,
+            num_rows=ds.num_rows,
+            columns=list(ds.column_names),
+            features=str(ds.features),
+        )
         add_to_manifest(cache, entry)
     out(f"  -> {ref.repo_id} at {sha}: {ds.num_rows} rows, columns {', '.join(ds.column_names)}")
     return entry

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

@@ -62,9 +62,14 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
         if is_hub_model(spec.model):
             plan.add_model(_parse(ModelRef, spec.model, where), weights=spec.init == "pretrained")
         if data_kind(spec.data) == "hub":
-            plan.add_tokenized(TokenizedRef(_parse(DatasetRef, spec.data, where),
-                                            _parse(ModelRef, spec.text_tokenizer, where), spec.seq_len,
-                                            spec.text_column or None))
+            plan.add_tokenized(
+                TokenizedRef(
+                    _parse(DatasetRef, spec.data, where),
+                    _parse(ModelRef, spec.text_tokenizer, where),
+                    spec.seq_len,
+                    spec.text_column or None,
+                )
+            )
     return plan
 
 
@@ -91,8 +96,10 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
     the --dataset items are tokenized from; None: each dataset's own (DatasetRef.text_column)."""
     plan = Plan()
     if text_column and not request.tokenize_for:
-        raise DownloadError(f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
-                            "a jobs YAML names its cells' column with text_column")
+        raise DownloadError(
+            f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
+            "a jobs YAML names its cells' column with text_column"
+        )
     if request.jobs:
         from ..sweep.matrix import MAX_CELLS, load_sweep
 
@@ -113,8 +120,10 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
                 raise DownloadError(f"--seq-len: expected a positive integer, got {n}")
         for text in request.tokenize_for:
             if not is_hub_model(text):
-                raise DownloadError(f"--tokenize-for: {text!r}: expected a hub model id ORG/NAME[@REV] "
-                                    "(shipped presets have no tokenizer)")
+                raise DownloadError(
+                    f"--tokenize-for: {text!r}: expected a hub model id ORG/NAME[@REV] "
+                    "(shipped presets have no tokenizer)"
+                )
             model = _parse(ModelRef, text, "--tokenize-for")
             for ds in dataset_refs:
                 for n in request.seq_lens:
@@ -134,8 +143,10 @@ def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
     their tokenized form): `plan` and `submit` check this before anything is queued."""
     plan = plan_from_sweep(sweep)
     checks = [functools.partial(lookup_model, ref.name, cache_dir, weights) for ref, weights in plan.models.values()]
-    checks += [functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column)
-               for ref in plan.tokenized.values()]
+    checks += [
+        functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column)
+        for ref in plan.tokenized.values()
+    ]
     misses = []
     for check in checks:
         try:

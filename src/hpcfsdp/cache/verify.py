@@ -58,7 +58,10 @@ def verify_cache(cache: Path, plan: Plan | None = None, out: Callable[[str], Non
             for problem in problems:
                 out(f"BAD      {entry['kind']} {entry['item']}: {problem}")
         else:
-            out(f"ok       {entry['kind']} {entry['item']} ({len(entry['files'])} files, {human_size(entry['total_bytes'])})")
+            out(
+                f"ok       {entry['kind']} {entry['item']} "
+                f"({len(entry['files'])} files, {human_size(entry['total_bytes'])})"
+            )
     if not ok:
         out(f"to repair: rerun the download command for the items above with --force (cache {cache})")
     return ok
@@ -98,8 +101,9 @@ def _file_problems(cache: Path, entry: dict) -> Iterator[str]:
 
 def files_complete(cache: Path, entry: dict) -> bool:
     folder = cache / entry["path"]
-    return all((folder / f["path"]).is_file() and (folder / f["path"]).stat().st_size == f["size"]
-               for f in entry["files"])
+    return all(
+        (folder / f["path"]).is_file() and (folder / f["path"]).stat().st_size == f["size"] for f in entry["files"]
+    )
 
 
 def file_records(folder: Path, previous: dict | None, expected: dict | None = None, label: str = "") -> list[dict]:
@@ -133,8 +137,10 @@ def _check_hub_hash(path: Path, sha256: str, expected: tuple[str | None, str], l
     lfs_sha256, blob_id = expected
     actual, wanted = (sha256, lfs_sha256) if lfs_sha256 else (_git_blob_sha1(path), blob_id)
     if actual != wanted:
-        raise DownloadError(f"model {label}: {path.name} does not match the hub's hash ({actual[:12]} != "
-                            f"{wanted[:12]}); rerun with --force to download it again")
+        raise DownloadError(
+            f"model {label}: {path.name} does not match the hub's hash ({actual[:12]} != "
+            f"{wanted[:12]}); rerun with --force to download it again"
+        )
 
 
 def _git_blob_sha1(path: Path) -> str:

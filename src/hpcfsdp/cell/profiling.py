@@ -48,9 +48,13 @@ def write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir
     quiet_profiler()
     trace_dir = cell_dir / "profile"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=2),
-                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{env.rank}"),
-                 profile_memory=True, record_shapes=True) as prof:
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=1, active=2),
+        on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{env.rank}"),
+        profile_memory=True,
+        record_shapes=True,
+    ) as prof:
         train(model, optimizer, batches, spec, env, 4, on_step_end=lambda step: prof.step())
     return str(trace_dir)
 
@@ -65,7 +69,7 @@ def memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, st
         cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
         torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
-    except Exception as exc:  # noqa: BLE001 - the record matters more than the snapshot
+    except Exception as exc:  # the record matters more than the snapshot
         print(f"[hpcfsdp] rank {env.rank}: no memory snapshot: {type(exc).__name__}: {exc}", flush=True)
         return {}
     return {"memory_snapshot": str(path)}

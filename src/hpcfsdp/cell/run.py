@@ -83,7 +83,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     previous_handlers = handle_time_limit()
     try:
         record = _train_cell(spec, env, cell_dir, cell_id, progress)
-    except Exception as exc:  # noqa: BLE001 - every failure must become a record
+    except Exception as exc:  # every failure must become a record
         record = _record_exception(exc, progress.stage, env)
         if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
             record.update(memory_snapshot(spec, env, cell_dir))
@@ -332,7 +332,7 @@ def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv, memory: dict
         model = parallelize(model, spec, env)
         memory["after_shard"] = memory_reading(env.device)
         if spec.optimizer_order == "before_shard_fixed":
-            remap = dict(zip(map(id, unsharded), model.parameters()))
+            remap = dict(zip(map(id, unsharded), model.parameters(), strict=False))
             for group in optimizer.param_groups:
                 group["params"] = [remap[id(p)] for p in group["params"]]
     model_params = {id(p) for p in model.parameters()}

@@ -66,7 +66,7 @@ def handle_time_limit() -> dict:
             requeued = True
             try:
                 submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns
-            except Exception as exc:  # noqa: BLE001 - submitit declined to requeue: a plain timeout
+            except Exception as exc:  # submitit declined to requeue: a plain timeout
                 raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
             return
         if signum == signal.SIGTERM:
@@ -87,8 +87,9 @@ def _raise_if_not_time_limit() -> None:
         return
     if "NodeDown" in _slurm_reason():
         raise CellCancelled("received SIGTERM: a node of the job failed (Slurm: NodeDown)", "node_fail")
-    raise CellCancelled(f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted "
-                        "local submit)", "cancelled")
+    raise CellCancelled(
+        f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit)", "cancelled"
+    )
 
 
 def _seconds_to_job_end() -> float | None:
@@ -110,8 +111,9 @@ def _slurm_reason() -> str:
     if not job:
         return ""
     try:
-        return subprocess.run(["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True,
-                              text=True, timeout=3).stdout
+        return subprocess.run(
+            ["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True, text=True, timeout=3
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 

@@ -39,8 +39,9 @@ class Comparison:
 WORSE = {"tokens_per_s_per_gpu": -1, "mfu": -1, "peak_memory_gib": +1}
 
 
-def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05,
-                   current: Collection | None = None) -> Comparison:
+def compare_sweeps(
+    current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05, current: Collection | None = None
+) -> Comparison:
     """Deltas current / reference - 1 for every cell of the reference sweep; a change beyond
     threshold in the worse direction, or a cell ok in the reference and not now (failed, or
     `missing`: no readable record in the current sweep), is a regression. `current`: the current
@@ -51,33 +52,61 @@ def compare_sweeps(current_dir: str | Path, reference_dir: str | Path, threshold
     ref = reference.frame.reindex(columns=["cell_id", "strategy", "batch_size", "status", *METRICS])
     for frame in (cur, ref):
         frame[list(METRICS)] = frame[list(METRICS)].apply(pd.to_numeric, errors="coerce")
-    paired = ref.merge(cur, on="cell_id", suffixes=("_ref", ""), how="left").sort_values(["strategy", "batch_size", "cell_id"])
+    paired = ref.merge(cur, on="cell_id", suffixes=("_ref", ""), how="left").sort_values(
+        ["strategy", "batch_size", "cell_id"]
+    )
     paired["status"] = paired["status"].fillna(MISSING)
 
-    table = pd.DataFrame({"cell": paired["cell_id"], "strategy": paired["strategy"], "batch": paired["batch_size"].map(value_text),
-                          "status": [s if s == r else f"{r} -> {s}" for s, r in zip(paired["status"], paired["status_ref"])]})
+    table = pd.DataFrame(
+        {
+            "cell": paired["cell_id"],
+            "strategy": paired["strategy"],
+            "batch": paired["batch_size"].map(value_text),
+            "status": [
+                s if s == r else f"{r} -> {s}" for s, r in zip(paired["status"], paired["status_ref"], strict=False)
+            ],
+        }
+    )
     regressions, flagged = [], pd.Series(False, index=paired.index)
     for metric, worse in WORSE.items():
         change = paired[metric] / paired[f"{metric}_ref"] - 1
-        table[METRIC_NAMES[metric]] = [_delta(metric, r, c, d) for r, c, d in zip(paired[f"{metric}_ref"], paired[metric], change)]
+        table[METRIC_NAMES[metric]] = [
+            _delta(metric, r, c, d) for r, c, d in zip(paired[f"{metric}_ref"], paired[metric], change, strict=False)
+        ]
         bad = worse * change > threshold
         flagged |= bad
-        regressions += [f"{cid}: {METRIC_NAMES[metric]} {_delta(metric, r, c, d)}"
-                        for cid, r, c, d in zip(paired["cell_id"][bad], paired[f"{metric}_ref"][bad], paired[metric][bad], change[bad])]
+        regressions += [
+            f"{cid}: {METRIC_NAMES[metric]} {_delta(metric, r, c, d)}"
+            for cid, r, c, d in zip(
+                paired["cell_id"][bad], paired[f"{metric}_ref"][bad], paired[metric][bad], change[bad], strict=False
+            )
+        ]
     lost = (paired["status_ref"] == "ok") & (paired["status"] != "ok")
     flagged |= lost
-    regressions += [f"{cid}: status ok -> {status}" for cid, status in zip(paired["cell_id"][lost], paired["status"][lost])]
+    regressions += [
+        f"{cid}: status ok -> {status}"
+        for cid, status in zip(paired["cell_id"][lost], paired["status"][lost], strict=False)
+    ]
     table["regression"] = flagged.map({True: "REGRESSION", False: ""}).to_numpy()
 
     notes = [f"threshold {threshold:.1%}; delta = current / reference - 1"]
     cur_ids, ref_ids = set(cur["cell_id"]), set(ref["cell_id"])
     if cur_ids != ref_ids:
-        notes.append(f"unmatched: {len(cur_ids - ref_ids)} cell(s) only in the current sweep, {len(ref_ids - cur_ids)} only in the reference")
+        notes.append(
+            f"unmatched: {len(cur_ids - ref_ids)} cell(s) only in the current sweep, "
+            f"{len(ref_ids - cur_ids)} only in the reference"
+        )
     if ref_ids and not cur_ids & ref_ids:
-        notes.append("no cell in common: a cell id hashes the spec's non-default fields, so a field changed between "
-                     "the two sweeps (or ids made before hpcfsdp hashed only those) gives every cell a new id, and "
-                     "every ok reference cell counts as missing")
-    notes += [f"{name}: {len(c.unreadable)} unreadable record(s) skipped" for name, c in (("current", current), ("reference", reference)) if c.unreadable]
+        notes.append(
+            "no cell in common: a cell id hashes the spec's non-default fields, so a field changed between "
+            "the two sweeps (or ids made before hpcfsdp hashed only those) gives every cell a new id, and "
+            "every ok reference cell counts as missing"
+        )
+    notes += [
+        f"{name}: {len(c.unreadable)} unreadable record(s) skipped"
+        for name, c in (("current", current), ("reference", reference))
+        if c.unreadable
+    ]
     notes.append(_noise_note({"current": current, "reference": reference}, threshold))
     return Comparison(table.reset_index(drop=True), regressions, notes)
 
@@ -97,7 +126,11 @@ def run_to_run_noise(collection: Collection) -> tuple[float, int] | None:
     if frame.empty or not keys:
         return None
     ok = frame[frame["status"] == "ok"]
-    stats = pd.to_numeric(ok["tokens_per_s_per_gpu"], errors="coerce").groupby([ok[k] for k in keys], dropna=False).agg(["std", "mean", "size"])
+    stats = (
+        pd.to_numeric(ok["tokens_per_s_per_gpu"], errors="coerce")
+        .groupby([ok[k] for k in keys], dropna=False)
+        .agg(["std", "mean", "size"])
+    )
     stats = stats[stats["size"] > 1]
     if stats.empty:
         return None
@@ -109,7 +142,9 @@ def _noise_note(collections: dict[str, Collection], threshold: float) -> str:
     for name, collection in collections.items():
         noise = run_to_run_noise(collection)
         if noise:
-            parts.append(f"{name} {noise[0]:.1%} (median CV of tokens/s/gpu over {noise[1]} config(s) repeated with other seeds)")
+            parts.append(
+                f"{name} {noise[0]:.1%} (median CV of tokens/s/gpu over {noise[1]} config(s) repeated with other seeds)"
+            )
             worst = max(worst, noise[0])
     if not parts:
         return "run-to-run noise unknown: no config repeated with another seed"
@@ -117,8 +152,9 @@ def _noise_note(collections: dict[str, Collection], threshold: float) -> str:
     return "run-to-run noise: " + "; ".join(parts) + warning
 
 
-def write_comparison(sweep_dir: str | Path, reference_dir: str | Path, threshold: float,
-                     current: Collection | None = None) -> tuple[Comparison, str, Path]:
+def write_comparison(
+    sweep_dir: str | Path, reference_dir: str | Path, threshold: float, current: Collection | None = None
+) -> tuple[Comparison, str, Path]:
     """Compare and write report/compare.md; returns the comparison, its text and the file."""
     comparison = compare_sweeps(sweep_dir, reference_dir, threshold, current)
     text = comparison.render(str(sweep_dir), str(reference_dir))

@@ -34,13 +34,24 @@ METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 
 
 # Optional per-step fractions and utilisation: averaged over repeats like the metrics.
-EXTRA_NUMBERS = ("data_time_fraction", "comm_exposed_fraction", "gpu_util_mean", "gpu_hours_per_billion_tokens",
-                 "joules_per_token", "memory_capacity_gib")
+EXTRA_NUMBERS = (
+    "data_time_fraction",
+    "comm_exposed_fraction",
+    "gpu_util_mean",
+    "gpu_hours_per_billion_tokens",
+    "joules_per_token",
+    "memory_capacity_gib",
+)
 
 
 # Short names for table headers and plot panel titles.
-SHORT = {"batch_size": "batch", "grad_accum": "accum", "activation_checkpointing": "ckpt", "seq_len": "seq",
-         "gpus_per_node": "gpus/node"}
+SHORT = {
+    "batch_size": "batch",
+    "grad_accum": "accum",
+    "activation_checkpointing": "ckpt",
+    "seq_len": "seq",
+    "gpus_per_node": "gpus/node",
+}
 
 
 @dataclass
@@ -104,8 +115,9 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
             row[f"{prefix}.{key}"] = value
 
 
-def _missing_cells(sweep_dir: Path, recorded: set[str], problems: list[str],
-                   scheduler_states: dict[str, str] | None) -> pd.DataFrame:
+def _missing_cells(
+    sweep_dir: Path, recorded: set[str], problems: list[str], scheduler_states: dict[str, str] | None
+) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
     manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
     planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
@@ -170,8 +182,17 @@ class Cells:
 def label_cells(collection: Collection) -> Cells:
     frame = collection.cells.copy()
     spec_fields = collection.spec_fields or ("strategy", "batch_size", "grad_accum", "activation_checkpointing")
-    for column in ("cell_id", "status", *spec_fields, "strategy", "batch_size", "grad_accum",
-                   "activation_checkpointing", *METRICS, *EXTRA_NUMBERS):
+    for column in (
+        "cell_id",
+        "status",
+        *spec_fields,
+        "strategy",
+        "batch_size",
+        "grad_accum",
+        "activation_checkpointing",
+        *METRICS,
+        *EXTRA_NUMBERS,
+    ):
         if column not in frame:
             frame[column] = None
     for column in (*METRICS, *EXTRA_NUMBERS):
@@ -202,14 +223,18 @@ def _variants(frame: pd.DataFrame, knobs: list[str]) -> pd.Series:
     for strategy, group in frame.groupby("strategy"):
         varied = [k for k in knobs if group[k].nunique() > 1]
         if varied:
-            labels[group.index] = [f"{strategy} ({', '.join(f'{k}={value_text(v)}' for k, v in zip(varied, values))})"
-                                   for values in group[varied].itertuples(index=False)]
+            labels[group.index] = [
+                f"{strategy} ({', '.join(f'{k}={value_text(v)}' for k, v in zip(varied, values, strict=False))})"
+                for values in group[varied].itertuples(index=False)
+            ]
     return labels
 
 
 def _settings(frame: pd.DataFrame, fixed: tuple[str, ...]) -> pd.Categorical:
-    labels = pd.Series([describe(dict(zip(fixed, values))) for values in frame[list(fixed)].itertuples(index=False)],
-                       index=frame.index)
+    labels = pd.Series(
+        [describe(dict(zip(fixed, values, strict=False))) for values in frame[list(fixed)].itertuples(index=False)],
+        index=frame.index,
+    )
     ordered = frame.assign(_label=labels).sort_values(list(fixed), key=_natural_order, na_position="last")
     natural = ordered["_label"].unique()
     return pd.Categorical(labels, categories=natural, ordered=True)
@@ -241,6 +266,8 @@ def ok_configs(cells: Cells) -> pd.DataFrame:
     ok = cells.ok
     keys = ["variant", *cells.workload]
     numbers = {c: "mean" for c in (*METRICS, *EXTRA_NUMBERS)}
-    firsts = {c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch") if c in ok}
+    firsts = {
+        c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch") if c in ok
+    }
     configs = ok.groupby(keys, dropna=False, sort=False, observed=True).agg({**numbers, **firsts, "status": "size"})
     return configs.rename(columns={"status": "repeats"}).reset_index()

@@ -63,7 +63,8 @@ def markdown_table(table: pd.DataFrame) -> str:
         return "(none)"
     rows = [[markdown_text(v) for v in row] for row in _rows(table)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(table.columns))]
-    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |"
+             for row in rows]
     lines.insert(1, "|" + "|".join(":" + "-" * (width + 1) for width in widths) + "|")
     return "\n".join(lines)
 
@@ -73,12 +74,14 @@ def _html_table(table: pd.DataFrame) -> str:
         return "<p>(none)</p>"
     head, *body = [[html.escape(str(v)) for v in row] for row in _rows(table)]
     return ("<table><thead><tr>" + "".join(f"<th>{cell}</th>" for cell in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in body) + "</tbody></table>")
+            + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in body)
+            + "</tbody></table>")
 
 
 def _rows(table: pd.DataFrame) -> list[list]:
     """Header then data rows, with a blank for a missing value (None, or NaN: the value unequal to itself)."""
-    return [list(table.columns), *([("" if v is None or v != v else v) for v in row] for row in table.itertuples(index=False))]
+    blanked = ([("" if v is None or v != v else v) for v in row] for row in table.itertuples(index=False))
+    return [list(table.columns), *blanked]
 
 
 STYLE = """
@@ -102,9 +105,10 @@ nav a { margin-right: .8rem; font-size: .9rem; }
 def to_html(title: str, sections: list[Section]) -> str:
     """One page with no outside references: styles inline, images as base64 data URIs."""
     anchors = [f"s{i}" for i in range(len(sections))]
-    nav = " ".join(f'<a href="#{a}">{html.escape(s.title)}</a>' for a, s in zip(anchors, sections) if s.level == 2)
+    nav = " ".join(f'<a href="#{a}">{html.escape(s.title)}</a>'
+                   for a, s in zip(anchors, sections, strict=True) if s.level == 2)
     body = [f"<h1>{html.escape(title)}</h1>", f"<nav>{nav}</nav>"]
-    for anchor, section in zip(anchors, sections):
+    for anchor, section in zip(anchors, sections, strict=False):
         body.append(f'<h{section.level} id="{anchor}">{html.escape(section.title)}</h{section.level}>')
         if section.text:
             body.append(f"<p>{html.escape(section.text)}</p>")

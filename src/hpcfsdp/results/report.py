@@ -52,9 +52,14 @@ class Report:
     recommendation: list[str] = field(default_factory=list)  # fastest, most headroom, cheapest
 
 
-def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool = True,
-                 scheduler_states: dict[str, str] | None = None, collection: Collection | None = None,
-                 first_sections: tuple[Section, ...] = ()) -> Report:
+def write_report(
+    sweep_dir: str | Path,
+    baseline: str | None = None,
+    plots: bool = True,
+    scheduler_states: dict[str, str] | None = None,
+    collection: Collection | None = None,
+    first_sections: tuple[Section, ...] = (),
+) -> Report:
     """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png.
 
     `collection`: the sweep's records when the caller read them already; `first_sections` go
@@ -73,15 +78,18 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None, plots: bool
         reference, label = reference_cells(cells)
         figures, skipped = plotting.write_plots(configs, reference, label, report / "plots", probe_rows(cells))
         files += [path for _, path in figures]
-    sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *pivot_sections(cells, configs),
-                 all_cells_section(table), Section("Environment", table=environment_table(collection.frame))]
+    sections += [
+        Section("Plots", text=_plot_note(plots, skipped), images=figures),
+        *pivot_sections(cells, configs),
+        all_cells_section(table),
+        Section("Environment", table=environment_table(collection.frame)),
+    ]
 
     title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
     (report / "summary.md").write_text(to_markdown(title, sections, relative_to=report))
     (report / "index.html").write_text(to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
-    return Report(table, report, files, collection.unreadable, skipped, notes,
-                  recommendation(configs, cells))
+    return Report(table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells))
 
 
 def report_folder(sweep_dir: Path) -> Path:
@@ -91,8 +99,12 @@ def report_folder(sweep_dir: Path) -> Path:
     report = sweep_dir / "report"
     for folder in (report, report / "plots"):
         if folder.is_symlink() and not Path(os.path.realpath(folder)).is_relative_to(os.path.realpath(sweep_dir)):
-            raise SpecError(str(folder), "", f"a link to {os.path.realpath(folder)}, out of the sweep folder; "
-                            "remove it (collect writes report/ itself)")
+            raise SpecError(
+                str(folder),
+                "",
+                f"a link to {os.path.realpath(folder)}, out of the sweep folder; "
+                "remove it (collect writes report/ itself)",
+            )
         folder.mkdir(parents=True, exist_ok=True)
         for entry in folder.iterdir():
             if entry.is_symlink():
@@ -107,11 +119,11 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
     table.to_csv(report / "results.csv", index=False)
     written = [report / "results.csv"]
     try:
-        import pyarrow  # noqa: F401 - only to know whether parquet can be written
+        import pyarrow  # noqa: F401  (only to know whether parquet can be written)
     except ImportError:
         return written, []
     notes = _write_parquet(table, report / "results.parquet")
-    return written + [report / "results.parquet"], notes
+    return [*written, report / "results.parquet"], notes
 
 
 def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
@@ -124,7 +136,7 @@ def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
         table.to_parquet(path, index=False)
         return []
     except pyarrow.ArrowException:
-        mixed = [column for column in table.columns[table.dtypes == object] if not _arrow_converts(table[column])]
+        mixed = [column for column in table.columns[table.dtypes == "object"] if not _arrow_converts(table[column])]
         table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(path, index=False)
         return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
 
@@ -148,7 +160,7 @@ def _as_text(value: Any) -> str | None:
 def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
     first = [c for c in ("cell_id", "sweep", "status", "stage", "error") if c in frame]
     table = frame[first + [c for c in frame.columns if c not in first]].copy()
-    for column in table.columns[table.dtypes == object]:
+    for column in table.columns[table.dtypes == "object"]:
         values = table[column].dropna()
         if len(values) and isinstance(values.iloc[0], (list, dict)):  # a record field holds one JSON type
             table[column] = table[column].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
@@ -159,10 +171,18 @@ def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, 
     """Recommendation, best configurations, baseline comparison, OOM frontier, then what did not
     finish or read."""
     lines = recommendation(configs, cells)
-    sections = [Section("Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines),
-                _best_section(configs, cells), _baseline_section(configs, cells, baseline),
-                Section("OOM frontier", text="Largest per-device batch that ran, per strategy and setting.",
-                        table=frontier_table(cells))]
+    sections = [
+        Section(
+            "Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines
+        ),
+        _best_section(configs, cells),
+        _baseline_section(configs, cells, baseline),
+        Section(
+            "OOM frontier",
+            text="Largest per-device batch that ran, per strategy and setting.",
+            table=frontier_table(cells),
+        ),
+    ]
     failures = failures_table(cells)
     if len(failures) > ROW_LIMIT:
         note = f"The first {ROW_LIMIT:,} of {len(failures):,}; results.csv has them all (columns status, stage, error)."
@@ -180,8 +200,12 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
         if metric == "mfu" and configs[metric].isna().all():
             sections.append(Section("Pivot: MFU", text="No MFU values (CPU runs, or a GPU without a known peak)."))
             continue
-        sections.append(Section(f"Pivot: {METRIC_NAMES[metric]}",
-                                text="Strategy x per-device batch; a cell that did not run ok shows its status."))
+        sections.append(
+            Section(
+                f"Pivot: {METRIC_NAMES[metric]}",
+                text="Strategy x per-device batch; a cell that did not run ok shows its status.",
+            )
+        )
         sections += [Section(setting, table=table, level=3) for setting, table in pivot_tables(cells, metric)]
     return sections
 
@@ -202,39 +226,54 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
         return []
     # Records from before gpu_hours_per_billion_tokens existed: the same figure from their throughput.
     ranked["gpu_hours_per_billion_tokens"] = ranked["gpu_hours_per_billion_tokens"].fillna(
-        1e9 / (3600 * ranked["tokens_per_s_per_gpu"]))
+        1e9 / (3600 * ranked["tokens_per_s_per_gpu"])
+    )
     named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
     fastest = ranked.loc[ranked["tokens_per_s_per_gpu"].idxmax()]
     cheapest = ranked.loc[ranked["gpu_hours_per_billion_tokens"].idxmin()]
-    lines = [f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
-             f"tokens/s per GPU (cell {fastest['cell_id']})"]
+    lines = [
+        f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+        f"tokens/s per GPU (cell {fastest['cell_id']})"
+    ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
     if known.empty:
         lowest = ranked.loc[ranked["peak_memory_gib"].idxmin()]
-        lines.append(f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
-                     f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
-                     f"cell {lowest['cell_id']})")
+        lines.append(
+            f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
+            f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
+            f"cell {lowest['cell_id']})"
+        )
     else:
         roomy = known.loc[(known["capacity"] - known["peak_memory_gib"]).idxmax()]
         free = roomy["capacity"] - roomy["peak_memory_gib"]
-        lines.append(f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
-                     f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
-                     f"(cell {roomy['cell_id']})")
-    same = " (the fastest: GPU-hours per token are the inverse of tokens/s per GPU)" if cheapest.name == fastest.name else ""
-    line = (f"Cheapest: {_setup(cheapest, cells)}: {cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion "
-            f"tokens{same} (cell {cheapest['cell_id']})")
+        lines.append(
+            f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
+            f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
+            f"(cell {roomy['cell_id']})"
+        )
+    same = (
+        " (the fastest: GPU-hours per token are the inverse of tokens/s per GPU)"
+        if cheapest.name == fastest.name
+        else ""
+    )
+    line = (
+        f"Cheapest: {_setup(cheapest, cells)}: {cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion "
+        f"tokens{same} (cell {cheapest['cell_id']})"
+    )
     energy = ranked.dropna(subset=["joules_per_token"])
     if not energy.empty:
         frugal = energy.loc[energy["joules_per_token"].idxmin()]
-        line += (f"; least energy: {_setup(frugal, cells)}: {frugal['joules_per_token']:.3g} J per token "
-                 f"({frugal['joules_per_token'] * 1e9 / 3.6e6:.3g} kWh per billion tokens)")
-    return lines + [line]
+        line += (
+            f"; least energy: {_setup(frugal, cells)}: {frugal['joules_per_token']:.3g} J per token "
+            f"({frugal['joules_per_token'] * 1e9 / 3.6e6:.3g} kWh per billion tokens)"
+        )
+    return [*lines, line]
 
 
 def _setup(config: pd.Series, cells: Cells) -> str:
-    batch = value_text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 - numpy bool or NaN
+    batch = value_text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 (numpy bool or NaN)
     return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
 
 
@@ -243,8 +282,10 @@ def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
         return Section("Best configuration", text="No cell finished ok.")
     top = configs.loc[configs["tokens_per_s_per_gpu"].idxmax()]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
-    text = (f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
-            f"tokens/s per GPU (cell {top['cell_id']}). Per strategy, by tokens/s per GPU among ok cells:")
+    text = (
+        f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
+        f"tokens/s per GPU (cell {top['cell_id']}). Per strategy, by tokens/s per GPU among ok cells:"
+    )
     return Section("Best configuration", text=text, table=best_table(configs, cells))
 
 
@@ -257,8 +298,10 @@ def _baseline_section(configs: pd.DataFrame, cells: Cells, requested: str | None
     table = baseline_table(configs, cells, baseline)
     if table.empty:
         return Section(title, text=f"No ok {baseline} cell shares a workload with another strategy's ok cell.")
-    text = (f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
-            f"resources. Speed-up = tokens/s per GPU / baseline's; memory saving = 1 - peak / baseline's peak.")
+    text = (
+        f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
+        f"resources. Speed-up = tokens/s per GPU / baseline's; memory saving = 1 - peak / baseline's peak."
+    )
     return Section(title, text=text, table=table)
 
 

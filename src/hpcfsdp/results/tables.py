@@ -40,8 +40,11 @@ def varied_fields(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[str
     """The spec fields (and the number of ranks) whose value differs between the cells: what tells
     two rows of the cell table apart. The strategy is always shown, so it is not among them."""
     candidates = dict.fromkeys((*spec_fields, "world_size"))
-    return [name for name in candidates
-            if name != "strategy" and name in frame and frame[name].map(value_text).nunique() > 1]
+    return [
+        name
+        for name in candidates
+        if name != "strategy" and name in frame and frame[name].map(value_text).nunique() > 1
+    ]
 
 
 def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.DataFrame:
@@ -54,12 +57,18 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
         return pd.DataFrame(columns=headers)
     speed = pd.to_numeric(frame["tokens_per_s_per_gpu"], errors="coerce") if "tokens_per_s_per_gpu" in frame else None
     ranked = frame.assign(_failed=frame["status"] != "ok", _speed=speed).sort_values(
-        ["_failed", "_speed", "status", "cell_id"], ascending=[True, False, True, True], na_position="last", kind="stable")
+        ["_failed", "_speed", "status", "cell_id"],
+        ascending=[True, False, True, True],
+        na_position="last",
+        kind="stable",
+    )
     columns = {"strategy": ranked["strategy"].map(value_text)}
     columns.update({SHORT.get(f, f): ranked[f].map(value_text) for f in fields})
     columns["status"] = ranked["status"].map(value_text)
     for column, header in CELL_METRICS:
-        values = pd.to_numeric(ranked[column], errors="coerce") if column in ranked else pd.Series(None, index=ranked.index)
+        values = (
+            pd.to_numeric(ranked[column], errors="coerce") if column in ranked else pd.Series(None, index=ranked.index)
+        )
         columns[header] = values.map(lambda v, c=column: fmt(c, v) if c in METRIC_FORMATS else value_text(v))
     columns["cell"] = ranked["cell_id"].map(value_text)
     return pd.DataFrame(columns, columns=headers).reset_index(drop=True)
@@ -80,9 +89,17 @@ def printed_comparison(table: pd.DataFrame, full_table: Path) -> str:
 def printable(table: pd.DataFrame) -> pd.DataFrame:
     """A table of raw values as text for printing: tokens/s/gpu as a whole number, other numbers
     to 4 significant digits, a dash for nothing."""
-    return pd.DataFrame({header: table[header].map(
-        (lambda v: f"{v:.0f}" if isinstance(v, float) and v == v else value_text(v)) if header == "tokens/s/gpu"
-        else value_text) for header in table.columns}, columns=table.columns)
+    return pd.DataFrame(
+        {
+            header: table[header].map(
+                (lambda v: f"{v:.0f}" if isinstance(v, float) and v == v else value_text(v))
+                if header == "tokens/s/gpu"
+                else value_text
+            )
+            for header in table.columns
+        },
+        columns=table.columns,
+    )
 
 
 def fmt(metric: str, value: Any) -> str:
@@ -106,9 +123,13 @@ def best_table(configs: pd.DataFrame, cells: Cells) -> pd.DataFrame:
 def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.DataFrame:
     """Each ok config against the baseline strategy's config of the same workload."""
     workload = list(cells.workload)
-    base = (configs[configs["strategy"] == baseline]
-            .groupby(workload, dropna=False)[["tokens_per_s_per_gpu", "peak_memory_gib"]].mean()
-            .rename(columns=lambda c: f"base_{c}").reset_index())
+    base = (
+        configs[configs["strategy"] == baseline]
+        .groupby(workload, dropna=False)[["tokens_per_s_per_gpu", "peak_memory_gib"]]
+        .mean()
+        .rename(columns=lambda c: f"base_{c}")
+        .reset_index()
+    )
     others = configs[configs["strategy"] != baseline]
     paired = others.merge(base, on=workload, how="inner").sort_values(["setting", "variant", "batch_size"])
     rows = _config_rows(paired, cells, ())
@@ -129,9 +150,12 @@ def probe_rows(cells: Cells) -> pd.DataFrame:
     if "batch_search.probes" not in frame:
         return pd.DataFrame(columns=["variant", "setting", *cells.fixed, "batch_size", "status", *PROBE_NUMBERS])
     labels = ["cell_id", "variant", "setting", *dict.fromkeys(cells.fixed)]
-    rows = [{**{k: cell[k] for k in labels}, **{k: probe.get(k) for k in ("batch_size", "status", *PROBE_NUMBERS)}}
-            for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list))].iterrows()
-            for probe in cell["batch_search.probes"] if isinstance(probe, dict)]
+    rows = [
+        {**{k: cell[k] for k in labels}, **{k: probe.get(k) for k in ("batch_size", "status", *PROBE_NUMBERS)}}
+        for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list))].iterrows()
+        for probe in cell["batch_search.probes"]
+        if isinstance(probe, dict)
+    ]
     probes = pd.DataFrame(rows, columns=[*labels, "batch_size", "status", *PROBE_NUMBERS])
     probes[list(PROBE_NUMBERS)] = probes[list(PROBE_NUMBERS)].apply(pd.to_numeric, errors="coerce")
     probes["setting"] = pd.Categorical(probes["setting"], categories=frame["setting"].cat.categories, ordered=True)
@@ -152,11 +176,15 @@ def frontier_table(cells: Cells) -> pd.DataFrame:
     if frame.empty:
         return pd.DataFrame()
     groups = frame.groupby(keys, dropna=False, sort=True)
-    table = pd.DataFrame({
-        "largest ok batch": frame[frame["status"] == "ok"].groupby(keys, dropna=False)["batch_size"].max(),
-        "smallest OOM batch": frame[frame["status"].isin(("oom", "over_margin"))].groupby(keys, dropna=False)["batch_size"].min(),
-        "batches run": groups["batch_size"].agg(lambda s: ", ".join(value_text(b) for b in sorted(s.unique()))),
-    }).reset_index()
+    table = pd.DataFrame(
+        {
+            "largest ok batch": frame[frame["status"] == "ok"].groupby(keys, dropna=False)["batch_size"].max(),
+            "smallest OOM batch": frame[frame["status"].isin(("oom", "over_margin"))]
+            .groupby(keys, dropna=False)["batch_size"]
+            .min(),
+            "batches run": groups["batch_size"].agg(lambda s: ", ".join(value_text(b) for b in sorted(s.unique()))),
+        }
+    ).reset_index()
     table["largest ok batch"] = table["largest ok batch"].map(lambda v: value_text(v) if pd.notna(v) else "none")
     table["smallest OOM batch"] = table["smallest OOM batch"].map(value_text)
     return table.rename(columns={"variant": "strategy", **SHORT})
@@ -182,16 +210,22 @@ def failures_table(cells: Cells) -> pd.DataFrame:
     stage = failed["stage"] if "stage" in failed else pd.Series("", index=failed.index)
     error = failed["error"] if "error" in failed else pd.Series("", index=failed.index)
     job = failed["slurm.job_id"] if "slurm.job_id" in failed else pd.Series(None, index=failed.index)
-    return pd.DataFrame({
-        "cell": failed["cell_id"],
-        "status": failed["status"],
-        "job": job.map(value_text),
-        "strategy": failed["variant"].map(value_text),
-        "batch": failed["batch_size"].map(value_text),
-        "setting": failed["setting"].astype(str),
-        "stage": stage.map(value_text),
-        "reason": error.map(_first_line),
-    }).sort_values(["status", "cell"]).reset_index(drop=True)
+    return (
+        pd.DataFrame(
+            {
+                "cell": failed["cell_id"],
+                "status": failed["status"],
+                "job": job.map(value_text),
+                "strategy": failed["variant"].map(value_text),
+                "batch": failed["batch_size"].map(value_text),
+                "setting": failed["setting"].astype(str),
+                "stage": stage.map(value_text),
+                "reason": error.map(_first_line),
+            }
+        )
+        .sort_values(["status", "cell"])
+        .reset_index(drop=True)
+    )
 
 
 def _first_line(error: Any, limit: int = 160) -> str:
@@ -201,7 +235,9 @@ def _first_line(error: Any, limit: int = 160) -> str:
 
 def _config_rows(configs: pd.DataFrame, cells: Cells, metrics: tuple[str, ...]) -> pd.DataFrame:
     """Identifying columns of configs (strategy, batch, the setting's fields) plus formatted metrics."""
-    rows = pd.DataFrame({"strategy": configs["variant"].to_numpy(), "batch": configs["batch_size"].map(value_text).to_numpy()})
+    rows = pd.DataFrame(
+        {"strategy": configs["variant"].to_numpy(), "batch": configs["batch_size"].map(value_text).to_numpy()}
+    )
     for name in cells.fixed:
         rows[SHORT.get(name, name)] = configs[name].map(value_text).to_numpy()
     for metric in metrics:
@@ -213,9 +249,16 @@ def _config_rows(configs: pd.DataFrame, cells: Cells, metrics: tuple[str, ...]) 
 
 def environment_table(frame: pd.DataFrame) -> pd.DataFrame:
     """Distinct values (with cell counts) of the fields that describe where the cells ran."""
-    fields = ["device_name", "world_size", "nodes", "backend", "git_commit",
-              "slurm.cluster_name", "slurm.job_partition",
-              *sorted(c for c in frame.columns if c.startswith(("versions.", "environment.")))]
+    fields = [
+        "device_name",
+        "world_size",
+        "nodes",
+        "backend",
+        "git_commit",
+        "slurm.cluster_name",
+        "slurm.job_partition",
+        *sorted(c for c in frame.columns if c.startswith(("versions.", "environment."))),
+    ]
     rows = [(name, _counted(frame[name].dropna())) for name in fields if name in frame and frame[name].notna().any()]
     if "hostnames" in frame:
         hosts = sorted({str(h) for hs in frame["hostnames"].dropna() if isinstance(hs, list) for h in hs})
