@@ -71,8 +71,10 @@ def download_main(
     entries = download_plan(plan, cache, allow_patterns=allow_patterns, num_proc=num_proc, force=force, out=out)
     out("")
     for entry in entries:
-        out(f"  {entry['kind']:9} {entry['item']}  sha {entry.get('sha', '')[:12]}  "
-            f"{len(entry['files'])} files, {human_size(entry['total_bytes'])}")
+        out(
+            f"  {entry['kind']:9} {entry['item']}  sha {entry.get('sha', '')[:12]}  "
+            f"{len(entry['files'])} files, {human_size(entry['total_bytes'])}"
+        )
     out(f"manifest: {cache / MANIFEST_NAME}")
     out(f"on compute nodes: export HPCFSDP_CACHE={cache}  (read offline; nothing is downloaded there)")
     return 0
@@ -87,10 +89,12 @@ def download_plan(
     out: Callable[[str], None] = print,
 ) -> list[dict]:
     entries = []
-    for ref, weights in plan.models.values():
-        entries.append(download_model(ref, cache, weights=weights, allow_patterns=allow_patterns, force=force, out=out))
-    for ref in plan.datasets.values():
-        entries.append(download_dataset(ref, cache, num_proc=num_proc, force=force, out=out))
-    for ref in plan.tokenized.values():
-        entries.append(tokenize_dataset(ref, cache, num_proc=num_proc, force=force, out=out))
+    for model, weights in plan.models.values():
+        entries.append(
+            download_model(model, cache, weights=weights, allow_patterns=allow_patterns, force=force, out=out)
+        )
+    for dataset in plan.datasets.values():
+        entries.append(download_dataset(dataset, cache, num_proc=num_proc, force=force, out=out))
+    for tokenized in plan.tokenized.values():
+        entries.append(tokenize_dataset(tokenized, cache, num_proc=num_proc, force=force, out=out))
     return entries

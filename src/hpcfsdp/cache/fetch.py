@@ -163,7 +163,8 @@ def _hub_hashes(repo_id: str, sha: str, paths: list[str]) -> dict[str, tuple[str
     out = {}
     for info in HfApi().get_paths_info(repo_id, paths, revision=sha):
         if hasattr(info, "blob_id"):  # a file, not a folder
-            out[info.path] = (info.lfs.sha256 if info.lfs is not None else None, info.blob_id)
+            lfs = getattr(info, "lfs", None)
+            out[info.path] = (lfs.sha256 if lfs is not None else None, info.blob_id)
     return out
 
 

@@ -66,6 +66,7 @@ class CacheMissError(FileNotFoundError):
 
 # -- names -------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ModelRef:
     """A hub model repo: `ORG/NAME[@revision]` (revision: branch, tag or commit sha; default main)."""
@@ -74,7 +75,7 @@ class ModelRef:
     revision: str = DEFAULT_REVISION
 
     @classmethod
-    def parse(cls, text: str) -> "ModelRef":
+    def parse(cls, text: str) -> ModelRef:
         m = _MODEL_RE.match(text.strip())
         if not m:
             raise ValueError(f"model: {text!r}: expected a hub repo id ORG/NAME or ORG/NAME@REVISION")
@@ -107,7 +108,7 @@ class DatasetRef:
     split: str = DEFAULT_SPLIT
 
     @classmethod
-    def parse(cls, text: str) -> "DatasetRef":
+    def parse(cls, text: str) -> DatasetRef:
         text = text.strip()
         head, sep, split = text.partition("@")
         base, _, config = head.partition(":")
@@ -174,7 +175,9 @@ class TokenizedRef:
     @property
     def key(self) -> str:
         column = f"|text_column={self.text_column}" if self._custom_column else ""
-        return f"tokenized:{self.dataset.name}|{self.model.repo_id}@{self.model.revision}|seq_len={self.seq_len}{column}"
+        return (
+            f"tokenized:{self.dataset.name}|{self.model.repo_id}@{self.model.revision}|seq_len={self.seq_len}{column}"
+        )
 
     @property
     def relpath(self) -> str:
@@ -184,7 +187,7 @@ class TokenizedRef:
 
 def _safe(text: str) -> str:
     """A folder-safe form of a revision, config or split (slices like train[:10%] included)."""
-    return re.sub(r"[^A-Za-z0-9._+-]", lambda m: "%%%02X" % ord(m.group()), text)
+    return re.sub(r"[^A-Za-z0-9._+-]", lambda m: f"%{ord(m.group()):02X}", text)
 
 
 def is_hub_model(model: str) -> bool:
@@ -197,6 +200,7 @@ def is_hub_model(model: str) -> bool:
 
 
 # -- cache folder and manifest -----------------------------------------------------------------
+
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """--cache-dir if given, else $HPCFSDP_CACHE, else ~/.cache/hpcfsdp."""
@@ -243,6 +247,7 @@ class CachedItem:
 
 # -- offline resolution (compute nodes) --------------------------------------------------------
 
+
 def offline_mode() -> None:
     """Forbid network access by huggingface_hub, datasets and transformers in this process.
 
@@ -278,7 +283,9 @@ def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights:
     command = model_download_command(cache, ref, weights)
     entry_key, entry = find_model_entry(read_cache_manifest(cache)["items"], ref)
     if entry is None:
-        raise CacheMissError(f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+        raise CacheMissError(
+            f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
+        )
     item = _checked(cache, entry_key, entry, ref.name, command)
     if weights and not entry.get("weights"):
         raise CacheMissError(
@@ -305,7 +312,9 @@ def lookup_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> Cac
     command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.name}"
     entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
-        raise CacheMissError(f"dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+        raise CacheMissError(
+            f"dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
+        )
     return _checked(cache, ref.key, entry, ref.name, command)
 
 
@@ -313,24 +322,30 @@ def resolve_dataset_dir(name: str, cache_dir: str | os.PathLike | None = None) -
     return resolve_dataset(name, cache_dir).path
 
 
-def resolve_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None,
-                      text_column: str | None = None) -> CachedItem:
+def resolve_tokenized(
+    dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None, text_column: str | None = None
+) -> CachedItem:
     """A dataset's text column (None: its own) tokenized with `model`'s tokenizer, packed into
     `seq_len` blocks (column input_ids)."""
     offline_mode()
     return lookup_tokenized(dataset, model, seq_len, cache_dir, text_column)
 
 
-def lookup_tokenized(dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None,
-                     text_column: str | None = None) -> CachedItem:
+def lookup_tokenized(
+    dataset: str, model: str, seq_len: int, cache_dir: str | os.PathLike | None = None, text_column: str | None = None
+) -> CachedItem:
     ref = TokenizedRef(DatasetRef.parse(dataset), ModelRef.parse(model), int(seq_len), text_column)
     cache = default_cache_dir(cache_dir)
     column = f" --text-column {ref.text_column}" if ref.text_column != ref.dataset.text_column else ""
-    command = (f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.dataset.name} "
-               f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}{column}")
+    command = (
+        f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.dataset.name} "
+        f"--tokenize-for {ref.model.name} --seq-len {ref.seq_len}{column}"
+    )
     entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
-        raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}")
+        raise CacheMissError(
+            f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
+        )
     return _checked(cache, ref.key, entry, ref.name, command)
 
 
@@ -341,7 +356,11 @@ def find_model_entry(items: dict[str, dict], ref: ModelRef) -> tuple[str, dict |
         return ref.key, items[ref.key]
     if _SHA_RE.match(ref.revision):
         for key, entry in items.items():
-            if entry.get("kind") == "model" and entry.get("repo_id") == ref.repo_id and entry.get("sha") == ref.revision:
+            if (
+                entry.get("kind") == "model"
+                and entry.get("repo_id") == ref.repo_id
+                and entry.get("sha") == ref.revision
+            ):
                 return key, entry
     return ref.key, None
 
@@ -354,9 +373,15 @@ def _checked(cache: Path, key: str, entry: dict, name: str, command: str) -> Cac
         try:
             size = path.stat().st_size
         except OSError:
-            raise CacheMissError(f"{entry.get('kind', 'item')} {name!r}: file {path} is missing from the cache; "
-                                 f"on a machine with internet run: {command}") from None
+            raise CacheMissError(
+                f"{entry.get('kind', 'item')} {name!r}: file {path} is missing from the cache; "
+                f"on a machine with internet run: {command}"
+            ) from None
         if size != f["size"]:
-            raise CacheMissError(f"{entry.get('kind', 'item')} {name!r}: file {path} has {size} bytes, expected "
-                                 f"{f['size']}; on a machine with internet run: {command} --force")
-    return CachedItem(key=key, kind=entry["kind"], item=entry["item"], sha=entry.get("sha", ""), path=folder, entry=entry)
+            raise CacheMissError(
+                f"{entry.get('kind', 'item')} {name!r}: file {path} has {size} bytes, expected "
+                f"{f['size']}; on a machine with internet run: {command} --force"
+            )
+    return CachedItem(
+        key=key, kind=entry["kind"], item=entry["item"], sha=entry.get("sha", ""), path=folder, entry=entry
+    )

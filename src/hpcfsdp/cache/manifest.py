@@ -36,7 +36,7 @@ def manifest_entry(key: str, kind: str, item: str, folder: Path, cache: Path, fi
     }
 
 
-def previous_entry(cache: Path, key: str, sha: str) -> dict | None:
+def previous_entry(cache: Path, key: str, sha: str | None) -> dict | None:
     entry = read_cache_manifest(cache)["items"].get(key)
     return entry if entry and entry.get("sha") == sha else None
 

@@ -131,7 +131,7 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
     return plan
 
 
-def _parse(cls: type, text: str, where: str) -> Any:
+def _parse(cls: Any, text: str, where: str) -> Any:
     try:
         return cls.parse(text)
     except ValueError as exc:

@@ -36,7 +36,7 @@ def signal_cause(exc: BaseException) -> BaseException:
     """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
     wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
     re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
-    seen = exc
+    seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, (CellTimeout, CellCancelled)):
             return seen
@@ -53,8 +53,8 @@ def handle_time_limit() -> dict:
     requeue then ends every rank without a record, and the requeued run writes it.
     """
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
-    submitit_handler = previous[signal.SIGUSR2]
-    requeue = callable(submitit_handler) and _requeues_left()
+    submitit_handler = previous[signal.SIGUSR2] if callable(previous[signal.SIGUSR2]) else None
+    requeue = submitit_handler is not None and _requeues_left()
     requeued = False
 
     def handler(signum, frame):
@@ -62,7 +62,7 @@ def handle_time_limit() -> dict:
         name = signal.Signals(signum).name
         if requeued:
             raise SystemExit(f"requeued after {name}")
-        if signum == signal.SIGUSR2 and requeue:
+        if signum == signal.SIGUSR2 and requeue and submitit_handler is not None:
             requeued = True
             try:
                 submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns

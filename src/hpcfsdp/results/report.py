@@ -73,7 +73,8 @@ def write_report(
     configs = ok_configs(cells)
     table = comparison_table(cells.frame, collection.spec_fields)
     sections = [*first_sections, *summary_sections(cells, configs, baseline, collection.unreadable)]
-    figures, skipped = [], {}
+    figures: list[tuple[str, Path]] = []
+    skipped: dict[str, str] = {}
     if plots:
         reference, label = reference_cells(cells)
         figures, skipped = plotting.write_plots(configs, reference, label, report / "plots", probe_rows(cells))
