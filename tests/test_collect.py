@@ -635,7 +635,8 @@ def test_collect_prints_the_best_30_of_40_cells_and_says_where_the_rest_are(tmp_
     for batch in range(1, 36):
         put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp", batch_size=batch), 10000 + batch, 30))
     for batch in range(36, 41):
-        put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=batch), "oom", "train", "OutOfMemoryError"))
+        spec = spec_of(GPU_BASE, strategy="ddp", batch_size=batch)
+        put(sweep, failed_record(spec, "oom", "train", "OutOfMemoryError"))
     assert main(["collect", str(sweep), "--no-plots"]) == 0
     lines = capsys.readouterr().out.splitlines()
     printed = rows("\n".join(lines))
