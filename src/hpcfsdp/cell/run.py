@@ -8,6 +8,7 @@ profiles and memory snapshot from profiling.py.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -15,10 +16,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
+from transformers import PreTrainedModel
 
 from .. import __version__
 from ..record import (
@@ -216,11 +218,11 @@ def _build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], Non
     source = resolve_model(spec.model, weights=pretrained)
     model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
     if spec.meta_init and spec.family != "fsdp2":
-        materialize(model, env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
+        materialize(cast(PreTrainedModel, model), env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
     check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
     install_loss(model, spec, env.device)
     flops = flops_per_token(model, spec.seq_len)
-    vocab_size = model.config.vocab_size
+    vocab_size = cast(int, model.config.vocab_size)
     memory["after_model"] = memory_reading(env.device)
     enter("shard")
     model, optimizer, tracks = _parallelize_with_optimizer(model, spec, env, memory)
@@ -345,7 +347,7 @@ def full_param_norm(model) -> float:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return float(sum(t.double().pow(2).sum() for t in state.values()) ** 0.5)
+    return math.fsum(float(t.double().pow(2).sum()) for t in state.values()) ** 0.5
 
 
 def _print_progress(env: DistEnv, spec: RunSpec, step: int) -> None:

@@ -107,7 +107,7 @@ def throughput(data: PlotData) -> Figure:
 def memory(data: PlotData) -> Figure:
     on_gpu = (data.configs["device_type"] == "cuda").any() if "device_type" in data.configs else False
     ylabel = "peak allocated (GiB)" if on_gpu else "peak process RSS (GiB)"
-    names = data.configs["device_name"].dropna().unique() if "device_name" in data.configs else []
+    names: list[str] = list(data.configs["device_name"].dropna().unique()) if "device_name" in data.configs else []
     capacities = {name: gib for name in names if (gib := gpu_memory_gib(str(name)))}
     title = "Peak memory per device vs per-device batch"
     if on_gpu and not capacities:
@@ -252,7 +252,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     for setting, ax, part in panels:
         for variant, line in part.groupby("variant", sort=True):
             line = line.sort_values("batch_size")
-            ax.plot(line["batch_size"], line[column], **data.styles[variant], label=variant)
+            ax.plot(line["batch_size"], line[column], **data.styles[str(variant)], label=variant)
         for (variant, fitted), points in (probes[probes["setting"] == setting].groupby(["variant", probes["status"] == "ok"])
                                           if not probes.empty else []):
             colour = data.styles[variant]["color"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..memory import gpu_memory_gib
@@ -281,7 +282,7 @@ def _setup(config: pd.Series, cells: Cells) -> str:
 def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
     if configs["tokens_per_s_per_gpu"].notna().sum() == 0:
         return Section("Best configuration", text="No cell finished ok.")
-    top = configs.loc[configs["tokens_per_s_per_gpu"].idxmax()]
+    top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
     text = (
         f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
