@@ -60,33 +60,63 @@ def rows(sweep_dir: Path, timings: dict[str, tuple[float, int]], capacity: float
         seen.add(label)
         wall, _ = timings.get(label, (0.0, 0))
         shape = load_shape(spec.model)
-        predicted_b = (str(largest_fitting_batch(spec.replace(batch_size=search["first_batch"]), shape, capacity))
-                       if search and capacity else "-")
+        predicted_b = (
+            str(largest_fitting_batch(spec.replace(batch_size=search["first_batch"]), shape, capacity))
+            if search and capacity
+            else "-"
+        )
         ok = record["status"] == "ok"
         peak = record.get("peak_memory_gib") if ok else None
         predicted = predict(spec, shape).peak_gib if record.get("device_type") == "cuda" else None
         grid = grid_seconds(record, wall) if search else None
         batch = str(spec.batch_size) if ok or not search else "-"
-        out.append([
-            label, record["status"], batch, predicted_b,
-            next_batch_check(search) if search and ok else "-",
-            str(len(search["probes"])) if search else "-",
-            f"{search['wall_s']:.0f}" if search else "-", f"{wall:.0f}", f"{grid:.0f}" if grid else "-",
-            f"{record['tokens_per_s_per_gpu']:,.0f}" if ok else "-",
-            f"{peak:.2f}" if peak else "-", f"{predicted:.2f}" if predicted else "-",
-            f"{predicted / peak - 1:+.1%}" if peak and predicted else "-",
-            f"{record['energy_j']:.0f}" if ok and record.get("energy_j") else "-",
-        ])
+        out.append(
+            [
+                label,
+                record["status"],
+                batch,
+                predicted_b,
+                next_batch_check(search) if search and ok else "-",
+                str(len(search["probes"])) if search else "-",
+                f"{search['wall_s']:.0f}" if search else "-",
+                f"{wall:.0f}",
+                f"{grid:.0f}" if grid else "-",
+                f"{record['tokens_per_s_per_gpu']:,.0f}" if ok else "-",
+                f"{peak:.2f}" if peak else "-",
+                f"{predicted:.2f}" if predicted else "-",
+                f"{predicted / peak - 1:+.1%}" if peak and predicted else "-",
+                f"{record['energy_j']:.0f}" if ok and record.get("energy_j") else "-",
+            ]
+        )
     for label, (wall, code) in timings.items():
         if label not in seen:
-            why = ("not started (time budget)" if code < 0 else
-                   "killed (time budget)" if code in (124, 137) else f"no record (exit {code})")
+            why = (
+                "not started (time budget)"
+                if code < 0
+                else "killed (time budget)"
+                if code in (124, 137)
+                else f"no record (exit {code})"
+            )
             out.append([label, why, *["-"] * 5, f"{wall:.0f}", *["-"] * 6])
     return sorted(out, key=lambda row: row[0])
 
 
-HEADERS = ["cell", "status", "batch found", "predicted", "next batch", "probes", "search s", "cell s",
-           "hand grid s (est.)", "tokens/s/GPU", "peak GiB", "predicted GiB", "error", "energy J"]
+HEADERS = [
+    "cell",
+    "status",
+    "batch found",
+    "predicted",
+    "next batch",
+    "probes",
+    "search s",
+    "cell s",
+    "hand grid s (est.)",
+    "tokens/s/GPU",
+    "peak GiB",
+    "predicted GiB",
+    "error",
+    "energy J",
+]
 
 
 def markdown(table: list[list[str]]) -> str:

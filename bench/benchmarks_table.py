@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Print the Markdown tables of docs/benchmarks.md from stored records, so no figure is typed in.
 
-    python bench/benchmarks_table.py perf bench/results/2026-11-22-h200x2/run3/qwen_perf [more sweep dirs]
-    python bench/benchmarks_table.py training bench/results/2026-11-22-h200x2/run1/gpu_strategies
-    python bench/benchmarks_table.py overhead <results>/overhead
+python bench/benchmarks_table.py perf bench/results/2026-11-22-h200x2/run3/qwen_perf [more sweep dirs]
+python bench/benchmarks_table.py training bench/results/2026-11-22-h200x2/run1/gpu_strategies
+python bench/benchmarks_table.py overhead <results>/overhead
 """
 
 from __future__ import annotations
@@ -85,8 +85,14 @@ def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
     pairs = pairs.rename(columns={True: "measured", False: "bare"})[["measured", "bare"]]
     pairs["cost"] = 1 - pairs["measured"] / pairs["bare"]
     pairs.loc["median"] = pairs.median()
-    table = pairs.reset_index().rename(columns={"seed": "pair", "measured": "tokens/s/GPU measured",
-                                                "bare": "tokens/s/GPU bare", "cost": "cost of measuring"})
+    table = pairs.reset_index().rename(
+        columns={
+            "seed": "pair",
+            "measured": "tokens/s/GPU measured",
+            "bare": "tokens/s/GPU bare",
+            "cost": "cost of measuring",
+        }
+    )
     for column in ("tokens/s/GPU measured", "tokens/s/GPU bare"):
         table[column] = table[column].map(lambda v: f"{v:,.0f}")
     table["cost of measuring"] = table["cost of measuring"].map(lambda v: f"{100 * v:+.2f}%")

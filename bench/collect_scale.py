@@ -25,15 +25,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcfsdp.record import write_record
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import write_report
-from hpcfsdp.sweep.matrix import cell_id
-from hpcfsdp.record import write_record
 from hpcfsdp.spec import RunSpec
+from hpcfsdp.sweep.matrix import cell_id
 
 STRATEGIES = {  # strategy -> (relative speed, model-state GiB per GPU at 8 GPUs)
-    "ddp": (1.00, 24.0), "fsdp1_full_shard": (0.93, 3.5), "fsdp1_shard_grad_op": (0.97, 9.0),
-    "fsdp1_hybrid_shard": (0.95, 3.5), "fsdp2_zero2": (0.99, 9.0), "fsdp2_zero3": (0.96, 3.5), "fsdp2_hsdp": (0.97, 3.5),
+    "ddp": (1.00, 24.0),
+    "fsdp1_full_shard": (0.93, 3.5),
+    "fsdp1_shard_grad_op": (0.97, 9.0),
+    "fsdp1_hybrid_shard": (0.95, 3.5),
+    "fsdp2_zero2": (0.99, 9.0),
+    "fsdp2_zero3": (0.96, 3.5),
+    "fsdp2_hsdp": (0.97, 3.5),
 }
 CHECKPOINTING = {"none": (1.0, 1.0), "selective": (0.9, 0.45), "full": (0.75, 0.12)}  # (speed, activation share)
 H100_GIB = 79.6
@@ -46,60 +51,145 @@ def make_record(spec: RunSpec, rng: random.Random) -> dict:
     activations = 9.0 * spec.batch_size * spec.seq_len / 4096 * ckpt_memory
     peak = states * (8 / spec.world_size if spec.strategy != "ddp" else 1) + activations + 2.0
     context = {
-        "cell_id": cell_id(spec), "sweep": "scale", "spec": spec.to_dict(), "world_size": spec.world_size,
-        "nodes": spec.nodes, "device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "backend": "nccl",
+        "cell_id": cell_id(spec),
+        "sweep": "scale",
+        "spec": spec.to_dict(),
+        "world_size": spec.world_size,
+        "nodes": spec.nodes,
+        "device_type": "cuda",
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "backend": "nccl",
         "hostnames": [f"gpu{rng.randrange(64):03d}" for _ in range(spec.nodes)],
         "slurm": {"job_id": "91234_7", "array_job_id": "91234", "array_task_id": "7", "job_nodelist": "gpu[001-002]"},
-        "versions": {"hpcfsdp": "0.1.0", "torch": "2.11.0+cu128", "transformers": "5.0.0", "cuda": "12.8", "nccl": "2.27.3"},
-        "git_commit": "58fde9c821ac4372c0b00fc4feee7f2f904ed34e", "started_at": 1.7e9, "duration_s": 180.0,
+        "versions": {
+            "hpcfsdp": "0.1.0",
+            "torch": "2.11.0+cu128",
+            "transformers": "5.0.0",
+            "cuda": "12.8",
+            "nccl": "2.27.3",
+        },
+        "git_commit": "58fde9c821ac4372c0b00fc4feee7f2f904ed34e",
+        "started_at": 1.7e9,
+        "duration_s": 180.0,
     }
     roll = rng.random()
     if peak > H100_GIB or roll < 0.015:
-        status, error = ("oom", "OutOfMemoryError: CUDA out of memory.") if peak > H100_GIB else ("error", "RuntimeError: NCCL error")
-        return {"status": status, "stage": "train", "error": error, "traceback": "Traceback (most recent call last): ...\n" * 20,
-                "failed_rank": 3, **context}
+        status, error = (
+            ("oom", "OutOfMemoryError: CUDA out of memory.")
+            if peak > H100_GIB
+            else ("error", "RuntimeError: NCCL error")
+        )
+        return {
+            "status": status,
+            "stage": "train",
+            "error": error,
+            "traceback": "Traceback (most recent call last): ...\n" * 20,
+            "failed_rank": 3,
+            **context,
+        }
     if roll < 0.02:
         return {"status": "timeout", "stage": "train", "error": "Slurm time limit", **context}
     saturation = spec.batch_size * spec.seq_len / (spec.batch_size * spec.seq_len + 4096)
     comm = 0.04 * spec.nodes if spec.strategy != "ddp" else 0.02 * spec.nodes
     tps = 38000 * speed * ckpt_speed * saturation * (1 - comm) * rng.gauss(1, 0.02)
     tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * spec.world_size
-    steps = [tokens_per_step / (tps * spec.world_size) * rng.gauss(1, 0.01) for _ in range(spec.steps - spec.warmup_steps)]
+    steps = [
+        tokens_per_step / (tps * spec.world_size) * rng.gauss(1, 0.01) for _ in range(spec.steps - spec.warmup_steps)
+    ]
     losses = [11.9 - 0.02 * i + rng.gauss(0, 0.01) for i in range(spec.steps)]
-    memory = {"after_model": {"allocated_gib": 3.1, "peak_allocated_gib": 3.1, "reserved_gib": 3.2, "peak_reserved_gib": 3.2,
-                              "cpu_max_rss_gib": 4.0, "alloc_retries": 0.0, "ooms": 0.0},
-              "after_shard_and_optimizer": {"allocated_gib": states, "peak_allocated_gib": states + 1, "reserved_gib": states + 1,
-                                            "peak_reserved_gib": states + 1, "cpu_max_rss_gib": 4.2, "alloc_retries": 0.0, "ooms": 0.0},
-              "end": {"allocated_gib": states + 0.5, "peak_allocated_gib": peak, "reserved_gib": peak + 1.5,
-                      "peak_reserved_gib": peak + 1.5, "cpu_max_rss_gib": 4.4, "alloc_retries": 0.0, "ooms": 0.0}}
+    memory = {
+        "after_model": {
+            "allocated_gib": 3.1,
+            "peak_allocated_gib": 3.1,
+            "reserved_gib": 3.2,
+            "peak_reserved_gib": 3.2,
+            "cpu_max_rss_gib": 4.0,
+            "alloc_retries": 0.0,
+            "ooms": 0.0,
+        },
+        "after_shard_and_optimizer": {
+            "allocated_gib": states,
+            "peak_allocated_gib": states + 1,
+            "reserved_gib": states + 1,
+            "peak_reserved_gib": states + 1,
+            "cpu_max_rss_gib": 4.2,
+            "alloc_retries": 0.0,
+            "ooms": 0.0,
+        },
+        "end": {
+            "allocated_gib": states + 0.5,
+            "peak_allocated_gib": peak,
+            "reserved_gib": peak + 1.5,
+            "peak_reserved_gib": peak + 1.5,
+            "cpu_max_rss_gib": 4.4,
+            "alloc_retries": 0.0,
+            "ooms": 0.0,
+        },
+    }
     return {
-        "status": "ok", "tokens_per_step": tokens_per_step, "tokens_per_s": tps * spec.world_size, "tokens_per_s_per_gpu": tps,
-        "samples_per_s": tps * spec.world_size / spec.seq_len, "step_time_s": sorted(steps)[len(steps) // 2],
-        "step_time_p90_s": max(steps), "step_times_s": steps, "warmup_steps": spec.warmup_steps, "timed_steps": len(steps),
-        "data_time_fraction": rng.uniform(0.001, 0.01), "comm_exposed_fraction": comm, "gpu_util_mean": rng.uniform(80, 99),
-        "flops_per_token": 9.3e9 + 12 * 28 * 1536 * spec.seq_len, "tflops_per_gpu": tps * 9.3e9 / 1e12, "peak_tflops": 989.5,
-        "mfu": tps * 9.3e9 / 989.5e12, "memory": memory, "peak_memory_gib": peak, "losses": losses, "final_loss": losses[-1],
-        "flops_tied_lm_head": True, "non_embedding_params": 1_310_000_000, "optimizer_tracks_model": True, **context,
+        "status": "ok",
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tps * spec.world_size,
+        "tokens_per_s_per_gpu": tps,
+        "samples_per_s": tps * spec.world_size / spec.seq_len,
+        "step_time_s": sorted(steps)[len(steps) // 2],
+        "step_time_p90_s": max(steps),
+        "step_times_s": steps,
+        "warmup_steps": spec.warmup_steps,
+        "timed_steps": len(steps),
+        "data_time_fraction": rng.uniform(0.001, 0.01),
+        "comm_exposed_fraction": comm,
+        "gpu_util_mean": rng.uniform(80, 99),
+        "flops_per_token": 9.3e9 + 12 * 28 * 1536 * spec.seq_len,
+        "tflops_per_gpu": tps * 9.3e9 / 1e12,
+        "peak_tflops": 989.5,
+        "mfu": tps * 9.3e9 / 989.5e12,
+        "memory": memory,
+        "peak_memory_gib": peak,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "flops_tied_lm_head": True,
+        "non_embedding_params": 1_310_000_000,
+        "optimizer_tracks_model": True,
+        **context,
     }
 
 
 def write_sweep(root: Path, cells: int) -> Path:
     sweep = root / "scale"
     rng = random.Random(0)
-    axes = itertools.product(range(8), (1, 2), (2048, 4096, 8192), ("none", "selective", "full"), (1, 4), (1, 2, 4, 8, 16), STRATEGIES)
+    axes = itertools.product(
+        range(8), (1, 2), (2048, 4096, 8192), ("none", "selective", "full"), (1, 4), (1, 2, 4, 8, 16), STRATEGIES
+    )
     manifest = {}
     for seed, nodes, seq_len, ckpt, accum, batch, strategy in itertools.islice(axes, cells):
-        spec = RunSpec.from_dict({"model": "qwen2.5-1.5b", "device": "cuda", "precision": "bf16_mixed", "strategy": strategy,
-                                  "nodes": nodes, "gpus_per_node": 8, "seq_len": seq_len, "activation_checkpointing": ckpt,
-                                  "grad_accum": accum, "batch_size": batch, "seed": seed, "steps": 20, "warmup_steps": 5})
+        spec = RunSpec.from_dict(
+            {
+                "model": "qwen2.5-1.5b",
+                "device": "cuda",
+                "precision": "bf16_mixed",
+                "strategy": strategy,
+                "nodes": nodes,
+                "gpus_per_node": 8,
+                "seq_len": seq_len,
+                "activation_checkpointing": ckpt,
+                "grad_accum": accum,
+                "batch_size": batch,
+                "seed": seed,
+                "steps": 20,
+                "warmup_steps": 5,
+            }
+        )
         manifest[cell_id(spec)] = {"executor": "slurm", "job_id": "91234_7", "submitted_at": 1.7e9}
         if rng.random() < 0.003:  # still pending or lost: spec.json only
             (sweep / "cells" / cell_id(spec)).mkdir(parents=True, exist_ok=True)
-            (sweep / "cells" / cell_id(spec) / "spec.json").write_text(json.dumps({"cell_id": cell_id(spec), "spec": spec.to_dict()}))
+            (sweep / "cells" / cell_id(spec) / "spec.json").write_text(
+                json.dumps({"cell_id": cell_id(spec), "spec": spec.to_dict()})
+            )
             continue
         write_record(sweep / "cells" / cell_id(spec) / "result.json", make_record(spec, rng))
     (sweep / "manifest.json").write_text(json.dumps(manifest))
-    (sweep / "cells" / "truncated" ).mkdir()
+    (sweep / "cells" / "truncated").mkdir()
     (sweep / "cells" / "truncated" / "result.json").write_text('{"status": "ok", "tok')
     return sweep
 
@@ -116,10 +206,15 @@ def timed_command(args: list[str]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", type=int, default=10_000,
-                        help="cells to plan; about 0.3%% are left without a record (missing) (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="time each command this many times, keep the best (default: %(default)s)")
+    parser.add_argument(
+        "--cells",
+        type=int,
+        default=10_000,
+        help="cells to plan; about 0.3%% are left without a record (missing) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="time each command this many times, keep the best (default: %(default)s)"
+    )
     parser.add_argument("--keep", type=Path, help="write the sweep here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="hpcfsdp-scale-"))
@@ -128,7 +223,10 @@ def main() -> int:
         start = time.perf_counter()
         sweep = write_sweep(root, args.cells)
         records = len(list(sweep.glob("cells/*/result.json")))
-        print(f"wrote {records} record files ({args.cells} cells planned) in {time.perf_counter() - start:.1f} s under {sweep}")
+        print(
+            f"wrote {records} record files ({args.cells} cells planned) in {time.perf_counter() - start:.1f} s "
+            f"under {sweep}"
+        )
         print(f"machine: {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}")
 
         command = [sys.executable, "-m", "hpcfsdp", "collect", str(sweep)]
@@ -146,15 +244,26 @@ def main() -> int:
         report = write_report(sweep, collection=collection)  # as `hpcfsdp collect` does: the records read once
         report_s = time.perf_counter() - start
 
-        print(f"records read: {len(collection.frame)}, missing: {len(collection.missing)}, unreadable: {len(collection.unreadable)}")
-        print(f"in-process: read {loaded:.2f} s, label + aggregate {labelled:.2f} s, "
-              f"write_report (the records read above) with {sum(p.suffix == '.png' for p in report.files)} plots {report_s:.2f} s")
-        print(f"`hpcfsdp collect` in a fresh process, best of {args.repeats} (imports, report and the printed table included):")
+        print(
+            f"records read: {len(collection.frame)}, missing: {len(collection.missing)}, "
+            f"unreadable: {len(collection.unreadable)}"
+        )
+        print(
+            f"in-process: read {loaded:.2f} s, label + aggregate {labelled:.2f} s, "
+            f"write_report (the records read above) with {sum(p.suffix == '.png' for p in report.files)} plots "
+            f"{report_s:.2f} s"
+        )
+        print(
+            f"`hpcfsdp collect` in a fresh process, best of {args.repeats} "
+            "(imports, report and the printed table included):"
+        )
         print(f"  with plots:   {with_plots:5.2f} s wall, {with_plots_cpu:5.2f} s CPU")
         print(f"  --no-plots:   {without_plots:5.2f} s wall, {without_plots_cpu:5.2f} s CPU")
         # The limit is for the command as a user runs it: with plots. --no-plots is shown for comparison.
-        print(f"{'PASS' if with_plots < LIMIT_S else 'OVER'}: full collect (with plots) {with_plots:.2f} s, "
-              f"--no-plots {without_plots:.2f} s (limit {LIMIT_S} s, on the full collect)")
+        print(
+            f"{'PASS' if with_plots < LIMIT_S else 'OVER'}: full collect (with plots) {with_plots:.2f} s, "
+            f"--no-plots {without_plots:.2f} s (limit {LIMIT_S} s, on the full collect)"
+        )
         return 0 if with_plots < LIMIT_S else 1
     finally:
         if not args.keep:

@@ -33,8 +33,11 @@ MIN_DOC_CHARS = 500
 def doc_files() -> list[Path]:
     """Package documentation: changelogs (gzipped), READMEs, copyright notices."""
     root = Path("/usr/share/doc")
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()
-                  and (p.suffix in DOC_SUFFIXES or p.name == "copyright"))
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink() and (p.suffix in DOC_SUFFIXES or p.name == "copyright")
+    )
 
 
 def python_files() -> list[Path]:
@@ -74,8 +77,12 @@ def train_tokenizer(texts: list[str], out: Path) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(str(out))
 
@@ -104,13 +111,20 @@ def main() -> int:
             handle.write(json.dumps({"text": text}) + "\n")
     train_tokenizer(texts, out / "tokenizer")
     manifest = {
-        "documents": len(texts), "characters": sum(map(len, texts)), "vocab_size": VOCAB_SIZE, "eos": EOS,
-        "corpus_sha256": sha256(corpus), "tokenizer_sha256": sha256(out / "tokenizer" / "tokenizer.json"),
-        "python": sys.version.split()[0], "sources": doc_names + code_names,
+        "documents": len(texts),
+        "characters": sum(map(len, texts)),
+        "vocab_size": VOCAB_SIZE,
+        "eos": EOS,
+        "corpus_sha256": sha256(corpus),
+        "tokenizer_sha256": sha256(out / "tokenizer" / "tokenizer.json"),
+        "python": sys.version.split()[0],
+        "sources": doc_names + code_names,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    print(f"make_text_data: {len(texts)} documents, {manifest['characters']:,} characters -> {corpus}; "
-          f"tokenizer ({VOCAB_SIZE} tokens) -> {out / 'tokenizer'}")
+    print(
+        f"make_text_data: {len(texts)} documents, {manifest['characters']:,} characters -> {corpus}; "
+        f"tokenizer ({VOCAB_SIZE} tokens) -> {out / 'tokenizer'}"
+    )
     return 0
 
 

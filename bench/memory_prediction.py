@@ -23,8 +23,24 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "bench" / "results" / "2026-11-22-h200x2"
 TARGET = 0.15  # the accuracy asked for: within 15% of the measured peak
 FIELDS = {f.name for f in dataclasses.fields(RunSpec)}
-COLUMNS = ("model", "strategy", "batch", "seq", "precision", "ckpt", "compile", "kernels", "loss", "offload", "source",
-           "records", "measured GiB", "predicted GiB", "error", "peak at")
+COLUMNS = (
+    "model",
+    "strategy",
+    "batch",
+    "seq",
+    "precision",
+    "ckpt",
+    "compile",
+    "kernels",
+    "loss",
+    "offload",
+    "source",
+    "records",
+    "measured GiB",
+    "predicted GiB",
+    "error",
+    "peak at",
+)
 
 
 def records(paths: list[Path]) -> list[tuple[Path, dict]]:
@@ -64,8 +80,19 @@ def table(paths: list[Path]) -> tuple[list[tuple], float]:
     for _, record in records(paths):
         for spec, measured, source in measurements(record):
             prediction = predict(spec, load_shape(spec.model))
-            key = (spec.model, spec.strategy, spec.batch_size, spec.seq_len, spec.precision,
-                   spec.activation_checkpointing, spec.compile, spec.kernels, spec.loss, spec.cpu_offload, source)
+            key = (
+                spec.model,
+                spec.strategy,
+                spec.batch_size,
+                spec.seq_len,
+                spec.precision,
+                spec.activation_checkpointing,
+                spec.compile,
+                spec.kernels,
+                spec.loss,
+                spec.cpu_offload,
+                source,
+            )
             rows.setdefault(key, [[], prediction])[0].append(measured)
     lines, worst = [], 0.0
     for key, (measured, prediction) in sorted(rows.items(), key=lambda item: tuple(map(str, item[0]))):
@@ -73,9 +100,26 @@ def table(paths: list[Path]) -> tuple[list[tuple], float]:
         error = prediction.peak_gib / mean - 1
         worst = max(worst, abs(error))
         model, strategy, batch, seq, precision, ckpt, compiled, kernels, loss, offload, source = key
-        lines.append((model, strategy, batch, seq, precision, ckpt, "yes" if compiled else "no", kernels, loss,
-                      "yes" if offload else "no", source, len(measured), _gib(mean), _gib(prediction.peak_gib),
-                      f"{error:+.1%}", prediction.peak_moment))
+        lines.append(
+            (
+                model,
+                strategy,
+                batch,
+                seq,
+                precision,
+                ckpt,
+                "yes" if compiled else "no",
+                kernels,
+                loss,
+                "yes" if offload else "no",
+                source,
+                len(measured),
+                _gib(mean),
+                _gib(prediction.peak_gib),
+                f"{error:+.1%}",
+                prediction.peak_moment,
+            )
+        )
     return lines, worst
 
 

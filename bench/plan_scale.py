@@ -62,8 +62,10 @@ def main_bench() -> None:
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "hpcfsdp", "plan", str(path)], check=True, stdout=subprocess.DEVNULL)
         command_s = time.perf_counter() - start
-    print(f"{cells} cells: load_sweep {load_s:.2f} s; load_sweep + plan table {plan_s:.2f} s (best of {args.repeat}); "
-          f"`python -m hpcfsdp plan` in a new interpreter {command_s:.2f} s")
+    print(
+        f"{cells} cells: load_sweep {load_s:.2f} s; load_sweep + plan table {plan_s:.2f} s (best of {args.repeat}); "
+        f"`python -m hpcfsdp plan` in a new interpreter {command_s:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="per GPU")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=12, help="timed steps after the warm-up")
-    parser.add_argument("--precision", choices=("bf16", "bf16_mixed"), default="bf16",
-                        help="bf16: parameters stored in bf16; "
-                             "bf16_mixed: fp32 parameters, bf16 compute, fp32 gradient reduction")
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "bf16_mixed"),
+        default="bf16",
+        help="bf16: parameters stored in bf16; bf16_mixed: fp32 parameters, bf16 compute, fp32 gradient reduction",
+    )
     parser.add_argument("--zero3", action="store_true", help="reshard after forward (default: ZeRO-2, keep gathered)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -65,14 +68,14 @@ def main() -> None:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=param_dtype)
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                              reduce_dtype=torch.float32 if args.precision == "bf16_mixed" else torch.bfloat16)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if args.precision == "bf16_mixed" else torch.bfloat16
+    )
     layers = model.model.layers
     for index, layer in enumerate(layers):
         if not args.no_compile:
             layer.compile()
-        fully_shard(layer, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=args.zero3 and index < len(layers) - 1)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=args.zero3 and index < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=args.zero3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
@@ -102,11 +105,22 @@ def main() -> None:
     if rank == 0:
         result = {
             "tokens_per_s_per_gpu": args.batch_size * args.seq_len / step_time,
-            "step_time_s": step_time, "step_times_s": slowest.tolist(), "model": args.model,
-            "seq_len": args.seq_len, "batch_size": args.batch_size, "world_size": world, "precision": args.precision,
-            "zero3": args.zero3, "compile": not args.no_compile, "warmup": args.warmup, "timed_steps": args.steps,
-            "peak_memory_gib": peak.item(), "first_loss": losses[0], "last_loss": losses[-1],
-            "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+            "step_time_s": step_time,
+            "step_times_s": slowest.tolist(),
+            "model": args.model,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "world_size": world,
+            "precision": args.precision,
+            "zero3": args.zero3,
+            "compile": not args.no_compile,
+            "warmup": args.warmup,
+            "timed_steps": args.steps,
+            "peak_memory_gib": peak.item(),
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         }
         print("REFERENCE_RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -22,8 +22,16 @@ def scaling_table(sweep_dir: str):
     one_gpu = ok[ok["world_size"] == 1].set_index(KEY)["tokens_per_s_per_gpu"].rename("one_gpu")
     ok = ok.join(one_gpu, on=KEY)
     ok["weak_scaling_efficiency"] = ok["tokens_per_s_per_gpu"] / ok["one_gpu"]
-    columns = [*KEY, "world_size", "hsdp_shard_size", "tokens_per_s_per_gpu", "weak_scaling_efficiency",
-               "comm_exposed_s_per_step", "comm_exposed_fraction", "peak_memory_gib"]
+    columns = [
+        *KEY,
+        "world_size",
+        "hsdp_shard_size",
+        "tokens_per_s_per_gpu",
+        "weak_scaling_efficiency",
+        "comm_exposed_s_per_step",
+        "comm_exposed_fraction",
+        "peak_memory_gib",
+    ]
     return ok[[c for c in columns if c in ok]].sort_values([*KEY, "world_size"])
 
 

@@ -30,8 +30,21 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
     values = {**TINY_CPU, **fields}
     args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-           "-m", "hpcfsdp", "run", "--results-dir", str(results), "--sweep", "t", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nprocs}",
+        "-m",
+        "hpcfsdp",
+        "run",
+        "--results-dir",
+        str(results),
+        "--sweep",
+        "t",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     records = sorted((results / "t" / "cells").glob("*/result.json"), key=lambda p: p.stat().st_mtime)
     assert records, f"no record written; exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -41,8 +54,13 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
 def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     """Run slurm/local/start.sh with these HPCFSDP_SLURM_* knobs: the environment that reaches the
     cluster, and whether start.sh started any Slurm daemon (else it found them all running)."""
-    start = subprocess.run(["bash", str(ROOT / "slurm/local/start.sh")], capture_output=True, text=True, timeout=900,
-                           env={**os.environ, **knobs})
+    start = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **knobs},
+    )
     if start.returncode != 0:
         pytest.fail(f"slurm/local/start.sh failed ({start.returncode}):\n{start.stderr[-3000:]}")
     last = start.stdout.strip().splitlines()[-1]
@@ -54,8 +72,13 @@ def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
 
 
 def stop_slurm(knobs: dict[str, str], *args: str) -> None:
-    stop = subprocess.run(["bash", str(ROOT / "slurm/local/stop.sh"), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **knobs})
+    stop = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/stop.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **knobs},
+    )
     assert stop.returncode == 0, stop.stderr[-3000:]
 
 

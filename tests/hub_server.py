@@ -26,10 +26,10 @@ import json
 import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".parquet", ".arrow")
@@ -118,7 +118,7 @@ class HubServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "HubServer":
+    def start(self) -> HubServer:
         handler = type("Handler", (_Handler,), {"hub": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
@@ -132,13 +132,13 @@ class HubServer:
             self._httpd.server_close()
             self._httpd = None
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         return self if self._httpd is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def log(self, method: str, path: str, headers: dict) -> "Faults":
+    def log(self, method: str, path: str, headers: dict) -> Faults:
         """Log a request and fix, in the same step, the faults it will suffer.
 
         Deciding at arrival (not when the body is about to be sent) is what keeps a slow request of
@@ -185,7 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.faults = self.hub.log(method, self.path, kept)
         try:
             if path.startswith("/api/"):
-                self._api(method, path[len("/api/"):], query)
+                self._api(method, path[len("/api/") :], query)
             else:
                 self._resolve(method, path.lstrip("/"))
         except BrokenPipeError:
@@ -245,12 +245,12 @@ class _Handler(BaseHTTPRequestHandler):
         entries = []
         for folder in sorted(repo.folders()):
             if folder.startswith(prefix) and folder != prefix.rstrip("/"):
-                rel = folder[len(prefix):]
+                rel = folder[len(prefix) :]
                 if recursive or "/" not in rel:
                     entries.append(repo.folder_entry(folder))
         for path in sorted(repo.files):
             if path.startswith(prefix):
-                rel = path[len(prefix):]
+                rel = path[len(prefix) :]
                 if recursive or "/" not in rel:
                     entries.append(repo.entry(path))
         return entries
@@ -265,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _resolve(self, method: str, rest: str) -> None:
         kind = "model"
         if rest.startswith("datasets/"):
-            kind, rest = "dataset", rest[len("datasets/"):]
+            kind, rest = "dataset", rest[len("datasets/") :]
         m = re.match(r"^([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", rest)
         if not m:
             return self._error(404, "RepoNotFound", f"unknown path {rest}")
@@ -292,7 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
                     start = max(0, len(data) - int(rm.group(2)))
                 end = min(end, len(data) - 1)
                 status = 206
-        body = data[start:end + 1] if data else b""
+        body = data[start : end + 1] if data else b""
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
@@ -370,8 +370,12 @@ def build_model_folder(folder: Path, preset_json: Path, weights: bool = True) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(SENTENCES * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>")
     fast.save_pretrained(folder)
@@ -389,6 +393,7 @@ def build_model_folder(folder: Path, preset_json: Path, weights: bool = True) ->
 
 def dataset_files(lines_per_split: int = 40) -> dict[str, bytes]:
     """A README and jsonl files with a `text` field: train and validation splits."""
+
     def jsonl(rows: Iterable[str]) -> bytes:
         return "".join(json.dumps({"text": r}) + "\n" for r in rows).encode()
 
@@ -409,15 +414,19 @@ RESULTS = [("1-0", "CHECKMATE"), ("0-1", "RESIGNATION"), ("1/2-1/2", "STALEMATE"
 
 def chess_games(count: int = 40) -> list[dict]:
     """Rows shaped like laion/strategic_game_chess: `Moves` (a list of UCI moves), `Termination`, `Result`."""
-    return [{"Moves": OPENING[: 4 + i % (len(OPENING) - 3)], "Termination": RESULTS[i % 3][1], "Result": RESULTS[i % 3][0]}
-            for i in range(count)]
+    return [
+        {"Moves": OPENING[: 4 + i % (len(OPENING) - 3)], "Termination": RESULTS[i % 3][1], "Result": RESULTS[i % 3][0]}
+        for i in range(count)
+    ]
 
 
 def chess_dataset_files(count: int = 40) -> dict[str, bytes]:
     """A README and one jsonl train split of chess_games(count): a dataset without a `text` column."""
     rows = "".join(json.dumps(row) + "\n" for row in chess_games(count)).encode()
-    return {"README.md": b"---\nlicense: cc-by-4.0\n---\n# chess games for tests\n",
-            "data/train-00000-of-00001.jsonl": rows}
+    return {
+        "README.md": b"---\nlicense: cc-by-4.0\n---\n# chess games for tests\n",
+        "data/train-00000-of-00001.jsonl": rows,
+    }
 
 
 if __name__ == "__main__":  # manual use: python tests/hub_server.py  (serves until Ctrl-C)
@@ -426,7 +435,9 @@ if __name__ == "__main__":  # manual use: python tests/hub_server.py  (serves un
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp, HubServer() as hub:
-        hub.add_folder("model", "acme/tiny-qwen", build_model_folder(Path(tmp) / "m", root / "src/hpcfsdp/presets/tiny.json"))
+        hub.add_folder(
+            "model", "acme/tiny-qwen", build_model_folder(Path(tmp) / "m", root / "src/hpcfsdp/presets/tiny.json")
+        )
         hub.add_repo("dataset", "acme/tiny-stories", dataset_files())
         print(f"HF_ENDPOINT={hub.url}", flush=True)
         try:

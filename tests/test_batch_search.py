@@ -14,8 +14,9 @@ from hpcfsdp.results.tables import frontier_table
 from hpcfsdp.spec import RunSpec
 
 
-def search(fits, first: int = 1, cap: int = 256, limit_gib: float | None = None,
-           gib_per_sample: float = 0.0) -> list[int]:
+def search(
+    fits, first: int = 1, cap: int = 256, limit_gib: float | None = None, gib_per_sample: float = 0.0
+) -> list[int]:
     """The batches next_batch tries when a batch fits iff fits(batch); peaks grow by gib_per_sample."""
     probes: list[Probe] = []
     while (batch := next_batch(probes, first, cap, limit_gib)) is not None:
@@ -49,12 +50,19 @@ def test_with_global_batch_size_the_measured_batch_divides_the_per_rank_share():
 
 def test_batch_size_auto_finds_the_budget_keeps_every_probe_and_measures_after_the_ooms(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCFSDP_FAULT", "train_step:oom>5")
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", batch_size="auto", global_batch_size=20,
-                               comm_profile_steps=0)
+    record = run_torchrun_cell(
+        tmp_path, 2, strategy="fsdp2_zero3", batch_size="auto", global_batch_size=20, comm_profile_steps=0
+    )
     assert record["status"] == "ok", record.get("error")
     search = record["batch_search"]
     assert [(p["batch_size"], p["status"]) for p in search["probes"]] == [
-        (1, "ok"), (2, "ok"), (4, "ok"), (8, "oom"), (6, "oom"), (5, "ok")]
+        (1, "ok"),
+        (2, "ok"),
+        (4, "ok"),
+        (8, "oom"),
+        (6, "oom"),
+        (5, "ok"),
+    ]
     assert all("injected out-of-memory" in p["error"] for p in search["probes"] if p["status"] == "oom")
     fitted = [p for p in search["probes"] if p["status"] == "ok"]
     assert all(p["tokens_per_s_per_gpu"] > 0 and p["peak_memory_gib"] > 0 for p in fitted)
@@ -105,7 +113,10 @@ for strategy in ("ddp", "fsdp2_zero3"):
         built.extend([weakref.ref(model), weakref.ref(optimizer)])
         return model, optimizer, vocab
     search = BatchSearch(1, spec.batch_cap, 0.0, 2)
-    chosen = search_batch_size(search, spec, env, None, build, lambda b: faults.inject_fault("train_step", env, b), print)
+    def fault(batch):
+        faults.inject_fault("train_step", env, batch)
+
+    chosen = search_batch_size(search, spec, env, None, build, fault, print)
     print(strategy, chosen.batch_size, len(built), sum(ref() is not None for ref in built))
 """
 

@@ -25,8 +25,10 @@ from hpcfsdp.cli import main
 from hpcfsdp.sweep.cluster import Node, Partition, gpus_in_gres, never_clears, slurm_minutes
 from hpcfsdp.sweep.matrix import load_sweep
 
-TINY = ("model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
-        "strategy: ddp, gpus_per_node: 1")
+TINY = (
+    "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
+    "strategy: ddp, gpus_per_node: 1"
+)
 
 
 def free_port_block(size: int) -> int:
@@ -46,9 +48,13 @@ def free_port_block(size: int) -> int:
 def small_cluster_env() -> Iterator[dict[str, str]]:
     """A cluster of this module's own, beside any other (its own state folder and ports), stopped
     and removed at the end."""
-    knobs = {"HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-limits-"),
-             "HPCFSDP_SLURM_PORT": str(free_port_block(3)), "HPCFSDP_SLURM_CPUS": "1",
-             "HPCFSDP_SLURM_MAX_ARRAY_SIZE": "5", "HPCFSDP_SLURM_MAX_TIME": "60"}
+    knobs = {
+        "HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-limits-"),
+        "HPCFSDP_SLURM_PORT": str(free_port_block(3)),
+        "HPCFSDP_SLURM_CPUS": "1",
+        "HPCFSDP_SLURM_MAX_ARRAY_SIZE": "5",
+        "HPCFSDP_SLURM_MAX_TIME": "60",
+    }
     try:
         env, _ = start_slurm(knobs)
         yield env
@@ -76,14 +82,18 @@ def slurm(*args: str) -> str:
 
 @pytest.mark.slurm
 def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_arrays(small_cluster, tmp_path, capsys):
-    jobs = write(tmp_path, "split", f"""
+    jobs = write(
+        tmp_path,
+        "split",
+        f"""
         name: split
         base: {{{TINY}}}
         slurm: {{time_min: 10, max_jobs_in_queue: 8}}
         matrix:
           batch_size: [1, 2, 3, 4, 5, 6]
           seed: [0, 1]
-        """)
+        """,
+    )
     results = tmp_path / "results"
     assert main(["plan", str(jobs)]) == 0
     out = capsys.readouterr().out
@@ -113,32 +123,58 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("slurm_section, axis, message", [
-    ("{time_min: 10}", "nodes: [1, 4]",
-     "{jobs}:6: matrix.nodes: 1 cell(s) on 4 node(s) x 1 GPU(s) can never run in partition gpu: it has 2 node(s)"),
-    ("{time_min: 10}", "gpus_per_node: [1, 8]",
-     "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 8 GPU(s) can never run in partition gpu: its nodes "
-     "have at most 4 GPU(s) each (gres)"),
-    ("{time_min: 90}", "batch_size: [1]",
-     "{jobs}:4: slurm.time_min: 90 min is above the MaxTime of partition gpu (01:00:00, 60 min): no cell can ever run"),
-    ("{time_min: 10, cpus_per_task: 2}", "batch_size: [1]",
-     "{jobs}:4: slurm.cpus_per_task: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: 1 task(s) x "
-     "2 CPU(s) = 2 CPUs per node, and its nodes have at most 1"),
-    ("{time_min: 10, mem_gb: 100}", "batch_size: [1]",
-     "{jobs}:4: slurm.mem_gb: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: mem_gb 100 is above "
-     "the 8000 MB its nodes have at most"),
-    ("{time_min: 10, partition: cpu}", "batch_size: [1]",
-     "{jobs}:4: slurm.partition: no partition 'cpu' on this cluster (partitions: gpu)"),
-])
+@pytest.mark.parametrize(
+    "slurm_section, axis, message",
+    [
+        (
+            "{time_min: 10}",
+            "nodes: [1, 4]",
+            "{jobs}:6: matrix.nodes: 1 cell(s) on 4 node(s) x 1 GPU(s) can never run in partition gpu: it has 2 node(s)",
+        ),
+        (
+            "{time_min: 10}",
+            "gpus_per_node: [1, 8]",
+            "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 8 GPU(s) can never run in partition gpu: its nodes "
+            "have at most 4 GPU(s) each (gres)",
+        ),
+        (
+            "{time_min: 90}",
+            "batch_size: [1]",
+            "{jobs}:4: slurm.time_min: 90 min is above the MaxTime of partition gpu (01:00:00, 60 min): no cell can ever run",
+        ),
+        (
+            "{time_min: 10, cpus_per_task: 2}",
+            "batch_size: [1]",
+            "{jobs}:4: slurm.cpus_per_task: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: 1 task(s) x "
+            "2 CPU(s) = 2 CPUs per node, and its nodes have at most 1",
+        ),
+        (
+            "{time_min: 10, mem_gb: 100}",
+            "batch_size: [1]",
+            "{jobs}:4: slurm.mem_gb: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: mem_gb 100 is above "
+            "the 8000 MB its nodes have at most",
+        ),
+        (
+            "{time_min: 10, partition: cpu}",
+            "batch_size: [1]",
+            "{jobs}:4: slurm.partition: no partition 'cpu' on this cluster (partitions: gpu)",
+        ),
+    ],
+)
 def test_a_cell_the_partition_can_never_run_is_one_line_and_nothing_is_queued(
-        small_cluster, tmp_path, capsys, slurm_section, axis, message):
-    jobs = write(tmp_path, "never", f"""
+    small_cluster, tmp_path, capsys, slurm_section, axis, message
+):
+    jobs = write(
+        tmp_path,
+        "never",
+        f"""
         name: never
         base: {{{TINY}}}
         slurm: {slurm_section}
         matrix:
           {axis}
-        """)
+        """,
+    )
     expected = f"error: {message.format(jobs=jobs)}"
     assert main(["plan", str(jobs)]) == 2
     assert capsys.readouterr().err.splitlines() == [expected]
@@ -160,11 +196,15 @@ def wait_for_reason(job: str, reason: str, timeout_s: float = 60) -> None:
 def test_status_shows_the_pending_reason_and_wait_ends_on_one_that_cannot_clear(small_cluster, tmp_path, capsys):
     """A 2-node cell waits for its begin time; then the partition is cut to 1 node per job, so
     Slurm holds it with PartitionNodeLimit for as long as the partition stays so."""
-    jobs = write(tmp_path, "held", f"""
+    jobs = write(
+        tmp_path,
+        "held",
+        f"""
         name: held
         base: {{{TINY}, nodes: 2}}
         slurm: {{time_min: 10, extra_sbatch: {{begin: now+600}}}}
-        """)
+        """,
+    )
     results = tmp_path / "results"
     sweep_dir = results / "held"
     (cell,) = load_sweep(jobs).cells
@@ -185,8 +225,10 @@ def test_status_shows_the_pending_reason_and_wait_ends_on_one_that_cannot_clear(
         assert main(["status", str(sweep_dir)]) == 0
         captured = capsys.readouterr()
         assert re.search(rf"{row} \(PartitionNodeLimit\)$", captured.out, flags=re.M), captured
-        blocked = (f"1 cell(s) can never start as the cluster stands; Slurm holds them pending (PartitionNodeLimit: "
-                   f"{cell.id}); their jobs stay queued: `scancel {job}` removes them")
+        blocked = (
+            f"1 cell(s) can never start as the cluster stands; Slurm holds them pending (PartitionNodeLimit: "
+            f"{cell.id}); their jobs stay queued: `scancel {job}` removes them"
+        )
         assert captured.err == f"warning: {blocked}\n"
 
         # --wait on the same sweep: nothing new to queue, and the one cell in flight can never start.
@@ -203,24 +245,55 @@ def test_status_shows_the_pending_reason_and_wait_ends_on_one_that_cannot_clear(
 
 
 def test_gres_and_time_limits_read_as_slurm_prints_them():
-    assert [gpus_in_gres(g) for g in ("gpu:4", "gpu:a100:4(S:0-1)", "gpu:a100:2,gpu:v100:2(S:0)", "gpu:1g.5gb:7",
-                                      "mps:100,gpu:2", "(null)", "")] == [4, 4, 4, 7, 2, 0, 0]
+    assert [
+        gpus_in_gres(g)
+        for g in (
+            "gpu:4",
+            "gpu:a100:4(S:0-1)",
+            "gpu:a100:2,gpu:v100:2(S:0)",
+            "gpu:1g.5gb:7",
+            "mps:100,gpu:2",
+            "(null)",
+            "",
+        )
+    ] == [4, 4, 4, 7, 2, 0, 0]
     assert [slurm_minutes(t) for t in ("01:00:00", "1-00:00:00", "00:10:30", "UNLIMITED", "INFINITE")] == [
-        60, 1440, 11, None, None]
+        60,
+        1440,
+        11,
+        None,
+        None,
+    ]
 
 
 def test_which_pending_reasons_never_clear():
     nodes = (Node("n1", 4, 8000, 4, "down*"), Node("n2", 4, 8000, 4, "idle"), Node("n3", 4, 8000, 4, "drain"))
     partition = Partition("gpu", True, nodes, None, 0, None, "UNLIMITED", None, None)
-    for reason in ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
-                   "QOSMaxWallDurationPerJobLimit", "AssocMaxNodesPerJobLimit"):
+    for reason in (
+        "PartitionConfig",
+        "PartitionNodeLimit",
+        "PartitionTimeLimit",
+        "BadConstraints",
+        "InvalidAccount",
+        "QOSMaxWallDurationPerJobLimit",
+        "AssocMaxNodesPerJobLimit",
+    ):
         assert never_clears(reason, 1, partition), reason
-    for reason in ("Priority", "Resources", "BeginTime", "JobHeldUser", "Dependency", "QOSMaxJobsPerUserLimit",
-                   "AssocGrpCpuLimit", "JobArrayTaskLimit"):
+    for reason in (
+        "Priority",
+        "Resources",
+        "BeginTime",
+        "JobHeldUser",
+        "Dependency",
+        "QOSMaxJobsPerUserLimit",
+        "AssocGrpCpuLimit",
+        "JobArrayTaskLimit",
+    ):
         assert not never_clears(reason, 1, partition), reason
     # Node reasons: never, while fewer of the partition's nodes are up than the job needs.
     down = "ReqNodeNotAvail, UnavailableNodes:n[1,3]"
     assert never_clears(down, 2, partition) and not never_clears(down, 1, partition)
     assert not never_clears(down, 2, None)  # the nodes' state unknown: it may clear
-    assert never_clears("Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions",
-                        2, partition)
+    assert never_clears(
+        "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions", 2, partition
+    )

@@ -23,15 +23,15 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from PIL import Image
 
-from hpcfsdp.results import plots
 from hpcfsdp.cli import main
+from hpcfsdp.record import SCHEMA_VERSION, write_record
+from hpcfsdp.results import plots
 from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import reference_cells
-from hpcfsdp.sweep.matrix import cell_id
-from hpcfsdp.record import SCHEMA_VERSION, write_record
 from hpcfsdp.spec import RunSpec
+from hpcfsdp.sweep.matrix import cell_id
 
 H100 = "NVIDIA H100 80GB HBM3"
 GPU_BASE = {"model": "qwen2.5-1.5b", "seq_len": 4096, "gpus_per_node": 2, "device": "cuda", "precision": "bf16_mixed"}
@@ -48,12 +48,26 @@ def spec_of(base: dict, **fields) -> RunSpec:
 
 def context(spec: RunSpec, device: str) -> dict:
     return {
-        "cell_id": cell_id(spec), "sweep": "fixture", "spec": spec.to_dict(), "world_size": spec.world_size,
-        "nodes": spec.nodes, "device_type": "cpu" if device == "cpu" else "cuda", "device_name": device,
-        "backend": "gloo" if device == "cpu" else "nccl", "hostnames": ["gpu-node-07"],
+        "cell_id": cell_id(spec),
+        "sweep": "fixture",
+        "spec": spec.to_dict(),
+        "world_size": spec.world_size,
+        "nodes": spec.nodes,
+        "device_type": "cpu" if device == "cpu" else "cuda",
+        "device_name": device,
+        "backend": "gloo" if device == "cpu" else "nccl",
+        "hostnames": ["gpu-node-07"],
         "slurm": {"job_id": "4242_1", "array_job_id": "4242", "array_task_id": "1", "job_nodelist": "gpu-node-07"},
-        "versions": {"hpcfsdp": "0.1.0", "torch": "2.11.0+cu128", "transformers": "5.0.0", "cuda": "12.8", "nccl": "2.27.3"},
-        "git_commit": "0123abcd", "started_at": 1.7e9, "duration_s": 95.0,
+        "versions": {
+            "hpcfsdp": "0.1.0",
+            "torch": "2.11.0+cu128",
+            "transformers": "5.0.0",
+            "cuda": "12.8",
+            "nccl": "2.27.3",
+        },
+        "git_commit": "0123abcd",
+        "started_at": 1.7e9,
+        "duration_s": 95.0,
     }
 
 
@@ -61,29 +75,61 @@ def ok_record(spec: RunSpec, tokens_per_s_per_gpu: float, peak_gib: float, devic
     tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * spec.world_size
     step_time = tokens_per_step / (tokens_per_s_per_gpu * spec.world_size)
     if device == "cpu":
-        memory = {stage: {"cpu_max_rss_gib": peak_gib * f} for stage, f in (("after_model", 0.9), ("after_shard_and_optimizer", 0.95), ("end", 1.0))}
+        memory = {
+            stage: {"cpu_max_rss_gib": peak_gib * f}
+            for stage, f in (("after_model", 0.9), ("after_shard_and_optimizer", 0.95), ("end", 1.0))
+        }
         mfu = None
     else:
-        memory = {"after_model": {"allocated_gib": 3.0, "cpu_max_rss_gib": 2.1},
-                  "after_shard_and_optimizer": {"allocated_gib": 6.0, "cpu_max_rss_gib": 2.2},
-                  "end": {"allocated_gib": 6.5, "peak_allocated_gib": peak_gib, "reserved_gib": peak_gib + 2,
-                          "peak_reserved_gib": peak_gib + 2, "cpu_max_rss_gib": 2.3}}
+        memory = {
+            "after_model": {"allocated_gib": 3.0, "cpu_max_rss_gib": 2.1},
+            "after_shard_and_optimizer": {"allocated_gib": 6.0, "cpu_max_rss_gib": 2.2},
+            "end": {
+                "allocated_gib": 6.5,
+                "peak_allocated_gib": peak_gib,
+                "reserved_gib": peak_gib + 2,
+                "peak_reserved_gib": peak_gib + 2,
+                "cpu_max_rss_gib": 2.3,
+            },
+        }
         mfu = tokens_per_s_per_gpu / 30_000
     losses = [11.0 - 0.1 * step for step in range(spec.steps)]
     record = {
-        "status": "ok", "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s_per_gpu * spec.world_size,
-        "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "samples_per_s": tokens_per_s_per_gpu * spec.world_size / spec.seq_len,
-        "step_time_s": step_time, "step_time_p90_s": step_time * 1.05, "step_times_s": [step_time] * (spec.steps - spec.warmup_steps),
-        "warmup_steps": spec.warmup_steps, "timed_steps": spec.steps - spec.warmup_steps, "data_time_fraction": 0.02,
-        "flops_per_token": 9.3e9, "tflops_per_gpu": 1.0, "peak_tflops": 989.5 if mfu else 0.0, "mfu": mfu,
-        "memory": memory, "peak_memory_gib": peak_gib, "losses": losses, "final_loss": losses[-1],
-        "flops_tied_lm_head": True, "non_embedding_params": 1_300_000_000, "optimizer_tracks_model": True,
+        "status": "ok",
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_s_per_gpu * spec.world_size,
+        "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+        "samples_per_s": tokens_per_s_per_gpu * spec.world_size / spec.seq_len,
+        "step_time_s": step_time,
+        "step_time_p90_s": step_time * 1.05,
+        "step_times_s": [step_time] * (spec.steps - spec.warmup_steps),
+        "warmup_steps": spec.warmup_steps,
+        "timed_steps": spec.steps - spec.warmup_steps,
+        "data_time_fraction": 0.02,
+        "flops_per_token": 9.3e9,
+        "tflops_per_gpu": 1.0,
+        "peak_tflops": 989.5 if mfu else 0.0,
+        "mfu": mfu,
+        "memory": memory,
+        "peak_memory_gib": peak_gib,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "flops_tied_lm_head": True,
+        "non_embedding_params": 1_300_000_000,
+        "optimizer_tracks_model": True,
     }
     return {**record, **context(spec, device), **extra}
 
 
 def failed_record(spec: RunSpec, status: str, stage: str, error: str, device: str = H100) -> dict:
-    return {"status": status, "stage": stage, "error": error, "traceback": "Traceback ...", "failed_rank": 0, **context(spec, device)}
+    return {
+        "status": status,
+        "stage": stage,
+        "error": error,
+        "traceback": "Traceback ...",
+        "failed_rank": 0,
+        **context(spec, device),
+    }
 
 
 def put(sweep: Path, record: dict) -> str:
@@ -104,23 +150,66 @@ def gpu_sweep(root: Path) -> Path:
     """
     sweep = root / "gpu"
     extra = {"comm_exposed_fraction": 0.1, "gpu_util_mean": 85.0}
-    table = {("ddp", 1): (10000, 40), ("ddp", 2): (12000, 60), ("fsdp2_zero2", 1): (11000, 30),
-             ("fsdp2_zero2", 2): (13200, 45), ("fsdp2_zero2", 4): (14000, 70), ("fsdp2_zero3", 1): (9000, 20),
-             ("fsdp2_zero3", 2): (11400, 30), ("fsdp2_zero3", 4): (12600, 50)}
+    table = {
+        ("ddp", 1): (10000, 40),
+        ("ddp", 2): (12000, 60),
+        ("fsdp2_zero2", 1): (11000, 30),
+        ("fsdp2_zero2", 2): (13200, 45),
+        ("fsdp2_zero2", 4): (14000, 70),
+        ("fsdp2_zero3", 1): (9000, 20),
+        ("fsdp2_zero3", 2): (11400, 30),
+        ("fsdp2_zero3", 4): (12600, 50),
+    }
     for (strategy, batch), (tps, peak) in table.items():
         put(sweep, ok_record(spec_of(GPU_BASE, strategy=strategy, batch_size=batch), tps, peak, **extra))
-    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8, activation_checkpointing="full"), 9500, 60, **extra))
-    put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=4), "oom", "train", "OutOfMemoryError: CUDA out of memory"))
-    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8), "oom", "train", "OutOfMemoryError: CUDA out of memory"))
-    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=8), "error", "shard",
-                             "RuntimeError: NCCL error | unhandled system error\nsecond line"))
-    put(sweep, failed_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=16, activation_checkpointing="full"),
-                             "timeout", "train", "Slurm time limit reached"))
+    put(
+        sweep,
+        ok_record(
+            spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8, activation_checkpointing="full"), 9500, 60, **extra
+        ),
+    )
+    put(
+        sweep,
+        failed_record(
+            spec_of(GPU_BASE, strategy="ddp", batch_size=4), "oom", "train", "OutOfMemoryError: CUDA out of memory"
+        ),
+    )
+    put(
+        sweep,
+        failed_record(
+            spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=8),
+            "oom",
+            "train",
+            "OutOfMemoryError: CUDA out of memory",
+        ),
+    )
+    put(
+        sweep,
+        failed_record(
+            spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=8),
+            "error",
+            "shard",
+            "RuntimeError: NCCL error | unhandled system error\nsecond line",
+        ),
+    )
+    put(
+        sweep,
+        failed_record(
+            spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=16, activation_checkpointing="full"),
+            "timeout",
+            "train",
+            "Slurm time limit reached",
+        ),
+    )
 
     planned = spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=32, activation_checkpointing="full")
     (sweep / "cells" / cell_id(planned)).mkdir(parents=True)
-    (sweep / "cells" / cell_id(planned) / "spec.json").write_text(json.dumps({"cell_id": cell_id(planned), "sweep": "gpu", "spec": planned.to_dict()}))
-    manifest = {path.parent.name: {"executor": "slurm", "job_id": "4242_1"} for path in sweep.glob("cells/*/result.json")}
+    (sweep / "cells" / cell_id(planned) / "spec.json").write_text(
+        json.dumps({"cell_id": cell_id(planned), "sweep": "gpu", "spec": planned.to_dict()})
+    )
+    manifest = {
+        path.parent.name: {"executor": "slurm", "job_id": "4242_1"} for path in sweep.glob("cells/*/result.json")
+    }
     manifest["ghost-cell"] = {"executor": "slurm", "job_id": "4242_9"}
     (sweep / "manifest.json").write_text(json.dumps(manifest))
 
@@ -134,7 +223,12 @@ def gpu_sweep(root: Path) -> Path:
 def cpu_sweep(root: Path) -> Path:
     """The smoke sweep's shape: CPU, no MFU, no exposed-communication or utilisation fields."""
     sweep = root / "cpu"
-    for strategy, batch, tps in (("ddp", 1, 2800.0), ("ddp", 2, 7400.0), ("fsdp2_zero3", 1, 1200.0), ("fsdp2_zero3", 2, 2400.0)):
+    for strategy, batch, tps in (
+        ("ddp", 1, 2800.0),
+        ("ddp", 2, 7400.0),
+        ("fsdp2_zero3", 1, 1200.0),
+        ("fsdp2_zero3", 2, 2400.0),
+    ):
         put(sweep, ok_record(spec_of(CPU_BASE, strategy=strategy, batch_size=batch), tps, 0.38, device="cpu"))
     return sweep
 
@@ -155,8 +249,11 @@ def section(markdown: str, title: str) -> str:
 
 
 def rows(markdown_table: str) -> list[list[str]]:
-    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in markdown_table.splitlines()
-            if line.startswith("|") and not line.startswith("|:")]
+    return [
+        [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        for line in markdown_table.splitlines()
+        if line.startswith("|") and not line.startswith("|:")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,14 +272,31 @@ def test_mixed_statuses_unreadable_and_missing_cells(gpu):
     assert set(missing.index) == {"ghost-cell", planned_id}
     assert "Slurm job 4242_9" in missing.loc["ghost-cell", "error"]
     planned = missing.loc[planned_id]
-    assert (planned["strategy"], planned["batch_size"], planned["activation_checkpointing"]) == ("fsdp2_zero3", 32, "full")
+    assert (planned["strategy"], planned["batch_size"], planned["activation_checkpointing"]) == (
+        "fsdp2_zero3",
+        32,
+        "full",
+    )
 
 
 def test_results_csv_has_one_row_per_cell_with_spec_and_metrics(gpu, gpu_report):
     table = pd.read_csv(gpu_report.directory / "results.csv")
     assert len(table) == 13 + 2  # records + missing cells; unreadable files are not cells
-    for column in ("cell_id", "status", "error", "strategy", "batch_size", "grad_accum", "activation_checkpointing", "seq_len",
-                   "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "memory.end.peak_allocated_gib", "versions.torch"):
+    for column in (
+        "cell_id",
+        "status",
+        "error",
+        "strategy",
+        "batch_size",
+        "grad_accum",
+        "activation_checkpointing",
+        "seq_len",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "peak_memory_gib",
+        "memory.end.peak_allocated_gib",
+        "versions.torch",
+    ):
         assert column in table.columns, column
     assert "traceback" not in table.columns
     assert json.loads(table.loc[table["status"] == "ok", "losses"].iloc[0])[0] == 11.0
@@ -210,7 +324,10 @@ WRONG_VALUES = {
     "batch-text": ({"spec_batch_size": "4"}, 'spec.batch_size: expected an integer, got "4"'),
     "spec-list": ({"spec_seq_len": [4096]}, "spec.seq_len: expected an integer, got [4096]"),
     "spec-text-number": ({"spec_seq_len": "4096"}, 'spec.seq_len: expected an integer, got "4096"'),
-    "spec-unknown-choice": ({"spec_precision": "fp8"}, 'spec.precision: expected one of fp32, bf16_mixed, bf16, got "fp8"'),
+    "spec-unknown-choice": (
+        {"spec_precision": "fp8"},
+        'spec.precision: expected one of fp32, bf16_mixed, bf16, got "fp8"',
+    ),
     "spec-newer-field-list": ({"spec_new_knob": [1]}, "spec.new_knob: expected text, a number or true/false, got [1]"),
 }
 
@@ -226,12 +343,16 @@ def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
 
     report = write_report(sweep)  # with plots: an empty spec used to break the throughput figure
     expected = {f"{sweep / 'cells' / folder / 'result.json'}: {note}" for folder, (_, note) in WRONG_VALUES.items()}
-    expected.add(f"{planned / 'spec.json'}: spec.batch_size: expected an integer, got \"4\"")
+    expected.add(f'{planned / "spec.json"}: spec.batch_size: expected an integer, got "4"')
     assert expected <= set(report.unreadable) and len(report.unreadable) == len(expected) + 2  # + the fixture's two
     assert report.skipped_plots == {}
     table = pd.read_csv(report.directory / "results.csv")
-    assert len(table) == 13 + 3 and table["status"].value_counts()["missing"] == 3  # records + missing; none of the above
-    assert table.loc[table["cell_id"] == "planned-batch-text", "batch_size"].isna().all()  # listed, without its bad spec
+    assert (
+        len(table) == 13 + 3 and table["status"].value_counts()["missing"] == 3
+    )  # records + missing; none of the above
+    assert (
+        table.loc[table["cell_id"] == "planned-batch-text", "batch_size"].isna().all()
+    )  # listed, without its bad spec
     pytest.importorskip("pyarrow")
     assert len(pd.read_parquet(report.directory / "results.parquet")) == len(table)
 
@@ -243,8 +364,10 @@ def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3"), 1100.0, 10.0, device=7))
     report = write_report(sweep, plots=False)
-    assert report.notes == [f"{report.directory / 'results.parquet'}: column(s) device_name hold values of more "
-                            "than one type; written as text"]
+    assert report.notes == [
+        f"{report.directory / 'results.parquet'}: column(s) device_name hold values of more "
+        "than one type; written as text"
+    ]
     assert report.unreadable == []
     parquet = pd.read_parquet(report.directory / "results.parquet").set_index("strategy")
     assert parquet["device_name"].to_dict() == {"ddp": H100, "fsdp2_zero3": "7"}
@@ -279,18 +402,22 @@ def test_summary_baseline_speedup_and_memory_saving(gpu_report):
     assert "Baseline: ddp" in body
     got = {(r[0], r[1]): (r[-4], r[-1]) for r in rows(body)[1:]}
     assert got == {
-        ("fsdp2_zero2", "1"): ("1.10x", "25.0%"),   # 11000 / 10000, 1 - 30 / 40
-        ("fsdp2_zero2", "2"): ("1.10x", "25.0%"),   # 13200 / 12000, 1 - 45 / 60
-        ("fsdp2_zero3", "1"): ("0.90x", "50.0%"),   # 9000 / 10000, 1 - 20 / 40
-        ("fsdp2_zero3", "2"): ("0.95x", "50.0%"),   # 11400 / 12000, 1 - 30 / 60
+        ("fsdp2_zero2", "1"): ("1.10x", "25.0%"),  # 11000 / 10000, 1 - 30 / 40
+        ("fsdp2_zero2", "2"): ("1.10x", "25.0%"),  # 13200 / 12000, 1 - 45 / 60
+        ("fsdp2_zero3", "1"): ("0.90x", "50.0%"),  # 9000 / 10000, 1 - 20 / 40
+        ("fsdp2_zero3", "2"): ("0.95x", "50.0%"),  # 11400 / 12000, 1 - 30 / 60
     }
 
 
 def test_summary_oom_frontier_and_best(gpu_report):
     summary = (gpu_report.directory / "summary.md").read_text()
     frontier = {(r[0], r[1]): (r[2], r[3]) for r in rows(section(summary, "OOM frontier"))[1:]}
-    assert frontier == {("ddp", "none"): ("2", "4"), ("fsdp2_zero2", "none"): ("4", "-"),
-                        ("fsdp2_zero3", "full"): ("8", "-"), ("fsdp2_zero3", "none"): ("4", "8")}
+    assert frontier == {
+        ("ddp", "none"): ("2", "4"),
+        ("fsdp2_zero2", "none"): ("4", "-"),
+        ("fsdp2_zero3", "full"): ("8", "-"),
+        ("fsdp2_zero3", "none"): ("4", "8"),
+    }
     best = section(summary, "Best configuration")
     assert "Best overall: fsdp2_zero2 at batch 4, accum 1, ckpt none: 14,000 tokens/s per GPU" in best
     assert {r[0]: r[4] for r in rows(best)[1:]} == {"ddp": "12,000", "fsdp2_zero2": "14,000", "fsdp2_zero3": "12,600"}
@@ -316,20 +443,29 @@ def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu
     assert failures["ghost-cell"][2] == "4242_9" and "Slurm job 4242_9" in failures["ghost-cell"][7]
     unreadable = section(summary, "Unreadable records (skipped)")
     assert "corrupt-cell/result.json" in unreadable and "schema_version 2" in unreadable
-    assert summary.startswith("# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)")
+    assert summary.startswith(
+        "# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)"
+    )
 
 
 def test_baseline_falls_back_to_zero3_and_can_be_chosen(tmp_path):
     sweep = tmp_path / "nodp"
     for strategy, tps in (("fsdp2_zero2", 1100.0), ("fsdp2_zero3", 1000.0)):
         put(sweep, ok_record(spec_of(GPU_BASE, strategy=strategy, batch_size=1), tps, 10.0))
-    fallback = section(write_report(sweep, plots=False).directory.joinpath("summary.md").read_text(), "Speed-up and memory saving vs baseline")
+    fallback = section(
+        write_report(sweep, plots=False).directory.joinpath("summary.md").read_text(),
+        "Speed-up and memory saving vs baseline",
+    )
     assert "Baseline: fsdp2_zero3" in fallback and "1.10x" in fallback
-    chosen = section(write_report(sweep, baseline="fsdp2_zero2", plots=False).directory.joinpath("summary.md").read_text(),
-                     "Speed-up and memory saving vs baseline")
+    chosen = section(
+        write_report(sweep, baseline="fsdp2_zero2", plots=False).directory.joinpath("summary.md").read_text(),
+        "Speed-up and memory saving vs baseline",
+    )
     assert "Baseline: fsdp2_zero2" in chosen and "0.91x" in chosen
-    absent = section(write_report(sweep, baseline="ddp", plots=False).directory.joinpath("summary.md").read_text(),
-                     "Speed-up and memory saving vs baseline")
+    absent = section(
+        write_report(sweep, baseline="ddp", plots=False).directory.joinpath("summary.md").read_text(),
+        "Speed-up and memory saving vs baseline",
+    )
     assert "No ok cell of ddp" in absent
 
 
@@ -387,8 +523,11 @@ def shows_a_value(artist: Artist) -> bool:
 def data_artists(ax: Axes) -> list[Artist]:
     """What an axes draws from data: artists placed in data coordinates that show a value. A
     reference line (axhline: x in axes coordinates), the grid, text and the background do not count."""
-    return [artist for artist in (*ax.lines, *ax.images, *ax.patches, *ax.collections)
-            if artist.get_transform().contains_branch(ax.transData) and shows_a_value(artist)]
+    return [
+        artist
+        for artist in (*ax.lines, *ax.images, *ax.patches, *ax.collections)
+        if artist.get_transform().contains_branch(ax.transData) and shows_a_value(artist)
+    ]
 
 
 def test_every_plot_is_drawn_and_shows_data(gpu, gpu_report):
@@ -413,11 +552,16 @@ def broken_figure(data: plots.PlotData) -> Figure:
 def test_a_failing_figure_is_skipped_with_its_error_and_the_others_are_drawn(gpu, gpu_report, tmp_path, monkeypatch):
     sweep = shutil.copytree(gpu, tmp_path / "copy")
     assert (sweep / "report" / "plots" / "mfu.png").exists()  # drawn by gpu_report
-    monkeypatch.setattr(plots, "PLOTS", tuple((name, caption, broken_figure if name == "mfu" else draw)
-                                              for name, caption, draw in plots.PLOTS))
+    monkeypatch.setattr(
+        plots,
+        "PLOTS",
+        tuple((name, caption, broken_figure if name == "mfu" else draw) for name, caption, draw in plots.PLOTS),
+    )
     report = write_report(sweep)
     assert report.skipped_plots == {"mfu": "ValueError: cannot draw this"}
-    assert {path.stem for path in report.files if path.suffix == ".png"} == {name for name, _, _ in plots.PLOTS} - {"mfu"}
+    assert {path.stem for path in report.files if path.suffix == ".png"} == {name for name, _, _ in plots.PLOTS} - {
+        "mfu"
+    }
     assert not (report.directory / "plots" / "mfu.png").exists()  # no figure of the earlier collection left
     assert "Skipped mfu: ValueError: cannot draw this." in (report.directory / "summary.md").read_text()
 
@@ -480,7 +624,9 @@ def test_index_html_is_self_contained(gpu_report):
         with Image.open(io.BytesIO(embedded[-1])) as image:
             image.verify()  # a PNG signature, chunks and checksums, not just any base64
     assert sorted(embedded) == sorted(path.read_bytes() for path in gpu_report.files if path.suffix == ".png")
-    outside = [ref for ref in found.references if not ref.startswith("data:") and ref.removeprefix("#") not in found.ids]
+    outside = [
+        ref for ref in found.references if not ref.startswith("data:") and ref.removeprefix("#") not in found.ids
+    ]
     assert outside == []  # only embedded data and anchors of this page
     for text in (H100, "2.11.0+cu128", "gpu-node-07", "nccl", "OOM frontier", "1.10x", "corrupt-cell"):
         assert text in page, text
@@ -493,10 +639,26 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_index_html_renders_in_headless_chromium(gpu_report, tmp_path):
     shot = tmp_path / "page.png"
     profile = tempfile.mkdtemp(dir=tmp_path)
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={profile}", f"--screenshot={shot}", "--window-size=1280,2000",
-                    (gpu_report.directory / "index.html").as_uri()], capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            f"--screenshot={shot}",
+            "--window-size=1280,2000",
+            (gpu_report.directory / "index.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     with Image.open(shot) as image:
         assert image.size == (1280, 2000)
         pixels = np.asarray(image.convert("RGB"))
@@ -515,7 +677,10 @@ def slower_copy(gpu: Path, root: Path) -> tuple[Path, str, str]:
     shutil.copytree(gpu, sweep)
     slow = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2))
     broken = cell_id(spec_of(GPU_BASE, strategy="ddp", batch_size=1))
-    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2), 13200 * 0.8, 45, comm_exposed_fraction=0.1))
+    put(
+        sweep,
+        ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2), 13200 * 0.8, 45, comm_exposed_fraction=0.1),
+    )
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1), 9000, 20 * 1.03))
     put(sweep, failed_record(spec_of(GPU_BASE, strategy="ddp", batch_size=1), "oom", "train", "OutOfMemoryError"))
     return sweep, slow, broken
@@ -546,10 +711,16 @@ def test_compare_flags_ok_cells_that_have_no_record_now(gpu, tmp_path):
     (again / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in (gone, was_oom)}))
 
     comparison = compare_sweeps(again, gpu)
-    assert sorted(comparison.regressions) == sorted([f"{pending}: status ok -> missing", f"{gone}: status ok -> missing"])
+    assert sorted(comparison.regressions) == sorted(
+        [f"{pending}: status ok -> missing", f"{gone}: status ok -> missing"]
+    )
     table = comparison.table.set_index("cell")
     assert len(table) == 13  # every record of the reference
-    assert table.loc[[pending, gone, was_oom], "status"].tolist() == ["ok -> missing", "ok -> missing", "oom -> missing"]
+    assert table.loc[[pending, gone, was_oom], "status"].tolist() == [
+        "ok -> missing",
+        "ok -> missing",
+        "oom -> missing",
+    ]
     assert table.loc[[pending, gone, was_oom], "regression"].tolist() == ["REGRESSION", "REGRESSION", ""]
     assert table.loc[gone, "tokens/s/gpu"] == "12,600 -> -"
     text = comparison.render("again", "gpu")
@@ -588,7 +759,7 @@ def test_collect_command_prints_the_recommendation_then_the_cell_table(gpu, tmp_
     lines = captured.out.strip().splitlines()
     assert lines[-1].startswith(f"wrote {gpu / 'report'}/: results.csv")
     assert [line.split(":")[0] for line in lines[:3]] == ["Fastest", "Most memory headroom", "Cheapest"]
-    assert lines[3].startswith("| strategy") and len([l for l in lines if l.startswith("|")]) == 2 + 15
+    assert lines[3].startswith("| strategy") and len([line for line in lines if line.startswith("|")]) == 2 + 15
     assert "warning: skipped" in captured.err and "corrupt-cell" in captured.err
 
 
@@ -600,9 +771,13 @@ def test_the_report_opens_with_one_recommendation_line_each_for_speed_headroom_a
     zero3_b1 = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1))
     assert fastest == f"Fastest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 14,000 tokens/s per GPU (cell {zero2_b4})"
     # The H100's 79.6 GiB from its name (these records predate memory_capacity_gib); 20 GiB peak.
-    assert roomy == (f"Most memory headroom: fsdp2_zero3 at batch 1, accum 1, ckpt none: peak 20.00 of 79.6 GiB, "
-                     f"59.6 GiB (75%) free (cell {zero3_b1})")
-    assert cheapest.startswith("Cheapest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 19.8 GPU-hours per billion tokens (the fastest")
+    assert roomy == (
+        f"Most memory headroom: fsdp2_zero3 at batch 1, accum 1, ckpt none: peak 20.00 of 79.6 GiB, "
+        f"59.6 GiB (75%) free (cell {zero3_b1})"
+    )
+    assert cheapest.startswith(
+        "Cheapest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 19.8 GPU-hours per billion tokens (the fastest"
+    )
     assert all(line in summary for line in gpu_report.recommendation)
     assert "Recommendation" in (gpu_report.directory / "index.html").read_text().split("Best configuration")[0]
 
@@ -611,13 +786,23 @@ def test_cheapest_names_the_least_energy_per_token_where_nvml_measured_it(tmp_pa
     sweep = tmp_path / "energy"
     for strategy, tps, joules in (("ddp", 12000, 0.05), ("fsdp2_zero3", 11000, 0.04)):
         spec = spec_of(GPU_BASE, strategy=strategy, batch_size=2)
-        put(sweep, ok_record(spec, tps, 50, joules_per_token=joules, memory_capacity_gib=139.8,
-                             gpu_hours_per_billion_tokens=1e9 / (3600 * tps)))
+        put(
+            sweep,
+            ok_record(
+                spec,
+                tps,
+                50,
+                joules_per_token=joules,
+                memory_capacity_gib=139.8,
+                gpu_hours_per_billion_tokens=1e9 / (3600 * tps),
+            ),
+        )
     fastest, roomy, cheapest = write_report(sweep, plots=False).recommendation
     assert fastest.startswith("Fastest: ddp at batch 2") and "of 139.8 GiB, 89.8 GiB (64%) free" in roomy
     assert cheapest.startswith("Cheapest: ddp at batch 2, accum 1, ckpt none: 23.1 GPU-hours per billion tokens")
-    assert cheapest.endswith("least energy: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token "
-                             "(11.1 kWh per billion tokens)")
+    assert cheapest.endswith(
+        "least energy: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token (11.1 kWh per billion tokens)"
+    )
 
 
 def test_the_printed_cell_table_has_a_column_for_each_field_the_sweep_varies(tmp_path, capsys):

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from conftest import run_torchrun_cell
-from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
-
-from hpcfsdp.cell.data import open_data, pack, rank_indices, training_batches
 from hpcfsdp.cache.hub import CacheMissError, lookup_dataset, lookup_model
+from hpcfsdp.cell.data import open_data, pack, rank_indices, training_batches
 from hpcfsdp.spec import RunSpec, SpecError
+from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
 
 SEQ_LEN = 16
 STORIES = [f"Story {i}: the cat and the dog played in the garden until the sun went down." for i in range(12)]
@@ -36,7 +35,9 @@ def text_folder(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_text(STORIES[0])
     (folder / "b.json").write_text(json.dumps([{"text": s} for s in STORIES[1:4]]))
-    (folder / "c.jsonl").write_text("".join(json.dumps({"text": s, "id": i}) + "\n\n" for i, s in enumerate(STORIES[4:10])))
+    (folder / "c.jsonl").write_text(
+        "".join(json.dumps({"text": s, "id": i}) + "\n\n" for i, s in enumerate(STORIES[4:10]))
+    )
     (folder / "sub" / "d.txt").write_text(STORIES[10])
     (folder / "sub" / "e.json").write_text(json.dumps({"text": STORIES[11]}))
     (folder / ".hidden.txt").write_text("never read")
@@ -63,7 +64,9 @@ def test_text_column_names_the_field_documents_are_in(model_dir: Path, tmp_path:
     expected = _expected_blocks(model_dir, STORIES)
     for data in ("rows", "saved"):
         blocks = open_data(str(tmp_path / data), str(model_dir), SEQ_LEN, text_column="body")
-        assert torch.equal(blocks.read(list(range(blocks.count))), expected) and blocks.provenance["text_column"] == "body"
+        assert (
+            torch.equal(blocks.read(list(range(blocks.count))), expected) and blocks.provenance["text_column"] == "body"
+        )
     with pytest.raises(ValueError, match="saved: no 'text' column \\(columns: body\\); set text_column"):
         open_data(str(tmp_path / "saved"), str(model_dir), SEQ_LEN)
 
@@ -119,9 +122,9 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
         open_data(str(bad), str(model_dir), SEQ_LEN)
     with pytest.raises(SpecError, match="text_column: synthetic data has no documents"):
         RunSpec.from_dict({"text_column": "body"})
-    with pytest.raises(SpecError, match="tokenizer: data .* needs one, and model 'tiny' is a preset"):
+    with pytest.raises(SpecError, match=r"tokenizer: data .* needs one, and model 'tiny' is a preset"):
         RunSpec.from_dict({"data": str(bad)})
-    with pytest.raises(SpecError, match="data: no such file or folder: ./no/such/corpus"):
+    with pytest.raises(SpecError, match=r"data: no such file or folder: \./no/such/corpus"):
         RunSpec.from_dict({"data": "./no/such/corpus", "tokenizer": str(model_dir)})
     (tmp_path / "empty").mkdir()
     with pytest.raises(SpecError, match=r"data: .*/empty: expected .txt/.json/.jsonl files"):
@@ -135,8 +138,17 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tokenized_cache(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """The real downloader, against the local hub: a dataset split tokenized for a model (no weights)."""
-    return download(tmp_path_factory.mktemp("dl"), "--model", MODEL, "--dataset", DATASET, "--tokenize-for", MODEL,
-                    "--seq-len", str(SEQ_LEN))
+    return download(
+        tmp_path_factory.mktemp("dl"),
+        "--model",
+        MODEL,
+        "--dataset",
+        DATASET,
+        "--tokenize-for",
+        MODEL,
+        "--seq-len",
+        str(SEQ_LEN),
+    )
 
 
 def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,7 +157,9 @@ def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch:
     manifest = json.loads((tokenized_cache.cache / "manifest.json").read_text())
     entry = manifest["items"][f"tokenized:{DATASET}:default@train|{MODEL}@main|seq_len={SEQ_LEN}"]
     p = blocks.provenance
-    assert p["kind"] == "hub" and p["sha"] == tokenized_cache.dataset_sha and p["tokenizer_sha"] == entry["tokenizer_sha"]
+    assert (
+        p["kind"] == "hub" and p["sha"] == tokenized_cache.dataset_sha and p["tokenizer_sha"] == entry["tokenizer_sha"]
+    )
     assert blocks.count == p["blocks"] == entry["num_blocks"] > 10 and p["seq_len"] == SEQ_LEN
     batch = next(training_batches(blocks, 512, 4, SEQ_LEN, seed=0, rank=0, world_size=2, device=torch.device("cpu")))
     assert batch.shape == (4, SEQ_LEN) and batch.dtype == torch.long
@@ -163,9 +177,20 @@ def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch:
     assert time.monotonic() - started < 5
 
 
-def test_two_process_cell_trains_on_a_text_folder(model_dir: Path, text_folder: SimpleNamespace, tmp_path: Path) -> None:
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", model=str(model_dir), data=str(text_folder.path),
-                               seq_len=SEQ_LEN, batch_size=2, steps=3, comm_profile_steps=0)
+def test_two_process_cell_trains_on_a_text_folder(
+    model_dir: Path, text_folder: SimpleNamespace, tmp_path: Path
+) -> None:
+    record = run_torchrun_cell(
+        tmp_path,
+        2,
+        strategy="fsdp2_zero3",
+        model=str(model_dir),
+        data=str(text_folder.path),
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        steps=3,
+        comm_profile_steps=0,
+    )
     assert record["status"] == "ok", record.get("error")
     source = record["data_source"]
     assert source["kind"] == "text_files" and source["path"] == str(text_folder.path) and source["documents"] == 12
@@ -173,20 +198,34 @@ def test_two_process_cell_trains_on_a_text_folder(model_dir: Path, text_folder: 
     assert record["spec"]["data"] == str(text_folder.path) and 0 < record["losses"][0] < 10
 
 
-def test_two_process_cell_trains_offline_from_the_cache(tokenized_cache: SimpleNamespace, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_process_cell_trains_offline_from_the_cache(
+    tokenized_cache: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The compute-node case: downloaded through the real downloader, hub stopped, network switched
     off; a token in the environment (as a login shell may export) ends up in no written file."""
     offline(monkeypatch, tokenized_cache)
     monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # not the user's own hub cache
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero3", model=MODEL, data=DATASET, seq_len=SEQ_LEN,
-                               batch_size=2, steps=3, comm_profile_steps=0)
+    record = run_torchrun_cell(
+        tmp_path,
+        2,
+        strategy="fsdp2_zero3",
+        model=MODEL,
+        data=DATASET,
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        steps=3,
+        comm_profile_steps=0,
+    )
     assert record["status"] == "ok", record.get("error")
     model, data = record["model_source"], record["data_source"]
     assert (model["kind"], model["item"], model["sha"]) == ("hub", MODEL, tokenized_cache.model_sha)
     assert Path(model["path"]).is_relative_to(tokenized_cache.cache)
-    assert (data["kind"], data["sha"], data["tokenizer_sha"]) == ("hub", tokenized_cache.dataset_sha, tokenized_cache.model_sha)
+    assert (data["kind"], data["sha"], data["tokenizer_sha"]) == (
+        "hub",
+        tokenized_cache.dataset_sha,
+        tokenized_cache.model_sha,
+    )
     assert data["seq_len"] == SEQ_LEN and Path(data["path"]).is_relative_to(tokenized_cache.cache)
     assert len(record["losses"]) == 3 and 0 < record["losses"][0] < 20
     written = [p for p in (tmp_path / "results").rglob("*") if p.is_file()] + [tokenized_cache.cache / "manifest.json"]

@@ -8,10 +8,10 @@ has no public call for the script text) and reads logs through `JobPaths`; the j
 from __future__ import annotations
 
 import inspect
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +34,18 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     from submitit.slurm.slurm import _make_sbatch_string
 
     from hpcfsdp.spec import Resources
-    from hpcfsdp.sweep.matrix import parse_sweep
     from hpcfsdp.sweep.job import CellJob
+    from hpcfsdp.sweep.matrix import parse_sweep
     from hpcfsdp.sweep.submit import slurm_parameters
 
-    sweep = parse_sweep({"name": "deps", "base": {"device": "cpu", "gpus_per_node": 2},
-                         "slurm": Resources(mem_gb=8, account="a", max_requeue=1).to_dict()}, "deps.yaml")
+    sweep = parse_sweep(
+        {
+            "name": "deps",
+            "base": {"device": "cpu", "gpus_per_node": 2},
+            "slurm": Resources(mem_gb=8, account="a", max_requeue=1).to_dict(),
+        },
+        "deps.yaml",
+    )
     accepted = set(inspect.signature(_make_sbatch_string).parameters)
     assert set(slurm_parameters(sweep, nodes=1, gpus_per_node=2)) | {"command", "folder", "map_count"} <= accepted
     requeued = CellJob("/cells/a").checkpoint()  # what submitit pickles again at the time-limit signal

@@ -21,11 +21,10 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files  # noqa: E402
-
-from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep  # noqa: E402
-from hpcfsdp.cache.hub import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized  # noqa: E402
-from hpcfsdp.sweep.matrix import load_sweep, parse_sweep  # noqa: E402
+from hpcfsdp.cache.hub import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized
+from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep
+from hpcfsdp.sweep.matrix import load_sweep, parse_sweep
+from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "acme/tiny-qwen"
@@ -33,8 +32,18 @@ DATASET = "acme/tiny-stories"
 CHESS = "laion/strategic_game_chess"  # what the `chess` preset names; served locally with a few games
 SEQ_LEN = 16
 FAKE_TOKEN = "hf_TESTONLYfakeToken_9d1c7e2a5b"  # distinctive: must appear in no file and no output
-HF_VARS = ("HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE",
-           "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_CACHE", "HPCFSDP_CACHE")
+HF_VARS = (
+    "HF_ENDPOINT",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_CACHE",
+    "HPCFSDP_CACHE",
+)
 
 
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -73,20 +82,42 @@ def downloaded(repos: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory)
     url = hub.url
     try:
         started = time.monotonic()
-        proc = _run(["download_models.py", str(jobs), "--weights", "--dataset", DATASET,
-                     "--tokenize-for", MODEL, "--seq-len", str(SEQ_LEN), "--cache-dir", str(cache)],
-                    _env(tmp, HF_ENDPOINT=hub.url, HF_TOKEN=FAKE_TOKEN))
+        proc = _run(
+            [
+                "download_models.py",
+                str(jobs),
+                "--weights",
+                "--dataset",
+                DATASET,
+                "--tokenize-for",
+                MODEL,
+                "--seq-len",
+                str(SEQ_LEN),
+                "--cache-dir",
+                str(cache),
+            ],
+            _env(tmp, HF_ENDPOINT=hub.url, HF_TOKEN=FAKE_TOKEN),
+        )
         seconds = time.monotonic() - started
     finally:
         hub.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # dead_endpoint: the stopped server's address, where nothing listens any more.
-    return SimpleNamespace(tmp=tmp, cache=cache, proc=proc, seconds=seconds, hub=hub, dead_endpoint=url,
-                           model_sha=hub.repos[("model", MODEL)].sha, dataset_sha=hub.repos[("dataset", DATASET)].sha,
-                           repos=repos)
+    return SimpleNamespace(
+        tmp=tmp,
+        cache=cache,
+        proc=proc,
+        seconds=seconds,
+        hub=hub,
+        dead_endpoint=url,
+        model_sha=hub.repos[("model", MODEL)].sha,
+        dataset_sha=hub.repos[("dataset", DATASET)].sha,
+        repos=repos,
+    )
 
 
 # -- the download itself -----------------------------------------------------------------------
+
 
 def test_download_records_revision_and_files(downloaded: SimpleNamespace) -> None:
     manifest = json.loads((downloaded.cache / "manifest.json").read_text())
@@ -196,22 +227,38 @@ def test_offline_resolve_load_and_train_step(downloaded: SimpleNamespace) -> Non
     # The blocks are the tokenizer's ids for the documents, in order, each followed by eos.
     ids, block = result["first_doc_ids"], result["first_block"]
     expected = (ids + [result["eos"]])[:SEQ_LEN]
-    assert block[:len(expected)] == expected and result["round_trip"]
+    assert block[: len(expected)] == expected and result["round_trip"]
 
 
 def test_a_hub_models_positions_bound_seq_len_on_the_compute_node(downloaded: SimpleNamespace, tmp_path: Path) -> None:
     """Plan cannot read a hub model's config (the cache may be elsewhere); the cell reads it offline and
     refuses a seq_len beyond max_position_embeddings (the tiny preset's 4096) with an error record."""
-    env = _env(downloaded.tmp, HPCFSDP_CACHE=str(downloaded.cache), HF_ENDPOINT=downloaded.dead_endpoint,
-               OMP_NUM_THREADS="1")
-    proc = _run(["-m", "hpcfsdp", "run", "--results-dir", str(tmp_path), f"model={MODEL}", "seq_len=4097",
-                 "device=cpu", "precision=fp32", "steps=2", "warmup_steps=1"], env)
+    env = _env(
+        downloaded.tmp, HPCFSDP_CACHE=str(downloaded.cache), HF_ENDPOINT=downloaded.dead_endpoint, OMP_NUM_THREADS="1"
+    )
+    proc = _run(
+        [
+            "-m",
+            "hpcfsdp",
+            "run",
+            "--results-dir",
+            str(tmp_path),
+            f"model={MODEL}",
+            "seq_len=4097",
+            "device=cpu",
+            "precision=fp32",
+            "steps=2",
+            "warmup_steps=1",
+        ],
+        env,
+    )
     assert proc.returncode != 0
     (path,) = tmp_path.glob("manual/cells/*/result.json")
     record = json.loads(path.read_text())
     assert (record["status"], record["stage"]) == ("error", "model")
-    assert record["error"] == (f"SpecError: model {MODEL}: seq_len: 4097 is beyond the model's "
-                               "max_position_embeddings (4096)")
+    assert record["error"] == (
+        f"SpecError: model {MODEL}: seq_len: 4097 is beyond the model's max_position_embeddings (4096)"
+    )
 
 
 def test_missing_item_fails_fast_with_one_line_naming_the_command(downloaded: SimpleNamespace) -> None:
@@ -241,7 +288,9 @@ for call in (lambda: resolve_cached_model("acme/absent-model"),
     assert f"--cache-dir {downloaded.cache}" in model_msg and "--model acme/absent-model" in model_msg
     assert "--tokenize-for acme/tiny-qwen --seq-len 32" in tok_msg and "--dataset acme/tiny-stories" in tok_msg
     # The same item through the command line: non-zero, named.
-    proc = _run(["download_models.py", "--verify", "--model", "acme/absent-model", "--cache-dir", str(downloaded.cache)], env)
+    proc = _run(
+        ["download_models.py", "--verify", "--model", "acme/absent-model", "--cache-dir", str(downloaded.cache)], env
+    )
     assert proc.returncode == 1 and "acme/absent-model" in proc.stdout
 
 
@@ -271,12 +320,18 @@ def test_verify_catches_corrupted_and_missing_files(downloaded: SimpleNamespace,
     proc = _run(["download_models.py", "--verify", str(jobs), "--cache-dir", str(cache)], env)
     assert proc.returncode == 0 and "nothing from the hub" in proc.stdout
     # The compute-node resolver notices the missing file too, without hashing.
-    proc = _run(["-c", f"from hpcfsdp.cache.hub import resolve_tokenized; resolve_tokenized('{DATASET}', '{MODEL}', {SEQ_LEN})"],
-                _env(tmp_path, HPCFSDP_CACHE=str(cache)))
+    proc = _run(
+        [
+            "-c",
+            f"from hpcfsdp.cache.hub import resolve_tokenized; resolve_tokenized('{DATASET}', '{MODEL}', {SEQ_LEN})",
+        ],
+        _env(tmp_path, HPCFSDP_CACHE=str(cache)),
+    )
     assert proc.returncode == 1 and "state.json is missing" in proc.stderr
 
 
 # -- interruptions, concurrency, errors --------------------------------------------------------
+
 
 def test_interrupted_downloads_resume(repos: SimpleNamespace, tmp_path: Path) -> None:
     """A killed run keeps its complete files; a dropped connection continues with an HTTP Range request."""
@@ -291,8 +346,9 @@ def test_interrupted_downloads_resume(repos: SimpleNamespace, tmp_path: Path) ->
         env = _env(tmp_path, HF_ENDPOINT=hub.url)
         # 1. Killed while the weights are in flight.
         hub.slow["model.safetensors"] = 30
-        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 60
         while not any(m == "GET" and p.endswith("/model.safetensors") for m, p, _ in hub.requests):
             assert time.monotonic() < deadline and proc.poll() is None, "download never reached the weights"
@@ -329,11 +385,31 @@ def test_two_downloaders_on_one_cache(repos: SimpleNamespace, tmp_path: Path) ->
     with _serve(repos) as hub:
         hub.delay = 0.2  # file bodies are slow, so the two runs overlap
         env = _env(tmp_path, HF_ENDPOINT=hub.url)
-        common = ["download_models.py", "--cache-dir", str(cache), "--model", MODEL, "--weights",
-                  "--dataset", DATASET, "--tokenize-for", MODEL, "--seq-len", str(SEQ_LEN)]
-        procs = [subprocess.Popen([sys.executable, *common, *extra], cwd=ROOT, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for extra in ([], ["--seq-len", "8"])]
+        common = [
+            "download_models.py",
+            "--cache-dir",
+            str(cache),
+            "--model",
+            MODEL,
+            "--weights",
+            "--dataset",
+            DATASET,
+            "--tokenize-for",
+            MODEL,
+            "--seq-len",
+            str(SEQ_LEN),
+        ]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *common, *extra],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for extra in ([], ["--seq-len", "8"])
+        ]
         outputs = [p.communicate(timeout=120) for p in procs]
         for p, (out, err) in zip(procs, outputs):
             assert p.returncode == 0, out + err
@@ -352,8 +428,10 @@ def test_download_rejects_a_file_that_does_not_match_the_hub(repos: SimpleNamesp
     config = (repos.model_dir / "config.json").read_bytes()
     with _serve(repos) as hub:
         hub.tamper["config.json"] = config.replace(b'"qwen2"', b'"QWEN2"')  # same size, other bytes
-        proc = _run(["download_models.py", "--cache-dir", str(tmp_path / "cache"), "--model", MODEL],
-                    _env(tmp_path, HF_ENDPOINT=hub.url))
+        proc = _run(
+            ["download_models.py", "--cache-dir", str(tmp_path / "cache"), "--model", MODEL],
+            _env(tmp_path, HF_ENDPOINT=hub.url),
+        )
     assert proc.returncode == 1
     assert "config.json does not match the hub's hash" in proc.stderr and "--force" in proc.stderr
     assert not (tmp_path / "cache" / "manifest.json").exists()
@@ -370,16 +448,45 @@ def test_chess_preset_tokenizes_its_list_of_moves(repos: SimpleNamespace, tmp_pa
     with _serve(repos) as hub:
         hub.add_repo("dataset", CHESS, chess_dataset_files())
         env = _env(tmp_path, HF_ENDPOINT=hub.url)
-        first = _run(["download_models.py", str(jobs), "--dataset", "chess", "--tokenize-for", MODEL,
-                      "--seq-len", "8", "--cache-dir", str(cache)], env)
-        second = _run(["download_models.py", "--dataset", "chess", "--tokenize-for", MODEL, "--seq-len", str(SEQ_LEN),
-                       "--text-column", "Result", "--cache-dir", str(cache)], env)
+        first = _run(
+            [
+                "download_models.py",
+                str(jobs),
+                "--dataset",
+                "chess",
+                "--tokenize-for",
+                MODEL,
+                "--seq-len",
+                "8",
+                "--cache-dir",
+                str(cache),
+            ],
+            env,
+        )
+        second = _run(
+            [
+                "download_models.py",
+                "--dataset",
+                "chess",
+                "--tokenize-for",
+                MODEL,
+                "--seq-len",
+                str(SEQ_LEN),
+                "--text-column",
+                "Result",
+                "--cache-dir",
+                str(cache),
+            ],
+            env,
+        )
     for proc in (first, second):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     prefix = f"tokenized:{CHESS}:default@train|{MODEL}@main"
     items = json.loads((cache / "manifest.json").read_text())["items"]
-    moves, short, results = (items[f"{prefix}|seq_len={n}|text_column={column}"]
-                             for n, column in ((SEQ_LEN, "Moves"), (8, "Moves"), (SEQ_LEN, "Result")))
+    moves, short, results = (
+        items[f"{prefix}|seq_len={n}|text_column={column}"]
+        for n, column in ((SEQ_LEN, "Moves"), (8, "Moves"), (SEQ_LEN, "Result"))
+    )
     assert (moves["text_column"], short["text_column"], results["text_column"]) == ("Moves", "Moves", "Result")
     assert len({moves["path"], short["path"], results["path"]}) == 3  # neither overwrote the other
 
@@ -387,15 +494,19 @@ def test_chess_preset_tokenizes_its_list_of_moves(repos: SimpleNamespace, tmp_pa
     games = chess_games()
     for entry, texts in ((moves, [" ".join(g["Moves"]) for g in games]), (results, [g["Result"] for g in games])):
         flat = [t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
-        assert _blocks(cache / entry["path"])[:3] == [flat[i:i + SEQ_LEN] for i in range(0, 3 * SEQ_LEN, SEQ_LEN)]
+        assert _blocks(cache / entry["path"])[:3] == [flat[i : i + SEQ_LEN] for i in range(0, 3 * SEQ_LEN, SEQ_LEN)]
 
     # What a compute node reads for `data: chess`: the Moves item, or with `text_column: Result` that
     # one (which plan finds in the cache); a missing one names the command.
     assert lookup_tokenized("chess", MODEL, SEQ_LEN, cache).path == cache / moves["path"]
     assert lookup_tokenized("chess", MODEL, SEQ_LEN, cache, text_column="Result").path == cache / results["path"]
-    jobs.write_text(f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: {SEQ_LEN}, text_column: Result}}\n")
+    jobs.write_text(
+        f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: {SEQ_LEN}, text_column: Result}}\n"
+    )
     assert cache_misses(load_sweep(jobs), str(cache)) == []
-    jobs.write_text(f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: 8, text_column: Result}}\n")
+    jobs.write_text(
+        f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: 8, text_column: Result}}\n"
+    )
     (miss,) = cache_misses(load_sweep(jobs), str(cache))
     assert miss.endswith(f"--tokenize-for {MODEL} --seq-len 8 --text-column Result"), miss
     with pytest.raises(CacheMissError, match=rf"column Moves' is not in the cache .* --dataset {CHESS}:default@train "):
@@ -421,13 +532,18 @@ def test_unreachable_hub_fails_in_one_line_naming_the_item(tmp_path: Path) -> No
     for kind, name, item in (("dataset", DATASET, f"{DATASET}:default@train"), ("model", MODEL, MODEL)):
         proc = _run(["download_models.py", f"--{kind}", name, "--cache-dir", str(tmp_path / "cache")], env)
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stderr.strip() == f"error: {kind} {item} could not be fetched: the hub at {endpoint} is not reachable from here"
+        assert (
+            proc.stderr.strip()
+            == f"error: {kind} {item} could not be fetched: the hub at {endpoint} is not reachable from here"
+        )
 
 
 def test_verify_a_sweep_checks_weights_and_finds_a_model_by_commit_sha(repos: SimpleNamespace, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with _serve(repos) as hub:
-        proc = _run(["download_models.py", "--model", MODEL, "--cache-dir", str(cache)], _env(tmp_path, HF_ENDPOINT=hub.url))
+        proc = _run(
+            ["download_models.py", "--model", MODEL, "--cache-dir", str(cache)], _env(tmp_path, HF_ENDPOINT=hub.url)
+        )
         sha = hub.repos[("model", MODEL)].sha
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -441,11 +557,14 @@ def test_verify_a_sweep_checks_weights_and_finds_a_model_by_commit_sha(repos: Si
     assert by_sha.stdout.startswith(f"ok       model {MODEL} (")
     pretrained = verify("pretrained", MODEL)
     assert pretrained.returncode == 1
-    assert (f"BAD      model {MODEL}: cached without weights, which init: pretrained needs; "
-            f"run python download_models.py --cache-dir {cache} --model {MODEL} --weights\n") in pretrained.stdout
+    assert (
+        f"BAD      model {MODEL}: cached without weights, which init: pretrained needs; "
+        f"run python download_models.py --cache-dir {cache} --model {MODEL} --weights\n"
+    ) in pretrained.stdout
 
 
 # -- names and plans (no network, no subprocess) -----------------------------------------------
+
 
 def test_names_presets_and_plans() -> None:
     assert ModelRef.parse("Qwen/Qwen2.5-1.5B") == ModelRef("Qwen/Qwen2.5-1.5B", "main")
@@ -466,7 +585,11 @@ def test_names_presets_and_plans() -> None:
     plan = plan_from_sweep(sweep)
     assert list(plan.models) == ["model:org/a@main", "model:org/b@dev"]
     assert not any(weights for _, weights in plan.models.values())
-    plan = build_plan(Request(models=("org/c",), datasets=("tinystories",), weights=True, tokenize_for=("org/c",), seq_lens=(128, 256)))
+    plan = build_plan(
+        Request(
+            models=("org/c",), datasets=("tinystories",), weights=True, tokenize_for=("org/c",), seq_lens=(128, 256)
+        )
+    )
     assert plan.models["model:org/c@main"][1] is True
     assert {t.seq_len for t in plan.tokenized.values()} == {128, 256}
     assert isinstance(next(iter(plan.tokenized.values())), TokenizedRef)

@@ -47,7 +47,9 @@ def test_hsdp_2x2_matches_ddp_on_4_processes(tmp_path):
 def test_grad_accumulation_equals_larger_batch(tmp_path):
     splits = [(4, 1), (2, 2), (1, 4)]
     records = [
-        run_torchrun_cell(tmp_path / f"b{b}a{a}", 2, strategy="fsdp2_zero3", batch_size=b, grad_accum=a, record_param_norm=True)
+        run_torchrun_cell(
+            tmp_path / f"b{b}a{a}", 2, strategy="fsdp2_zero3", batch_size=b, grad_accum=a, record_param_norm=True
+        )
         for b, a in splits
     ]
     for other in records[1:]:
@@ -55,7 +57,9 @@ def test_grad_accumulation_equals_larger_batch(tmp_path):
 
 
 def test_activation_checkpointing_changes_no_loss(tmp_path, ddp_2):
-    full = run_torchrun_cell(tmp_path / "full", 2, strategy="ddp", activation_checkpointing="full", record_param_norm=True)
+    full = run_torchrun_cell(
+        tmp_path / "full", 2, strategy="ddp", activation_checkpointing="full", record_param_norm=True
+    )
     assert_same_training(ddp_2, full)
 
 

@@ -19,8 +19,12 @@ from hpcfsdp.record import write_record
 from hpcfsdp.results.history import setup_key
 
 SETTINGS = {"NCCL_DEBUG": "WARN", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTORCH_JIT": "1"}
-SECRETS = {"NCCL_TEST_TOKEN": "tok-123", "PYTORCH_HUB_API_KEY": "key-456", "TORCH_PASSWORD": "pw-789",
-           "HF_TOKEN": "hf-000"}
+SECRETS = {
+    "NCCL_TEST_TOKEN": "tok-123",
+    "PYTORCH_HUB_API_KEY": "key-456",
+    "TORCH_PASSWORD": "pw-789",
+    "HF_TOKEN": "hf-000",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,15 @@ def sweep(tmp_path_factory) -> tuple[Path, dict, dict]:
     assert record["status"] == "ok", record.get("error")
     sweep_dir = tmp / "results" / "t"
     failed = {key: record[key] for key in ("sweep", "world_size", "nodes", "versions", "slurm", "launch_id")}
-    failed.update(status="error", stage="shard", error="RuntimeError: injected\nsecond line", cell_id="broken-cell",
-                  spec={**record["spec"], "strategy": "ddp"}, started_at=record["started_at"] + 60, duration_s=5.0)
+    failed.update(
+        status="error",
+        stage="shard",
+        error="RuntimeError: injected\nsecond line",
+        cell_id="broken-cell",
+        spec={**record["spec"], "strategy": "ddp"},
+        started_at=record["started_at"] + 60,
+        duration_s=5.0,
+    )
     write_record(sweep_dir / "cells" / "broken-cell" / "result.json", failed)
     return sweep_dir, record, failed
 
@@ -57,10 +68,20 @@ def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, cap
     assert main(["collect", str(sweep_dir), "--no-plots", "--history", str(sweep_dir.parent / "real.duckdb")]) == 0
     assert "Slurm accounting" not in capsys.readouterr().err  # no cell ran under Slurm: nothing to ask
     with duckdb.connect(str(sweep_dir.parent / "real.duckdb"), read_only=True) as con:
-        rows = con.execute("SELECT cell_id, status, cluster, gpu, torch_version, setup, tokens_per_s_per_gpu, "
-                           "peak_memory_gib FROM runs ORDER BY cell_id").fetchall()
-    ok = (record["cell_id"], "ok", socket.gethostname(), "cpu", torch.__version__, setup_key(record["spec"]),
-          pytest.approx(record["tokens_per_s_per_gpu"]), pytest.approx(record["peak_memory_gib"]))
+        rows = con.execute(
+            "SELECT cell_id, status, cluster, gpu, torch_version, setup, tokens_per_s_per_gpu, "
+            "peak_memory_gib FROM runs ORDER BY cell_id"
+        ).fetchall()
+    ok = (
+        record["cell_id"],
+        "ok",
+        socket.gethostname(),
+        "cpu",
+        torch.__version__,
+        setup_key(record["spec"]),
+        pytest.approx(record["tokens_per_s_per_gpu"]),
+        pytest.approx(record["peak_memory_gib"]),
+    )
     assert rows[1] == ok and rows[0][:2] == ("broken-cell", "error")
 
 
@@ -90,6 +111,7 @@ def test_export_to_tensorboard_writes_one_run_per_cell_that_its_reader_reads_bac
 
     ok = read(record["cell_id"])
     steps, warmup = record["spec"]["steps"], record["spec"]["warmup_steps"]
+
     def near(value: float):  # event files hold float32
         return pytest.approx(value, rel=1e-6)
 
@@ -149,8 +171,13 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
 
 
 def run_fresh(args: list[str], blocked: list[str] = ()) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(list(blocked))],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(list(blocked))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.stdout, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 

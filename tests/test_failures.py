@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_CPU, run_torchrun_cell, torchrun_cell
 from hpcfsdp.results.report import write_report
 from hpcfsdp.sweep.matrix import parse_sweep
-from hpcfsdp.sweep.submit import select_cells
 from hpcfsdp.sweep.status import sweep_status
-
-from conftest import TINY_CPU, run_torchrun_cell, torchrun_cell
+from hpcfsdp.sweep.submit import select_cells
 
 
 @pytest.mark.parametrize(
@@ -70,7 +69,7 @@ def test_a_diverged_cell_records_diverged_with_its_step_and_counts_as_failed(tmp
     summary = (sweep_dir / "report" / "summary.md").read_text()
     assert summary.startswith("# t: 1 cell(s): 1 diverged")
     assert "No cell finished ok." in summary  # kept out of the best-configuration table
-    failed = summary[summary.index("## Cells that did not finish ok"):]
+    failed = summary[summary.index("## Cells that did not finish ok") :]
     assert re.search(rf"^\| {cell.id} +\| diverged +\|", failed, re.M), failed
 
 
@@ -79,7 +78,7 @@ def test_without_a_sync_each_step_divergence_is_found_after_the_last_step(tmp_pa
     assert record["status"] == "diverged"
     step, losses = record["diverged_step"], record["losses"]
     assert len(losses) == DIVERGING["steps"] and 2 <= step < len(losses)  # every step ran; the first bad one is named
-    assert all(math.isfinite(loss) for loss in losses[:step - 1]) and not math.isfinite(losses[step - 1])
+    assert all(math.isfinite(loss) for loss in losses[: step - 1]) and not math.isfinite(losses[step - 1])
 
 
 def test_measurements_of_an_ok_cell(tmp_path):
@@ -88,8 +87,10 @@ def test_measurements_of_an_ok_cell(tmp_path):
     # One line at the end, on rank 0: status, speed, MFU (none on CPU), peak memory and the record.
     path = next((tmp_path / "results" / "t" / "cells").glob("*/result.json"))
     summary = [line for line in proc.stdout.splitlines() if line.endswith(f"| record {path}")]
-    assert summary == [f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
-                       f"| MFU - | peak memory {record['peak_memory_gib']:.2f} GiB | record {path}"]
+    assert summary == [
+        f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"| MFU - | peak memory {record['peak_memory_gib']:.2f} GiB | record {path}"
+    ]
     # The comm profile ran under torch.profiler, without its warning about cycles.
     assert "Profiler clears events" not in proc.stdout + proc.stderr
     assert record["timed_steps"] == 3 and len(record["losses"]) == 5

@@ -33,8 +33,16 @@ from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
 from hpcfsdp.sweep.submit import processes_under
 
-CPU_CELL = {"model": "tiny", "device": "cpu", "precision": "fp32", "seq_len": 32, "steps": 3, "warmup_steps": 1,
-            "comm_profile_steps": 0, "gpus_per_node": 1}
+CPU_CELL = {
+    "model": "tiny",
+    "device": "cpu",
+    "precision": "fp32",
+    "seq_len": 32,
+    "steps": 3,
+    "warmup_steps": 1,
+    "comm_profile_steps": 0,
+    "gpus_per_node": 1,
+}
 TRACEBACK = "Traceback (most recent call last)"
 
 
@@ -59,8 +67,13 @@ def read(path: Path) -> dict:
 
 def hpcfsdp(*args: str, **env: str) -> subprocess.Popen:
     """`python -m hpcfsdp ...` as a user runs it: its own process, output unbuffered into pipes."""
-    return subprocess.Popen([sys.executable, "-m", "hpcfsdp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env})
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcfsdp", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env},
+    )
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:
@@ -121,8 +134,9 @@ def copy_of(ok_sweep: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path, Pa
     return jobs, tmp_path / "results", cell
 
 
-def test_an_ok_record_survives_two_failed_reruns_and_a_failed_local_submit_exits_1(ok_sweep, tmp_path, monkeypatch,
-                                                                                    capsys):
+def test_an_ok_record_survives_two_failed_reruns_and_a_failed_local_submit_exits_1(
+    ok_sweep, tmp_path, monkeypatch, capsys
+):
     jobs, results, cell = copy_of(ok_sweep, tmp_path)
     ok = read(cell / "result.json")
     capsys.readouterr()
@@ -154,11 +168,22 @@ def test_an_interrupted_local_submit_ends_its_cell_and_restores_the_ok_record(ok
     attempt while the ok record is current again. Exit status 128 + the signal, one line."""
     jobs, results, cell = copy_of(ok_sweep, tmp_path)
     ok = read(cell / "result.json")
-    proc = hpcfsdp("submit", str(jobs), "--executor", "local", "--force", "--results-dir", str(results),
-                   HPCFSDP_FAULT="train_step:hang")
+    proc = hpcfsdp(
+        "submit",
+        str(jobs),
+        "--executor",
+        "local",
+        "--force",
+        "--results-dir",
+        str(results),
+        HPCFSDP_FAULT="train_step:hang",
+    )
     try:
-        wait_until(lambda: "training" in (cell / "log.txt").read_text() if (cell / "log.txt").exists() else False,
-                   120, "the cell to train")
+        wait_until(
+            lambda: "training" in (cell / "log.txt").read_text() if (cell / "log.txt").exists() else False,
+            120,
+            "the cell to train",
+        )
         time.sleep(1)  # into the hang after the first step
         cell_processes = processes_under(proc.pid)  # torchrun and its rank (in a session of its own)
         assert len(cell_processes) >= 2, cell_processes
@@ -188,7 +213,9 @@ def test_a_cell_run_again_by_hand_keeps_its_earlier_record(tmp_path):
     (cell,) = cell_dirs(tmp_path / "manual")
     assert first.returncode == 0 and read(cell / "result.json")["status"] == "ok", first.stderr[-2000:]
     ok = read(cell / "result.json")
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**env, "HPCFSDP_FAULT": "data:error"})
+    again = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**env, "HPCFSDP_FAULT": "data:error"}
+    )
     assert again.returncode != 0
     assert read(cell / "result.json")["status"] == "error" and read(cell / "attempts" / "1.json") == ok
 
@@ -199,11 +226,15 @@ def test_a_cell_run_again_by_hand_keeps_its_earlier_record(tmp_path):
 
 BAD_RECORDS = {
     "random-bytes": (lambda spec: b"\xff\xfe" + random.Random(0).randbytes(510), "not UTF-8 text"),
-    "5000-digit-integer": (lambda spec: b'{"schema_version": 1, "status": "ok", "x": ' + b"7" * 5000 + b"}",
-                           "Exceeds the limit"),
+    "5000-digit-integer": (
+        lambda spec: b'{"schema_version": 1, "status": "ok", "x": ' + b"7" * 5000 + b"}",
+        "Exceeds the limit",
+    ),
     "100000-deep-json": (lambda spec: b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
-    "spec-value-of-the-wrong-type": (lambda spec: record_bytes({**spec, "batch_size": "1"}),
-                                     'spec.batch_size: expected an integer, got "1"'),
+    "spec-value-of-the-wrong-type": (
+        lambda spec: record_bytes({**spec, "batch_size": "1"}),
+        'spec.batch_size: expected an integer, got "1"',
+    ),
     "no-spec": (lambda spec: record_bytes(None), "spec: expected an object"),
 }
 
@@ -274,8 +305,9 @@ def test_a_broken_manifest_is_one_line_to_status_and_collect_and_stops_submit(tm
 # extra_sbatch keys
 
 
-@pytest.mark.parametrize("key", ["reservation\ntouch /tmp/injected", "hold\r", "mail type", "x=y", "#x", "x;y",
-                                 "x\x00y", "x\u2028y", "-x"])
+@pytest.mark.parametrize(
+    "key", ["reservation\ntouch /tmp/injected", "hold\r", "mail type", "x=y", "#x", "x;y", "x\x00y", "x\u2028y", "-x"]
+)
 def test_an_extra_sbatch_key_cannot_add_a_line_to_the_batch_script(tmp_path, capsys, key):
     jobs = jobs_file(tmp_path, "inject", slurm={"extra_sbatch": {key: 1}})
     assert main(["plan", str(jobs), "--sbatch"]) == 2
@@ -289,7 +321,7 @@ def test_an_accepted_extra_sbatch_key_is_one_sbatch_line(tmp_path, capsys):
     jobs = jobs_file(tmp_path, "mail", slurm={"extra_sbatch": {"mail_type": "FAIL", "reservation": "maint"}})
     assert main(["plan", str(jobs), "--sbatch"]) == 0
     script = capsys.readouterr().out
-    header = script[:script.index("# setup")].splitlines()
+    header = script[: script.index("# setup")].splitlines()
     assert "#SBATCH --mail-type=FAIL" in header and "#SBATCH --reservation=maint" in header
     assert all(line.startswith("#") or not line.strip() for line in header)  # nothing but directives
 
@@ -307,8 +339,14 @@ def test_a_printed_command_runs_without_the_tokens_of_its_shell(tmp_path, capsys
     # The line's environment part, run with `env` in place of torchrun, in a shell holding tokens.
     prefix = line.split(f" {shlex.quote(sys.executable)} ")[0]
     tokens = {"HF_TOKEN": "hf_i12c_secret", "HUGGING_FACE_HUB_TOKEN": "hf_i12c_secret"}
-    shown = subprocess.run(["bash", "-c", f"{prefix} env"], capture_output=True, text=True, check=True, timeout=30,
-                           env={**os.environ, **tokens}).stdout
+    shown = subprocess.run(
+        ["bash", "-c", f"{prefix} env"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={**os.environ, **tokens},
+    ).stdout
     assert "HF_HUB_OFFLINE=1" in shown and "secret" not in shown
 
 
@@ -372,18 +410,33 @@ def test_two_submits_of_one_sweep_at_once_queue_each_cell_once(slurm_cluster, tm
     sweep_dir = results / name
     sweep_dir.mkdir(parents=True)
     submits, logs = [], [tmp_path / f"submit{i}.txt" for i in range(2)]
-    command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm",
-               "--results-dir", str(results)]
+    command = [
+        sys.executable,
+        "-m",
+        "hpcfsdp",
+        "submit",
+        str(jobs),
+        "--executor",
+        "slurm",
+        "--results-dir",
+        str(results),
+    ]
     try:
         # The test holds the lock while both start, so that neither has read the sweep when it opens.
         with open(sweep_dir / ".submit.lock", "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for log in logs:
                 with open(log, "w") as out:
-                    submits.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-            wait_until(lambda: all("waiting for it to finish" in log.read_text() for log in logs), 60,
-                       "both submits to wait for the lock")
+                    submits.append(
+                        subprocess.Popen(
+                            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                        )
+                    )
+            wait_until(
+                lambda: all("waiting for it to finish" in log.read_text() for log in logs),
+                60,
+                "both submits to wait for the lock",
+            )
             assert all(proc.poll() is None for proc in submits)
             fcntl.flock(lock, fcntl.LOCK_UN)
         for proc in submits:
@@ -410,9 +463,24 @@ def test_ctrl_c_in_submit_wait_says_how_many_cells_are_still_queued(slurm_cluste
     out_file = tmp_path / "out.txt"
     try:
         with open(out_file, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm",
-                                     "--wait", "--results-dir", str(results)], stdout=out, stderr=subprocess.PIPE,
-                                    text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hpcfsdp",
+                    "submit",
+                    str(jobs),
+                    "--executor",
+                    "slurm",
+                    "--wait",
+                    "--results-dir",
+                    str(results),
+                ],
+                stdout=out,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             wait_until(lambda: "sweep folder:" in out_file.read_text(), 60, "submit to queue the array")
             time.sleep(1)  # watching now
             proc.send_signal(signal.SIGINT)
@@ -437,10 +505,18 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
     write_record(results / name / "cells" / cell.id / "result.json", {"status": "ok", "spec": cell.spec.to_dict()})
     wrappers, started = tmp_path / "bin", tmp_path / "sbatch-started"
     wrappers.mkdir()
-    (wrappers / "sbatch").write_text(f"#!/bin/sh\ntouch {started}\nsleep 3\nexec {shutil.which('sbatch')} \"$@\"\n")
+    (wrappers / "sbatch").write_text(f'#!/bin/sh\ntouch {started}\nsleep 3\nexec {shutil.which("sbatch")} "$@"\n')
     (wrappers / "sbatch").chmod(0o755)
-    proc = hpcfsdp("submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(results),
-                   PATH=f"{wrappers}:{os.environ['PATH']}")
+    proc = hpcfsdp(
+        "submit",
+        str(jobs),
+        "--executor",
+        "slurm",
+        "--force",
+        "--results-dir",
+        str(results),
+        PATH=f"{wrappers}:{os.environ['PATH']}",
+    )
     try:
         wait_until(started.exists, 60, "sbatch to start")
         proc.send_signal(signal.SIGINT)
@@ -495,8 +571,17 @@ def test_a_download_cache_folder_that_is_a_file_is_one_line(tmp_path, capsys):
 
 
 def record_of(cell, **fields) -> dict:
-    return {"status": "ok", "cell_id": cell.id, "sweep": "bad", "spec": cell.spec.to_dict(), "world_size": 1,
-            "nodes": 1, "tokens_per_s_per_gpu": 1000.0, "peak_memory_gib": 1.0, **fields}
+    return {
+        "status": "ok",
+        "cell_id": cell.id,
+        "sweep": "bad",
+        "spec": cell.spec.to_dict(),
+        "world_size": 1,
+        "nodes": 1,
+        "tokens_per_s_per_gpu": 1000.0,
+        "peak_memory_gib": 1.0,
+        **fields,
+    }
 
 
 def test_collect_neither_reads_nor_writes_through_links_out_of_the_sweep_folder(tmp_path, capsys):
@@ -513,8 +598,10 @@ def test_collect_neither_reads_nor_writes_through_links_out_of_the_sweep_folder(
     capsys.readouterr()
     assert main(["collect", str(sweep_dir), "--no-plots"]) == 0
     (warning,) = capsys.readouterr().err.splitlines()
-    assert warning == (f"warning: skipped {sweep_dir / 'cells' / 'linked' / 'result.json'}: leads out of {sweep_dir} "
-                       "(a symbolic link); not read")
+    assert warning == (
+        f"warning: skipped {sweep_dir / 'cells' / 'linked' / 'result.json'}: leads out of {sweep_dir} "
+        "(a symbolic link); not read"
+    )
     assert victim.read_text() == "not collect's to write"
     csv = sweep_dir / "report" / "results.csv"
     assert not csv.is_symlink() and first.id in csv.read_text()
@@ -535,13 +622,17 @@ def test_summary_md_shows_strings_from_records_as_text(tmp_path):
     error = "<script>alert(1)</script> | ![x](http://tracker.example/x.png)\nsecond line of the traceback"
     device = "<img src=x onerror=alert(1)> | GPU\n| injected | row |"
     write_record(sweep_dir / "cells" / first.id / "result.json", record_of(first, device_name=device))
-    write_record(sweep_dir / "cells" / second.id / "result.json",
-                 {**record_of(second), "status": "error", "stage": "train", "error": error})
+    write_record(
+        sweep_dir / "cells" / second.id / "result.json",
+        {**record_of(second), "status": "error", "stage": "train", "error": error},
+    )
     assert main(["collect", str(sweep_dir), "--no-plots"]) == 0
     summary = (sweep_dir / "report" / "summary.md").read_text()
     assert not re.search(r"(?<!\\)<|(?<!\\)\]\(http", summary)  # no tag, no link: each one escaped
     assert "\n| injected" not in summary
-    for escaped in (r"\<script>alert(1)\</script> \| !\[x\](http://tracker.example/x.png)",
-                    r"\<img src=x onerror=alert(1)> \| GPU \| injected \| row \|"):
+    for escaped in (
+        r"\<script>alert(1)\</script> \| !\[x\](http://tracker.example/x.png)",
+        r"\<img src=x onerror=alert(1)> \| GPU \| injected \| row \|",
+    ):
         (row,) = [line for line in summary.splitlines() if escaped in line]
         assert row.startswith("| ") and row.endswith(" |")  # one table row, its cells intact

@@ -42,8 +42,15 @@ SETUPS = {
 EARLIER = {"a": (1000, 1010, 990), "b": (2000, 2000, 2000), "c": (1500, 1500, 1500), "d": (800, 800, 800)}
 
 
-def write_sweep(results: Path, name: str, index: int, cells: dict[str, float | str], cluster: str = "alps",
-                gpu: str = H100, peak: float = 30.0) -> Path:
+def write_sweep(
+    results: Path,
+    name: str,
+    index: int,
+    cells: dict[str, float | str],
+    cluster: str = "alps",
+    gpu: str = H100,
+    peak: float = 30.0,
+) -> Path:
     """A sweep folder whose cells (setup name -> tokens/s per GPU, or a failed status) started on
     day `index`, on the given system."""
     sweep = results / name
@@ -53,10 +60,21 @@ def write_sweep(results: Path, name: str, index: int, cells: dict[str, float | s
             record = failed_record(spec, value, "train", "OutOfMemoryError: CUDA out of memory")
         else:
             record = ok_record(spec, value, peak)
-        record.update(sweep=name, started_at=T0 + index * DAY + number, device_name=gpu, hostnames=["node-1"],
-                      launch_id=f"slurm-{1000 + 10 * index + number}-0",
-                      slurm={"job_id": str(1000 + 10 * index + number), "array_job_id": None, "array_task_id": None,
-                             "job_nodelist": "node-1", "cluster_name": cluster, "job_partition": "gpu"})
+        record.update(
+            sweep=name,
+            started_at=T0 + index * DAY + number,
+            device_name=gpu,
+            hostnames=["node-1"],
+            launch_id=f"slurm-{1000 + 10 * index + number}-0",
+            slurm={
+                "job_id": str(1000 + 10 * index + number),
+                "array_job_id": None,
+                "array_task_id": None,
+                "job_nodelist": "node-1",
+                "cluster_name": cluster,
+                "job_partition": "gpu",
+            },
+        )
         write_record(sweep / "cells" / record["cell_id"] / "result.json", record)
     return sweep
 
@@ -108,9 +126,11 @@ def test_collect_flags_exactly_the_cells_slower_than_their_history_or_failing_wh
     assert set(got) == ids("a", "c")
     assert got[cell_id(spec_of(GPU_BASE, **SETUPS["a"]))] == [
         f"tokens/s/gpu 850 is 15.0% below the median 1,000 of 3 earlier run(s) of setup "
-        f"{setup_key(spec_of(GPU_BASE, **SETUPS['a']).to_dict())} on alps / {H100} (tolerance 10%)"]
+        f"{setup_key(spec_of(GPU_BASE, **SETUPS['a']).to_dict())} on alps / {H100} (tolerance 10%)"
+    ]
     assert got[cell_id(spec_of(GPU_BASE, **SETUPS["c"]))] == [
-        f"status oom; its setup ran ok 3 time(s) before on alps / {H100}"]
+        f"status oom; its setup ran ok 3 time(s) before on alps / {H100}"
+    ]
     assert "5 cell(s) checked, 2 with a regression; 0 with neither" in out
 
     summary = (sweep / "report" / "summary.md").read_text()
@@ -161,7 +181,8 @@ def test_references_flag_cells_below_or_above_memory_and_name_faster_ones(result
         "    tokens_per_s_per_gpu: 1700\n"
         f"  - gpu: {H200}\n"
         "    match: {strategy: ddp}\n"
-        "    tokens_per_s_per_gpu: 99999\n")
+        "    tokens_per_s_per_gpu: 99999\n"
+    )
     capsys.readouterr()
     # d: 800 vs 1000 (-20%, tolerance 5%); e: 1100 vs 1000 (+10% within 20%) but 30 GiB vs 20 (+50%);
     # b: 2000 vs 1700 (+18%): faster, a hint; c: the H200 reference is not for this H100 cell.
@@ -171,8 +192,11 @@ def test_references_flag_cells_below_or_above_memory_and_name_faster_ones(result
     got = flagged(out)
     assert set(got) == ids("d", "e")
     (d_line,) = got[cell_id(spec_of(GPU_BASE, **SETUPS["d"]))]
-    assert re.fullmatch(r"tokens/s/gpu 800 is 20\.0% below its reference 1,000 "
-                        r"\(tolerance 5%; .*references\.yaml:5\)", d_line)
+    assert re.fullmatch(
+        r"tokens/s/gpu 800 is 20\.0% below its reference 1,000 "
+        r"\(tolerance 5%; .*references\.yaml:5\)",
+        d_line,
+    )
     (e_line,) = got[cell_id(spec_of(GPU_BASE, **SETUPS["e"]))]
     assert e_line.startswith("peak memory 30.00 GiB is 50.0% above its reference 20.00 GiB (tolerance 20%")
     hint = f"note: {cell_id(spec_of(GPU_BASE, **SETUPS['b']))}: tokens/s/gpu 2,000 is 17.6% above its reference 1,700"
@@ -202,16 +226,19 @@ def test_history_lists_and_filters_runs(results, capsys):
     assert listed("--strategy", "fsdp1_full_shard") == []
 
     assert main(["history", "--history", path, "--since", "November"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: history: --since: expected a date YYYY-MM-DD or "
-                                               "YYYY-MM-DDTHH:MM, got 'November'")
+    assert capsys.readouterr().err.strip() == (
+        "error: history: --since: expected a date YYYY-MM-DD or YYYY-MM-DDTHH:MM, got 'November'"
+    )
     assert main(["history", "--history", str(results / "nothing.duckdb")]) == 1
     assert "no history here yet" in capsys.readouterr().err
 
 
 def test_set_reference_writes_each_setups_median_and_collect_then_checks_against_it(results, capsys):
     path = results / "history.duckdb"
-    assert main(["history", "--history", str(path), "--strategy", "fsdp2_zero3", "--set-reference",
-                 "--tolerance", "0.04"]) == 0
+    assert (
+        main(["history", "--history", str(path), "--strategy", "fsdp2_zero3", "--set-reference", "--tolerance", "0.04"])
+        == 0
+    )
     written = results / "references.yaml"
     assert "wrote 2 reference(s)" in capsys.readouterr().out
     refs = references.load_references(written)
@@ -219,8 +246,13 @@ def test_set_reference_writes_each_setups_median_and_collect_then_checks_against
     a, b = (spec_of(GPU_BASE, **SETUPS[name]).to_dict() for name in ("a", "b"))
     assert by_setup[setup_key(a)].tokens_per_s_per_gpu == 1000 and by_setup[setup_key(b)].tokens_per_s_per_gpu == 2000
     # fsdp2_zero3 and bf16_mixed are defaults: a setup is named by the fields that differ from them
-    assert by_setup[setup_key(b)].match == {"batch_size": 2, "device": "cuda", "gpus_per_node": 2,
-                                            "model": "qwen2.5-1.5b", "seq_len": 4096}
+    assert by_setup[setup_key(b)].match == {
+        "batch_size": 2,
+        "device": "cuda",
+        "gpus_per_node": 2,
+        "model": "qwen2.5-1.5b",
+        "seq_len": 4096,
+    }
     systems = {(ref.cluster, ref.gpu, ref.tolerance, ref.extra["runs"]) for ref in refs.entries}
     assert systems == {("alps", H100, 0.04, 3)}
 
@@ -241,20 +273,33 @@ def test_no_history_appends_nothing_and_checks_references_only(results, capsys):
     assert (results / "history.duckdb").stat().st_mtime_ns == before
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: fast\n",
-     "references.yaml:3: references[0].tokens_per_s_per_gpu: expected a positive number, got 'fast'"),
-    ("references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: 10\n    tolerence: 0.1\n",
-     "references.yaml:4: references[0].tolerence: unknown key; did you mean 'tolerance'?"),
-    ("references:\n  - gpu: x\n    tokens_per_s_per_gpu: 10\n",
-     "references.yaml:2: references[0]: expected a setup key or a match of spec fields "
-     "(an entry for every cell is a mistake)"),
-    ("references:\n  - tokens_per_s_per_gpu: 10\n    match: {batch_size: two}\n",
-     "references.yaml:3: references[0].match.batch_size: expected an integer or auto, got 'two'"),
-    ("tolerance: 10\nreferences: []\n",
-     "references.yaml:1: tolerance: expected a fraction between 0 and 1 (0.1 is 10%), got 10"),
-    ("references:\n  - [1, 2\n", "references.yaml:3: not valid YAML (expected ',' or ']', but got '<stream end>')"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: fast\n",
+            "references.yaml:3: references[0].tokens_per_s_per_gpu: expected a positive number, got 'fast'",
+        ),
+        (
+            "references:\n  - match: {strategy: ddp}\n    tokens_per_s_per_gpu: 10\n    tolerence: 0.1\n",
+            "references.yaml:4: references[0].tolerence: unknown key; did you mean 'tolerance'?",
+        ),
+        (
+            "references:\n  - gpu: x\n    tokens_per_s_per_gpu: 10\n",
+            "references.yaml:2: references[0]: expected a setup key or a match of spec fields "
+            "(an entry for every cell is a mistake)",
+        ),
+        (
+            "references:\n  - tokens_per_s_per_gpu: 10\n    match: {batch_size: two}\n",
+            "references.yaml:3: references[0].match.batch_size: expected an integer or auto, got 'two'",
+        ),
+        (
+            "tolerance: 10\nreferences: []\n",
+            "references.yaml:1: tolerance: expected a fraction between 0 and 1 (0.1 is 10%), got 10",
+        ),
+        ("references:\n  - [1, 2\n", "references.yaml:3: not valid YAML (expected ',' or ']', but got '<stream end>')"),
+    ],
+)
 def test_a_bad_references_file_is_one_line_naming_file_line_and_key(results, capsys, text, message):
     (results / "references.yaml").write_text(text)
     assert collect(results / "nightly-0") == 2
@@ -274,15 +319,23 @@ def test_the_parser_shows_the_constants_of_the_modules_it_does_not_import():
 
 def test_sacct_lines_give_elapsed_queue_wait_and_energy_for_ended_jobs_only():
     # sacct --noheader --parsable2 --allocations --format=JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw
-    text = ("4242_0|COMPLETED|2026-11-23T10:00:00|2026-11-23T10:02:30|2026-11-23T10:12:30|600|183000\n"
-            "4242_1|CANCELLED by 1000|2026-11-23T10:00:00|2026-11-23T10:00:05|2026-11-23T10:01:05|60|0\n"
-            "4242_2|RUNNING|2026-11-23T10:00:00|2026-11-23T10:03:00|Unknown|120|\n"
-            "4243|PENDING|2026-11-23T10:00:00|Unknown|Unknown|0|\n")
+    text = (
+        "4242_0|COMPLETED|2026-11-23T10:00:00|2026-11-23T10:02:30|2026-11-23T10:12:30|600|183000\n"
+        "4242_1|CANCELLED by 1000|2026-11-23T10:00:00|2026-11-23T10:00:05|2026-11-23T10:01:05|60|0\n"
+        "4242_2|RUNNING|2026-11-23T10:00:00|2026-11-23T10:03:00|Unknown|120|\n"
+        "4243|PENDING|2026-11-23T10:00:00|Unknown|Unknown|0|\n"
+    )
     got = parse_sacct(text)
     assert set(got) == {"4242_0", "4242_1"}
-    assert got["4242_0"] == {"state": "COMPLETED", "submit": "2026-11-23T10:00:00", "start": "2026-11-23T10:02:30",
-                             "end": "2026-11-23T10:12:30", "elapsed_s": 600, "queue_wait_s": 150.0,
-                             "consumed_energy_j": 183000}
+    assert got["4242_0"] == {
+        "state": "COMPLETED",
+        "submit": "2026-11-23T10:00:00",
+        "start": "2026-11-23T10:02:30",
+        "end": "2026-11-23T10:12:30",
+        "elapsed_s": 600,
+        "queue_wait_s": 150.0,
+        "consumed_energy_j": 183000,
+    }
     assert got["4242_1"]["state"] == "CANCELLED" and got["4242_1"]["consumed_energy_j"] is None
 
 
@@ -292,8 +345,11 @@ def test_collect_without_slurm_accounting_says_so_in_one_line_and_carries_on(res
     err = capsys.readouterr().err
     notes = [line for line in err.splitlines() if "no Slurm accounting" in line]
     assert len(notes) == 1, err
-    assert re.fullmatch(r"note: no Slurm accounting \((sacct not found|sacct: .+)\): elapsed time, queue wait and "
-                        r"energy not added to 4 record\(s\)", notes[0])
+    assert re.fullmatch(
+        r"note: no Slurm accounting \((sacct not found|sacct: .+)\): elapsed time, queue wait and "
+        r"energy not added to 4 record\(s\)",
+        notes[0],
+    )
 
 
 def test_status_without_slurm_accounting_says_so_in_one_line(results, capsys):

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcfsdp.cli import main
-
 from conftest import ROOT
+from hpcfsdp.cli import main
 
 CORPUS = sorted((ROOT / "tests" / "bad_yaml").glob("*.yaml"))
 TIME_LIMIT_S = 5.0
@@ -31,14 +30,22 @@ GENERATED = {
     "utf16_with_bom": ("name: x\n".encode("utf-16"), ": not UTF-8 (a UTF-16 byte-order mark)"),
     "utf32_with_bom": ("name: x\n".encode("utf-32"), ": not UTF-8 (a UTF-32 byte-order mark)"),
     "raw_nul_byte": (b"name: x\nbase: {model: a\x00b}\n", ":2: not valid YAML (unacceptable character #x0000"),
-    "nested_3000_levels_flow": (b"base: " + b"[" * 3000 + b"]" * 3000 + b"\n",
-                                ":1: not valid YAML (nested more than 64 levels deep)"),
-    "nested_1000_levels_block": ("".join(f"{' ' * i}k{i}:\n" for i in range(1000)).encode(),
-                                 ":64: not valid YAML (nested more than 64 levels deep)"),
-    "data_path_too_long": (f"base:\n  data: ./{'d' * 5000}/corpus.jsonl\n".encode(),
-                           ":2: base.data: not a usable path (File name too long)"),
-    "larger_than_a_jobs_file": (b"# " + b"x" * 1024**2 + b"\nname: big\n",
-                                ": jobs file of 1,048,589 bytes, more than the limit"),
+    "nested_3000_levels_flow": (
+        b"base: " + b"[" * 3000 + b"]" * 3000 + b"\n",
+        ":1: not valid YAML (nested more than 64 levels deep)",
+    ),
+    "nested_1000_levels_block": (
+        "".join(f"{' ' * i}k{i}:\n" for i in range(1000)).encode(),
+        ":64: not valid YAML (nested more than 64 levels deep)",
+    ),
+    "data_path_too_long": (
+        f"base:\n  data: ./{'d' * 5000}/corpus.jsonl\n".encode(),
+        ":2: base.data: not a usable path (File name too long)",
+    ),
+    "larger_than_a_jobs_file": (
+        b"# " + b"x" * 1024**2 + b"\nname: big\n",
+        ": jobs file of 1,048,589 bytes, more than the limit",
+    ),
 }
 
 
@@ -47,8 +54,13 @@ def plan_bounded(path: Path) -> tuple[subprocess.CompletedProcess, float]:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "hpcfsdp", "plan", str(path)], capture_output=True, text=True,
-                          timeout=60, preexec_fn=limit_memory)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcfsdp", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit_memory,
+    )
     return proc, time.monotonic() - started
 
 
@@ -77,7 +89,9 @@ def test_the_cell_limit_is_checked_before_expanding_and_can_be_raised(tmp_path, 
     path = tmp_path / "twelve.yaml"
     path.write_text("base: {device: cpu}\nmatrix:\n  seed: [0, 1, 2, 3, 4, 5]\n  batch_size: [1, 2]\n")
     assert main(["plan", str(path), "--max-cells", "11"]) == 2
-    assert capsys.readouterr().err == (f"error: {path}:2: matrix: 12 cells (6 seed x 2 batch_size) is more than the "
-                                       "limit of 11; split the sweep, or raise the limit with --max-cells\n")
+    assert capsys.readouterr().err == (
+        f"error: {path}:2: matrix: 12 cells (6 seed x 2 batch_size) is more than the "
+        "limit of 11; split the sweep, or raise the limit with --max-cells\n"
+    )
     assert main(["plan", str(path), "--max-cells", "12"]) == 0
     assert capsys.readouterr().out.startswith("twelve: 12 cell(s) in 1 array(s)")

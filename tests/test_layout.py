@@ -25,8 +25,9 @@ print(json.dumps({"code": code, "loaded": sorted(m for m in ("torch", "transform
 
 
 def loaded_by(args: list[str], cwd: Path = ROOT) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -42,8 +43,10 @@ def printed(tmp_path_factory) -> tuple[Path, dict]:
     sweep = results / "smoke"
     cell = sorted((sweep / "cells").iterdir())[0]
     meta = json.loads((cell / "spec.json").read_text())
-    write_record(cell / "result.json", {"status": "error", "stage": "train", "error": "RuntimeError: x", **meta,
-                                        "world_size": 2, "nodes": 1})
+    write_record(
+        cell / "result.json",
+        {"status": "error", "stage": "train", "error": "RuntimeError: x", **meta, "world_size": 2, "nodes": 1},
+    )
     return sweep, submitted
 
 
@@ -66,8 +69,10 @@ def test_status_collect_and_history_load_no_torch(printed):
 
 
 def test_the_cache_side_loads_no_torch_outside_tokenising():
-    probe = ("import sys, hpcfsdp.cache.download, hpcfsdp.cache.fetch, hpcfsdp.cache.hub, hpcfsdp.cache.manifest, "
-             "hpcfsdp.cache.plan, hpcfsdp.cache.tokenize, hpcfsdp.cache.verify, hpcfsdp.sweep.job;"
-             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
+    probe = (
+        "import sys, hpcfsdp.cache.download, hpcfsdp.cache.fetch, hpcfsdp.cache.hub, hpcfsdp.cache.manifest, "
+        "hpcfsdp.cache.plan, hpcfsdp.cache.tokenize, hpcfsdp.cache.verify, hpcfsdp.sweep.job;"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

@@ -27,19 +27,27 @@ CPU = {"device": "cpu"}
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"attention": "flashy"},
-         "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)"),
+        (
+            {"attention": "flashy"},
+            "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)",
+        ),
         ({"loss": "fused"}, "loss: expected one of default, cce, liger; got 'fused'"),
-        ({"float8": "rowwize"},
-         "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)"),
-        ({"activation_checkpointing": "ops"},
-         "activation_checkpointing: expected one of none, full, selective, op; got 'ops'"),
+        (
+            {"float8": "rowwize"},
+            "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)",
+        ),
+        (
+            {"activation_checkpointing": "ops"},
+            "activation_checkpointing: expected one of none, full, selective, op; got 'ops'",
+        ),
         ({**CPU, "attention": "cudnn"}, "attention: cudnn is a CUDA SDPA backend; use attention: sdpa on CPU"),
         ({**CPU, "attention": "flash"}, "attention: flash is a CUDA SDPA backend"),
         ({**CPU, "loss": "liger"}, "loss: liger needs a GPU (Triton kernels); use loss: default or cce on CPU"),
         ({**CPU, "float8": "tensorwise"}, "float8: tensorwise needs a GPU with float8 tensor cores (SM89+"),
-        ({"float8": "rowwise", "strategy": "fsdp1_full_shard", "device": "cuda"},
-         "float8: supported with ddp and fsdp2_* strategies, got fsdp1_full_shard"),
+        (
+            {"float8": "rowwise", "strategy": "fsdp1_full_shard", "device": "cuda"},
+            "float8: supported with ddp and fsdp2_* strategies, got fsdp1_full_shard",
+        ),
         ({"float8": "tensorwise", "cpu_offload": True}, "float8: not with cpu_offload"),
     ],
 )
@@ -63,7 +71,11 @@ def test_the_levers_are_yaml_axes_and_their_defaults_keep_todays_cell_ids(tmp_pa
     path.write_text("base: {device: cpu}\nmatrix:\n  loss: [default, cce]\n  activation_checkpointing: [none, op]\n")
     cells = load_sweep(path).cells
     assert {(c.spec.loss, c.spec.activation_checkpointing) for c in cells} == {
-        ("default", "none"), ("default", "op"), ("cce", "none"), ("cce", "op")}
+        ("default", "none"),
+        ("default", "op"),
+        ("cce", "none"),
+        ("cce", "op"),
+    }
     plain = next(c for c in cells if c.spec.loss == "default" and c.spec.activation_checkpointing == "none")
     assert plain.id == cell_id(RunSpec(device="cpu"))
     assert (plain.spec.attention, plain.spec.float8) == ("sdpa", "none")
@@ -114,8 +126,9 @@ def zero2_default(tmp_path_factory):
 
 
 def test_op_checkpointing_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op",
-                               record_param_norm=True)
+    record = run_torchrun_cell(
+        tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op", record_param_norm=True
+    )
     assert record["spec"]["activation_checkpointing"] == "op"
     assert_same_training(zero2_default, record)
 

@@ -28,19 +28,22 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     jobs.write_text(SWEEP.replace("MODEL_DIR", str(broken)))
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1  # a cell failed
     out = capsys.readouterr().out
-    records = {r["spec"]["strategy"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))}
+    records = {
+        r["spec"]["strategy"]: r
+        for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))
+    }
     assert records["fsdp2_zero3"]["status"] == "ok" and records["fsdp2_zero3"]["world_size"] == 2
     failed = records["ddp"]
     assert failed["status"] == "error" and failed["stage"] == "model" and "no-such-architecture" in failed["error"]
     # The run ends in the comparison table, failed cell included.
-    table = out[out.index("| strategy"):]
+    table = out[out.index("| strategy") :]
     assert "| ok " in table and "| error " in table
     assert (tmp_path / "local_e2e/report/results.csv").is_file()
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
-    from hpcfsdp.sweep.job import write_cell_spec
     from hpcfsdp.spec import RunSpec
+    from hpcfsdp.sweep.job import write_cell_spec
 
     spec = RunSpec(device="cpu").replace(model=str(tmp_path / "model-deleted-after-plan"))
     cell_dir = tmp_path / "cell"
@@ -56,8 +59,10 @@ def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, c
     """Under the local executor, slurm.time_min still holds: a stuck cell ends as `timeout`."""
     monkeypatch.setenv("HPCFSDP_FAULT", "train_step:hang")  # every rank stops making progress
     jobs = tmp_path / "stuck.yaml"
-    jobs.write_text("name: stuck\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, gpus_per_node: 2}\n"
-                    "slurm: {time_min: 1, signal_delay_s: 30}\n")
+    jobs.write_text(
+        "name: stuck\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, gpus_per_node: 2}\n"
+        "slurm: {time_min: 1, signal_delay_s: 30}\n"
+    )
     started = time.monotonic()
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1
     assert 60 <= time.monotonic() - started < 120

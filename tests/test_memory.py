@@ -50,16 +50,19 @@ def saved_bytes_per_token(model, vocab: int, autocast: bool) -> float:
             return tensor
 
         tokens = torch.randint(0, vocab, (batch, 64))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+        ):
             model(input_ids=tokens, labels=tokens)
         return sum(storages.values())
 
     return (saved(4) - saved(2)) / (2 * 64)
 
 
-@pytest.mark.parametrize("strategy, precision",
-                         [("fsdp2_zero3", "fp32"), ("fsdp2_zero3", "bf16"), ("ddp", "bf16_mixed")])
+@pytest.mark.parametrize(
+    "strategy, precision", [("fsdp2_zero3", "fp32"), ("fsdp2_zero3", "bf16"), ("ddp", "bf16_mixed")]
+)
 def test_saved_activations_per_token_match_autograd_on_cpu(strategy, precision):
     """fp32; pure bf16 (what FSDP's mixed precision computes in); and DDP's autocast, whose
     residual stream stays fp32. In forward the loss saves log-softmax's fp32 output (4 bytes per
@@ -107,8 +110,9 @@ def test_the_peak_of_a_zero3_cell_by_hand():
 
 def test_checkpointing_keeps_each_layers_input_only():
     base = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, seq_len=4096, batch_size=4)
-    none, full = (predict(RunSpec(**base, activation_checkpointing=mode), load_shape("qwen2.5-1.5b"))
-                  for mode in ("none", "full"))
+    none, full = (
+        predict(RunSpec(**base, activation_checkpointing=mode), load_shape("qwen2.5-1.5b")) for mode in ("none", "full")
+    )
     assert full.activations_gib * GIB == 4 * 4096 * 28 * 2 * 1536  # bf16 inputs of 28 layers
     assert full.loss_gib == none.loss_gib and full.peak_gib < none.peak_gib / 1.5
 
@@ -121,13 +125,15 @@ def test_prediction_is_within_15_percent_of_every_gpu_record():
 
 def jobs(tmp_path, gpu_memory_gib: float = 80):
     path = tmp_path / "mem.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: mem
         base: {{model: qwen2.5-1.5b, seq_len: 4096, gpus_per_node: 2, strategy: fsdp2_zero3}}
         slurm: {{gpu_memory_gib: {gpu_memory_gib}}}
         matrix:
           batch_size: [1, 8, auto]
-        """))
+        """)
+    )
     return path
 
 
@@ -144,8 +150,20 @@ def test_plan_memory_flags_cells_predicted_not_to_fit_and_loads_no_torch(tmp_pat
 
 
 def test_submit_skips_the_cells_predicted_not_to_fit(tmp_path, capsys):
-    assert main(["submit", str(jobs(tmp_path)), "--executor", "print", "--skip-predicted-oom",
-                 "--results-dir", str(tmp_path / "results")]) == 0
+    assert (
+        main(
+            [
+                "submit",
+                str(jobs(tmp_path)),
+                "--executor",
+                "print",
+                "--skip-predicted-oom",
+                "--results-dir",
+                str(tmp_path / "results"),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     commands = captured.out.strip().splitlines()
     assert len(commands) == 2 and not any("-b8-" in c for c in commands)

@@ -25,12 +25,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from conftest import ROOT, TINY_CPU, run_torchrun_cell
-from tinyhub import MODEL, PRESET, download, offline
-
-from hpcfsdp.cell.data import synthetic_batches
 from hpcfsdp.cache.hub import CacheMissError
+from hpcfsdp.cell.data import synthetic_batches
 from hpcfsdp.cell.models import build_model, materialize, resolve_model
 from hpcfsdp.spec import RunSpec, SpecError
+from tinyhub import MODEL, PRESET, download, offline
 
 CPU = torch.device("cpu")
 CHECKED = ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight")
@@ -66,9 +65,13 @@ def test_hub_id_resolves_offline_from_the_cache(cached: SimpleNamespace, monkeyp
     assert not torch.equal(random.model.embed_tokens.weight, load_file(cached.repo / "model.safetensors")[CHECKED[0]])
 
 
-def test_missing_hub_id_fails_fast_naming_the_download_command(cached: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_hub_id_fails_fast_naming_the_download_command(
+    cached: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     offline(monkeypatch, cached)
-    assert RunSpec.from_dict({"model": "acme/absent", "init": "pretrained"}).model == "acme/absent"  # plan: no cache look-up
+    assert (
+        RunSpec.from_dict({"model": "acme/absent", "init": "pretrained"}).model == "acme/absent"
+    )  # plan: no cache look-up
     started = time.monotonic()
     with pytest.raises(CacheMissError) as caught:
         resolve_model("acme/absent", weights=True)
@@ -84,12 +87,18 @@ def test_plan_time_model_checks(tmp_path: Path) -> None:
     (config_only / "config.json").write_text(PRESET.read_text())
     cases = [
         ({"init": "pretrained"}, "init: pretrained needs weights, and model 'tiny' is a preset"),
-        ({"model": str(config_only), "init": "pretrained"}, r"model: folder .* has no \*.safetensors or pytorch_model\*.bin"),
+        (
+            {"model": str(config_only), "init": "pretrained"},
+            r"model: folder .* has no \*.safetensors or pytorch_model\*.bin",
+        ),
         ({"model": str(tmp_path)}, "model: folder .* has no config.json"),
         ({"model": "~/no/such/model"}, "model: no such folder: ~/no/such/model"),
         ({"model": "not a model"}, "model: expected a preset .* or a hub id ORG/NAME"),
         ({"init": "warm"}, "init: expected one of random, pretrained"),
-        ({"meta_init": True, "strategy": "fsdp1_full_shard", "device": "cuda"}, "meta_init: supported with ddp and fsdp2_"),
+        (
+            {"meta_init": True, "strategy": "fsdp1_full_shard", "device": "cuda"},
+            "meta_init: supported with ddp and fsdp2_",
+        ),
         ({"meta_init": True, "model": "acme/m", "init": "pretrained"}, "meta_init: applies to init: random only"),
         ({"meta_init": True, "optimizer_order": "before_shard"}, "meta_init: needs optimizer_order: after_shard"),
         ({"tokenizer": "./no/such/tokenizer"}, "tokenizer: no such folder"),
@@ -116,7 +125,7 @@ def test_meta_init_equals_the_full_init_and_keeps_ties() -> None:
 def test_meta_init_refuses_a_parameter_the_model_does_not_initialise() -> None:
     meta = build_model(resolve_model("tiny"), torch.float32, CPU, seed=0, meta=True)
     meta.model.register_parameter("extra", nn.Parameter(torch.empty(4, device="meta")))
-    with pytest.raises(RuntimeError, match="model.extra is not set by the model's own _init_weights"):
+    with pytest.raises(RuntimeError, match=r"model\.extra is not set by the model's own _init_weights"):
         materialize(meta, CPU, seed=0)
 
 
@@ -146,7 +155,8 @@ train(model, build_optimizer(model, spec), batches, spec, env, steps=2)
 out["tied_after_training"] = tied()
 trained = full()
 if env.is_main:
-    out["init_bit_identical"] = initial.keys() == reference.keys() and all(torch.equal(initial[k], reference[k]) for k in reference)
+    same = all(torch.equal(initial[k], reference[k]) for k in reference)
+    out["init_bit_identical"] = initial.keys() == reference.keys() and same
     out["head_equals_embedding"] = torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
     out["trained"] = not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])
     with open(sys.argv[2], "w") as f:
@@ -158,12 +168,28 @@ shutdown()
 def test_meta_init_fsdp2_on_two_processes_is_bit_identical_and_stays_tied(tmp_path: Path) -> None:
     script, result = tmp_path / "probe.py", tmp_path / "result.json"
     script.write_text(FSDP2_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-           json.dumps(TINY_CPU), str(result)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        json.dumps(TINY_CPU),
+        str(result),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads(result.read_text()) == {"sharded": "DTensor", "tied_after_materialize": True, "tied_after_training": True,
-                                              "init_bit_identical": True, "head_equals_embedding": True, "trained": True}
+    assert json.loads(result.read_text()) == {
+        "sharded": "DTensor",
+        "tied_after_materialize": True,
+        "tied_after_training": True,
+        "init_bit_identical": True,
+        "head_equals_embedding": True,
+        "trained": True,
+    }
 
 
 def test_meta_init_cell_trains_and_its_first_loss_is_the_full_init_loss(tmp_path: Path) -> None:
@@ -173,6 +199,11 @@ def test_meta_init_cell_trains_and_its_first_loss_is_the_full_init_loss(tmp_path
     spec = RunSpec.from_dict(TINY_CPU)
     model = build_model(resolve_model("tiny"), torch.float32, CPU, spec.seed)
     with torch.no_grad():
-        losses = [model(input_ids=t, labels=t).loss.item() for t in
-                  (next(synthetic_batches(model.config.vocab_size, 1, spec.seq_len, spec.seed, rank, CPU)) for rank in (0, 1))]
+        losses = [
+            model(input_ids=t, labels=t).loss.item()
+            for t in (
+                next(synthetic_batches(model.config.vocab_size, 1, spec.seq_len, spec.seed, rank, CPU))
+                for rank in (0, 1)
+            )
+        ]
     assert abs(record["losses"][0] - sum(losses) / 2) < 1e-6

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from hpcfsdp.cli import main
-from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.record import write_record
-from hpcfsdp.sweep.submit import select_cells
-from hpcfsdp.sweep.status import record_lost_cells, sweep_status, watch
-
 from conftest import ROOT
+from hpcfsdp.cli import main
+from hpcfsdp.record import write_record
+from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.status import record_lost_cells, sweep_status, watch
+from hpcfsdp.sweep.submit import select_cells
 
 BAD_YAML = sorted((ROOT / "tests" / "bad_yaml").glob("*.yaml"))
 EXPECT = re.compile(r"^# expect(?: line (\d+))?: (.+)$")
@@ -50,7 +49,9 @@ def test_bad_yaml_gives_one_line_naming_file_line_and_key(path, capsys):
 
 
 def test_plan_adds_a_column_for_every_field_that_varies(tmp_path, capsys):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: t
         base: {model: tiny, device: cpu, lr: 0.001}
         matrix:
@@ -60,7 +61,8 @@ def test_plan_adds_a_column_for_every_field_that_varies(tmp_path, capsys):
         include:
           - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
         slurm: {time_min: 20, max_requeue: 1}
-        """)
+        """,
+    )
     assert main(["plan", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "t: 9 cell(s) in 2 array(s)"
@@ -71,19 +73,26 @@ def test_plan_adds_a_column_for_every_field_that_varies(tmp_path, capsys):
     assert set(rows) == {cell.id for cell in sweep.cells}
     for cell in sweep.cells:
         assert rows[cell.id][-2:] == [str(cell.spec.seq_len), str(cell.spec.compile).lower()]
-    assert "array 0: 8 cell(s) on 1 node(s) x 1 GPU(s)" in lines and "array 1: 1 cell(s) on 2 node(s) x 2 GPU(s)" in lines
+    assert (
+        "array 0: 8 cell(s) on 1 node(s) x 1 GPU(s)" in lines and "array 1: 1 cell(s) on 2 node(s) x 2 GPU(s)" in lines
+    )
     # (8 x 1 + 1 x 4) GPUs x 20 min x (1 run + 1 requeue)
     assert lines[-1] == "upper bound: 8.0 GPU-hours at a 20 min limit per cell, 1 requeue(s)"
 
 
 def test_plan_into_a_closed_pipe_is_quiet(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         matrix:
           batch_size: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
           grad_accum: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
           seed: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
-        """)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcfsdp", "plan", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcfsdp", "plan", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout.readline().startswith(b"jobs: 1000 cell(s)")
     proc.stdout.close()  # like `| head -1`: 1000 rows do not fit in the pipe
     err = proc.stderr.read().decode()
@@ -129,16 +138,36 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
     folder = (tmp_path / "results" / "resources" / "slurm").absolute()
     for script in (one_node, two_nodes):
         flags = set(re.findall(r"^#SBATCH (\S+)$", script, flags=re.M))
-        assert {"--partition=h100", "--time=45", "--cpus-per-task=8", "--mem=64G", "--account=proj42", "--qos=high",
-                "--constraint='h100&ib'", "--exclusive", "--gpus-per-node=4", "--ntasks-per-node=4",
-                "--signal=USR2@120", "--requeue", "--reservation=maint", "--hold", "--mail-type=FAIL"} <= flags, flags
+        assert {
+            "--partition=h100",
+            "--time=45",
+            "--cpus-per-task=8",
+            "--mem=64G",
+            "--account=proj42",
+            "--qos=high",
+            "--constraint='h100&ib'",
+            "--exclusive",
+            "--gpus-per-node=4",
+            "--ntasks-per-node=4",
+            "--signal=USR2@120",
+            "--requeue",
+            "--reservation=maint",
+            "--hold",
+            "--mail-type=FAIL",
+        } <= flags, flags
         assert not any(flag.startswith("--gres") for flag in flags)
-        setup = script[script.index("# setup"):script.index("# command")].splitlines()[1:]
-        assert setup[:8] == ["export HF_HUB_OFFLINE=1", "export HF_DATASETS_OFFLINE=1", "export TRANSFORMERS_OFFLINE=1",
-                             "export HPCFSDP_CACHE=/shared/hpcfsdp-cache", "export HPCFSDP_MAX_REQUEUE=2",
-                             "unset HF_TOKEN HUGGING_FACE_HUB_TOKEN",
-                             'export HPCFSDP_JOB_END_TIME="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" '
-                             '--format=%e 2>/dev/null)"', "module load cuda/12.4"]
+        setup = script[script.index("# setup") : script.index("# command")].splitlines()[1:]
+        assert setup[:8] == [
+            "export HF_HUB_OFFLINE=1",
+            "export HF_DATASETS_OFFLINE=1",
+            "export TRANSFORMERS_OFFLINE=1",
+            "export HPCFSDP_CACHE=/shared/hpcfsdp-cache",
+            "export HPCFSDP_MAX_REQUEUE=2",
+            "unset HF_TOKEN HUGGING_FACE_HUB_TOKEN",
+            'export HPCFSDP_JOB_END_TIME="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" '
+            '--format=%e 2>/dev/null)"',
+            "module load cuda/12.4",
+        ]
         assert "hf_secret_value" not in script
         assert f"-m submitit.core._submit {folder}/%j" in script
     assert "#SBATCH --array=0-2%2" in one_node and "#SBATCH --nodes=1" in one_node
@@ -148,10 +177,13 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("gpu_request, flag", [("gres", "#SBATCH --gres=gpu:4"), ("none", None)])
 def test_sbatch_gpu_request_and_cache_from_the_environment(tmp_path, capsys, monkeypatch, gpu_request, flag):
     monkeypatch.setenv("HPCFSDP_CACHE", "/scratch/me/cache")
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         base: {{gpus_per_node: 4}}
         slurm: {{gpu_request: {gpu_request}}}
-        """)
+        """,
+    )
     (script,) = sbatch_scripts(capsys, path, tmp_path)
     gpu_flags = [line for line in script.splitlines() if line.startswith(("#SBATCH --gres", "#SBATCH --gpus"))]
     assert gpu_flags == ([flag] if flag else [])
@@ -159,29 +191,34 @@ def test_sbatch_gpu_request_and_cache_from_the_environment(tmp_path, capsys, mon
 
 
 def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: printed
         base: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1, comm_profile_steps: 0}
         matrix:
           strategy: [ddp, fsdp2_zero3]
         include:
           - {strategy: fsdp2_hsdp, nodes: 2, gpus_per_node: 2}
-        """)
+        """,
+    )
     results = tmp_path / "results"
     assert main(["submit", str(path), "--executor", "print", "--results-dir", str(results)]) == 0
     out = capsys.readouterr().out.splitlines()
     sweep = load_sweep(path)
     assert len(out) == len(sweep.cells) == 3
     for line, cell in zip(out, sweep.cells):
-        assert line.startswith("env -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 "
-                               "TRANSFORMERS_OFFLINE=1 ")
+        assert line.startswith(
+            "env -u HF_TOKEN -u HUGGING_FACE_HUB_TOKEN HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "
+        )
         assert line.endswith(f"--cell-dir {(results / 'printed' / 'cells' / cell.id).absolute()}")
     assert "--standalone --nproc-per-node=1" in out[0]
     assert '--nnodes=2 --rdzv-backend=c10d "--rdzv-endpoint=${MASTER_ADDR:?}:29500"' in out[2]
     assert "--nproc-per-node=2" in out[2]
     # The line runs as printed and the cell writes its record.
-    proc = subprocess.run(["bash", "-c", out[0]], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        ["bash", "-c", out[0]], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     record = json.loads((results / "printed" / "cells" / sweep.cells[0].id / "result.json").read_text())
     assert proc.returncode == 0 and record["status"] == "ok", proc.stderr[-2000:]
 
@@ -192,7 +229,7 @@ def fake_squeue(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     listing = tmp_path / "squeue.txt"
-    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/squeue.args\ncat {listing}\n")
+    (bin_dir / "squeue").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/squeue.args\ncat {listing}\n')
     (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
     for tool in ("squeue", "sacct"):
         (bin_dir / tool).chmod(0o755)
@@ -202,19 +239,24 @@ def fake_squeue(tmp_path, monkeypatch):
 
 def four_cell_sweep(tmp_path: Path):
     """ok, timeout, missing but still running, missing and gone: one cell each."""
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: flight
         base: {model: tiny, device: cpu, gpus_per_node: 2}
         matrix:
           batch_size: [1, 2, 3, 4]
-        """)
+        """,
+    )
     sweep = load_sweep(path)
     sweep_dir = tmp_path / "results" / "flight"
     manifest = {}
     for index, (cell, status) in enumerate(zip(sweep.cells, ("ok", "timeout", None, None))):
         directory = sweep_dir / "cells" / cell.id
         directory.mkdir(parents=True)
-        (directory / "spec.json").write_text(json.dumps({"cell_id": cell.id, "sweep": "flight", "spec": cell.spec.to_dict()}))
+        (directory / "spec.json").write_text(
+            json.dumps({"cell_id": cell.id, "sweep": "flight", "spec": cell.spec.to_dict()})
+        )
         if status:
             write_record(directory / "result.json", {"status": status, "spec": cell.spec.to_dict()})
         manifest[cell.id] = {"executor": "slurm", "job_id": f"71_{index}", "submitted_at": 0}
@@ -223,7 +265,7 @@ def four_cell_sweep(tmp_path: Path):
 
 
 def test_cells_still_in_squeue_are_never_resubmitted(tmp_path, fake_squeue):
-    path, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    _path, sweep, sweep_dir = four_cell_sweep(tmp_path)
     ok, timed_out, running, gone = sweep.cells
     fake_squeue.write_text("71_2 RUNNING\n")
     chosen, done, flying = select_cells(sweep, sweep_dir)
@@ -237,15 +279,17 @@ def test_cells_still_in_squeue_are_never_resubmitted(tmp_path, fake_squeue):
 
 def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, capsys):
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    ok, timed_out, running, gone = sweep.cells
+    _ok, timed_out, running, gone = sweep.cells
     fake_squeue.write_text("71_2 RUNNING\n")
     assert main(["status", str(sweep_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{sweep_dir}: 4 cell(s): missing 1, ok 1, running 1, timeout 1"
     rows = {line.split()[0]: line.split()[1:] for line in out[2:-1]}
-    assert rows == {timed_out.id: ["fsdp2_zero3", "timeout", "71_1", "-"],
-                    running.id: ["fsdp2_zero3", "running", "71_2", "RUNNING"],
-                    gone.id: ["fsdp2_zero3", "missing", "71_3", "-"]}
+    assert rows == {
+        timed_out.id: ["fsdp2_zero3", "timeout", "71_1", "-"],
+        running.id: ["fsdp2_zero3", "running", "71_2", "RUNNING"],
+        gone.id: ["fsdp2_zero3", "missing", "71_3", "-"],
+    }
     assert out[-1] == f"logs: {sweep_dir}/slurm/<job>/<job>_<rank>_log.err"
     # --watch redraws until nothing is pending or running (here: the job leaves the queue after one
     # look); the bar goes to stderr, one line per change when stderr is not a terminal.
@@ -263,7 +307,9 @@ def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, 
 
 def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, capsys):
     path, _, sweep_dir = four_cell_sweep(tmp_path)
-    fake_squeue.parent.joinpath("bin", "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n")
+    fake_squeue.parent.joinpath("bin", "squeue").write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
+    )
     assert main(["submit", str(path), "--executor", "local", "--results-dir", str(tmp_path / "results")]) == 1
     err = capsys.readouterr().err
     assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
@@ -293,9 +339,13 @@ esac
     assert not report.note and [c.state for c in report.cells] == ["missing"]
     assert calls.read_text().count("x") == 3
     lines = err.getvalue().splitlines()
-    assert lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
-    assert lines[1:] == ["[..............................] 0/1 finished (running 1)",
-                         "[##############################] 1/1 finished (missing 1)"]
+    assert (
+        lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
+    )
+    assert lines[1:] == [
+        "[..............................] 0/1 finished (running 1)",
+        "[##############################] 1/1 finished (missing 1)",
+    ]
     # A scheduler that never answers: watch gives up after its patience, note and all.
     (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\necho 'Unable to contact slurm controller' >&2\nexit 1\n")
     report = watch(sweep_dir, 0.01, [running.id], stream=io.StringIO(), patience_s=0.05)
@@ -360,11 +410,14 @@ def test_plan_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, ca
     assert not (tmp_path / "hub").exists()  # nothing written, nothing run
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "--cell-dir", "{tmp}/nope"], "{tmp}/nope: no spec.json here"),
-    (["status", "{tmp}"], "{tmp}: not a sweep folder"),
-    (["collect", "{tmp}/nope"], "{tmp}/nope: no such sweep folder"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--cell-dir", "{tmp}/nope"], "{tmp}/nope: no spec.json here"),
+        (["status", "{tmp}"], "{tmp}: not a sweep folder"),
+        (["collect", "{tmp}/nope"], "{tmp}/nope: no such sweep folder"),
+    ],
+)
 def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
     assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
     err = capsys.readouterr().err
@@ -378,7 +431,10 @@ def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", str(bin_dir))
     assert default_executor() == ("local", "no Slurm here (sbatch is not on PATH)")
-    for tool, script in (("sbatch", "exit 0"), ("sinfo", "echo 'sinfo: error: noise' >&2\necho 'sinfo: fatal: no config' >&2\nexit 1")):
+    for tool, script in (
+        ("sbatch", "exit 0"),
+        ("sinfo", "echo 'sinfo: error: noise' >&2\necho 'sinfo: fatal: no config' >&2\nexit 1"),
+    ):
         (bin_dir / tool).write_text(f"#!/bin/sh\n{script}\n")
         (bin_dir / tool).chmod(0o755)
     executor, why = default_executor()
@@ -389,7 +445,7 @@ def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch
 
 def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_squeue, capsys):
     _, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    _, _, running, gone = sweep.cells
+    _, _, running, _gone = sweep.cells
     fake_squeue.write_text("71_2 RUNNING\n")
     main(["collect", str(sweep_dir), "--no-plots"])
     summary = (sweep_dir / "report" / "summary.md").read_text()
@@ -398,8 +454,10 @@ def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_
     # A controller that does not answer: collect says it does not know, rather than guessing.
     (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\nexit 1\n")
     main(["collect", str(sweep_dir), "--no-plots"])
-    assert "(Slurm job 71_3: pending, running or lost; `hpcfsdp status` asks Slurm)" in (
-        sweep_dir / "report" / "summary.md").read_text()
+    assert (
+        "(Slurm job 71_3: pending, running or lost; `hpcfsdp status` asks Slurm)"
+        in (sweep_dir / "report" / "summary.md").read_text()
+    )
 
 
 def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tmp_path, fake_squeue, capsys):
@@ -407,8 +465,10 @@ def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tm
     lost_with_node, gone = sweep.cells[2:]
     fake_squeue.write_text("")
     sacct = tmp_path / "bin" / "sacct"
-    sacct.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sacct.args\n"
-                     "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n")
+    sacct.write_text(
+        f'#!/bin/sh\necho "$@" >> {tmp_path}/sacct.args\n'
+        "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n"
+    )
     assert main(["status", str(sweep_dir)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]

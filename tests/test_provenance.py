@@ -18,8 +18,9 @@ def git_repo(path: Path, ignore: str = "") -> str:
     (path / ".gitignore").write_text(ignore)
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "c"]):
         subprocess.run([*GIT, "-C", str(path), *args], check=True, capture_output=True)
-    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(path), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def copy_package(to: Path) -> None:
@@ -29,8 +30,14 @@ def copy_package(to: Path) -> None:
 def recorded_commit(import_root: Path, cwd: Path) -> str:
     """What run.py's provenance would record, for the package imported from `import_root`."""
     code = "import hpcfsdp; from hpcfsdp.cell.provenance import git_commit; print(hpcfsdp.__file__, git_commit())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(import_root), "PATH": "/usr/bin:/bin"}).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(import_root), "PATH": "/usr/bin:/bin"},
+    ).stdout.split()
     assert out[0] == str(import_root / "hpcfsdp" / "__init__.py")  # the copy, not the package under test
     return out[1]
 
@@ -50,6 +57,10 @@ def test_a_copy_installed_inside_another_projects_checkout_records_unknown(tmp_p
     copy_package(site_packages)
     git_repo(other, ignore=".venv/\n")
     # git itself would name the other project's commit from inside its .venv:
-    assert subprocess.run(["git", "-C", str(site_packages / "hpcfsdp"), "rev-parse", "HEAD"],
-                          capture_output=True).returncode == 0
+    assert (
+        subprocess.run(
+            ["git", "-C", str(site_packages / "hpcfsdp"), "rev-parse", "HEAD"], capture_output=True
+        ).returncode
+        == 0
+    )
     assert recorded_commit(site_packages, cwd=other) == "unknown"

@@ -13,10 +13,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.matrix import load_sweep
-
-from conftest import ROOT
 
 pytestmark = pytest.mark.slurm
 
@@ -47,8 +46,12 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     # Exit status 1: one cell (lr 1e12) diverges, and --wait fails when a cell did not finish ok.
     assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 1
     out, err = capsys.readouterr()
-    for shape in ("6 cell(s) on 1 node(s) x 2 GPU(s)", "1 cell(s) on 1 node(s) x 1 GPU(s)",
-                  "1 cell(s) on 2 node(s) x 2 GPU(s)", "1 cell(s) on 2 node(s) x 1 GPU(s)"):
+    for shape in (
+        "6 cell(s) on 1 node(s) x 2 GPU(s)",
+        "1 cell(s) on 1 node(s) x 1 GPU(s)",
+        "1 cell(s) on 2 node(s) x 2 GPU(s)",
+        "1 cell(s) on 2 node(s) x 1 GPU(s)",
+    ):
         assert re.search(rf"submitted array \d+: {re.escape(shape)}", out), out
 
     sweep_dir = tmp_path / "results" / "slurm_e2e"
@@ -63,8 +66,12 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     logs = {p.read_text() for p in sweep_dir.glob("slurm/*/*_0_log.out")}
     for record in got.values():
         path = sweep_dir / "cells" / record["cell_id"] / "result.json"
-        assert any(re.search(rf"\[hpcfsdp\] {record['cell_id']}: {record['status']}.* \| record \S*{re.escape(str(path))}\n", log)
-                   for log in logs), record["cell_id"]
+        assert any(
+            re.search(
+                rf"\[hpcfsdp\] {record['cell_id']}: {record['status']}.* \| record \S*{re.escape(str(path))}\n", log
+            )
+            for log in logs
+        ), record["cell_id"]
     single = [r for r in got.values() if r["nodes"] == 1 and r["world_size"] == 2]
     assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
     assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4, 5]
@@ -91,12 +98,30 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
 
 
 def test_plain_sbatch_template_trains_across_two_nodes(slurm_cluster, tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "TOTAL_BATCH_SIZE": "4", "BATCH_SIZE_PER_DEVICE": "1", "HPCFSDP_RESULTS": str(tmp_path / "results"),
-           "PYTHONPATH": str(ROOT / "src")}
-    cmd = ["sbatch", "--wait", "--nodes=2", "--gres=gpu:1", "--cpus-per-task=2", f"--output={tmp_path}/job.out",
-           str(ROOT / "slurm/fsdp_job.sbatch"), "strategy=fsdp2_zero3", "model=tiny", "device=cpu",
-           "precision=fp32", "seq_len=32", "steps=3", "warmup_steps=1"]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "TOTAL_BATCH_SIZE": "4",
+        "BATCH_SIZE_PER_DEVICE": "1",
+        "HPCFSDP_RESULTS": str(tmp_path / "results"),
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--nodes=2",
+        "--gres=gpu:1",
+        "--cpus-per-task=2",
+        f"--output={tmp_path}/job.out",
+        str(ROOT / "slurm/fsdp_job.sbatch"),
+        "strategy=fsdp2_zero3",
+        "model=tiny",
+        "device=cpu",
+        "precision=fp32",
+        "seq_len=32",
+        "steps=3",
+        "warmup_steps=1",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert proc.returncode == 0, textwrap.shorten(proc.stderr + log[-3000:], 4000)

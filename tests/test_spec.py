@@ -6,11 +6,10 @@ import textwrap
 
 import pytest
 
-from hpcfsdp.cli import main
-from hpcfsdp.sweep.matrix import cell_id, load_sweep
-from hpcfsdp.spec import RunSpec, SpecError
-
 from conftest import ROOT
+from hpcfsdp.cli import main
+from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.sweep.matrix import cell_id, load_sweep
 
 
 def write(tmp_path, text: str):
@@ -27,21 +26,27 @@ def cli_error(capsys, *argv) -> str:
 
 
 def test_unknown_axis_names_file_line_and_suggestion(tmp_path, capsys):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: t
         matrix:
           strategy: [ddp]
           batch_sizes: [1, 2]
-        """)
+        """,
+    )
     err = cli_error(capsys, "plan", str(path))
     assert f"{path}:5" in err and "matrix.batch_sizes" in err and "did you mean 'batch_size'" in err
 
 
 def test_non_positive_batch_names_file_and_key(tmp_path, capsys):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         matrix:
           batch_size: [2, 0]
-        """)
+        """,
+    )
     err = cli_error(capsys, "plan", str(path))
     assert str(path) in err and "batch_size" in err and "positive" in err and "got 0" in err
 
@@ -104,7 +109,10 @@ def test_cell_ids_hash_only_the_fields_that_differ_from_their_defaults():
 
 
 def test_exclude_matches_coerced_values_and_may_drop_invalid_combinations(tmp_path):
-    sweep = load_sweep(write(tmp_path, """
+    sweep = load_sweep(
+        write(
+            tmp_path,
+            """
         base: {device: cpu, lr: 3e-4}
         matrix:
           strategy: [ddp, fsdp2_zero3]
@@ -113,9 +121,13 @@ def test_exclude_matches_coerced_values_and_may_drop_invalid_combinations(tmp_pa
         exclude:
           - {strategy: ddp, activation_checkpointing: true}
           - {strategy: ddp, cpu_offload: true}
-        """))
+        """,
+        )
+    )
     assert sorted((c.spec.strategy, c.spec.activation_checkpointing, c.spec.cpu_offload) for c in sweep.cells) == [
-        ("ddp", "none", False), *(("fsdp2_zero3", ckpt, off) for ckpt in ("full", "none") for off in (False, True))]
+        ("ddp", "none", False),
+        *(("fsdp2_zero3", ckpt, off) for ckpt in ("full", "none") for off in (False, True)),
+    ]
     assert {c.spec.lr for c in sweep.cells} == {3e-4}  # YAML reads 3e-4 as a string
 
 
@@ -134,7 +146,10 @@ def test_every_shipped_jobs_file_plans(jobs):
 
 
 def test_batch_size_auto_in_base_matrix_or_include_sets_auto_batch(tmp_path):
-    sweep = load_sweep(write(tmp_path, """
+    sweep = load_sweep(
+        write(
+            tmp_path,
+            """
         base: {device: cpu, gpus_per_node: 2, batch_size: auto}
         matrix:
           strategy: [ddp, fsdp2_zero3]
@@ -143,24 +158,38 @@ def test_batch_size_auto_in_base_matrix_or_include_sets_auto_batch(tmp_path):
           - {strategy: ddp, batch_size: auto}
         include:
           - {strategy: fsdp2_zero2, max_batch_size: 32, batch_margin: 0.05}
-        """))
+        """,
+        )
+    )
     cells = {(c.spec.strategy, c.spec.auto_batch, c.spec.batch_size): c for c in sweep.cells}
-    assert set(cells) == {("ddp", False, 4), ("fsdp2_zero3", True, 1), ("fsdp2_zero3", False, 4), ("fsdp2_zero2", True, 1)}
+    assert set(cells) == {
+        ("ddp", False, 4),
+        ("fsdp2_zero3", True, 1),
+        ("fsdp2_zero3", False, 4),
+        ("fsdp2_zero2", True, 1),
+    }
     assert cells["fsdp2_zero3", True, 1].id.startswith("fsdp2_zero3-bauto-a1-")
     zero2 = cells["fsdp2_zero2", True, 1].spec
     assert (zero2.max_batch_size, zero2.batch_margin, zero2.batch_cap) == (32, 0.05, 32)
     assert RunSpec.from_dict({"batch_size": "auto", "auto_batch": True}).auto_batch
 
 
-@pytest.mark.parametrize("values, key, message", [
-    ({"batch_size": "big"}, "batch_size", "expected an integer or auto, got 'big'"),
-    ({"batch_size": "auto", "auto_batch": False}, "auto_batch", "contradicts batch_size: auto"),
-    ({"batch_size": "auto", "batch_margin": 1.0}, "batch_margin", "expected a fraction in [0, 1)"),
-    ({"batch_size": "auto", "batch_probe_steps": 1}, "batch_probe_steps", "expected at least 2"),
-    ({"batch_size": "auto", "max_batch_size": 0}, "max_batch_size", "expected a positive integer"),
-    ({"batch_size": "auto", "gpus_per_node": 4, "global_batch_size": 6}, "global_batch_size", "not a multiple of the world size 4"),
-    ({"batch_size": 64, "auto_batch": True, "max_batch_size": 32}, "batch_size", "above its cap 32"),
-])
+@pytest.mark.parametrize(
+    "values, key, message",
+    [
+        ({"batch_size": "big"}, "batch_size", "expected an integer or auto, got 'big'"),
+        ({"batch_size": "auto", "auto_batch": False}, "auto_batch", "contradicts batch_size: auto"),
+        ({"batch_size": "auto", "batch_margin": 1.0}, "batch_margin", "expected a fraction in [0, 1)"),
+        ({"batch_size": "auto", "batch_probe_steps": 1}, "batch_probe_steps", "expected at least 2"),
+        ({"batch_size": "auto", "max_batch_size": 0}, "max_batch_size", "expected a positive integer"),
+        (
+            {"batch_size": "auto", "gpus_per_node": 4, "global_batch_size": 6},
+            "global_batch_size",
+            "not a multiple of the world size 4",
+        ),
+        ({"batch_size": 64, "auto_batch": True, "max_batch_size": 32}, "batch_size", "above its cap 32"),
+    ],
+)
 def test_batch_search_settings_are_validated(values, key, message):
     with pytest.raises(SpecError) as caught:
         RunSpec.from_dict(values)
@@ -172,7 +201,9 @@ def test_a_searched_cells_record_is_not_stale_for_the_batch_it_chose(tmp_path):
     from hpcfsdp.sweep.matrix import Cell
     from hpcfsdp.sweep.status import cell_status
 
-    cell = Cell.of(RunSpec.from_dict({"batch_size": "auto", "global_batch_size": 16, "gpus_per_node": 2, "device": "cpu"}))
+    cell = Cell.of(
+        RunSpec.from_dict({"batch_size": "auto", "global_batch_size": 16, "gpus_per_node": 2, "device": "cpu"})
+    )
     measured = cell.spec.with_batch_size(4)
     path = tmp_path / "cells" / cell.id / "result.json"
     write_record(path, {"status": "ok", "spec": measured.to_dict()})
@@ -182,6 +213,8 @@ def test_a_searched_cells_record_is_not_stale_for_the_batch_it_chose(tmp_path):
 
 
 def test_an_unknown_gpu_name_asks_for_its_memory_size(tmp_path):
-    with pytest.raises(SpecError, match=r"jobs.yaml:1: slurm.gpu_name: memory size of 'X9000' unknown .*set gpu_memory_gib"):
+    with pytest.raises(
+        SpecError, match=r"jobs.yaml:1: slurm.gpu_name: memory size of 'X9000' unknown .*set gpu_memory_gib"
+    ):
         load_sweep(write(tmp_path, "slurm: {gpu_name: X9000}\n"))
     assert load_sweep(write(tmp_path, "slurm: {gpu_name: X9000, gpu_memory_gib: 96}\n")).resources.gpu_memory_gib == 96

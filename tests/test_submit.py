@@ -45,13 +45,17 @@ def slurm(*args: str) -> str:
 
 def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone(slurm_cluster, tmp_path, capsys):
     # Submitted held (extra_sbatch passes --hold through), so that cancelling task 1 is deterministic.
-    jobs = write(tmp_path, "held", f"""
+    jobs = write(
+        tmp_path,
+        "held",
+        f"""
         name: held
         base: {{{CPU_CELL}, steps: 3, gpus_per_node: 1}}
         slurm: {{time_min: 10, extra_sbatch: {{hold: true}}}}
         matrix:
           strategy: [ddp, fsdp2_zero2, fsdp2_zero3]
-        """)
+        """,
+    )
     results = tmp_path / "results"
     sweep_dir = results / "held"
     submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
@@ -95,22 +99,29 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
 def test_a_refused_sbatch_is_one_line_and_keeps_the_records(slurm_cluster, tmp_path, capsys):
     # The cluster has no reservation of that name: sbatch refuses the array (plan's check against
     # the partition has nothing to say about reservations).
-    jobs = write(tmp_path, "refused", f"""
+    jobs = write(
+        tmp_path,
+        "refused",
+        f"""
         name: refused
         base: {{{CPU_CELL}, steps: 3}}
         slurm: {{time_min: 10, extra_sbatch: {{reservation: no-such-reservation}}}}
         matrix:
           batch_size: [1, 2, 3, 4]
-        """)
+        """,
+    )
     sweep_dir = tmp_path / "results" / "refused"
     ok, timed_out, *_ = load_sweep(jobs).cells
     for cell, status in ((ok, "ok"), (timed_out, "timeout")):
         (sweep_dir / "cells" / cell.id).mkdir(parents=True)
         write_record(sweep_dir / "cells" / cell.id / "result.json", {"status": status})
-    assert main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 1
+    assert (
+        main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 1
+    )
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
-        "error: sbatch refused the array of 4 cell(s) on 1 node(s) x 1 GPU(s): "), err
+        "error: sbatch refused the array of 4 cell(s) on 1 node(s) x 1 GPU(s): "
+    ), err
     assert "Batch job submission failed: Requested reservation is invalid" in err[0]
     # --force set the records aside for the rerun; nothing was queued, so they are back.
     assert [record(sweep_dir, c.id)["status"] for c in (ok, timed_out)] == ["ok", "timeout"]
@@ -126,11 +137,15 @@ def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tm
     results = tmp_path / "results"
     arrays = {}
     for name, requeues in (("timeout", 0), ("requeue", 1)):
-        jobs = write(tmp_path, name, f"""
+        jobs = write(
+            tmp_path,
+            name,
+            f"""
             name: {name}
             base: {endless}
             slurm: {{time_min: 1, signal_delay_s: 10, max_requeue: {requeues}}}
-            """)
+            """,
+        )
         assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]) == 0
         (arrays[name],) = re.findall(r"submitted array (\d+)", capsys.readouterr().out)
     requeued = arrays["requeue"]

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcfsdp.sweep.submit import OFFLINE_ENV
-
 from conftest import ROOT
+from hpcfsdp.sweep.submit import OFFLINE_ENV
 from hub_server import HubServer, build_model_folder, dataset_files
 from test_download import DATASET, FAKE_TOKEN, MODEL, _env, _run
 
@@ -31,8 +30,13 @@ def download(tmp: Path, *args: str, weights: bool = False) -> SimpleNamespace:
         proc = _run(["download_models.py", *args, "--cache-dir", str(tmp / "cache")], _env(tmp, HF_ENDPOINT=hub.url))
         endpoint = hub.url
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return SimpleNamespace(cache=tmp / "cache", repo=repo, endpoint=endpoint,
-                           model_sha=hub.repos[("model", MODEL)].sha, dataset_sha=hub.repos[("dataset", DATASET)].sha)
+    return SimpleNamespace(
+        cache=tmp / "cache",
+        repo=repo,
+        endpoint=endpoint,
+        model_sha=hub.repos[("model", MODEL)].sha,
+        dataset_sha=hub.repos[("dataset", DATASET)].sha,
+    )
 
 
 def offline(monkeypatch: pytest.MonkeyPatch, cached: SimpleNamespace) -> None:
@@ -42,8 +46,10 @@ def offline(monkeypatch: pytest.MonkeyPatch, cached: SimpleNamespace) -> None:
     monkeypatch.setenv("HF_ENDPOINT", cached.endpoint)
     for var, value in OFFLINE_ENV.items():
         monkeypatch.setenv(var, value)
-    for module, flags in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
-                          ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))):
+    for module, flags in (
+        ("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+        ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
+    ):
         if module in sys.modules:
             for flag in flags:
                 monkeypatch.setattr(sys.modules[module], flag, True)

@@ -101,13 +101,17 @@ class Shape:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             attention_bias = bool(config.get("attention_bias", False))
             return cls(
-                vocab=int(config["vocab_size"]), hidden=hidden, intermediate=int(config["intermediate_size"]),
-                layers=int(config["num_hidden_layers"]), heads=heads,
+                vocab=int(config["vocab_size"]),
+                hidden=hidden,
+                intermediate=int(config["intermediate_size"]),
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
                 kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 tied=bool(config.get("tie_word_embeddings", False)),
                 qkv_bias=attention_bias or config.get("model_type") == "qwen2",  # Qwen2 always has q/k/v biases
-                o_bias=attention_bias, mlp_bias=bool(config.get("mlp_bias", False)),
+                o_bias=attention_bias,
+                mlp_bias=bool(config.get("mlp_bias", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelConfigError(f"{where}: not a decoder config this prediction knows ({exc})") from None
@@ -284,9 +288,15 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
     }
     moment = max(moments, key=lambda name: moments[name])
     workspace = WORKSPACE_GIB if spec.device != "cpu" else 0.0
-    return Prediction(states_gib=states / GIB, gathered_gib=gathered / GIB, activations_gib=saved / GIB,
-                      loss_gib=loss / GIB, peak_gib=moments[moment] / GIB + workspace, peak_moment=moment,
-                      build_gib=0.0 if spec.meta_init else params * p / GIB)
+    return Prediction(
+        states_gib=states / GIB,
+        gathered_gib=gathered / GIB,
+        activations_gib=saved / GIB,
+        loss_gib=loss / GIB,
+        peak_gib=moments[moment] / GIB + workspace,
+        peak_moment=moment,
+        build_gib=0.0 if spec.meta_init else params * p / GIB,
+    )
 
 
 def _gathered_bytes(spec: RunSpec, shape: Shape) -> float:

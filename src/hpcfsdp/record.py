@@ -58,8 +58,18 @@ class CellState(str, Enum):
 
 
 # What a record's `status` may say.
-STATUSES = tuple(s.value for s in (CellState.OK, CellState.OOM, CellState.ERROR, CellState.TIMEOUT, CellState.DIVERGED,
-                                   CellState.CANCELLED, CellState.NODE_FAIL))
+STATUSES = tuple(
+    s.value
+    for s in (
+        CellState.OK,
+        CellState.OOM,
+        CellState.ERROR,
+        CellState.TIMEOUT,
+        CellState.DIVERGED,
+        CellState.CANCELLED,
+        CellState.NODE_FAIL,
+    )
+)
 MISSING, CORRUPT = CellState.MISSING, CellState.CORRUPT
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
@@ -67,9 +77,19 @@ SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by
 ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status once its Slurm job ended
 
 # Fields the tables and plots compute with: a number (or null) each, lists of numbers.
-NUMBER_FIELDS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "data_time_fraction", "comm_exposed_fraction",
-                 "gpu_util_mean", "step_time_s", "final_loss", "gpu_hours_per_billion_tokens", "joules_per_token",
-                 "memory_capacity_gib")
+NUMBER_FIELDS = (
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "peak_memory_gib",
+    "data_time_fraction",
+    "comm_exposed_fraction",
+    "gpu_util_mean",
+    "step_time_s",
+    "final_loss",
+    "gpu_hours_per_billion_tokens",
+    "joules_per_token",
+    "memory_capacity_gib",
+)
 NUMBER_LIST_FIELDS = ("losses", "step_times_s")
 # Exact types, as json.loads gives them: true is a bool, not the number 1.
 NUMBER_TYPES = frozenset({int, float})
@@ -97,8 +117,9 @@ def write_record(path: str | Path, record: dict[str, Any]) -> Path:
     return write_json(path, {"schema_version": SCHEMA_VERSION, **record}, sort_keys=True)
 
 
-def failure_record(status: str, stage: str, error: str, trace: str | None = None,
-                   cell: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+def failure_record(
+    status: str, stage: str, error: str, trace: str | None = None, cell: dict[str, Any] | None = None, **fields: Any
+) -> dict[str, Any]:
     """The fields every failed cell's record has: its status, the stage it failed at, the error on
     one line and, where there is one, the traceback (or a log's tail). `cell`: the cell's spec.json
     ({cell_id, sweep, spec}), for a record written where the run's own context is not known (a

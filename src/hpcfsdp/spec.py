@@ -12,16 +12,23 @@ import functools
 import json
 import math
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .cache.hub import DatasetRef, ModelRef
 
 StrategyName = Literal[
     "ddp",
-    "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard", "fsdp1_hybrid_zero2", "fsdp1_no_shard",
-    "fsdp2_zero3", "fsdp2_zero2", "fsdp2_hsdp",
+    "fsdp1_full_shard",
+    "fsdp1_shard_grad_op",
+    "fsdp1_hybrid_shard",
+    "fsdp1_hybrid_zero2",
+    "fsdp1_no_shard",
+    "fsdp2_zero3",
+    "fsdp2_zero2",
+    "fsdp2_hsdp",
 ]
 Family = Literal["ddp", "fsdp1", "fsdp2"]
 Checkpointing = Literal["none", "full", "selective", "op"]
@@ -43,8 +50,16 @@ GpuRequest = Literal["gres", "gpus_per_node", "none"]
 # defaults. The collector uses this to match a cell with its baseline and to name variants.
 FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {
     "ddp": (),
-    "fsdp1": ("cpu_offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params",
-              "wrap_policy", "min_num_params", "reduce_dtype"),
+    "fsdp1": (
+        "cpu_offload",
+        "backward_prefetch",
+        "forward_prefetch",
+        "limit_all_gathers",
+        "use_orig_params",
+        "wrap_policy",
+        "min_num_params",
+        "reduce_dtype",
+    ),
     "fsdp2": ("cpu_offload", "prefetch_depth", "reduce_dtype", "optimizer_order"),
 }
 
@@ -69,8 +84,9 @@ STRATEGIES: dict[StrategyName, StrategyInfo] = {
     "fsdp1_full_shard": StrategyInfo("fsdp1", fsdp1_sharding="FULL_SHARD"),
     "fsdp1_shard_grad_op": StrategyInfo("fsdp1", reshard_after_forward=False, fsdp1_sharding="SHARD_GRAD_OP"),
     "fsdp1_hybrid_shard": StrategyInfo("fsdp1", hybrid=True, fsdp1_sharding="HYBRID_SHARD"),
-    "fsdp1_hybrid_zero2": StrategyInfo("fsdp1", hybrid=True, reshard_after_forward=False,
-                                       fsdp1_sharding="_HYBRID_SHARD_ZERO2"),
+    "fsdp1_hybrid_zero2": StrategyInfo(
+        "fsdp1", hybrid=True, reshard_after_forward=False, fsdp1_sharding="_HYBRID_SHARD_ZERO2"
+    ),
     "fsdp1_no_shard": StrategyInfo("fsdp1", fsdp1_sharding="NO_SHARD"),
     "fsdp2_zero3": StrategyInfo("fsdp2"),
     "fsdp2_zero2": StrategyInfo("fsdp2", reshard_after_forward=False),
@@ -198,23 +214,37 @@ class RunSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> "RunSpec":
+    def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> RunSpec:
         coerced = coerce_fields(cls, values, where)
         return cls(**coerced)._validated(where, grad_accum_given="grad_accum" in coerced)
 
-    def replace(self, **changes: Any) -> "RunSpec":
+    def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
 
-    def _validated(self, where: str, grad_accum_given: bool = False) -> "RunSpec":
+    def _validated(self, where: str, grad_accum_given: bool = False) -> RunSpec:
         _require_choices(where, self)
         for name, value in _text_fields(self):
             require_no_control_characters(where, name, value)
-        for name in ("seq_len", "nodes", "gpus_per_node", "batch_size", "grad_accum", "steps", "checkpoint_every",
-                     "max_batch_size"):
+        for name in (
+            "seq_len",
+            "nodes",
+            "gpus_per_node",
+            "batch_size",
+            "grad_accum",
+            "steps",
+            "checkpoint_every",
+            "max_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
-        for name in ("warmup_steps", "global_batch_size", "hsdp_shard_size", "prefetch_depth", "min_num_params",
-                     "comm_profile_steps"):
+        for name in (
+            "warmup_steps",
+            "global_batch_size",
+            "hsdp_shard_size",
+            "prefetch_depth",
+            "min_num_params",
+            "comm_profile_steps",
+        ):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps >= self.steps:
@@ -236,16 +266,28 @@ class RunSpec:
         if not 0 <= self.batch_margin < 1:
             raise SpecError(where, "batch_margin", f"expected a fraction in [0, 1), got {self.batch_margin}")
         if self.batch_probe_steps < 2:
-            raise SpecError(where, "batch_probe_steps", "expected at least 2 (the optimizer states exist from "
-                            f"the second step on), got {self.batch_probe_steps}")
+            raise SpecError(
+                where,
+                "batch_probe_steps",
+                "expected at least 2 (the optimizer states exist from "
+                f"the second step on), got {self.batch_probe_steps}",
+            )
         if not self.auto_batch:
             return
         if self.global_batch_size % self.world_size:
-            raise SpecError(where, "global_batch_size", f"{self.global_batch_size} is not a multiple of the world "
-                            f"size {self.world_size} (batch_size: auto needs a per-rank share to divide)")
+            raise SpecError(
+                where,
+                "global_batch_size",
+                f"{self.global_batch_size} is not a multiple of the world "
+                f"size {self.world_size} (batch_size: auto needs a per-rank share to divide)",
+            )
         if self.batch_size > self.batch_cap:
-            raise SpecError(where, "batch_size", f"the search's first batch {self.batch_size} is above its cap "
-                            f"{self.batch_cap} (max_batch_size, or global_batch_size / world size)")
+            raise SpecError(
+                where,
+                "batch_size",
+                f"the search's first batch {self.batch_size} is above its cap "
+                f"{self.batch_cap} (max_batch_size, or global_batch_size / world size)",
+            )
 
     @property
     def batch_cap(self) -> int:
@@ -254,32 +296,40 @@ class RunSpec:
         share = self.global_batch_size // self.world_size if self.global_batch_size else self.max_batch_size
         return min(self.max_batch_size, share)
 
-    def with_batch_size(self, batch_size: int, where: str = "batch_size: auto") -> "RunSpec":
+    def with_batch_size(self, batch_size: int, where: str = "batch_size: auto") -> RunSpec:
         """This spec at another per-device batch, grad_accum derived again from global_batch_size."""
         return dataclasses.replace(self, batch_size=batch_size)._with_derived_grad_accum(where, grad_accum_given=False)
 
-    def _with_derived_grad_accum(self, where: str, grad_accum_given: bool) -> "RunSpec":
+    def _with_derived_grad_accum(self, where: str, grad_accum_given: bool) -> RunSpec:
         """grad_accum from global_batch_size; one given beside it must agree, never be overridden."""
         if not self.global_batch_size:
             return self
         per_step = self.batch_size * self.world_size
         if self.global_batch_size % per_step:
             raise SpecError(
-                where, "global_batch_size", f"{self.global_batch_size} is not a multiple of "
-                f"batch_size x world size = {self.batch_size} x {self.world_size} = {per_step}"
+                where,
+                "global_batch_size",
+                f"{self.global_batch_size} is not a multiple of "
+                f"batch_size x world size = {self.batch_size} x {self.world_size} = {per_step}",
             )
         derived = self.global_batch_size // per_step
         if grad_accum_given and self.grad_accum != derived:
             raise SpecError(
-                where, "grad_accum", f"{self.grad_accum} disagrees with global_batch_size {self.global_batch_size}, "
+                where,
+                "grad_accum",
+                f"{self.grad_accum} disagrees with global_batch_size {self.global_batch_size}, "
                 f"which gives {self.global_batch_size} / (batch_size x world size = {per_step}) = {derived}; "
-                "give one of the two"
+                "give one of the two",
             )
         return dataclasses.replace(self, grad_accum=derived)
 
     def _check_combinations(self, where: str) -> None:
         if self.family == "fsdp1" and self.device == "cpu":
-            raise SpecError(where, "strategy", f"{self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy")
+            raise SpecError(
+                where,
+                "strategy",
+                f"{self.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use device: cuda or an fsdp2_* strategy",
+            )
         if self.kernels == "liger" and self.device == "cpu":
             raise SpecError(where, "kernels", "liger needs a GPU (Triton kernels); use kernels: none on CPU")
         self._check_levers(where)
@@ -291,23 +341,29 @@ class RunSpec:
             shard = self.hsdp_shard_size or self.gpus_per_node
             if self.world_size % shard:
                 raise SpecError(
-                    where, "hsdp_shard_size", f"{shard} does not divide the world size "
-                    f"{self.nodes} nodes x {self.gpus_per_node} = {self.world_size}"
+                    where,
+                    "hsdp_shard_size",
+                    f"{shard} does not divide the world size "
+                    f"{self.nodes} nodes x {self.gpus_per_node} = {self.world_size}",
                 )
             if self.family == "fsdp1" and shard == 1 and self.world_size > 1:
                 # FSDP1 turns a one-rank shard group into NO_SHARD and then reduces gradients over
                 # that one-rank group only: replicas never synchronise (pytorch/pytorch#154888).
                 raise SpecError(
-                    where, "hsdp_shard_size", f"{self.strategy} with a shard group of 1 rank never "
+                    where,
+                    "hsdp_shard_size",
+                    f"{self.strategy} with a shard group of 1 rank never "
                     f"synchronises gradients across its {self.world_size} replicas (a PyTorch FSDP1 bug); "
-                    "use fsdp2_hsdp, ddp, or a shard size of at least 2"
+                    "use fsdp2_hsdp, ddp, or a shard size of at least 2",
                 )
         if self.optimizer_order != "after_shard" and self.family != "fsdp2":
             raise SpecError(where, "optimizer_order", f"{self.optimizer_order} applies to fsdp2_* strategies only")
         if self.meta_init and self.family == "fsdp1":
             raise SpecError(where, "meta_init", f"supported with ddp and fsdp2_* strategies only, got {self.strategy}")
         if self.meta_init and self.init == "pretrained":
-            raise SpecError(where, "meta_init", "applies to init: random only (pretrained weights are loaded whole, then sharded)")
+            raise SpecError(
+                where, "meta_init", "applies to init: random only (pretrained weights are loaded whole, then sharded)"
+            )
         if self.meta_init and self.optimizer_order != "after_shard":
             raise SpecError(where, "meta_init", f"needs optimizer_order: after_shard, got {self.optimizer_order}")
 
@@ -315,13 +371,18 @@ class RunSpec:
         """The levers of docs/levers.md that cannot run where the cell runs."""
         if self.device == "cpu":
             if self.attention != "sdpa":
-                raise SpecError(where, "attention",
-                                f"{self.attention} is a CUDA SDPA backend; use attention: sdpa on CPU")
+                raise SpecError(
+                    where, "attention", f"{self.attention} is a CUDA SDPA backend; use attention: sdpa on CPU"
+                )
             if self.loss == "liger":
                 raise SpecError(where, "loss", "liger needs a GPU (Triton kernels); use loss: default or cce on CPU")
             if self.float8 != "none":
-                raise SpecError(where, "float8", f"{self.float8} needs a GPU with float8 tensor cores (SM89+: "
-                                "Ada, Hopper or newer); use float8: none on CPU")
+                raise SpecError(
+                    where,
+                    "float8",
+                    f"{self.float8} needs a GPU with float8 tensor cores (SM89+: "
+                    "Ada, Hopper or newer); use float8: none on CPU",
+                )
         if self.float8 != "none" and self.family == "fsdp1":
             raise SpecError(where, "float8", f"supported with ddp and fsdp2_* strategies, got {self.strategy}")
         if self.float8 != "none" and self.cpu_offload:
@@ -330,44 +391,71 @@ class RunSpec:
     def _check_model(self, where: str) -> None:
         kind = model_kind(self.model)
         if not kind:
-            raise SpecError(where, "model", f"expected a preset ({', '.join(preset_names())}), a folder with "
-                            f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}")
+            raise SpecError(
+                where,
+                "model",
+                f"expected a preset ({', '.join(preset_names())}), a folder with "
+                f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}",
+            )
         if kind == "local":
             _require_folder_with(where, "model", self.model, ("config.json",))
         if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
-            config = _model_config(str(PRESETS_DIR / f"{self.model.lower()}.json") if kind == "preset"
-                                   else str(Path(self.model).expanduser() / "config.json"))
+            config = _model_config(
+                str(PRESETS_DIR / f"{self.model.lower()}.json")
+                if kind == "preset"
+                else str(Path(self.model).expanduser() / "config.json")
+            )
             check_seq_len(where, self.seq_len, config)
         if self.init == "pretrained" and kind == "preset":
-            raise SpecError(where, "init", f"pretrained needs weights, and model {self.model!r} is a preset "
-                            "(a config only); name a local folder or a hub id ORG/NAME")
+            raise SpecError(
+                where,
+                "init",
+                f"pretrained needs weights, and model {self.model!r} is a preset "
+                "(a config only); name a local folder or a hub id ORG/NAME",
+            )
         if self.init == "pretrained" and kind == "local":
             _require_folder_with(where, "model", self.model, WEIGHT_GLOBS, "weights for init: pretrained")
         if self.tokenizer:
             tokenizer_kind = model_kind(self.tokenizer)
             if tokenizer_kind not in ("local", "hub"):
-                raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}")
+                raise SpecError(
+                    where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}"
+                )
             if tokenizer_kind == "local":
                 _require_folder_with(where, "tokenizer", self.tokenizer, TOKENIZER_FILES)
 
     def _check_data(self, where: str) -> None:
         kind = data_kind(self.data)
         if not kind:
-            raise SpecError(where, "data", f"expected synthetic, a local folder, or a hub dataset "
-                            f"ORG/NAME[:config][@split] or preset; got {self.data!r}")
+            raise SpecError(
+                where,
+                "data",
+                f"expected synthetic, a local folder, or a hub dataset "
+                f"ORG/NAME[:config][@split] or preset; got {self.data!r}",
+            )
         if kind == "synthetic":
             if self.text_column:
-                raise SpecError(where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset")
+                raise SpecError(
+                    where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset"
+                )
             return
         if kind == "local":
             _require_text_data(where, self.data)
         tokenizer = self.text_tokenizer
         if not tokenizer:
-            raise SpecError(where, "tokenizer", f"data {self.data!r} needs one, and model {self.model!r} is a "
-                            "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME")
+            raise SpecError(
+                where,
+                "tokenizer",
+                f"data {self.data!r} needs one, and model {self.model!r} is a "
+                "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
+            )
         if kind == "hub" and model_kind(tokenizer) != "hub":
-            raise SpecError(where, "tokenizer", f"hub data {self.data!r} is read pre-tokenised from the cache, "
-                            f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}")
+            raise SpecError(
+                where,
+                "tokenizer",
+                f"hub data {self.data!r} is read pre-tokenised from the cache, "
+                f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}",
+            )
         if not self.tokenizer and model_kind(self.model) == "local":
             _require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
 
@@ -376,8 +464,16 @@ class RunSpec:
 # what it runs: cells that differ only in these are the same *setup* to the history and its
 # regression checks (results/history.py). Not among them: sync_each_step (it changes what the step
 # time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
-MEASUREMENT_FIELDS = ("steps", "warmup_steps", "seed", "nvml", "comm_profile_steps", "profile",
-                      "record_param_norm", "peak_tflops")
+MEASUREMENT_FIELDS = (
+    "steps",
+    "warmup_steps",
+    "seed",
+    "nvml",
+    "comm_profile_steps",
+    "profile",
+    "record_param_norm",
+    "peak_tflops",
+)
 assert set(MEASUREMENT_FIELDS) <= {f.name for f in fields(RunSpec)}, "MEASUREMENT_FIELDS names RunSpec fields"
 
 
@@ -405,7 +501,7 @@ class Resources:
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> "Resources":
+    def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> Resources:
         res = cls(**coerce_fields(cls, values, where))
         _require_choices(where, res)
         for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
@@ -421,11 +517,15 @@ class Resources:
 
             if gpu_memory_gib(res.gpu_name) is None:
                 known = ", ".join(name for name, gib in GPU_MEMORY_GIB if gib)
-                raise SpecError(where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); "
-                                "set gpu_memory_gib")
+                raise SpecError(
+                    where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); set gpu_memory_gib"
+                )
         if res.signal_delay_s >= res.time_min * 60:
-            raise SpecError(where, "signal_delay_s", f"{res.signal_delay_s} s is not below the time limit "
-                            f"(time_min {res.time_min} = {res.time_min * 60} s)")
+            raise SpecError(
+                where,
+                "signal_delay_s",
+                f"{res.signal_delay_s} s is not below the time limit (time_min {res.time_min} = {res.time_min * 60} s)",
+            )
         for name, value in _text_fields(res):
             require_no_control_characters(where, name, value)
         _check_extra_sbatch(where, res)
@@ -438,12 +538,25 @@ class Resources:
 # sbatch options that hpcfsdp sets itself -> what to set instead ("": submitit's own); extra_sbatch
 # must not repeat them.
 SBATCH_SET_BY = {
-    "partition": "slurm.partition", "time": "slurm.time_min", "cpus-per-task": "slurm.cpus_per_task",
-    "mem": "slurm.mem_gb", "account": "slurm.account", "qos": "slurm.qos", "constraint": "slurm.constraint",
-    "exclusive": "slurm.exclusive", "array": "slurm.array_parallelism", "signal": "slurm.signal_delay_s",
-    "requeue": "slurm.max_requeue", "gres": "slurm.gpu_request", "gpus-per-node": "slurm.gpu_request",
-    "nodes": "the cells' nodes", "ntasks-per-node": "the cells' gpus_per_node",
-    "job-name": "", "output": "", "error": "", "open-mode": "",
+    "partition": "slurm.partition",
+    "time": "slurm.time_min",
+    "cpus-per-task": "slurm.cpus_per_task",
+    "mem": "slurm.mem_gb",
+    "account": "slurm.account",
+    "qos": "slurm.qos",
+    "constraint": "slurm.constraint",
+    "exclusive": "slurm.exclusive",
+    "array": "slurm.array_parallelism",
+    "signal": "slurm.signal_delay_s",
+    "requeue": "slurm.max_requeue",
+    "gres": "slurm.gpu_request",
+    "gpus-per-node": "slurm.gpu_request",
+    "nodes": "the cells' nodes",
+    "ntasks-per-node": "the cells' gpus_per_node",
+    "job-name": "",
+    "output": "",
+    "error": "",
+    "open-mode": "",
 }
 
 
@@ -455,8 +568,11 @@ SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 def _check_extra_sbatch(where: str, res: Resources) -> None:
     for key, value in res.extra_sbatch.items():
         if not isinstance(key, str) or not SBATCH_OPTION_NAME.fullmatch(key):
-            raise SpecError(where, f"extra_sbatch.{key!r}", "expected an sbatch option name (letters, digits, "
-                            "'-' and '_', e.g. reservation)")
+            raise SpecError(
+                where,
+                f"extra_sbatch.{key!r}",
+                "expected an sbatch option name (letters, digits, '-' and '_', e.g. reservation)",
+            )
         flag = key.replace("_", "-")
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
@@ -469,11 +585,18 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
             require_no_control_characters(where, f"extra_sbatch.{key}", value)
         # Options sbatch refuses beside one that hpcfsdp sets:
         if flag in ("mem-per-cpu", "mem-per-gpu") and res.mem_gb:
-            raise SpecError(where, f"extra_sbatch.{key}", f"sbatch takes only one of --{flag} and --mem "
-                            f"(slurm.mem_gb: {res.mem_gb}); set mem_gb: 0")
+            raise SpecError(
+                where,
+                f"extra_sbatch.{key}",
+                f"sbatch takes only one of --{flag} and --mem (slurm.mem_gb: {res.mem_gb}); set mem_gb: 0",
+            )
         if flag in ("gpus", "gpus-per-task", "gpus-per-socket") and res.gpu_request != "none":
-            raise SpecError(where, f"extra_sbatch.{key}", f"GPUs are already asked for (slurm.gpu_request: "
-                            f"{res.gpu_request}); set gpu_request: none to ask with --{flag}")
+            raise SpecError(
+                where,
+                f"extra_sbatch.{key}",
+                f"GPUs are already asked for (slurm.gpu_request: "
+                f"{res.gpu_request}); set gpu_request: none to ask with --{flag}",
+            )
 
 
 # `batch_size: auto` in a jobs YAML or on the command line: RunSpec.auto_batch (batch_size stays an int).
@@ -524,8 +647,11 @@ def text_files(path: Path) -> Iterator[Path]:
         yield from [path] if path.suffix in TEXT_SUFFIXES else []
         return
     for found in path.rglob("*"):
-        if (found.suffix in TEXT_SUFFIXES and found.is_file()
-                and not any(part.startswith(".") for part in found.relative_to(path).parts)):
+        if (
+            found.suffix in TEXT_SUFFIXES
+            and found.is_file()
+            and not any(part.startswith(".") for part in found.relative_to(path).parts)
+        ):
             yield found
 
 
@@ -559,8 +685,12 @@ def _require_text_data(where: str, value: str) -> None:
     if not _exists(path, where, "data"):
         raise SpecError(where, "data", f"no such file or folder: {value}")
     if not (is_saved_dataset(path) or next(text_files(path), None)):
-        raise SpecError(where, "data", f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
-                        "or a folder written by datasets' save_to_disk")
+        raise SpecError(
+            where,
+            "data",
+            f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
+            "or a folder written by datasets' save_to_disk",
+        )
 
 
 def field_names(cls: type) -> tuple[str, ...]:
@@ -579,7 +709,9 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
     out: dict[str, Any] = {}
     auto = cls is RunSpec and values.get("batch_size") == AUTO
     if auto and values.get("auto_batch", True) is not True:
-        raise SpecError(where, "auto_batch", f"{shown(values['auto_batch'])} contradicts batch_size: auto; leave auto_batch out")
+        raise SpecError(
+            where, "auto_batch", f"{shown(values['auto_batch'])} contradicts batch_size: auto; leave auto_batch out"
+        )
     for key, value in values.items():
         if key not in types:
             raise unknown_key(where, key, tuple(types))
@@ -593,8 +725,10 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
 @functools.cache
 def _field_types(cls: type) -> dict[str, type]:
     """Each field's type, read off its default (annotations are strings here)."""
-    return {f.name: type(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
-            for f in fields(cls)}
+    return {
+        f.name: type(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+        for f in fields(cls)
+    }
 
 
 def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
@@ -605,7 +739,9 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise SpecError(where, key, f"expected an integer{' or auto' if key == 'batch_size' else ''}, got {shown(value)}")
+        raise SpecError(
+            where, key, f"expected an integer{' or auto' if key == 'batch_size' else ''}, got {shown(value)}"
+        )
     if expected is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -650,7 +786,7 @@ def _require_choices(where: str, instance: Any) -> None:
 def shown(value: Any, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters: an error message stays one short line."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def one_line(text: str) -> str:
@@ -666,10 +802,20 @@ def require_no_control_characters(where: str, key: str, value: str) -> None:
 
 def check_folder_name(where: str, key: str, value: Any) -> None:
     """A name that becomes one folder (results/<name>): not . or .., no separator, fits a file name."""
-    if (not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\\" in value
-            or CONTROL_CHARACTERS.search(value) or len(value.encode()) > MAX_NAME_BYTES):
-        raise SpecError(where, key, "expected a folder-safe string (not . or .., no / or \\, no control characters, "
-                        f"at most {MAX_NAME_BYTES} bytes), got {shown(value)}")
+    if (
+        not isinstance(value, str)
+        or value in ("", ".", "..")
+        or "/" in value
+        or "\\" in value
+        or CONTROL_CHARACTERS.search(value)
+        or len(value.encode()) > MAX_NAME_BYTES
+    ):
+        raise SpecError(
+            where,
+            key,
+            "expected a folder-safe string (not . or .., no / or \\, no control characters, "
+            f"at most {MAX_NAME_BYTES} bytes), got {shown(value)}",
+        )
 
 
 def _text_fields(instance: Any) -> Iterator[tuple[str, str]]:

@@ -257,13 +257,15 @@ def offline_mode() -> None:
     """
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[var] = "1"
-    hub_constants = sys.modules.get("huggingface_hub.constants")
-    if hub_constants is not None:
-        setattr(hub_constants, "HF_HUB_OFFLINE", True)
-    ds_config = sys.modules.get("datasets.config")
-    if ds_config is not None:
-        setattr(ds_config, "HF_HUB_OFFLINE", True)
-        setattr(ds_config, "HF_DATASETS_OFFLINE", True)
+    # Libraries imported before this read their switches already: set them on the modules too.
+    switches = {
+        "huggingface_hub.constants": ("HF_HUB_OFFLINE",),
+        "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+    }
+    for module_name, names in switches.items():
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            setattr(module, name, True)
 
 
 def resolve_cached_model(name: str, cache_dir: str | os.PathLike | None = None, weights: bool = False) -> CachedItem:

@@ -58,8 +58,13 @@ def tokenize_dataset(
         source = lookup_dataset(ref.dataset.name, cache)
         model = lookup_model(ref.model.name, cache)
         previous = read_cache_manifest(cache)["items"].get(ref.key)
-        if (previous and not force and previous.get("dataset_sha") == source.sha
-                and previous.get("tokenizer_sha") == model.sha and files_complete(cache, previous)):
+        if (
+            previous
+            and not force
+            and previous.get("dataset_sha") == source.sha
+            and previous.get("tokenizer_sha") == model.sha
+            and files_complete(cache, previous)
+        ):
             out(f"  -> up to date ({previous['num_blocks']} blocks of {ref.seq_len})")
             return previous
         import datasets
@@ -81,27 +86,50 @@ def tokenize_dataset(
         work = cache / DATASETS_WORK_DIR / "tokenize" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         work.mkdir(parents=True, exist_ok=True)
         try:
-            encoded = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc,
-                             load_from_cache_file=False, cache_file_name=str(work / "encoded.arrow"),
-                             desc=f"Tokenizing for {ref.model.name}")
+            encoded = ds.map(
+                encode,
+                batched=True,
+                remove_columns=ds.column_names,
+                num_proc=num_proc,
+                load_from_cache_file=False,
+                cache_file_name=str(work / "encoded.arrow"),
+                desc=f"Tokenizing for {ref.model.name}",
+            )
             encoded.save_to_disk(str(work / "encoded"))  # what the packing generator reads, by path
             packed = datasets.Dataset.from_generator(
-                _packed_rows, features=features, cache_dir=str(work / "packed"),
-                gen_kwargs={"encoded": str(work / "encoded"), "seq_len": seq_len, "eos": eos})
+                _packed_rows,
+                features=features,
+                cache_dir=str(work / "packed"),
+                gen_kwargs={"encoded": str(work / "encoded"), "seq_len": seq_len, "eos": eos},
+            )
             if packed.num_rows == 0:
-                raise DownloadError(f"{ref.name}: fewer than {seq_len} tokens in all; "
-                                    "nothing to train on (use a smaller --seq-len)")
+                raise DownloadError(
+                    f"{ref.name}: fewer than {seq_len} tokens in all; nothing to train on (use a smaller --seq-len)"
+                )
             folder = cache / ref.relpath
             save_dataset_atomically(packed, folder)
             num_blocks = packed.num_rows
         finally:
             shutil.rmtree(work, ignore_errors=True)
         files = file_records(folder, None, label=ref.name)
-        entry = manifest_entry(ref.key, "tokenized", ref.name, folder, cache, files,
-                       dataset=ref.dataset.name, dataset_sha=source.sha, sha=source.sha,
-                       tokenizer=ref.model.name, tokenizer_sha=model.sha, seq_len=seq_len,
-                       num_blocks=num_blocks, text_column=text_column, eos_appended=eos is not None,
-                       column="input_ids")
+        entry = manifest_entry(
+            ref.key,
+            "tokenized",
+            ref.name,
+            folder,
+            cache,
+            files,
+            dataset=ref.dataset.name,
+            dataset_sha=source.sha,
+            sha=source.sha,
+            tokenizer=ref.model.name,
+            tokenizer_sha=model.sha,
+            seq_len=seq_len,
+            num_blocks=num_blocks,
+            text_column=text_column,
+            eos_appended=eos is not None,
+            column="input_ids",
+        )
         add_to_manifest(cache, entry)
     out(f"  -> {num_blocks} blocks of {seq_len} tokens")
     return entry
@@ -119,10 +147,12 @@ def _packed_rows(encoded: str, seq_len: int, eos: int | None) -> Iterator[dict[s
 def _check_text_column(features: Any, column: str, dataset: str) -> None:
     """The column exists and holds strings, or lists of strings (what data.document_text turns into text)."""
     if column not in features:
-        raise DownloadError(f"dataset {dataset}: no column {column!r} (columns: {', '.join(features)}); "
-                            "pass --text-column")
+        raise DownloadError(
+            f"dataset {dataset}: no column {column!r} (columns: {', '.join(features)}); pass --text-column"
+        )
     feature = features[column]
     inner = getattr(feature, "feature", feature)  # List / Sequence / LargeList: their items
     if getattr(inner, "dtype", None) not in ("string", "large_string"):
-        raise DownloadError(f"dataset {dataset}: column {column!r} holds {feature}, not text or a list of "
-                            "strings; pass --text-column")
+        raise DownloadError(
+            f"dataset {dataset}: column {column!r} holds {feature}, not text or a list of strings; pass --text-column"
+        )

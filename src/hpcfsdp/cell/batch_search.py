@@ -53,7 +53,8 @@ def is_oom(exc: BaseException) -> bool:
     """Out of memory: the caching allocator's OutOfMemoryError, or cuBLAS / NCCL / the host
     allocator failing to allocate (a RuntimeError that says so)."""
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS))
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS)
+    )
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,15 @@ def largest_batch_for(spec: RunSpec, fitting: int) -> int:
     return max(b for b in range(1, fitting + 1) if share % b == 0)
 
 
-def search_batch_size(search: BatchSearch, spec: RunSpec, env: DistEnv, blocks, build: Build,
-                      on_first_step: Callable[[int], None], log: Callable[[str], None]) -> RunSpec:
+def search_batch_size(
+    search: BatchSearch,
+    spec: RunSpec,
+    env: DistEnv,
+    blocks,
+    build: Build,
+    on_first_step: Callable[[int], None],
+    log: Callable[[str], None],
+) -> RunSpec:
     """Probe batches into `search` (the caller keeps it, so a failure record still has the probes);
     return the spec to measure. Raises torch.OutOfMemoryError when not even the smallest batch fits."""
     started = time.perf_counter()
@@ -167,14 +175,24 @@ def search_batch_size(search: BatchSearch, spec: RunSpec, env: DistEnv, blocks, 
     dist.destroy_process_group(group)
     fitting = search.largest_fitting_batch
     if not fitting:
-        raise torch.OutOfMemoryError(f"batch_size: auto: no batch fits; batch {search.smallest_failing_batch} "
-                                     f"was {search.probes[-1].status} ({search.probes[-1].error or 'over the margin'})")
+        raise torch.OutOfMemoryError(
+            f"batch_size: auto: no batch fits; batch {search.smallest_failing_batch} "
+            f"was {search.probes[-1].status} ({search.probes[-1].error or 'over the margin'})"
+        )
     search.chosen_batch_size = largest_batch_for(spec, fitting)
     return spec.with_batch_size(search.chosen_batch_size)
 
 
-def _probe(spec: RunSpec, env: DistEnv, blocks, build: Build, on_first_step: Callable[[int], None], batch: int,
-           limit_gib: float | None, group) -> Probe:
+def _probe(
+    spec: RunSpec,
+    env: DistEnv,
+    blocks,
+    build: Build,
+    on_first_step: Callable[[int], None],
+    batch: int,
+    limit_gib: float | None,
+    group,
+) -> Probe:
     started = time.perf_counter()
     oom, error, step_time = 0.0, "", 0.0
     try:
@@ -199,14 +217,20 @@ def _probe(spec: RunSpec, env: DistEnv, blocks, build: Build, on_first_step: Cal
         status = "over_margin"
     else:
         status = "ok"
-    return Probe(batch_size=batch, status=status, peak_memory_gib=peak,
-                 peak_reserved_gib=reserved if reserved >= 0 else None,
-                 tokens_per_s_per_gpu=batch * spec.seq_len / step_time if status != "oom" and step_time > 0 else None,
-                 wall_s=time.perf_counter() - started, error=error)
+    return Probe(
+        batch_size=batch,
+        status=status,
+        peak_memory_gib=peak,
+        peak_reserved_gib=reserved if reserved >= 0 else None,
+        tokens_per_s_per_gpu=batch * spec.seq_len / step_time if status != "oom" and step_time > 0 else None,
+        wall_s=time.perf_counter() - started,
+        error=error,
+    )
 
 
-def _train_probe(spec: RunSpec, env: DistEnv, blocks, build: Build, on_first_step: Callable[[int], None],
-                 batch: int) -> tuple[dict[str, float], float]:
+def _train_probe(
+    spec: RunSpec, env: DistEnv, blocks, build: Build, on_first_step: Callable[[int], None], batch: int
+) -> tuple[dict[str, float], float]:
     """Build at `batch` and train the probe's steps; returns the memory reading and the median
     time of the steps after the first."""
     probe = spec.replace(batch_size=batch, grad_accum=1, steps=spec.batch_probe_steps, warmup_steps=1)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
 from ..cache.hub import resolve_tokenized
 from ..cache.tokenize import document_text, packed_blocks
-from .models import resolve_model
 from ..spec import data_kind, is_saved_dataset, text_files
+from .models import resolve_model
 
 TEXT_FIELD = "text"  # where documents are unless RunSpec.text_column names another field
 TOKENIZE_CHUNK = 1000  # documents per tokenizer call
@@ -57,8 +58,14 @@ def open_data(data: str, tokenizer: str, seq_len: int, text_column: str = "") ->
 
 
 def training_batches(
-    blocks: TokenBlocks | None, vocab_size: int, batch_size: int, seq_len: int, seed: int, rank: int,
-    world_size: int, device: torch.device,
+    blocks: TokenBlocks | None,
+    vocab_size: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
 ) -> Iterator[torch.Tensor]:
     """LongTensor [batch_size, seq_len] on `device`, forever."""
     if blocks is None:
@@ -68,8 +75,10 @@ def training_batches(
     while True:
         tokens = blocks.read(list(itertools.islice(order, batch_size)))
         if int(tokens.max()) >= vocab_size:
-            raise ValueError(f"data: token id {int(tokens.max())} is out of range for the model's vocab_size "
-                             f"{vocab_size}; the tokenizer does not belong to this model")
+            raise ValueError(
+                f"data: token id {int(tokens.max())} is out of range for the model's vocab_size "
+                f"{vocab_size}; the tokenizer does not belong to this model"
+            )
         yield tokens.to(device, non_blocking=True)
 
 
@@ -89,7 +98,9 @@ def rank_indices(count: int, seed: int, rank: int, world_size: int) -> Iterator[
     see disjoint blocks within an epoch. The count % W blocks left over are skipped that epoch."""
     per_rank = count // world_size
     if per_rank == 0:
-        raise ValueError(f"data: {count} blocks are fewer than the {world_size} ranks; use more data or a smaller seq_len")
+        raise ValueError(
+            f"data: {count} blocks are fewer than the {world_size} ranks; use more data or a smaller seq_len"
+        )
     for epoch in itertools.count():
         order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         yield from order[rank : per_rank * world_size : world_size].tolist()
@@ -119,7 +130,9 @@ def pack(documents: Iterable[list[int]], seq_len: int, eos: int | None) -> torch
 def _text_of(row: Any, column: str, where: str) -> str:
     value = row.get(column) if isinstance(row, dict) else None
     if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))):
-        raise ValueError(f"data: {where}: expected a JSON object with a '{column}' field of text (or a list of strings)")
+        raise ValueError(
+            f"data: {where}: expected a JSON object with a '{column}' field of text (or a list of strings)"
+        )
     return document_text(value)
 
 
@@ -132,21 +145,32 @@ def _saved_dataset_texts(path: Path, column: str) -> list[str]:
             raise ValueError(f"data: {path}: a saved DatasetDict without a 'train' split (splits: {', '.join(loaded)})")
         loaded = loaded["train"]
     if column not in loaded.column_names:
-        raise ValueError(f"data: {path}: no '{column}' column (columns: {', '.join(loaded.column_names)}); "
-                         "set text_column")
+        raise ValueError(
+            f"data: {path}: no '{column}' column (columns: {', '.join(loaded.column_names)}); set text_column"
+        )
     return [document_text(value) for value in loaded[column]]
 
 
 def _packed_blocks(documents: list[str], tokenizer: str, seq_len: int, source: dict[str, Any]) -> TokenBlocks:
     tokenizer_source = resolve_model(tokenizer)
     encoder = AutoTokenizer.from_pretrained(tokenizer_source.path)
-    encoded = (ids for start in range(0, len(documents), TOKENIZE_CHUNK)
-               for ids in encoder(documents[start : start + TOKENIZE_CHUNK])["input_ids"])
+    encoded = (
+        ids
+        for start in range(0, len(documents), TOKENIZE_CHUNK)
+        for ids in encoder(documents[start : start + TOKENIZE_CHUNK])["input_ids"]
+    )
     blocks = pack(encoded, seq_len, encoder.eos_token_id)
     if len(blocks) == 0:
         raise ValueError(f"data: {source['path']}: fewer than seq_len = {seq_len} tokens; nothing to train on")
-    provenance = {**source, "documents": len(documents), "tokens": blocks.numel(), "blocks": len(blocks), "seq_len": seq_len,
-                  "eos_appended": encoder.eos_token_id is not None, "tokenizer": tokenizer_source.provenance}
+    provenance = {
+        **source,
+        "documents": len(documents),
+        "tokens": blocks.numel(),
+        "blocks": len(blocks),
+        "seq_len": seq_len,
+        "eos_appended": encoder.eos_token_id is not None,
+        "tokenizer": tokenizer_source.provenance,
+    }
     return TokenBlocks(len(blocks), lambda indices: blocks[indices], provenance)
 
 

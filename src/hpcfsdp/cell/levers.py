@@ -32,8 +32,10 @@ def require(module: str, lever: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         top = module.split(".")[0]
-        raise RuntimeError(f"{lever} needs the {PACKAGES[top]} package, which is not installed here "
-                           f"({exc}); pip install 'hpcfsdp[{EXTRA}]'") from None
+        raise RuntimeError(
+            f"{lever} needs the {PACKAGES[top]} package, which is not installed here "
+            f"({exc}); pip install 'hpcfsdp[{EXTRA}]'"
+        ) from None
 
 
 def check_device(spec: RunSpec, device: torch.device) -> None:
@@ -46,8 +48,10 @@ def check_device(spec: RunSpec, device: torch.device) -> None:
         return
     if spec.float8 != "none" and torch.cuda.get_device_capability(device) < FLOAT8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        raise RuntimeError(f"float8: {spec.float8} needs float8 tensor cores (compute capability 8.9 or newer); "
-                           f"{name} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+        raise RuntimeError(
+            f"float8: {spec.float8} needs float8 tensor cores (compute capability 8.9 or newer); "
+            f"{name} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
 
 
 def _needs_gpu(spec: RunSpec, name: str) -> bool:
@@ -56,6 +60,7 @@ def _needs_gpu(spec: RunSpec, name: str) -> bool:
 
 
 # --- attention -------------------------------------------------------------------------------
+
 
 def attention_backend(spec: RunSpec) -> AbstractContextManager:
     """SDPA restricted to one backend (`sdpa_kernel`), or PyTorch's own choice for `sdpa`.
@@ -67,8 +72,11 @@ def attention_backend(spec: RunSpec) -> AbstractContextManager:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION}[spec.attention]
+    backend = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[spec.attention]
     return sdpa_kernel(backend)
 
 
@@ -131,6 +139,7 @@ def _liger_loss(softcap: float | None) -> LossFn:
 
 # --- float8 ----------------------------------------------------------------------------------
 
+
 def convert_float8(model: nn.Module, spec: RunSpec) -> None:
     """Swap the decoder's nn.Linear layers for torchao's Float8Linear (before compile and sharding).
 
@@ -167,6 +176,7 @@ def add_float8_scale_hook(optimizer: torch.optim.Optimizer, model: nn.Module, sp
 
 
 # --- op-level selective activation checkpointing ---------------------------------------------
+
 
 def op_checkpoint_context() -> tuple[AbstractContextManager, AbstractContextManager]:
     """torchtitan's `op` policy for one checkpointed layer call (torch.utils.checkpoint's

@@ -101,7 +101,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class NvmlSampler:
@@ -131,7 +131,7 @@ class NvmlSampler:
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByUUID(_cuda_uuid(self.device))
-        except Exception:  # noqa: BLE001 - no NVML (library, driver or permissions): measure without it
+        except Exception:
             return
         self._energy_mj.append(self._energy_counter())
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
@@ -172,9 +172,14 @@ class NvmlSampler:
         if not self.samples:
             return {"energy_j": self.energy_j}
         util, clock, power = zip(*self.samples)
-        return {"gpu_util_mean": statistics.fmean(util), "gpu_util_min": min(util),
-                "sm_clock_mhz_mean": statistics.fmean(clock), "power_w_mean": statistics.fmean(power),
-                "nvml_samples": float(len(self.samples)), "energy_j": self.energy_j}
+        return {
+            "gpu_util_mean": statistics.fmean(util),
+            "gpu_util_min": min(util),
+            "sm_clock_mhz_mean": statistics.fmean(clock),
+            "power_w_mean": statistics.fmean(power),
+            "nvml_samples": float(len(self.samples)),
+            "energy_j": self.energy_j,
+        }
 
 
 def _cuda_uuid(device: torch.device) -> str:

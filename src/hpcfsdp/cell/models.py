@@ -13,9 +13,10 @@ every strategy that supports it (DDP, FSDP2).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,8 +26,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from ..cache.hub import resolve_cached_model
 from ..spec import PRESETS_DIR, model_kind, preset_names
 
-__all__ = ["ModelSource", "PRESETS_DIR", "build_model", "decoder_layers", "init_weights", "load_config",
-           "materialize", "preset_names", "resolve_model"]
+__all__ = [
+    "PRESETS_DIR",
+    "ModelSource",
+    "build_model",
+    "decoder_layers",
+    "init_weights",
+    "load_config",
+    "materialize",
+    "preset_names",
+    "resolve_model",
+]
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,10 @@ def resolve_model(model: str, weights: bool = False) -> ModelSource:
     if kind == "hub":
         item = resolve_cached_model(model, weights=weights)
         return ModelSource(kind, item.path, {"kind": kind, "item": item.item, "sha": item.sha, "path": str(item.path)})
-    raise ValueError(f"model: {model!r} is neither a preset ({', '.join(preset_names())}), a folder with config.json, "
-                     "nor a hub id ORG/NAME[@REV]")
+    raise ValueError(
+        f"model: {model!r} is neither a preset ({', '.join(preset_names())}), a folder with config.json, "
+        "nor a hub id ORG/NAME[@REV]"
+    )
 
 
 def load_config(model: str | ModelSource) -> PretrainedConfig:
@@ -74,8 +86,9 @@ def build_model(
     (`meta`: no storage; `materialize` it after sharding)."""
     if pretrained:
         # Loaded in host memory, then moved: transformers' device_map would need accelerate.
-        loaded: nn.Module = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, attn_implementation="sdpa",
-                                                                 use_cache=False)
+        loaded: nn.Module = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=dtype, attn_implementation="sdpa", use_cache=False
+        )
         built = loaded.to(device)
     else:
         config = load_config(source)
@@ -112,7 +125,9 @@ def materialize(model: PreTrainedModel, device: torch.device, seed: int, offload
     with torch.no_grad():
         for name, tensor in _local_tensors(model):
             if tensor.is_floating_point() and bool(tensor.isnan().any()):
-                raise RuntimeError(f"meta_init: {name} is not set by the model's own _init_weights; use meta_init: false")
+                raise RuntimeError(
+                    f"meta_init: {name} is not set by the model's own _init_weights; use meta_init: false"
+                )
 
 
 @torch.no_grad()
@@ -155,7 +170,9 @@ def _retie(model: PreTrainedModel) -> None:
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         model.tie_weights()
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        raise RuntimeError("meta_init: the LM head could not be tied to the input embedding again after materialisation")
+        raise RuntimeError(
+            "meta_init: the LM head could not be tied to the input embedding again after materialisation"
+        )
 
 
 def apply_liger_kernels(model: nn.Module) -> None:

@@ -25,8 +25,12 @@ def git_commit(package_dir: Path = PACKAGE_DIR) -> str:
     """
     package_dir = package_dir.resolve()
     try:
-        out = subprocess.run(["git", "-C", str(package_dir), "rev-parse", "--show-toplevel", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(package_dir), "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return UNKNOWN
     lines = out.stdout.splitlines()
@@ -40,8 +44,11 @@ def git_commit(package_dir: Path = PACKAGE_DIR) -> str:
 
 def framework_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The NCCL_*, TORCH_* and PYTORCH_* variables, except any whose name suggests a secret."""
-    return {name: value for name, value in sorted(environ.items())
-            if name.startswith(ENV_PREFIXES) and not any(marker in name.upper() for marker in SECRET_MARKERS)}
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name.startswith(ENV_PREFIXES) and not any(marker in name.upper() for marker in SECRET_MARKERS)
+    }
 
 
 def driver_version() -> str | None:

@@ -147,8 +147,14 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
 
         progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
         spec = progress.measured = search_batch_size(
-            progress.batch_search, spec, env, blocks, lambda probe: _build_probe(probe, env),
-            on_first_step=lambda batch: inject_fault("train_step", env, batch), log=say)
+            progress.batch_search,
+            spec,
+            env,
+            blocks,
+            lambda probe: _build_probe(probe, env),
+            on_first_step=lambda batch: inject_fault("train_step", env, batch),
+            log=say,
+        )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
@@ -156,8 +162,9 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
     model, optimizer, flops = built.model, built.optimizer, built.flops
     enter("train")
     reset_peak_memory(env.device)
-    batches = training_batches(blocks, built.vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank,
-                               env.world_size, env.device)
+    batches = training_batches(
+        blocks, built.vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.world_size, env.device
+    )
     if env.is_main:
         print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
 
@@ -181,9 +188,13 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
             sampler.stop()
     memory["end"] = memory_reading(env.device)
     record = _ok_record(spec, env, log, flops.flops_per_token, memory)
-    record.update(flops_tied_lm_head=flops.tied_lm_head, non_embedding_params=flops.non_embedding_params,
-                  optimizer_tracks_model=built.optimizer_tracks_model, model_source=built.source.provenance,
-                  data_source=blocks.provenance if blocks else {"kind": "synthetic"})
+    record.update(
+        flops_tied_lm_head=flops.tied_lm_head,
+        non_embedding_params=flops.non_embedding_params,
+        optimizer_tracks_model=built.optimizer_tracks_model,
+        model_source=built.source.provenance,
+        data_source=blocks.provenance if blocks else {"kind": "synthetic"},
+    )
     if spec.float8 != "none":
         record["float8_linears"] = float8_linear_count(model)
     if sampler is not None:
@@ -218,7 +229,9 @@ def _build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], Non
     source = resolve_model(spec.model, weights=pretrained)
     model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
     if spec.meta_init and spec.family != "fsdp2":
-        materialize(cast(PreTrainedModel, model), env.device, spec.seed)  # DDP holds a full replica: nothing to shard first
+        materialize(
+            cast(PreTrainedModel, model), env.device, spec.seed
+        )  # DDP holds a full replica: nothing to shard first
     check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
     install_loss(model, spec, env.device)
     flops = flops_per_token(model, spec.seq_len)
@@ -280,8 +293,14 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str,
         status = "diverged"
     else:
         status = "error"
-    record = failure_record(status, stage, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                            failed_rank=env.rank, memory_at_failure=memory_reading(env.device))
+    record = failure_record(
+        status,
+        stage,
+        f"{type(exc).__name__}: {exc}",
+        traceback.format_exc(),
+        failed_rank=env.rank,
+        memory_at_failure=memory_reading(env.device),
+    )
     if isinstance(exc, Diverged):
         record.update(diverged_step=exc.step, losses=exc.losses)
     return record

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, ContextManager, cast
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.parallel import DistributedDataParallel
 
+from ..spec import Family, RunSpec
 from .distributed import DistEnv, build_mesh
 from .levers import convert_float8, op_checkpoint_context
 from .models import decoder_layers
-from ..spec import Family, RunSpec
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 
@@ -80,12 +82,19 @@ def _set_explicit_prefetch(layers: list[nn.Module], depth: int) -> None:
 
 
 def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullyShardedDataParallel,
+        MixedPrecision,
+        ShardingStrategy,
+    )
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if env.device.type != "cuda":
-        raise RuntimeError(f"strategy: {spec.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use an fsdp2_* strategy on CPU")
+        raise RuntimeError(
+            f"strategy: {spec.strategy} needs a GPU (FSDP1 refuses CPU-only runs); use an fsdp2_* strategy on CPU"
+        )
     sharding = ShardingStrategy[spec.strategy_info.fsdp1_sharding]
     layer_class = type(_unwrapped(decoder_layers(model)[0]))
     policy = {
@@ -95,7 +104,9 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     }[spec.wrap_policy]
     mixed = None
     if spec.precision == "bf16_mixed":
-        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype), buffer_dtype=torch.bfloat16)
+        mixed = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=_dtype(spec.reduce_dtype), buffer_dtype=torch.bfloat16
+        )
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     mesh = build_mesh(env, replicate=_replicas(spec, env)) if spec.strategy_info.hybrid else None
     return FullyShardedDataParallel(
@@ -124,7 +135,7 @@ def parallelize(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     return WRAPPERS[spec.family](model, spec, env)
 
 
-def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> ContextManager:
+def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> AbstractContextManager:
     """Skip the gradient reduction on all but the last micro-batch of an accumulation window."""
     if enabled or spec.sync_every_microbatch:
         return _set_fsdp2_sync(model, True) if spec.family == "fsdp2" else contextlib.nullcontext()
@@ -139,7 +150,7 @@ def _set_fsdp2_sync(model: nn.Module, enabled: bool):
     yield
 
 
-def autocast(spec: RunSpec, device: torch.device) -> ContextManager:
+def autocast(spec: RunSpec, device: torch.device) -> AbstractContextManager:
     """DDP has no mixed-precision policy: bf16_mixed means autocast around forward there."""
     if spec.strategy == "ddp" and spec.precision == "bf16_mixed":
         return torch.autocast(device.type, dtype=torch.bfloat16)

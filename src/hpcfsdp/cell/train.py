@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..spec import RunSpec
 from .distributed import DistEnv
 from .levers import add_float8_scale_hook, attention_backend
-from ..spec import RunSpec
 from .strategies import autocast, gradient_sync
 
 
@@ -41,10 +42,13 @@ class Diverged(RuntimeError):
 
 def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
     impl: dict[str, dict[str, Any]] = {
-        "plain": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+        "plain": {"foreach": False, "fused": False},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
-                                  **impl[spec.adamw_impl])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl]
+    )
     add_float8_scale_hook(optimizer, model, spec)
     return optimizer
 
@@ -82,8 +86,11 @@ def train(
             fetch_started = time.perf_counter()
             tokens = next(batches)
             data_time += time.perf_counter() - fetch_started
-            with (gradient_sync(model, spec, enabled=micro == spec.grad_accum - 1), autocast(spec, env.device),
-                  attention_backend(spec)):
+            with (
+                gradient_sync(model, spec, enabled=micro == spec.grad_accum - 1),
+                autocast(spec, env.device),
+                attention_backend(spec),
+            ):
                 loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()

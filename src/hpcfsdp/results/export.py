@@ -47,8 +47,9 @@ def _import_extra(target: str) -> None:
     try:
         importlib.import_module(target)
     except ImportError:
-        raise ExportError(f"export --to {target} needs the '{EXTRAS[target]}' extra: "
-                          f"pip install 'hpcfsdp[{EXTRAS[target]}]'") from None
+        raise ExportError(
+            f"export --to {target} needs the '{EXTRAS[target]}' extra: pip install 'hpcfsdp[{EXTRAS[target]}]'"
+        ) from None
 
 
 def _runs(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
@@ -73,8 +74,11 @@ def _runs(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> Iterator[dict[st
             "metrics": {name: value for name in METRICS if (value := _number(record.get(name))) is not None},
             "started_at": started,
             "ended_at": started + duration if started is not None and duration is not None else started,
-            "versions": {str(key).split(".", 1)[1]: value for key, value in record.items()
-                         if str(key).startswith("versions.") and isinstance(value, str)},
+            "versions": {
+                str(key).split(".", 1)[1]: value
+                for key, value in record.items()
+                if str(key).startswith("versions.") and isinstance(value, str)
+            },
         }
 
 
@@ -110,8 +114,12 @@ def _tensorboard(runs: list[dict[str, Any]], sweep: str, destination: str) -> tu
         try:
             hparams = {**run["spec"], "status": run["status"]}
             hparam_names.update(dict.fromkeys(hparams))
-            writer.add_event(event_pb2.Event(wall_time=run["started_at"] or wall, summary=hp.hparams_pb(
-                hparams, trial_id=run["cell_id"], start_time_secs=run["started_at"])))
+            writer.add_event(
+                event_pb2.Event(
+                    wall_time=run["started_at"] or wall,
+                    summary=hp.hparams_pb(hparams, trial_id=run["cell_id"], start_time_secs=run["started_at"]),
+                )
+            )
             for step, loss in enumerate(run["losses"]):
                 writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=scalar_pb("loss", loss)))
             for step, seconds in run["step_times"]:
@@ -126,8 +134,10 @@ def _tensorboard(runs: list[dict[str, Any]], sweep: str, destination: str) -> tu
         old.unlink()
     writer = EventFileWriter(str(root))
     try:  # the experiment: which hparams and metrics the HParams dashboard shows as columns
-        config = hp.hparams_config_pb(hparams=[hp.HParam(name) for name in hparam_names],
-                                      metrics=[hp.Metric(FINAL_PREFIX + name) for name in METRICS])
+        config = hp.hparams_config_pb(
+            hparams=[hp.HParam(name) for name in hparam_names],
+            metrics=[hp.Metric(FINAL_PREFIX + name) for name in METRICS],
+        )
         first = min((run["started_at"] or 0.0 for run in runs), default=0.0)
         writer.add_event(event_pb2.Event(wall_time=first, summary=config))
     finally:
@@ -167,24 +177,36 @@ def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[i
             continue
         start_ms = int(run["started_at"] * 1000) if run["started_at"] else None
         end_ms = int(run["ended_at"] * 1000) if run["ended_at"] else start_ms
-        tags = {"hpcfsdp.cell_id": run["cell_id"], "hpcfsdp.attempt": run["attempt"], "hpcfsdp.setup": run["setup"],
-                "hpcfsdp.status": run["status"], "hpcfsdp.system": run["system"], "hpcfsdp.gpu": run["gpu"],
-                **{f"hpcfsdp.version.{k}": v for k, v in run["versions"].items()}}
+        tags = {
+            "hpcfsdp.cell_id": run["cell_id"],
+            "hpcfsdp.attempt": run["attempt"],
+            "hpcfsdp.setup": run["setup"],
+            "hpcfsdp.status": run["status"],
+            "hpcfsdp.system": run["system"],
+            "hpcfsdp.gpu": run["gpu"],
+            **{f"hpcfsdp.version.{k}": v for k, v in run["versions"].items()},
+        }
         if run["error"]:
             tags["hpcfsdp.error"] = run["error"].splitlines()[0][:5000]
-        created = client.create_run(experiment_id, start_time=start_ms, run_name=run["cell_id"],
-                                    tags={key: value for key, value in tags.items() if value})
+        created = client.create_run(
+            experiment_id,
+            start_time=start_ms,
+            run_name=run["cell_id"],
+            tags={key: value for key, value in tags.items() if value},
+        )
         run_id = created.info.run_id
         stamp = end_ms or 0
         last = max(len(run["losses"]) - 1, 0)
-        metrics = ([Metric("loss", loss, stamp, step) for step, loss in enumerate(run["losses"])]
-                   + [Metric("step_time_s", seconds, stamp, step) for step, seconds in run["step_times"]]
-                   + [Metric(name, value, stamp, last) for name, value in run["metrics"].items()])
+        metrics = (
+            [Metric("loss", loss, stamp, step) for step, loss in enumerate(run["losses"])]
+            + [Metric("step_time_s", seconds, stamp, step) for step, seconds in run["step_times"]]
+            + [Metric(name, value, stamp, last) for name, value in run["metrics"].items()]
+        )
         params = [Param(name, str(value)) for name, value in sorted(run["spec"].items())]
         for first in range(0, len(params), MLFLOW_PARAMS):
-            client.log_batch(run_id, params=params[first:first + MLFLOW_PARAMS])
+            client.log_batch(run_id, params=params[first : first + MLFLOW_PARAMS])
         for first in range(0, len(metrics), MLFLOW_METRICS):
-            client.log_batch(run_id, metrics=metrics[first:first + MLFLOW_METRICS])
+            client.log_batch(run_id, metrics=metrics[first : first + MLFLOW_METRICS])
         status = RunStatus.FINISHED if run["status"] == "ok" else RunStatus.FAILED
         client.set_terminated(run_id, RunStatus.to_string(status), end_time=end_ms)
         written += 1

@@ -134,8 +134,11 @@ def setup_key(spec: Mapping[str, Any]) -> str:
 
 
 def _setup_fields(values: dict[str, Any]) -> dict[str, Any]:
-    return {name: value for name, value in sorted(values.items())
-            if name not in MEASUREMENT_FIELDS and (name not in _DEFAULTS or value != _DEFAULTS[name])}
+    return {
+        name: value
+        for name, value in sorted(values.items())
+        if name not in MEASUREMENT_FIELDS and (name not in _DEFAULTS or value != _DEFAULTS[name])
+    }
 
 
 def _canonical(fields: dict[str, Any]) -> str:
@@ -181,8 +184,11 @@ def accounting_jobs(frame: pd.DataFrame) -> dict[str, str]:
     if frame.empty:
         return {}
     known = frame.reindex(columns=[f"{ACCOUNTING_KEY}.state"]).iloc[:, 0].map(pd.notna)
-    return {cell_id: job for cell_id, job, has in zip(frame["cell_id"], _slurm_jobs(frame), known, strict=True)
-            if job and not has}
+    return {
+        cell_id: job
+        for cell_id, job, has in zip(frame["cell_id"], _slurm_jobs(frame), known, strict=True)
+        if job and not has
+    }
 
 
 def merge_accounting(frame: pd.DataFrame, added: dict[str, dict[str, Any]]) -> None:
@@ -210,8 +216,9 @@ def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
     rows = pd.DataFrame(index=frame.index)
     rows["sweep_dir"] = str(Path(sweep_dir).resolve())
     rows["cell_id"] = frame["cell_id"]
-    rows["attempt"] = [attempt_of(launch, started)
-                       for launch, started in zip(column("launch_id"), column("started_at"), strict=True)]
+    rows["attempt"] = [
+        attempt_of(launch, started) for launch, started in zip(column("launch_id"), column("started_at"), strict=True)
+    ]
     rows["sweep"] = column("sweep")
     fields = [_canonical(_setup_fields(spec)) for spec in specs]
     rows["setup"] = [_setup_key(canonical) for canonical in fields]
@@ -224,11 +231,29 @@ def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
     rows["collected_at"] = pd.Timestamp(utc_now())
     rows["slurm_job_id"] = _slurm_jobs(frame)
     rows["error"] = column("error").map(lambda e: str(e).splitlines()[0][:500] if isinstance(e, str) and e else None)
-    for name in ("model", "strategy", "batch_size", "grad_accum", "seq_len", "activation_checkpointing", "precision",
-                 "nodes"):
+    for name in (
+        "model",
+        "strategy",
+        "batch_size",
+        "grad_accum",
+        "seq_len",
+        "activation_checkpointing",
+        "precision",
+        "nodes",
+    ):
         rows[name] = [spec.get(name) for spec in specs]
-    for name in ("duration_s", "world_size", "status", "stage", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib",
-                 "step_time_s", "final_loss", "git_commit"):
+    for name in (
+        "duration_s",
+        "world_size",
+        "status",
+        "stage",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "peak_memory_gib",
+        "step_time_s",
+        "final_loss",
+        "git_commit",
+    ):
         rows[name] = column(name)
     for field, name in RECORD_COLUMNS.items():
         rows[name] = column(field)
@@ -300,8 +325,10 @@ class History:
             raise HistoryError(f"{path}: duckdb is not installed (pip install duckdb)") from None
         self.path = Path(path)
         if read_only and not self.path.is_file():
-            raise HistoryError(f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
-                               "--history PATH names another)")
+            raise HistoryError(
+                f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
+                "--history PATH names another)"
+            )
         try:
             if not read_only:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,8 +347,10 @@ class History:
     def _create(self) -> None:
         columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
         self._run(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns}, PRIMARY KEY ({', '.join(KEY)}))")
-        present = {row[0] for row in self._run(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [TABLE])}
+        present = {
+            row[0]
+            for row in self._run("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [TABLE])
+        }
         for name, kind in COLUMNS.items():
             if name not in present:  # a file written by an older hpcfsdp
                 self._run(f"ALTER TABLE {TABLE} ADD COLUMN {name} {kind}")
@@ -381,9 +410,14 @@ def medians_by_setup(rows: pd.DataFrame) -> pd.DataFrame:
     runs, and the setup's fields (of its latest run). For `hpcfsdp history --set-reference`."""
     ok = rows[(rows["status"] == "ok") & rows["tokens_per_s_per_gpu"].notna()]
     if ok.empty:
-        return pd.DataFrame(columns=["cluster", "gpu", "setup", "setup_fields", "tokens_per_s_per_gpu",
-                                     "peak_memory_gib", "runs"])
+        return pd.DataFrame(
+            columns=["cluster", "gpu", "setup", "setup_fields", "tokens_per_s_per_gpu", "peak_memory_gib", "runs"]
+        )
     ok = ok.sort_values("started_at", na_position="first")
     groups = ok.groupby(["cluster", "gpu", "setup"], dropna=False, sort=True)
-    return groups.agg(setup_fields=("setup_fields", "last"), tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"),
-                      peak_memory_gib=("peak_memory_gib", "median"), runs=("cell_id", "size")).reset_index()
+    return groups.agg(
+        setup_fields=("setup_fields", "last"),
+        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"),
+        peak_memory_gib=("peak_memory_gib", "median"),
+        runs=("cell_id", "size"),
+    ).reset_index()

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -52,15 +53,21 @@ class PlotData:
     probes: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @classmethod
-    def of(cls, configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str,
-           probes: pd.DataFrame | None = None) -> "PlotData":
+    def of(
+        cls, configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str, probes: pd.DataFrame | None = None
+    ) -> PlotData:
         probes = probes if probes is not None else pd.DataFrame()
         variants = [*configs["variant"], *reference["variant"], *probes.get("variant", [])]
         return cls(configs, reference, reference_label, _styles(variants), probes)
 
 
-def write_plots(configs: pd.DataFrame, reference: pd.DataFrame, reference_label: str, out_dir: Path,
-                probes: pd.DataFrame | None = None) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+def write_plots(
+    configs: pd.DataFrame,
+    reference: pd.DataFrame,
+    reference_label: str,
+    out_dir: Path,
+    probes: pd.DataFrame | None = None,
+) -> tuple[list[tuple[str, Path]], dict[str, str]]:
     """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}.
 
     Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
@@ -94,7 +101,7 @@ def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData
         return None
     except NoData as exc:
         why = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported as the figure's skip reason
+    except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
     path.unlink(missing_ok=True)  # neither half a figure nor one of an earlier collection
     return why
@@ -112,7 +119,9 @@ def memory(data: PlotData) -> Figure:
     title = "Peak memory per device vs per-device batch"
     if on_gpu and not capacities:
         title += "\n(device memory size unknown: no capacity line)"
-    return _lines(data, "peak_memory_gib", ylabel, title, {f"{name}: {gib:g} GiB": gib for name, gib in capacities.items()})
+    return _lines(
+        data, "peak_memory_gib", ylabel, title, {f"{name}: {gib:g} GiB": gib for name, gib in capacities.items()}
+    )
 
 
 def mfu(data: PlotData) -> Figure:
@@ -120,8 +129,9 @@ def mfu(data: PlotData) -> Figure:
 
 
 def gpu_utilisation(data: PlotData) -> Figure:
-    return _heatmap(data, "gpu_util_mean", "Mean GPU utilisation by strategy and per-device batch",
-                    "GPU utilisation (%)", "{x:.0f}")
+    return _heatmap(
+        data, "gpu_util_mean", "Mean GPU utilisation by strategy and per-device batch", "GPU utilisation (%)", "{x:.0f}"
+    )
 
 
 def time_breakdown(data: PlotData) -> Figure:
@@ -131,10 +141,19 @@ def time_breakdown(data: PlotData) -> Figure:
     has_comm = frame["comm_exposed_fraction"].notna().any()
     data_part = frame["data_time_fraction"].clip(0, 1)
     comm_part = frame["comm_exposed_fraction"].fillna(0).clip(0, 1)
-    parts = pd.DataFrame({"compute": (1 - data_part - comm_part).clip(lower=0), "exposed communication": comm_part,
-                          "data loading": data_part, "variant": frame["variant"], "batch_size": frame["batch_size"]})
+    parts = pd.DataFrame(
+        {
+            "compute": (1 - data_part - comm_part).clip(lower=0),
+            "exposed communication": comm_part,
+            "data loading": data_part,
+            "variant": frame["variant"],
+            "batch_size": frame["batch_size"],
+        }
+    )
     title = "Step time breakdown" + ("" if has_comm else "\n(exposed communication not recorded: shown as 0)")
-    rows = pd.MultiIndex.from_frame(frame[["variant", "batch_size"]].drop_duplicates().sort_values(["variant", "batch_size"]))
+    rows = pd.MultiIndex.from_frame(
+        frame[["variant", "batch_size"]].drop_duplicates().sort_values(["variant", "batch_size"])
+    )
     figure, panels = _facets(frame, title, panel=(5.5, 0.25 * len(rows) + 1.2))
     for setting, ax, part in panels:
         shares = parts.loc[part.index].groupby(["variant", "batch_size"]).mean().reindex(rows).fillna(0)
@@ -162,10 +181,19 @@ def loss_curves(data: PlotData) -> Figure:
     for variant, group in cells.groupby("variant", sort=True):
         for i, losses in enumerate(group["losses"]):
             values = pd.to_numeric(pd.Series(losses), errors="coerce")
-            ax.plot(np.arange(1, len(values) + 1), values, **data.styles[variant], markersize=4,
-                    label=variant if i == 0 else "_nolegend_")
-    ax.set(title=f"Training loss per step at {data.reference_label}\n(the workload most strategies ran; one line per cell)",
-           xlabel="step", ylabel="training loss")
+            ax.plot(
+                np.arange(1, len(values) + 1),
+                values,
+                **data.styles[variant],
+                markersize=4,
+                label=variant if i == 0 else "_nolegend_",
+            )
+    ax.set(
+        title=f"Training loss per step at {data.reference_label}\n"
+        "(the workload most strategies ran; one line per cell)",
+        xlabel="step",
+        ylabel="training loss",
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     figure.legend(loc="outside right upper", title="strategy")
@@ -174,7 +202,9 @@ def loss_curves(data: PlotData) -> Figure:
 
 def memory_stages(data: PlotData) -> Figure:
     cells = data.reference
-    columns = [c for c in cells.columns if c.startswith("memory.") and pd.to_numeric(cells[c], errors="coerce").notna().any()]
+    columns = [
+        c for c in cells.columns if c.startswith("memory.") and pd.to_numeric(cells[c], errors="coerce").notna().any()
+    ]
     on_gpu = any(c.endswith(".allocated_gib") for c in columns)
     key = "allocated_gib" if on_gpu else "cpu_max_rss_gib"
     stages = dict.fromkeys(c.split(".")[1] for c in columns)  # as stored: record files sort their keys
@@ -188,8 +218,13 @@ def memory_stages(data: PlotData) -> Figure:
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
-        ax.bar(np.arange(len(bars)) + (i - (len(means) - 1) / 2) * width, row.to_numpy(), width,
-               color=data.styles[variant]["color"], label=variant)
+        ax.bar(
+            np.arange(len(bars)) + (i - (len(means) - 1) / 2) * width,
+            row.to_numpy(),
+            width,
+            color=data.styles[variant]["color"],
+            label=variant,
+        )
     ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
     what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"
     note = "" if on_gpu else " (CPU run: max RSS only grows)"
@@ -205,7 +240,11 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
     ("mfu", "MFU heatmap: strategy x per-device batch", mfu),
     ("gpu_utilisation", "Mean GPU utilisation: strategy x per-device batch", gpu_utilisation),
     ("time_breakdown", "Step time: compute, exposed communication, data loading", time_breakdown),
-    ("loss", "Training loss per strategy at one common workload (line styles tell overlapping curves apart)", loss_curves),
+    (
+        "loss",
+        "Training loss per strategy at one common workload (line styles tell overlapping curves apart)",
+        loss_curves,
+    ),
     ("memory_stages", "Memory by stage per strategy at one common workload", memory_stages),
 )
 
@@ -217,11 +256,19 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
 def _styles(variants: list[str]) -> dict[str, dict[str, Any]]:
     names = sorted({str(v) for v in variants if pd.notna(v)})
     colours = colormaps["tab10" if len(names) <= 10 else "tab20"]
-    return {name: {"color": colours(i % colours.N), "marker": MARKERS[i % len(MARKERS)],
-                   "linestyle": LINESTYLES[i % len(LINESTYLES)]} for i, name in enumerate(names)}
+    return {
+        name: {
+            "color": colours(i % colours.N),
+            "marker": MARKERS[i % len(MARKERS)],
+            "linestyle": LINESTYLES[i % len(LINESTYLES)],
+        }
+        for i, name in enumerate(names)
+    }
 
 
-def _facets(frame: pd.DataFrame, title: str, panel: tuple[float, float] = (5.0, 3.6)) -> tuple[Figure, list[tuple[str, Axes, pd.DataFrame]]]:
+def _facets(
+    frame: pd.DataFrame, title: str, panel: tuple[float, float] = (5.0, 3.6)
+) -> tuple[Figure, list[tuple[str, Axes, pd.DataFrame]]]:
     """One panel per setting (grad_accum, checkpointing, ...), at most MAX_PANELS of them, on
     shared axes: panels compare at a glance, and only the outer ones carry tick labels."""
     groups = list(frame.groupby("setting", observed=True, sort=True))
@@ -253,8 +300,11 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
         for variant, line in part.groupby("variant", sort=True):
             line = line.sort_values("batch_size")
             ax.plot(line["batch_size"], line[column], **data.styles[str(variant)], label=variant)
-        for (variant, fitted), points in (probes[probes["setting"] == setting].groupby(["variant", probes["status"] == "ok"])
-                                          if not probes.empty else []):
+        for (variant, fitted), points in (
+            probes[probes["setting"] == setting].groupby(["variant", probes["status"] == "ok"])
+            if not probes.empty
+            else []
+        ):
             colour = data.styles[variant]["color"]
             marker = dict(marker=data.styles[variant]["marker"], markerfacecolor="none") if fitted else dict(marker="x")
             ax.plot(points["batch_size"], points[column], linestyle="none", color=colour, markersize=8, **marker)
@@ -269,8 +319,12 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     figure.supylabel(ylabel)
     handles = [Line2D([], [], **data.styles[name], label=name) for name in sorted(set(frame["variant"]))]
     if not probes.empty:
-        handles += [Line2D([], [], color="grey", marker="o", markerfacecolor="none", linestyle="none", label="search probe: fitted"),
-                    Line2D([], [], color="grey", marker="x", linestyle="none", label="search probe: did not fit")]
+        handles += [
+            Line2D(
+                [], [], color="grey", marker="o", markerfacecolor="none", linestyle="none", label="search probe: fitted"
+            ),
+            Line2D([], [], color="grey", marker="x", linestyle="none", label="search probe: did not fit"),
+        ]
     handles += [Line2D([], [], color="crimson", linestyle="--", label=label) for label in (levels or {})]
     figure.legend(handles=handles, loc="outside right upper", title="strategy")
     return figure
@@ -292,8 +346,15 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
         image = ax.imshow(values, cmap="viridis", vmin=low, vmax=high, aspect="auto")
         for (i, j), value in np.ndenumerate(values):
             if not np.isnan(value):
-                ax.text(j, i, cell_format.format(x=value), ha="center", va="center", fontsize=8,
-                        color="white" if value < (low + high) / 2 else "black")
+                ax.text(
+                    j,
+                    i,
+                    cell_format.format(x=value),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if value < (low + high) / 2 else "black",
+                )
         ax.set_title(setting)
     ax.set_xticks(np.arange(len(batches)), [_number(b) for b in batches])
     ax.set_yticks(np.arange(len(variants)), variants)

@@ -30,8 +30,17 @@ from ..spec import RunSpec, SpecError, coerce_fields, unknown_key
 
 REFERENCES_NAME = "references.yaml"
 TOP_KEYS = ("tolerance", "references")
-ENTRY_KEYS = ("cluster", "gpu", "setup", "match", "tokens_per_s_per_gpu", "peak_memory_gib", "tolerance", "runs",
-              "set_at")
+ENTRY_KEYS = (
+    "cluster",
+    "gpu",
+    "setup",
+    "match",
+    "tokens_per_s_per_gpu",
+    "peak_memory_gib",
+    "tolerance",
+    "runs",
+    "set_at",
+)
 _DEFAULTS = RunSpec().to_dict()
 
 
@@ -48,17 +57,27 @@ class Reference:
     extra: dict[str, Any] = field(default_factory=dict)  # runs, set_at: kept when the file is rewritten
 
     def matches(self, cluster: Any, gpu: Any, setup: str, spec: Mapping[str, Any]) -> bool:
-        return ((self.cluster is None or self.cluster == cluster) and (self.gpu is None or self.gpu == gpu)
-                and (self.setup is None or self.setup == setup)
-                and all(spec.get(name, _DEFAULTS.get(name)) == value for name, value in self.match.items()))
+        return (
+            (self.cluster is None or self.cluster == cluster)
+            and (self.gpu is None or self.gpu == gpu)
+            and (self.setup is None or self.setup == setup)
+            and all(spec.get(name, _DEFAULTS.get(name)) == value for name, value in self.match.items())
+        )
 
     def specificity(self) -> tuple[int, int, int]:
         return (self.setup is not None, (self.cluster is not None) + (self.gpu is not None), len(self.match))
 
     def to_yaml(self) -> dict[str, Any]:
-        entry = {"cluster": self.cluster, "gpu": self.gpu, "setup": self.setup, "match": self.match or None,
-                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "peak_memory_gib": self.peak_memory_gib,
-                 "tolerance": self.tolerance, **self.extra}
+        entry = {
+            "cluster": self.cluster,
+            "gpu": self.gpu,
+            "setup": self.setup,
+            "match": self.match or None,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "peak_memory_gib": self.peak_memory_gib,
+            "tolerance": self.tolerance,
+            **self.extra,
+        }
         return {key: value for key, value in entry.items() if value is not None}
 
 
@@ -70,8 +89,11 @@ class References:
 
     def find(self, cluster: Any, gpu: Any, setup: str, spec: Mapping[str, Any]) -> Reference | None:
         """The most specific entry matching the cell; None when none does."""
-        matching = [(ref.specificity(), -index, ref) for index, ref in enumerate(self.entries)
-                    if ref.matches(cluster, gpu, setup, spec)]
+        matching = [
+            (ref.specificity(), -index, ref)
+            for index, ref in enumerate(self.entries)
+            if ref.matches(cluster, gpu, setup, spec)
+        ]
         return max(matching, key=lambda item: item[:2])[2] if matching else None
 
     def tolerance_of(self, ref: Reference, default: float) -> float:
@@ -101,8 +123,9 @@ def _entry(item: Any, path: Path, lines: dict, index: int) -> Reference:
     start = lines.get(("entry", index), 1)
     where = f"{path}:{start}"
     if not isinstance(item, dict):
-        raise SpecError(where, f"references[{index}]",
-                        "expected a mapping (cluster, gpu, setup, match, tokens_per_s_per_gpu, ...)")
+        raise SpecError(
+            where, f"references[{index}]", "expected a mapping (cluster, gpu, setup, match, tokens_per_s_per_gpu, ...)"
+        )
 
     def at(key: str) -> str:
         return f"{path}:{lines.get((index, key), start)}"
@@ -113,29 +136,41 @@ def _entry(item: Any, path: Path, lines: dict, index: int) -> Reference:
     name = f"references[{index}]"
     expected = _positive(item.get("tokens_per_s_per_gpu"))
     if expected is None:
-        raise SpecError(at("tokens_per_s_per_gpu"), f"{name}.tokens_per_s_per_gpu",
-                        f"expected a positive number, got {item.get('tokens_per_s_per_gpu')!r}")
+        raise SpecError(
+            at("tokens_per_s_per_gpu"),
+            f"{name}.tokens_per_s_per_gpu",
+            f"expected a positive number, got {item.get('tokens_per_s_per_gpu')!r}",
+        )
     memory = _positive(item.get("peak_memory_gib"))
     if memory is None and item.get("peak_memory_gib") is not None:
-        raise SpecError(at("peak_memory_gib"), f"{name}.peak_memory_gib",
-                        f"expected a positive number, got {item['peak_memory_gib']!r}")
+        raise SpecError(
+            at("peak_memory_gib"),
+            f"{name}.peak_memory_gib",
+            f"expected a positive number, got {item['peak_memory_gib']!r}",
+        )
     for key in ("cluster", "gpu", "setup"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise SpecError(at(key), f"{name}.{key}", f"expected text, got {item[key]!r}")
     match = item.get("match") or {}
     if not isinstance(match, dict):
-        raise SpecError(at("match"), f"{name}.match",
-                        "expected a mapping of spec fields, e.g. {strategy: ddp, batch_size: 2}")
+        raise SpecError(
+            at("match"), f"{name}.match", "expected a mapping of spec fields, e.g. {strategy: ddp, batch_size: 2}"
+        )
     if not match and not item.get("setup"):
-        raise SpecError(where, name,
-                        "expected a setup key or a match of spec fields (an entry for every cell is a mistake)")
+        raise SpecError(
+            where, name, "expected a setup key or a match of spec fields (an entry for every cell is a mistake)"
+        )
     try:
         match = coerce_fields(RunSpec, match, at("match"))
     except SpecError as exc:
         raise SpecError(exc.where, f"{name}.match.{exc.key}", exc.what) from None
     return Reference(
-        tokens_per_s_per_gpu=expected, cluster=item.get("cluster"), gpu=item.get("gpu"),
-        setup=item.get("setup"), match=match, peak_memory_gib=memory,
+        tokens_per_s_per_gpu=expected,
+        cluster=item.get("cluster"),
+        gpu=item.get("gpu"),
+        setup=item.get("setup"),
+        match=match,
+        peak_memory_gib=memory,
         tolerance=_fraction(at("tolerance"), f"{name}.tolerance", item.get("tolerance")),
         where=at("tokens_per_s_per_gpu"),
         extra={key: item[key] for key in ("runs", "set_at") if key in item},
@@ -168,8 +203,11 @@ def _parse(path: Path) -> tuple[Any, dict]:
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        raise SpecError(f"{path}:{mark.line + 1}" if mark else str(path), "",
-                        f"not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        raise SpecError(
+            f"{path}:{mark.line + 1}" if mark else str(path),
+            "",
+            f"not valid YAML ({getattr(exc, 'problem', None) or exc})",
+        ) from None
     finally:
         loader.dispose()
     lines: dict = {}
@@ -197,7 +235,9 @@ def write_references(path: Path, new: list[Reference]) -> References:
         document["tolerance"] = merged.tolerance
     document["references"] = [ref.to_yaml() for ref in merged.entries]
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = ("# Expected tokens/s per GPU (and peak memory) per system and setup: docs/history.md.\n"
-              "# `hpcfsdp history --set-reference` rewrites this file (comments are not kept).\n")
+    header = (
+        "# Expected tokens/s per GPU (and peak memory) per system and setup: docs/history.md.\n"
+        "# `hpcfsdp history --set-reference` rewrites this file (comments are not kept).\n"
+    )
     path.write_text(header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
     return merged

@@ -86,8 +86,18 @@ def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: Referenc
     rows["history_runs"] = rows["history_runs"].fillna(0).astype(int)
     out = OverTime(pd.DataFrame())
     table, unchecked, flagged = [], 0, 0
-    needed = ["cell_id", "setup", "cluster", "gpu", "spec", "status", "tokens_per_s_per_gpu", "peak_memory_gib",
-              "history_median", "history_runs"]
+    needed = [
+        "cell_id",
+        "setup",
+        "cluster",
+        "gpu",
+        "spec",
+        "status",
+        "tokens_per_s_per_gpu",
+        "peak_memory_gib",
+        "history_median",
+        "history_runs",
+    ]
     records: list[Any] = list(rows[needed].itertuples(index=False))  # one named tuple per history row
     for row in records:
         ref = references.find(row.cluster, row.gpu, row.setup, json.loads(row.spec)) if references.entries else None
@@ -98,21 +108,35 @@ def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: Referenc
         flagged += bool(problems)
         out.regressions += [f"{row.cell_id}: {p}" for p in problems]
         out.hints += [f"{row.cell_id}: {h}" for h in hints]
-        table.append({
-            "cell": row.cell_id, "setup": row.setup, "system": f"{row.cluster or '-'} / {row.gpu or '-'}",
-            "status": row.status, "tokens/s/gpu": fmt("tokens_per_s_per_gpu", row.tokens_per_s_per_gpu),
-            "reference": (f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} "
-                          f"±{references.tolerance_of(ref, tolerance):.0%}") if ref else "-",
-            "history median (runs)": (f"{fmt('tokens_per_s_per_gpu', row.history_median)} ({row.history_runs})"
-                                      if row.history_runs else "-"),
-            "verdict": REGRESSION if problems else ("faster" if hints else "ok"),
-        })
+        table.append(
+            {
+                "cell": row.cell_id,
+                "setup": row.setup,
+                "system": f"{row.cluster or '-'} / {row.gpu or '-'}",
+                "status": row.status,
+                "tokens/s/gpu": fmt("tokens_per_s_per_gpu", row.tokens_per_s_per_gpu),
+                "reference": (
+                    f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} "
+                    f"±{references.tolerance_of(ref, tolerance):.0%}"
+                )
+                if ref
+                else "-",
+                "history median (runs)": (
+                    f"{fmt('tokens_per_s_per_gpu', row.history_median)} ({row.history_runs})"
+                    if row.history_runs
+                    else "-"
+                ),
+                "verdict": REGRESSION if problems else ("faster" if hints else "ok"),
+            }
+        )
     if table:
         frame = pd.DataFrame(table)
         out.table = frame.sort_values("verdict", key=lambda v: v != REGRESSION, kind="stable").reset_index(drop=True)
-    out.notes.append(f"Tolerance {tolerance:.0%} (a reference may set its own). {len(table)} cell(s) checked, "
-                     f"{flagged} with a regression; "
-                     f"{unchecked} with neither a reference nor an earlier run of their setup on their system.")
+    out.notes.append(
+        f"Tolerance {tolerance:.0%} (a reference may set its own). {len(table)} cell(s) checked, "
+        f"{flagged} with a regression; "
+        f"{unchecked} with neither a reference nor an earlier run of their setup on their system."
+    )
     return out
 
 
@@ -123,8 +147,10 @@ def _problems(row: Any, ref: Reference | None, ref_tolerance: float, tolerance: 
     system = f"{row.cluster or '-'} / {row.gpu or '-'}"
     if row.status != "ok":
         if ref is not None:
-            problems.append(f"status {row.status}; its reference ({ref.where}) expects "
-                            f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} tokens/s/gpu")
+            problems.append(
+                f"status {row.status}; its reference ({ref.where}) expects "
+                f"{fmt('tokens_per_s_per_gpu', ref.tokens_per_s_per_gpu)} tokens/s/gpu"
+            )
         else:
             problems.append(f"status {row.status}; its setup ran ok {row.history_runs} time(s) before on {system}")
         return problems, hints
@@ -132,8 +158,10 @@ def _problems(row: Any, ref: Reference | None, ref_tolerance: float, tolerance: 
     if ref is not None and pd.notna(tokens):
         change = tokens / ref.tokens_per_s_per_gpu - 1
         expected = fmt("tokens_per_s_per_gpu", ref.tokens_per_s_per_gpu)
-        shown = (f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {abs(change):.1%} {{}} its reference "
-                 f"{expected} (tolerance {ref_tolerance:.0%}; {ref.where})")
+        shown = (
+            f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {abs(change):.1%} {{}} its reference "
+            f"{expected} (tolerance {ref_tolerance:.0%}; {ref.where})"
+        )
         if change < -ref_tolerance:
             problems.append(shown.format("below"))
         elif change > ref_tolerance:
@@ -141,12 +169,16 @@ def _problems(row: Any, ref: Reference | None, ref_tolerance: float, tolerance: 
     if ref is not None and ref.peak_memory_gib and pd.notna(row.peak_memory_gib):
         change = row.peak_memory_gib / ref.peak_memory_gib - 1
         if change > ref_tolerance:
-            problems.append(f"peak memory {row.peak_memory_gib:.2f} GiB is {change:.1%} above its reference "
-                            f"{ref.peak_memory_gib:.2f} GiB (tolerance {ref_tolerance:.0%}; {ref.where})")
+            problems.append(
+                f"peak memory {row.peak_memory_gib:.2f} GiB is {change:.1%} above its reference "
+                f"{ref.peak_memory_gib:.2f} GiB (tolerance {ref_tolerance:.0%}; {ref.where})"
+            )
     if row.history_runs and pd.notna(tokens):
         change = tokens / row.history_median - 1
         if change < -tolerance:
-            problems.append(f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {-change:.1%} below the median "
-                            f"{fmt('tokens_per_s_per_gpu', row.history_median)} of {row.history_runs} earlier run(s) "
-                            f"of setup {row.setup} on {system} (tolerance {tolerance:.0%})")
+            problems.append(
+                f"tokens/s/gpu {fmt('tokens_per_s_per_gpu', tokens)} is {-change:.1%} below the median "
+                f"{fmt('tokens_per_s_per_gpu', row.history_median)} of {row.history_runs} earlier run(s) "
+                f"of setup {row.setup} on {system} (tolerance {tolerance:.0%})"
+            )
     return problems, hints

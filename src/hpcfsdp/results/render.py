@@ -48,8 +48,7 @@ def to_markdown(title: str, sections: list[Section], relative_to: Path | None = 
 # pipe (ends a table cell), brackets (a link, or an image fetched from anywhere) and `<` (raw
 # HTML, which Markdown viewers render). Each gets CommonMark's backslash escape; the
 # backslash itself first, so that a value's own backslash cannot undo one.
-_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<",
-                                   "\n": " ", "\r": " "})
+_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", "\n": " ", "\r": " "})
 
 
 def markdown_text(value: object) -> str:
@@ -63,8 +62,9 @@ def markdown_table(table: pd.DataFrame) -> str:
         return "(none)"
     rows = [[markdown_text(v) for v in row] for row in _rows(table)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(table.columns))]
-    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |"
-             for row in rows]
+    lines = [
+        "| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) + " |" for row in rows
+    ]
     lines.insert(1, "|" + "|".join(":" + "-" * (width + 1) for width in widths) + "|")
     return "\n".join(lines)
 
@@ -73,9 +73,13 @@ def _html_table(table: pd.DataFrame) -> str:
     if table.empty:
         return "<p>(none)</p>"
     head, *body = [[html.escape(str(v)) for v in row] for row in _rows(table)]
-    return ("<table><thead><tr>" + "".join(f"<th>{cell}</th>" for cell in head) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in body)
-            + "</tbody></table>")
+    return (
+        "<table><thead><tr>"
+        + "".join(f"<th>{cell}</th>" for cell in head)
+        + "</tr></thead><tbody>"
+        + "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in body)
+        + "</tbody></table>"
+    )
 
 
 def _rows(table: pd.DataFrame) -> list[list]:
@@ -105,8 +109,9 @@ nav a { margin-right: .8rem; font-size: .9rem; }
 def to_html(title: str, sections: list[Section]) -> str:
     """One page with no outside references: styles inline, images as base64 data URIs."""
     anchors = [f"s{i}" for i in range(len(sections))]
-    nav = " ".join(f'<a href="#{a}">{html.escape(s.title)}</a>'
-                   for a, s in zip(anchors, sections, strict=True) if s.level == 2)
+    nav = " ".join(
+        f'<a href="#{a}">{html.escape(s.title)}</a>' for a, s in zip(anchors, sections, strict=True) if s.level == 2
+    )
     body = [f"<h1>{html.escape(title)}</h1>", f"<nav>{nav}</nav>"]
     for anchor, section in zip(anchors, sections, strict=False):
         body.append(f'<h{section.level} id="{anchor}">{html.escape(section.title)}</h{section.level}>')
@@ -118,7 +123,11 @@ def to_html(title: str, sections: list[Section]) -> str:
             body.append(_html_table(section.table))
         for caption, path in section.images:
             data = base64.b64encode(path.read_bytes()).decode("ascii")
-            body.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+            body.append(
+                f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+            )
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

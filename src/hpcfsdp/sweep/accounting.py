@@ -40,7 +40,9 @@ def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
             continue
         out[job] = {
             "state": state.split()[0] if state else None,  # "CANCELLED by 1000" -> CANCELLED
-            "submit": submit, "start": start, "end": end,  # the cluster's local time, as sacct prints it
+            "submit": submit,
+            "start": start,
+            "end": end,  # the cluster's local time, as sacct prints it
             "elapsed_s": int(elapsed) if elapsed.isdigit() else None,
             "queue_wait_s": (started - submitted).total_seconds(),
             # 0 or empty: the cluster does not gather energy (AcctGatherEnergyType=none)
@@ -56,8 +58,14 @@ def sacct(job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         raise AccountingUnavailable("sacct not found")
     found: dict[str, dict[str, Any]] = {}
     for first in range(0, len(ids), IDS_PER_CALL):
-        command = ["sacct", "--noheader", "--parsable2", "--allocations", f"--format={SACCT_FORMAT}",
-                   f"--jobs={','.join(ids[first:first + IDS_PER_CALL])}"]
+        command = [
+            "sacct",
+            "--noheader",
+            "--parsable2",
+            "--allocations",
+            f"--format={SACCT_FORMAT}",
+            f"--jobs={','.join(ids[first : first + IDS_PER_CALL])}",
+        ]
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -79,8 +87,9 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
     try:
         answers = sacct(jobs.values())
     except AccountingUnavailable as exc:
-        return {}, (f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to "
-                    f"{len(jobs)} record(s)")
+        return {}, (
+            f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to {len(jobs)} record(s)"
+        )
     added = {}
     for cell_id, job in jobs.items():
         if job not in answers:

@@ -29,8 +29,15 @@ DOWN_STATES = ("down", "drain", "drng", "drained", "fail", "failg", "inval")
 # other jobs ending: partition limits the job exceeds, constraints no node has, an account or QOS
 # it may not use, a dependency that can no longer be met.
 NEVER_CLEARING_REASONS = (
-    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
-    "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+    "PartitionConfig",
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSNotAllowed",
+    "DependencyNeverSatisfied",
 )
 # Per-job QOS or association limits that the job itself exceeds (QOSMaxWallDurationPerJobLimit,
 # AssocMaxNodesPerJobLimit, QOSMinGRES, ...); per-user and group limits clear as other jobs end.
@@ -77,8 +84,10 @@ def read_limits() -> Limits | None:
     if out is None:
         return None
     values = dict(re.findall(r"^(\w+)\s*=\s*(\S*)", out, flags=re.M))
-    return Limits(max_array_size=_number(values.get("MaxArraySize", "")) or SLURM_MAX_ARRAY_SIZE,
-                  max_job_count=_number(values.get("MaxJobCount", "")) or SLURM_MAX_JOB_COUNT)
+    return Limits(
+        max_array_size=_number(values.get("MaxArraySize", "")) or SLURM_MAX_ARRAY_SIZE,
+        max_job_count=_number(values.get("MaxJobCount", "")) or SLURM_MAX_JOB_COUNT,
+    )
 
 
 def read_partitions() -> dict[str, Partition] | None:
@@ -94,7 +103,8 @@ def read_partitions() -> dict[str, Partition] | None:
             continue
         node, cpus, memory, gres, state, partition = (f.strip() for f in fields)
         nodes.setdefault(partition, []).append(
-            Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state))
+            Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state)
+        )
     partitions = {}
     for line in listing.splitlines():
         values = dict(item.split("=", 1) for item in line.split() if "=" in item)
@@ -103,11 +113,16 @@ def read_partitions() -> dict[str, Partition] | None:
             continue
         max_time = values.get("MaxTime", "UNLIMITED")
         partitions[name] = Partition(
-            name=name, default=values.get("Default") == "YES", nodes=tuple(nodes.get(name, ())),
-            max_nodes=_number(values.get("MaxNodes", "")), min_nodes=_number(values.get("MinNodes", "")) or 0,
-            max_time_min=slurm_minutes(max_time), max_time_text=max_time,
+            name=name,
+            default=values.get("Default") == "YES",
+            nodes=tuple(nodes.get(name, ())),
+            max_nodes=_number(values.get("MaxNodes", "")),
+            min_nodes=_number(values.get("MinNodes", "")) or 0,
+            max_time_min=slurm_minutes(max_time),
+            max_time_text=max_time,
             max_cpus_per_node=_number(values.get("MaxCPUsPerNode", "")),
-            max_mem_per_node_mb=_number(values.get("MaxMemPerNode", "")))
+            max_mem_per_node_mb=_number(values.get("MaxMemPerNode", "")),
+        )
     return partitions
 
 

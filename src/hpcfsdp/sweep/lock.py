@@ -30,8 +30,10 @@ def sweep_lock(sweep_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            log(f"another `hpcfsdp submit` of {sweep_dir} is running ({holder}); waiting for it to finish "
-                "(Ctrl-C to stop waiting)")
+            log(
+                f"another `hpcfsdp submit` of {sweep_dir} is running ({holder}); waiting for it to finish "
+                "(Ctrl-C to stop waiting)"
+            )
             fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()

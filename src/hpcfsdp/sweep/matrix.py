@@ -12,9 +12,10 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import yaml
 
@@ -38,7 +39,7 @@ class Cell:
     id: str
 
     @classmethod
-    def of(cls, spec: RunSpec) -> "Cell":
+    def of(cls, spec: RunSpec) -> Cell:
         return cls(spec=spec, id=cell_id(spec))
 
     @property
@@ -76,7 +77,7 @@ def arrays(cells: Iterable[Cell], max_size: int | None) -> list[tuple[tuple[int,
     out = []
     for shape, group in by_shape(cells).items():
         size = max_size or len(group)
-        out += [(shape, group[start:start + size]) for start in range(0, len(group), size)]
+        out += [(shape, group[start : start + size]) for start in range(0, len(group), size)]
     return out
 
 
@@ -100,7 +101,7 @@ class _LineLoader(BoundedLoader):
     """A SafeLoader, with bounds, that remembers the line of every mapping key, for error messages."""
 
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> "_LinedDict":
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LinedDict:
     mapping = _LinedDict()
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node)
@@ -108,11 +109,15 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> "_LinedDi
             hash(key)
         except TypeError:
             raise yaml.constructor.ConstructorError(
-                None, None, f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
-                key_node.start_mark) from None
+                None,
+                None,
+                f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
+                key_node.start_mark,
+            ) from None
         if key in mapping:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark
+            )
         mapping[key] = loader.construct_object(value_node, deep=True)
         mapping.lines[key] = key_node.start_mark.line + 1
     return mapping
@@ -136,8 +141,9 @@ def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
         raw = yaml.load(text, Loader=_LineLoader)
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow; it has a position, not a mark
         line = text.count("\n", 0, exc.position) + 1
-        raise SpecError(f"{path}:{line}", "", f"not valid YAML (unacceptable character #x{exc.character:04x}: "
-                        f"{exc.reason})") from None
+        raise SpecError(
+            f"{path}:{line}", "", f"not valid YAML (unacceptable character #x{exc.character:04x}: {exc.reason})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}" if mark else ""
@@ -177,11 +183,14 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
         raise _located(exc, source, [("slurm", slurm)], _where(source, raw, "slurm"), prefix="slurm.") from None
     setup = raw.get("setup", [])
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
-        raise SpecError(_where(source, raw, 'setup'), "setup", "expected a list of shell lines")
+        raise SpecError(_where(source, raw, "setup"), "setup", "expected a list of shell lines")
     for index, line in enumerate(setup):
         if _SETUP_CONTROL.search(line):
-            raise SpecError(_where(source, raw, "setup"), f"setup[{index}]",
-                            f"expected no control characters other than newline and tab, got {shown(line)}")
+            raise SpecError(
+                _where(source, raw, "setup"),
+                f"setup[{index}]",
+                f"expected no control characters other than newline and tab, got {shown(line)}",
+            )
     _check_cell_count(source, raw, axes, include, max_cells)
 
     exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]
@@ -197,12 +206,21 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
         cells.setdefault(cell.id, cell)
     for exclusion in exclusions:
         if not exclusion.matched:
-            raise SpecError(f"{exclusion.where}: exclude[{exclusion.index}]: matches no cell of the matrix "
-                            f"({_plain_partial(exclusion.values)}); check its keys and values")
+            raise SpecError(
+                f"{exclusion.where}: exclude[{exclusion.index}]: matches no cell of the matrix "
+                f"({_plain_partial(exclusion.values)}); check its keys and values"
+            )
     if not cells:
-        raise SpecError(_where(source, raw, 'exclude'), "exclude", "no cells left after exclude")
-    return Sweep(name=name, source=source, cells=tuple(cells.values()), resources=resources, setup=tuple(setup),
-                 raw=_plain(raw), lines=_key_lines(raw))
+        raise SpecError(_where(source, raw, "exclude"), "exclude", "no cells left after exclude")
+    return Sweep(
+        name=name,
+        source=source,
+        cells=tuple(cells.values()),
+        resources=resources,
+        setup=tuple(setup),
+        raw=_plain(raw),
+        lines=_key_lines(raw),
+    )
 
 
 def _key_lines(raw: dict) -> dict[str, int]:
@@ -224,9 +242,12 @@ def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cel
     if product + len(include) > max_cells:
         sizes = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items()) or "1 base cell"
         extra = f" + {len(include):,} include" if include else ""
-        raise SpecError(_where(source, raw, "matrix" if product > 1 else "include"), "matrix",
-                        f"{product + len(include):,} cells ({sizes}{extra}) is more than the limit of {max_cells:,}; "
-                        "split the sweep, or raise the limit with --max-cells")
+        raise SpecError(
+            _where(source, raw, "matrix" if product > 1 else "include"),
+            "matrix",
+            f"{product + len(include):,} cells ({sizes}{extra}) is more than the limit of {max_cells:,}; "
+            "split the sweep, or raise the limit with --max-cells",
+        )
 
 
 def _expand(base: dict, axes: dict, include: list[dict]) -> Iterator[tuple[int | None, dict]]:
@@ -275,24 +296,33 @@ def plain_value(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _cell_error(exc: SpecError, source: str, raw: dict, base: dict, axes: dict, include: list[dict],
-                origin: int | None, values: dict) -> SpecError:
+def _cell_error(
+    exc: SpecError,
+    source: str,
+    raw: dict,
+    base: dict,
+    axes: dict,
+    include: list[dict],
+    origin: int | None,
+    values: dict,
+) -> SpecError:
     """Point a cell's error at the YAML line that set the offending key: its include entry or
     matrix axis, else base; the cell's distinguishing values follow in parentheses."""
     if origin is None:
         places = [("matrix", axes), ("base", base)]
-        fallback = _where(source, raw, 'matrix' if axes else 'base')
+        fallback = _where(source, raw, "matrix" if axes else "base")
     else:
         entry = include[origin]
         places = [(f"include[{origin}]", entry), ("base", base)]
         line = min(getattr(entry, "lines", {}).values(), default=None)
-        fallback = f"{source}:{line}" if line else _where(source, raw, 'include')
+        fallback = f"{source}:{line}" if line else _where(source, raw, "include")
     cell = ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
     return _located(exc, source, places, fallback, suffix=f" (cell {cell})")
 
 
-def _located(exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, prefix: str = "",
-             suffix: str = "") -> SpecError:
+def _located(
+    exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, prefix: str = "", suffix: str = ""
+) -> SpecError:
     """Name the line and section where the error's key was set, or else (a default value) the
     `fallback` place, with `prefix` before the key."""
     if exc.where != source or not exc.key:

@@ -29,23 +29,31 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     unknown = [name for name in names if name not in partitions] if names else [""]  # "": no default partition
     if unknown:
         known = ", ".join(sorted(partitions)) or "none"
-        return [f"{_place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster "
-                f"(partitions: {known})"]
+        return [
+            f"{_place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster (partitions: {known})"
+        ]
     where = f"partition {names[0]}" if len(names) == 1 else f"any of the partitions {', '.join(names)}"
     problems = []
     limits = [limit for name in names if (limit := partitions[name].max_time_min) is not None]
     if len(limits) == len(names) and res.time_min > max(limits):  # no cell can run
-        texts = ", ".join(f"{name} {partitions[name].max_time_text}" for name in names) if len(names) > 1 \
+        texts = (
+            ", ".join(f"{name} {partitions[name].max_time_text}" for name in names)
+            if len(names) > 1
             else partitions[names[0]].max_time_text
-        problems.append(f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
-                        f"({texts}, {max(limits)} min): no cell can ever run")
+        )
+        problems.append(
+            f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
+            f"({texts}, {max(limits)} min): no cell can ever run"
+        )
     for (nodes, gpus), group in by_shape(sweep.cells if cells is None else cells).items():
         found = [_why_never(partitions[name], nodes, gpus, sweep) for name in names]
         first = found[0]
         if first is not None and all(found):  # the first partition's reason
             key, value, why = first
-            problems.append(f"{_place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
-                            f"can never run in {where}: {why}")
+            problems.append(
+                f"{_place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
+                f"can never run in {where}: {why}"
+            )
     return problems
 
 
@@ -68,8 +76,12 @@ def _why_never(partition: Partition, nodes: int, gpus: int, sweep: Sweep) -> tup
     if partition.max_cpus_per_node is not None:
         most_cpus = min(most_cpus, partition.max_cpus_per_node)
     if need_cpus > most_cpus:
-        return ("slurm.cpus_per_task", None, f"{gpus} task(s) x {res.cpus_per_task} CPU(s) = {need_cpus} CPUs per "
-                f"node, and its nodes have at most {most_cpus}")
+        return (
+            "slurm.cpus_per_task",
+            None,
+            f"{gpus} task(s) x {res.cpus_per_task} CPU(s) = {need_cpus} CPUs per "
+            f"node, and its nodes have at most {most_cpus}",
+        )
     most_mb = max(n.memory_mb for n in partition.nodes)
     if partition.max_mem_per_node_mb is not None:
         most_mb = min(most_mb, partition.max_mem_per_node_mb)
@@ -77,8 +89,12 @@ def _why_never(partition: Partition, nodes: int, gpus: int, sweep: Sweep) -> tup
         return "slurm.mem_gb", None, f"mem_gb {res.mem_gb} is above the {most_mb} MB its nodes have at most"
     fitting = [n for n in partition.nodes if n.gpus >= need_gpus and n.cpus >= need_cpus and n.memory_mb >= need_mb]
     if len(fitting) < nodes:
-        return ("nodes", nodes, f"only {len(fitting)} of its nodes have {need_gpus} GPU(s), {need_cpus} CPUs"
-                f"{f' and {res.mem_gb} GB' if need_mb else ''} each")
+        return (
+            "nodes",
+            nodes,
+            f"only {len(fitting)} of its nodes have {need_gpus} GPU(s), {need_cpus} CPUs"
+            f"{f' and {res.mem_gb} GB' if need_mb else ''} each",
+        )
     return None
 
 

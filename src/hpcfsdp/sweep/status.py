@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, TextIO
+from typing import TextIO
 
 from ..record import (
     MISSING,
@@ -101,8 +102,11 @@ def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
     record was made with other values of its fields."""
     state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
-    if (state.record is not None and isinstance(cell, Cell)
-            and _made_with_other_values(state.record["spec"], cell.spec.to_dict())):
+    if (
+        state.record is not None
+        and isinstance(cell, Cell)
+        and _made_with_other_values(state.record["spec"], cell.spec.to_dict())
+    ):
         return state._replace(status=STALE)
     return state
 
@@ -129,8 +133,9 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
         return {}
     for cell_id, entry in manifest.items():
         if not isinstance(entry, dict):
-            raise RecordError(f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), "
-                              f"got {type(entry).__name__}")
+            raise RecordError(
+                f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
+            )
     return manifest
 
 
@@ -169,8 +174,9 @@ def _queued_job(line: str) -> tuple[str, QueuedJob]:
     job_id, state, *rest = line.split(None, 4)
     nodes, partition, reason = [*rest, "", "", ""][:3]
     pending = state.startswith("PENDING")
-    return job_id, QueuedJob(state, reason if pending and reason != "None" else "",
-                             int(nodes) if nodes.isdigit() else 1, partition)
+    return job_id, QueuedJob(
+        state, reason if pending and reason != "None" else "", int(nodes) if nodes.isdigit() else 1, partition
+    )
 
 
 def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
@@ -218,8 +224,17 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
         if job is None:
             cells.append(CellStatus(cid, _strategy(sweep_dir, cid), states[cid].status, jid, finished.get(jid, "")))
         else:
-            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), _scheduler_state(job.state), jid, job.state,
-                                   job.reason, jid in blocked))
+            cells.append(
+                CellStatus(
+                    cid,
+                    _strategy(sweep_dir, cid),
+                    _scheduler_state(job.state),
+                    jid,
+                    job.state,
+                    job.reason,
+                    jid in blocked,
+                )
+            )
     return StatusReport(sweep_dir, cells, note, problems)
 
 
@@ -232,8 +247,11 @@ def _blocked_jobs(queued: dict[str, QueuedJob]) -> set[str]:
     only when a reason depends on which nodes are up."""
     waiting = {jid: job for jid, job in queued.items() if job.reason}
     partitions = read_partitions() if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
-    return {jid for jid, job in waiting.items()
-            if never_clears(job.reason, job.nodes, (partitions or {}).get(job.partition))}
+    return {
+        jid
+        for jid, job in waiting.items()
+        if never_clears(job.reason, job.nodes, (partitions or {}).get(job.partition))
+    }
 
 
 def _strategy(sweep_dir: Path, cell_id: str) -> str:
@@ -254,8 +272,13 @@ def progress_line(report: StatusReport, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
 
 
-def watch(sweep_dir: Path, interval_s: float, cell_ids: Iterable[str] | None = None,
-          stream: TextIO | None = None, patience_s: float = SCHEDULER_PATIENCE_S) -> StatusReport:
+def watch(
+    sweep_dir: Path,
+    interval_s: float,
+    cell_ids: Iterable[str] | None = None,
+    stream: TextIO | None = None,
+    patience_s: float = SCHEDULER_PATIENCE_S,
+) -> StatusReport:
     """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running, or
     until every one still in flight waits on a reason that cannot clear (report.stuck), two looks
     in a row (a reason seen once may be the scheduler's passing word).
@@ -304,11 +327,15 @@ def blocked_message(cells: list[CellStatus]) -> str:
     by_reason: dict[str, list[str]] = {}
     for cell in cells:
         by_reason.setdefault(cell.reason, []).append(cell.cell_id)
-    why = "; ".join(f"{reason}: {', '.join(ids[:3])}{f' and {len(ids) - 3} more' if len(ids) > 3 else ''}"
-                    for reason, ids in by_reason.items())
+    why = "; ".join(
+        f"{reason}: {', '.join(ids[:3])}{f' and {len(ids) - 3} more' if len(ids) > 3 else ''}"
+        for reason, ids in by_reason.items()
+    )
     jobs = " ".join(sorted({c.job_id.split("_")[0] for c in cells}, key=lambda j: (len(j), j)))
-    return (f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
-            f"their jobs stay queued: `scancel {jobs}` removes them")
+    return (
+        f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
+        f"their jobs stay queued: `scancel {jobs}` removes them"
+    )
 
 
 def record_lost_cells(report: StatusReport) -> list[CellStatus]:
@@ -325,8 +352,12 @@ def record_lost_cells(report: StatusReport) -> list[CellStatus]:
         directory = cell_dir(report.sweep_dir, cell.cell_id)
         spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
         logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
-        record_launch_failure(directory, f"Slurm job {cell.job_id} ended{state} without a record", _log_tails(logs),
-                              ENDED_BY.get(cell.slurm, "error"))
+        record_launch_failure(
+            directory,
+            f"Slurm job {cell.job_id} ended{state} without a record",
+            _log_tails(logs),
+            ENDED_BY.get(cell.slurm, "error"),
+        )
     return lost
 
 

@@ -27,10 +27,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import yaml
 
@@ -109,8 +109,9 @@ def default_executor() -> tuple[str, str]:
     return "slurm", ""
 
 
-def select_cells(sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False,
-                 log=lambda message: None) -> tuple[list[Cell], list[Cell], dict[str, str]]:
+def select_cells(
+    sweep: Sweep, sweep_dir: Path, force: bool = False, retry_failed: bool = False, log=lambda message: None
+) -> tuple[list[Cell], list[Cell], dict[str, str]]:
     """Cells to submit; cells a record says are done; cells still in flight (cell id -> job id).
 
     By default only cells without a (current) record run; --retry-failed adds oom / error / timeout / diverged /
@@ -159,8 +160,9 @@ def submit(
         return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
 
 
-def _submit_locked(sweep: Sweep, sweep_dir: Path, executor: str, force: bool, retry_failed: bool, log,
-                   room_poll_s: float | None) -> Submission:
+def _submit_locked(
+    sweep: Sweep, sweep_dir: Path, executor: str, force: bool, retry_failed: bool, log, room_poll_s: float | None
+) -> Submission:
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
     problems = cluster_problems(sweep, cells) if executor == "slurm" and cells else []
     if problems:  # before anything is written or queued
@@ -231,8 +233,10 @@ def wait_for(sub: Submission, interval_s: float, log=print) -> StatusReport:
     if report.note:  # the scheduler stopped answering: which cells are lost cannot be known
         return report
     for cell in record_lost_cells(report):
-        log(f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as "
-            f"{cell_status(sub.sweep_dir, cell.cell_id)} (logs: {sub.sweep_dir / 'slurm' / cell.job_id})")
+        log(
+            f"{cell.cell_id}: Slurm job {cell.job_id} left the queue without a record; recorded as "
+            f"{cell_status(sub.sweep_dir, cell.cell_id)} (logs: {sub.sweep_dir / 'slurm' / cell.job_id})"
+        )
     return sweep_status(sub.sweep_dir, waited)
 
 
@@ -259,8 +263,7 @@ def job_environment(sweep: Sweep) -> dict[str, str]:
 
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
 # SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
-JOB_END_SETUP = (f'export {JOB_END_ENV}="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e '
-                 '2>/dev/null)"')
+JOB_END_SETUP = f'export {JOB_END_ENV}="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e 2>/dev/null)"'
 
 
 def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
@@ -280,8 +283,12 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
         array_parallelism=res.array_parallelism,
         signal_delay_s=res.signal_delay_s,
         # The unset is for a script submitted by hand (plan --sbatch): submit's sbatch never has them.
-        setup=[*(f"export {k}={shlex.quote(v)}" for k, v in env.items()), f"unset {' '.join(HF_TOKEN_ENV)}",
-               JOB_END_SETUP, *sweep.setup],
+        setup=[
+            *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+            f"unset {' '.join(HF_TOKEN_ENV)}",
+            JOB_END_SETUP,
+            *sweep.setup,
+        ],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
         srun_args=["--kill-on-bad-exit=1"],
         additional_parameters=additional,
@@ -308,8 +315,12 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
 
     folder = slurm_folder(sweep_dir)
     command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
-    return _make_sbatch_string(command=command, folder=folder, map_count=count if count > 1 else None,
-                               **slurm_parameters(sweep, nodes, gpus_per_node))
+    return _make_sbatch_string(
+        command=command,
+        folder=folder,
+        map_count=count if count > 1 else None,
+        **slurm_parameters(sweep, nodes, gpus_per_node),
+    )
 
 
 def _submit_slurm(sweep: Sweep, sub: Submission, log, room_poll_s: float | None) -> None:
@@ -326,8 +337,10 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log, room_poll_s: float | None)
         if room is not None and room < 1:
             if room_poll_s is None:
                 break
-            note = (f"waiting for room in the queue (slurm.max_jobs_in_queue {cap}, {cap - room} of your jobs queued): "
-                    f"{sum(len(c) for _, c in todo)} of {total} cell(s) still to submit")
+            note = (
+                f"waiting for room in the queue (slurm.max_jobs_in_queue {cap}, {cap - room} of your jobs queued): "
+                f"{sum(len(c) for _, c in todo)} of {total} cell(s) still to submit"
+            )
             if note != last_note:
                 log(note)
                 last_note = note
@@ -339,9 +352,11 @@ def _submit_slurm(sweep: Sweep, sub: Submission, log, room_poll_s: float | None)
     sub.not_queued = [cell for _, cells in todo for cell in cells]
     sub.submitted = [cell for cell in sub.submitted if cell.id in sub.job_ids]
     if sub.not_queued:
-        log(f"queued {len(sub.submitted)} of {total} cell(s): the queue is full (slurm.max_jobs_in_queue {cap}); "
+        log(
+            f"queued {len(sub.submitted)} of {total} cell(s): the queue is full (slurm.max_jobs_in_queue {cap}); "
             f"submit the same YAML again once jobs have finished to queue the other {len(sub.not_queued)} "
-            "(it skips cells with a record or in flight), or add --wait to wait for room")
+            "(it skips cells with a record or in flight), or add --wait to wait for room"
+        )
 
 
 def _queue_room(cap: int) -> int | None:
@@ -350,8 +365,9 @@ def _queue_room(cap: int) -> int | None:
         return None
     queued = jobs_in_queue()
     if queued is None:
-        raise SubmitError("squeue did not answer, so your queued jobs cannot be counted against "
-                          f"slurm.max_jobs_in_queue {cap}")
+        raise SubmitError(
+            f"squeue did not answer, so your queued jobs cannot be counted against slurm.max_jobs_in_queue {cap}"
+        )
     return cap - queued
 
 
@@ -373,8 +389,9 @@ def _submit_array(sweep: Sweep, sub: Submission, nodes: int, gpus: int, cells: l
                 jobs = executor.submit_array([CellJob(str(cell_dir(sub.sweep_dir, c))) for c in cells])
         except FailedJobError as exc:
             reason = " ".join(str(exc).split()) or "no message"
-            raise SubmitError(f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} "
-                              f"GPU(s): {reason}") from None
+            raise SubmitError(
+                f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s): {reason}"
+            ) from None
         entries = {}
         for cell, job in zip(cells, jobs):
             sub.job_ids[cell.id] = job.job_id
@@ -406,10 +423,24 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]
     if nnodes == 1:
         launch = ["--standalone"]
     else:
-        launch = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", "--rdzv-endpoint=${MASTER_ADDR:?}:29500",
-                  f"--rdzv-id={directory.name}"]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nprocs}",
-            "-m", "hpcfsdp", "run", "--cell-dir", str(directory)]
+        launch = [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=${MASTER_ADDR:?}:29500",
+            f"--rdzv-id={directory.name}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        f"--nproc-per-node={nprocs}",
+        "-m",
+        "hpcfsdp",
+        "run",
+        "--cell-dir",
+        str(directory),
+    ]
 
 
 def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
@@ -418,8 +449,14 @@ def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
     unset = dict.fromkeys([*HF_TOKEN_ENV, *sorted(name for name in os.environ if is_secret(name))])
     env = [f"{k}={shlex.quote(v)}" for k, v in job_environment(sweep).items()]
     args = torchrun_command(cell_dir(sweep_dir, cell).absolute(), cell.spec.gpus_per_node, cell.spec.nodes)
-    return " ".join(["env", *(f"-u {shlex.quote(name)}" for name in unset), *env,
-                     *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args)])
+    return " ".join(
+        [
+            "env",
+            *(f"-u {shlex.quote(name)}" for name in unset),
+            *env,
+            *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args),
+        ]
+    )
 
 
 def _run_local(sweep: Sweep, sub: Submission, log) -> None:
@@ -431,23 +468,37 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
     for index, cell in enumerate(sub.submitted, 1):
         directory = cell_dir(sub.sweep_dir, cell)
         if cell.spec.nodes > 1:
-            log(f"note: {cell.id} asks for {cell.spec.nodes} nodes; the local executor runs its {cell.spec.world_size} ranks on this machine")
+            log(
+                f"note: {cell.id} asks for {cell.spec.nodes} nodes; the local executor runs its "
+                f"{cell.spec.world_size} ranks on this machine"
+            )
         log(f"[{index}/{len(sub.submitted)}] {cell.id} ({cell.spec.world_size} process(es))")
         _update_manifest(sub.sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
         with records_set_aside(sub.sweep_dir, [cell]), open(directory / "log.txt", "w") as out:
             # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
             limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
-            proc = subprocess.Popen(torchrun_command(directory, cell.spec.world_size), stdout=out,
-                                    stderr=subprocess.STDOUT, env=env | limits, start_new_session=True)
+            proc = subprocess.Popen(
+                torchrun_command(directory, cell.spec.world_size),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env | limits,
+                start_new_session=True,
+            )
             returncode = _wait_within(proc, limit_s)
         status = cell_status(sub.sweep_dir, cell)
         sub.outcomes[cell.id] = status
         if status == MISSING:
             timed_out = returncode is None
-            ended = f"was killed at the {sweep.resources.time_min} min time limit" if timed_out else f"exited {returncode}"
+            ended = (
+                f"was killed at the {sweep.resources.time_min} min time limit" if timed_out else f"exited {returncode}"
+            )
             status = sub.outcomes[cell.id] = "timeout" if timed_out else "error"
-            record_launch_failure(directory, f"torchrun {ended} without a record",
-                                  _log_tails([directory / "log.txt"], chars=4000), status=status)
+            record_launch_failure(
+                directory,
+                f"torchrun {ended} without a record",
+                _log_tails([directory / "log.txt"], chars=4000),
+                status=status,
+            )
             status += f" ({ended} without a record; see {directory / 'log.txt'})"
         log(f"    {status}")
 

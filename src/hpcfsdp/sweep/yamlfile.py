@@ -19,17 +19,23 @@ from ..spec import SpecError
 MAX_BYTES = 1024**2  # a hand-written jobs file is a few KiB; pure-Python YAML parses ~0.25 MiB/s here
 MAX_DEPTH = 64  # a jobs file nests 4 levels; Python's recursion limit is hit near 300
 MAX_VALUES = 1_000_000  # nodes of the document with every alias expanded
-FOREIGN_BOMS = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE),  # first: its LE mark starts like UTF-16's
-                "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)}
+FOREIGN_BOMS = {
+    "UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE),  # first: its LE mark starts like UTF-16's
+    "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE),
+}
 
 
 def read_text(path: Path) -> str:
     """The file's text: at most MAX_BYTES, UTF-8 (a UTF-8 byte-order mark is allowed)."""
     size = path.stat().st_size
     if size > MAX_BYTES:
-        raise SpecError(str(path), "", f"jobs file of {size:,} bytes, more than the limit of {MAX_BYTES:,}; "
-                        "write a generated sweep as matrix axes (with include / exclude) instead")
-    data = path.read_bytes()[:MAX_BYTES + 1]  # the file may grow between stat and read
+        raise SpecError(
+            str(path),
+            "",
+            f"jobs file of {size:,} bytes, more than the limit of {MAX_BYTES:,}; "
+            "write a generated sweep as matrix axes (with include / exclude) instead",
+        )
+    data = path.read_bytes()[: MAX_BYTES + 1]  # the file may grow between stat and read
     for encoding, boms in FOREIGN_BOMS.items():
         if data.startswith(boms):
             raise SpecError(str(path), "", f"not UTF-8 (a {encoding} byte-order mark); save it as UTF-8")
@@ -38,8 +44,9 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise SpecError(f"{path}:{line}", "", f"not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); "
-                        "save it as UTF-8") from None
+        raise SpecError(
+            f"{path}:{line}", "", f"not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); save it as UTF-8"
+        ) from None
 
 
 class BoundedLoader(yaml.SafeLoader):
@@ -91,8 +98,12 @@ def _expanded_size(root: Node) -> int:
         for child in children:
             total += size(child)
             if total > MAX_VALUES:
-                raise ComposerError(None, None, f"more than {MAX_VALUES:,} values once its aliases are expanded "
-                                    "(an alias bomb?)", node.start_mark)
+                raise ComposerError(
+                    None,
+                    None,
+                    f"more than {MAX_VALUES:,} values once its aliases are expanded (an alias bomb?)",
+                    node.start_mark,
+                )
         open_nodes.discard(key)
         sizes[key] = total
         return total
