@@ -21,9 +21,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/bench-out}"
 mkdir -p "$out"
-# Never use NVLink multicast on shared machines; keep it off in every process we start.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 python="${PYTHON:-python3}"
 budget="${AUTO_BATCH_BUDGET_S:-$([[ "${AUTO_BATCH_SMOKE:-0}" == 1 ]] && echo 900 || echo 265)}"
 nproc="${AUTO_BATCH_NPROC:-2}"  # processes (GPUs) per cell

@@ -7,11 +7,10 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/bench-out}"
 mkdir -p "$out"
-# Never use NVLink multicast on shared machines; keep it off in every process we start.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+cd "$root"
+source bench/gpu_env.sh
 results="$(mktemp -d)"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)'; date -u; } | tee "$out/machine.txt"
+write_machine_info "$out/machine.txt"
 for jobs in "$@"; do
   name="$(python3 -c 'import sys; from hpcfsdp.sweep.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
   python3 -m hpcfsdp submit "$jobs" --executor local --results-dir "$results" --force 2>&1 | tee "$out/$name.log"

@@ -14,7 +14,8 @@
 # overlap, and their speed is not measured. Writes under $OUT (default ./bench-out):
 # loss_agreement.md (the table), loss_agreement.csv (every step's loss per variant) and
 # loss_agreement.tar.gz (logs, records, machine.txt, the data manifest). Prints the table last.
-# Each run is cut at RUN_TIMEOUT_S (default 330).
+# Each run is cut at RUN_TIMEOUT_S (default 330), and no wave starts after BUDGET_S (default 420);
+# the table is rewritten under $OUT after every wave, so a cut run keeps what finished.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -22,13 +23,16 @@ started=$SECONDS
 
 # ---- what is compared (edit here) ---------------------------------------------------------------
 # A name, then the RunSpec fields that make the variant; the first is the reference.
-VARIANTS=(
+VARIANTS=(  # in waves of PER_GPU x GPUS, most telling first
   "bf16 float8=none loss=default"
-  "float8_tensorwise float8=tensorwise loss=default"
-  "float8_rowwise float8=rowwise loss=default"
-  "cce float8=none loss=cce"
-  "float8_tensorwise+cce float8=tensorwise loss=cce"
   "bf16_seed1 float8=none loss=default seed=1"  # another initialisation and sample order: the spread to expect
+  "cce_kahan_full_c float8=none loss=cce_kahan_full_c"
+  "float8_tensorwise float8=tensorwise loss=default"
+  "cce float8=none loss=cce"
+  "float8_tensorwise+cce_kahan_full_c float8=tensorwise loss=cce_kahan_full_c"
+  "float8_rowwise float8=rowwise loss=default"
+  "cce_exact float8=none loss=cce_exact"
+  "float8_tensorwise+cce float8=tensorwise loss=cce"
 )
 COMMON=(
   model=qwen2.5-1.5b device=cuda precision=bf16_mixed strategy=fsdp2_zero2 compile=true adamw_impl=fused
@@ -38,6 +42,7 @@ STEPS=${STEPS:-300}
 LAST=${LAST:-50}            # the steps compared
 TOLERANCE=${TOLERANCE:-0.01}
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-330}
+BUDGET_S=${BUDGET_S:-420}   # no wave is started after this many seconds
 GPUS=${GPUS:-}              # GPUs to spread the variants over (default: all that nvidia-smi lists)
 # -------------------------------------------------------------------------------------------------
 
@@ -45,7 +50,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # the same script on the CPU with the tiny mo
   tiny="$(mktemp -d)"  # the tiny preset with room for the text's 16k-token vocabulary
   python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["vocab_size"] = 16384; json.dump(c, open(sys.argv[2], "w"))' \
     src/hpcfsdp/presets/tiny.json "$tiny/config.json"
-  VARIANTS=("fp32 loss=default" "cce loss=cce")
+  VARIANTS=("fp32 loss=default" "cce loss=cce" "cce_kahan_full_c loss=cce_kahan_full_c")
   COMMON=(model="$tiny" device=cpu precision=fp32 strategy=fsdp2_zero2 seq_len=64 batch_size=2 lr=1e-3 seed=0)
   STEPS=${SMOKE_STEPS:-30} LAST=10 GPUS=1
   export OMP_NUM_THREADS=1
@@ -60,20 +65,13 @@ out="${OUT:-$root/bench-out}"
 mkdir -p "$out"
 work="$(mktemp -d)"
 mkdir -p "$work/logs" "$work/suite"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then  # wheels carried to a machine without network
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-fi
-export PYTHONPATH="/tmp/site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
+source bench/gpu_env.sh
 if [[ -z "$GPUS" ]]; then
   GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
   (( GPUS > 0 )) || GPUS=1
 fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 bench/versions.py
-  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; date -u
-  printf '%s\n' "COMMON: ${COMMON[*]}" "STEPS=$STEPS LAST=$LAST TOLERANCE=$TOLERANCE GPUS=$GPUS"
-} > "$work/machine.txt"
+write_machine_info "$work/machine.txt"
+printf '%s\n' "COMMON: ${COMMON[*]}" "STEPS=$STEPS LAST=$LAST TOLERANCE=$TOLERANCE GPUS=$GPUS" >> "$work/machine.txt"
 cp "$data/manifest.json" "$work/data_manifest.json" 2>/dev/null
 
 run_variant() {  # run_variant GPU NAME FIELDS...: one cell, one process on that GPU
@@ -88,15 +86,8 @@ run_variant() {  # run_variant GPU NAME FIELDS...: one cell, one process on that
   echo "[loss] $(date -u +%T) $name done"
 }
 
-PER_GPU=${PER_GPU:-3}  # variants at once on one GPU (bf16_mixed keeps fp32 weights and states: ~30 GiB each)
-for (( i = 0; i < ${#VARIANTS[@]}; i++ )); do
-  # shellcheck disable=SC2086
-  run_variant $(( i % GPUS )) ${VARIANTS[$i]} &
-  if (( (i + 1) % (GPUS * PER_GPU) == 0 )); then wait; fi  # the next wave once this one is done
-done
-wait
-
-python3 - "$work" "$LAST" "$TOLERANCE" "${VARIANTS[@]%% *}" > "$work/loss_agreement.md" 2> "$work/loss_agreement.csv" <<'EOF'
+summarize() {  # the table (loss_agreement.md) and every step's loss (loss_agreement.csv), under $OUT
+  python3 - "$work" "$LAST" "$TOLERANCE" "${VARIANTS[@]%% *}" > "$work/loss_agreement.md" 2> "$work/loss_agreement.csv" <<'EOF'
 """Mean loss over the last steps per variant, relative to the first variant (the table on stdout;
 every step's loss as CSV on stderr)."""
 import json, sys
@@ -127,7 +118,7 @@ print("|" + "---|" * len(header))
 for name in names:
     record = records[name]
     if not record or record.get("status") != "ok":
-        why = (record.get("error") or "")[:80] if record else "no record"
+        why = (record.get("error") or "")[:80] if record else "not run"
         print(f"| {name} | | | | | | | no ({why}) | |")
         continue
     values, spec = record["losses"], record["spec"]
@@ -150,8 +141,24 @@ print(f"{spec.get('model', '?')}, {spec.get('precision', '?')}, seq {spec.get('s
 if (work / "failed.txt").exists():
     print("failed: " + "; ".join((work / "failed.txt").read_text().split("\n")).strip("; "))
 EOF
-cp "$work/loss_agreement.md" "$work/loss_agreement.csv" "$out/"
-tar -czf "$out/loss_agreement.tar.gz" -C "$work" .
+  cp "$work/loss_agreement.md" "$work/loss_agreement.csv" "$out/"
+  tar -czf "$out/loss_agreement.tar.gz" -C "$work" .
+}
+
+PER_GPU=${PER_GPU:-3}  # variants at once on one GPU (bf16_mixed keeps fp32 weights and states: ~35 GiB each)
+wave=$(( GPUS * PER_GPU ))
+for (( i = 0; i < ${#VARIANTS[@]}; i += wave )); do
+  if (( SECONDS - started > BUDGET_S )); then
+    echo "[loss] not started after ${BUDGET_S}s: ${VARIANTS[*]:i}" | tee -a "$work/failed.txt"
+    break
+  fi
+  for (( j = i; j < i + wave && j < ${#VARIANTS[@]}; j++ )); do
+    # shellcheck disable=SC2086
+    run_variant $(( j % GPUS )) ${VARIANTS[$j]} &
+  done
+  wait
+  summarize  # the table so far, under $OUT: a cut run keeps every finished wave
+done
 echo
 echo "[loss] $(( SECONDS - started )) s; logs and records: $out/loss_agreement.tar.gz"
 cat "$out/loss_agreement.md"

@@ -8,8 +8,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:-$root/bench-out}"; mkdir -p "$out"
 work="$(mktemp -d)"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH="/tmp/site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
+source bench/gpu_env.sh
+write_machine_info "$out/oom_snapshot.machine.txt"
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
   -m hpcfsdp run --results-dir "$work" --sweep oom model=qwen2.5-1.5b seq_len=8192 batch_size=64 strategy=ddp \
   device=cuda memory_snapshot=true comm_profile_steps=0 nvml=false steps=3 warmup_steps=1 > "$work/run.log" 2>&1

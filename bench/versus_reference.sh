@@ -57,16 +57,8 @@ out="${OUT:-$root/bench-out}"
 mkdir -p "$out"
 work="$(mktemp -d)"
 mkdir -p "$work/logs" "$work/suite"
-# Never use NVLink multicast on shared machines; keep it off in every process we start.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then  # wheels carried to a machine without network
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-fi
-export PYTHONPATH="/tmp/site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-  python3 bench/versions.py
-  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; date -u
-} > "$work/machine.txt"
+source bench/gpu_env.sh
+write_machine_info "$work/machine.txt"
 printf '%s\n' "SUITE: ${SUITE[*]}" "REFERENCE: ${REFERENCE[*]}" "CASES: ${CASES[*]}" \
   "WARMUP=$WARMUP TIMED=$TIMED REPEATS=$REPEATS NPROC=$NPROC" >> "$work/machine.txt"
 

@@ -1,4 +1,6 @@
-"""What hpcfsdp needs of submitit holds for the installed version, and pyproject's bound says so.
+"""What hpcfsdp needs of its dependencies holds, and pyproject.toml says so.
+
+submitit: the API the submitter uses holds for the installed version, and pyproject's bound says so.
 
 `sweep/submit.py` renders the sbatch script with submitit's private `_make_sbatch_string` (submitit
 has no public call for the script text) and reads logs through `JobPaths`; the job object is a
@@ -51,3 +53,13 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     requeued = CellJob("/cells/a").checkpoint()  # what submitit pickles again at the time-limit signal
     assert isinstance(requeued, submitit.helpers.DelayedSubmission) and requeued.function == CellJob("/cells/a")
     assert JobPaths("/x/%j", job_id="7_1", task_id=1).stderr == Path("/x/7_1/7_1_1_log.err")
+
+
+def test_the_gpu_extra_installs_the_cut_cross_entropy_release_that_the_lever_error_names():
+    """loss: cce_kahan_full_c / cce_exact need cut-cross-entropy 25.6, which is on GitHub only;
+    the one-line error of cell/levers.py names the same URL as the extra."""
+    from hpcfsdp.cell.levers import CCE_GIT
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert CCE_GIT in extras["gpu"]
+    assert Requirement(CCE_GIT).url.endswith(".zip")  # no git needed on the login node

@@ -31,7 +31,7 @@ CPU = {"device": "cpu"}
             {"attention": "flashy"},
             "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)",
         ),
-        ({"loss": "fused"}, "loss: expected one of default, cce, liger; got 'fused'"),
+        ({"loss": "fused"}, "loss: expected one of default, cce, cce_kahan_full_c, cce_exact, liger; got 'fused'"),
         (
             {"float8": "rowwize"},
             "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)",
@@ -113,11 +113,32 @@ def test_op_checkpointing_recomputes_part_of_the_forward_and_changes_no_gradient
     torch.testing.assert_close(grad_op, grad_none, rtol=0, atol=0)
 
 
-def test_cut_cross_entropy_gives_the_models_own_loss_and_gradient_on_cpu():
+@pytest.mark.parametrize("variant", ["cce", "cce_kahan_full_c", "cce_exact"])
+def test_cut_cross_entropy_gives_the_models_own_loss_and_gradient_on_cpu(variant):
     loss_default, _, grad_default = _tiny_backward()
-    loss_cce, _, grad_cce = _tiny_backward(loss="cce")
+    loss_cce, _, grad_cce = _tiny_backward(loss=variant)
     assert loss_cce == pytest.approx(loss_default, rel=1e-6)
     torch.testing.assert_close(grad_cce, grad_default, rtol=1e-5, atol=1e-7)
+
+
+def test_a_cce_variant_the_installed_release_lacks_is_one_line_naming_the_release(monkeypatch):
+    """PyPI's cut-cross-entropy 25.1.1 knows only `cce` and `torch_compile`; the fp32-accumulating
+    variants are in 25.6, released on GitHub. The check reads the library's own list of variants."""
+    import enum
+
+    import cut_cross_entropy
+
+    monkeypatch.setattr(cut_cross_entropy, "LinearCrossEntropyImpl", enum.IntEnum("Impl", "CCE TORCH_COMPILE"))
+    with pytest.raises(RuntimeError) as error:
+        install_loss(
+            build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), seed=0),
+            RunSpec(device="cuda", loss="cce_kahan_full_c"),
+            torch.device("cuda"),
+        )
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("loss: cce_kahan_full_c needs cut-cross-entropy 25.6 or later (this is ")
+    assert "pip install 'cut-cross-entropy @ https://github.com/apple/ml-cross-entropy/" in message
 
 
 @pytest.fixture(scope="module")

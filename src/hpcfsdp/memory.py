@@ -237,25 +237,33 @@ def layer_activation_bytes(shape: Shape, spec: RunSpec) -> float:
     return eager * (LIGER_COMPILE_ACTIVATION_FACTOR if spec.kernels == "liger" else COMPILE_ACTIVATION_FACTOR)
 
 
+CCE_FP32_ACCUMULATION = ("cce_kahan_full_c", "cce_exact")  # sum both gradients in fp32
+
+
 def loss_bytes(shape: Shape, spec: RunSpec) -> float:
     """Per token at the start of backward: the final norm, and the loss's logits: HF upcasts them to
     fp32, log-softmax saves its fp32 output, and backward adds the fp32 gradient of the loss and of
     log-softmax's input (12 bytes per vocabulary entry). Liger's fused linear cross-entropy never
     forms the logits; it keeps the hidden state's gradient and a chunk (and, apart from the
-    tokens, the LM head's gradient: liger_fixed_bytes). Cut-cross-entropy keeps the hidden state
-    and a log-sum-exp per token."""
+    tokens, the LM head's gradient: loss_fixed_bytes). Cut-cross-entropy keeps the hidden state
+    and a log-sum-exp per token; its fp32-accumulating variants sum the hidden state's gradient in
+    fp32 (4 more bytes per hidden unit)."""
     c = precision_bytes(spec)[1]
     labels = 8  # int64 targets
     final_norm = _norm_bytes(shape, spec, float8=False)  # the LM head stays in bf16
-    if spec.loss != "default":
-        return final_norm + labels + (c + 4) * shape.hidden
-    return final_norm + labels + 12 * shape.vocab
+    if spec.loss == "default":
+        return final_norm + labels + 12 * shape.vocab
+    fp32_sum = 4 * shape.hidden if spec.loss in CCE_FP32_ACCUMULATION else 0
+    return final_norm + labels + (c + 4) * shape.hidden + fp32_sum
 
 
-def liger_fixed_bytes(shape: Shape, spec: RunSpec) -> float:
-    """Liger's fused linear cross-entropy computes the LM head weight's gradient during forward,
-    in the weight's compute dtype."""
-    return shape.embedding_params * precision_bytes(spec)[1] if spec.loss == "liger" else 0.0
+def loss_fixed_bytes(shape: Shape, spec: RunSpec) -> float:
+    """Bytes the loss holds whatever the number of tokens: Liger's fused linear cross-entropy
+    computes the LM head weight's gradient during forward, in the weight's compute dtype; the
+    fp32-accumulating cut-cross-entropy variants sum it into an fp32 buffer during backward."""
+    if spec.loss == "liger":
+        return shape.embedding_params * precision_bytes(spec)[1]
+    return shape.embedding_params * 4.0 if spec.loss in CCE_FP32_ACCUMULATION else 0.0
 
 
 def _norm_bytes(shape: Shape, spec: RunSpec, readers: int = 1, float8: bool = True) -> int:
@@ -279,7 +287,7 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
     per_layer = layer_activation_bytes(shape, spec)
     checkpointed = _checkpointed_layers(spec, shape.layers)
     saved = tokens * ((shape.layers - checkpointed) * per_layer + checkpointed * checkpoint_bytes(shape, spec))
-    loss = tokens * loss_bytes(shape, spec) + liger_fixed_bytes(shape, spec)
+    loss = tokens * loss_bytes(shape, spec) + loss_fixed_bytes(shape, spec)
     moments = {
         "backward": states + gathered + saved + loss,
         # a checkpointed layer recomputed in backward, with its activations' gradients beside it

@@ -41,7 +41,7 @@ WrapPolicy = Literal["layer", "size", "none"]
 ReduceDtype = Literal["fp32", "bf16"]
 Kernels = Literal["none", "liger"]
 Attention = Literal["sdpa", "cudnn", "flash", "efficient"]
-Loss = Literal["default", "cce", "liger"]
+Loss = Literal["default", "cce", "cce_kahan_full_c", "cce_exact", "liger"]
 Float8 = Literal["none", "tensorwise", "rowwise"]
 Init = Literal["random", "pretrained"]
 GpuRequest = Literal["gres", "gpus_per_node", "none"]
@@ -171,7 +171,10 @@ class RunSpec:
     compile: bool = False
     kernels: Kernels = "none"  # liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`
     attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: that one (GPU)
-    loss: Loss = "default"  # the model's own; cce (cut-cross-entropy) | liger (GPU): fused, no logits in memory
+    # the model's own; cce* (cut-cross-entropy: cce filters small gradients and sums them in bf16,
+    # cce_kahan_full_c sums in fp32 and keeps every LM-head gradient, cce_exact filters nothing)
+    # | liger (GPU): fused, no logits in memory
+    loss: Loss = "default"
     float8: Float8 = "none"  # tensorwise | rowwise: torchao float8 matmuls in the decoder layers (GPU, SM89+)
     expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
     adamw_impl: AdamWImpl = "foreach"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -24,6 +25,11 @@ EXTRA = "gpu"  # pyproject.toml's optional extra that holds the packages below
 PACKAGES = {"torchao": "torchao", "cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel"}
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper and later
 GPU_ONLY_LEVERS = ("attention", "loss", "float8")
+# cut-cross-entropy with its fp32-accumulating variants (25.6.4, as pyproject.toml's gpu extra
+# names it): PyPI's newest release is 25.1.1
+CCE_GIT = (
+    "cut-cross-entropy @ https://github.com/apple/ml-cross-entropy/archive/d42911f9b1a1f98289bb601c35c8151562603d74.zip"
+)
 
 
 def require(module: str, lever: str) -> ModuleType:
@@ -36,6 +42,13 @@ def require(module: str, lever: str) -> ModuleType:
             f"{lever} needs the {PACKAGES[top]} package, which is not installed here "
             f"({exc}); pip install 'hpcfsdp[{EXTRA}]'"
         ) from None
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "an unknown version"
 
 
 def check_device(spec: RunSpec, device: torch.device) -> None:
@@ -100,7 +113,7 @@ def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
     if lm_head is None or getattr(lm_head, "bias", None) is not None:
         raise RuntimeError(f"loss: {spec.loss} needs a model with a bias-free lm_head; use loss: default")
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    loss_fn = _cce_loss(device, softcap) if spec.loss == "cce" else _liger_loss(softcap)
+    loss_fn = _liger_loss(softcap) if spec.loss == "liger" else _cce_loss(spec.loss, device, softcap)
     decoder = model.get_submodule("model")
     from transformers.modeling_outputs import CausalLMOutput
 
@@ -114,11 +127,24 @@ def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
     model.forward = forward
 
 
-def _cce_loss(device: torch.device, softcap: float | None) -> LossFn:
-    """cut-cross-entropy: its Triton kernels on a GPU; on the CPU its torch.compile implementation
-    (the same loss, with the logits formed inside one compiled function)."""
-    cce = require("cut_cross_entropy", "loss: cce")
-    impl = "cce" if device.type == "cuda" else "torch_compile"
+def _cce_loss(variant: str, device: torch.device, softcap: float | None) -> LossFn:
+    """cut-cross-entropy: its Triton kernels on a GPU, as `variant` (the library's name for it);
+    on the CPU its torch.compile implementation (the same loss, with the logits formed inside one
+    compiled function, and exact gradients whatever the variant).
+
+    `cce` skips gradient entries below bf16's resolution and sums the gradients in bf16: fast, and
+    meant for fine-tuning. `cce_kahan_full_c` sums in fp32 and keeps every LM-head gradient (the
+    library's advice for pretraining); `cce_exact` also keeps every hidden-state gradient. Those
+    two need cut-cross-entropy 25.6 or later, which is released on GitHub only (docs/levers.md).
+    """
+    cce = require("cut_cross_entropy", f"loss: {variant}")
+    impl = variant if device.type == "cuda" else "torch_compile"
+    known = getattr(cce, "LinearCrossEntropyImpl", None)
+    if known is None or impl.upper() not in known.__members__:
+        raise RuntimeError(
+            f"loss: {variant} needs cut-cross-entropy 25.6 or later (this is {_version('cut-cross-entropy')}); "
+            f"pip install '{CCE_GIT}'"
+        )
 
     def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cce.linear_cross_entropy(hidden, weight, labels, shift=True, softcap=softcap, impl=impl)
