@@ -6,6 +6,7 @@
 #   python3 bench/make_text_data.py            # once, where the text is: writes .data/ (carry it)
 #   bash bench/loss_agreement.sh               # on a GPU machine, from the repository root
 #   SMOKE=1 bash bench/loss_agreement.sh       # tiny model, CPU: tests the script
+#   VARIANTS_ONLY="bf16 cce_exact" bash bench/loss_agreement.sh   # some of the variants below
 #
 # Every variant is one process on one GPU (FSDP2 on a one-rank mesh: the float8 casts, the float8
 # all-gather path and the scale precomputation run as with more ranks, and the numerics do not
@@ -25,14 +26,14 @@ started=$SECONDS
 # A name, then the RunSpec fields that make the variant; the first is the reference.
 VARIANTS=(  # in waves of PER_GPU x GPUS, most telling first
   "bf16 float8=none loss=default"
-  "bf16_seed1 float8=none loss=default seed=1"  # another initialisation and sample order: the spread to expect
-  "cce_kahan_full_c float8=none loss=cce_kahan_full_c"
-  "float8_tensorwise float8=tensorwise loss=default"
-  "cce float8=none loss=cce"
-  "float8_tensorwise+cce_kahan_full_c float8=tensorwise loss=cce_kahan_full_c"
-  "float8_rowwise float8=rowwise loss=default"
+  "bf16_seed1 float8=none loss=default seed=1"  # another initialisation and sample order
   "cce_exact float8=none loss=cce_exact"
-  "float8_tensorwise+cce float8=tensorwise loss=cce"
+  "float8_tensorwise float8=tensorwise loss=default"
+  "float8_tensorwise+cce_exact float8=tensorwise loss=cce_exact"
+  "cce float8=none loss=cce"
+  "cce_kahan_full_c float8=none loss=cce_kahan_full_c"
+  "float8_rowwise float8=rowwise loss=default"
+  "float8_tensorwise+cce_kahan_full_c float8=tensorwise loss=cce_kahan_full_c"
 )
 COMMON=(
   model=qwen2.5-1.5b device=cuda precision=bf16_mixed strategy=fsdp2_zero2 compile=true adamw_impl=fused
@@ -54,6 +55,14 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # the same script on the CPU with the tiny mo
   COMMON=(model="$tiny" device=cpu precision=fp32 strategy=fsdp2_zero2 seq_len=64 batch_size=2 lr=1e-3 seed=0)
   STEPS=${SMOKE_STEPS:-30} LAST=10 GPUS=1
   export OMP_NUM_THREADS=1
+fi
+
+if [[ -n "${VARIANTS_ONLY:-}" ]]; then  # e.g. VARIANTS_ONLY="bf16 cce_exact": these names, in this order
+  chosen=()
+  for name in $VARIANTS_ONLY; do
+    for variant in "${VARIANTS[@]}"; do [[ "${variant%% *}" == "$name" ]] && chosen+=("$variant"); done
+  done
+  VARIANTS=("${chosen[@]}")
 fi
 
 data="$root/.data"
