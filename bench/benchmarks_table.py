@@ -74,7 +74,8 @@ def training_table(frame: pd.DataFrame) -> pd.DataFrame:
     for column in ("loss step 1", "final loss"):
         table[column] = table[column].map(lambda v: "-" if pd.isna(v) else f"{v:.7f}")
     table["final param norm"] = table["final param norm"].map(lambda v: "-" if pd.isna(v) else f"{v:.9f}")
-    table["error"] = table["error"].fillna("").map(lambda v: str(v)[:70])
+    if "error" in table:  # absent when every cell was ok
+        table["error"] = table["error"].fillna("").map(lambda v: str(v)[:70])
     return table.sort_values([c for c in ("model", "strategy", "offload", "meta init", "shard size") if c in table])
 
 
