@@ -161,6 +161,45 @@ def current_umask() -> int:
     return mask
 
 
+def test_a_local_submit_killed_by_sigkill_leaves_no_cell_running_and_keeps_the_ok_record(ok_sweep, tmp_path):
+    """SIGKILL runs none of submit's handlers; Linux's parent-death signal still gives torchrun
+    SIGTERM, which it passes to its rank: nothing is left training, the rank records `cancelled`,
+    and the earlier ok record is kept in attempts/ (submit cannot put it back: --retry-failed or
+    --force reruns the cell)."""
+    jobs, results, cell = copy_of(ok_sweep, tmp_path)
+    ok = read(cell / "result.json")
+    proc = hpcfsdp(
+        "submit",
+        str(jobs),
+        "--executor",
+        "local",
+        "--force",
+        "--results-dir",
+        str(results),
+        HPCFSDP_FAULT="train_step:hang",
+    )
+    cell_processes: dict[int, str] = {}
+    try:
+        wait_until(
+            lambda: "training" in (cell / "log.txt").read_text() if (cell / "log.txt").exists() else False,
+            120,
+            "the cell to train",
+        )
+        time.sleep(1)
+        cell_processes = processes_under(proc.pid)
+        assert len(cell_processes) >= 2, cell_processes
+        proc.kill()
+        proc.communicate(timeout=30)
+        wait_until(lambda: not alive(cell_processes), 60, "torchrun and its rank to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in alive(cell_processes):
+            os.kill(pid, signal.SIGKILL)  # a failed test leaves no orphan behind
+    assert read(cell / "result.json")["status"] == "cancelled"
+    assert [read(path) for path in (cell / "attempts").iterdir()] == [ok]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_an_interrupted_local_submit_ends_its_cell_and_restores_the_ok_record(ok_sweep, tmp_path, sig):
     """Ctrl-C (SIGINT), SIGTERM or SIGHUP to `submit --force` while its cell trains: torchrun and

@@ -18,6 +18,7 @@ and never by two submits at once (the lock).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import re
@@ -483,6 +484,7 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
                 stderr=subprocess.STDOUT,
                 env=env | limits,
                 start_new_session=True,
+                preexec_fn=_end_with_parent(os.getpid()),
             )
             returncode = _wait_within(proc, limit_s)
         status = cell_status(sub.sweep_dir, cell)
@@ -501,6 +503,24 @@ def _run_local(sweep: Sweep, sub: Submission, log) -> None:
             )
             status += f" ({ended} without a record; see {directory / 'log.txt'})"
         log(f"    {status}")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent(parent: int):
+    """For torchrun's process, between fork and exec: ask Linux for SIGTERM when submit dies, so
+    that a submit killed by SIGKILL (which runs none of its handlers) leaves no cell training.
+    torchrun passes the SIGTERM to its ranks, which record `cancelled`; the earlier record stays
+    in attempts/. A parent that died before the request was made means exit at once."""
+
+    def request() -> None:
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return request
 
 
 def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
