@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -161,13 +163,11 @@ def current_umask() -> int:
     return mask
 
 
-def test_a_local_submit_killed_by_sigkill_leaves_no_cell_running_and_keeps_the_ok_record(ok_sweep, tmp_path):
-    """SIGKILL runs none of submit's handlers; Linux's parent-death signal still gives torchrun
-    SIGTERM, which it passes to its rank: nothing is left training, the rank records `cancelled`,
-    and the earlier ok record is kept in attempts/ (submit cannot put it back: --retry-failed or
-    --force reruns the cell)."""
-    jobs, results, cell = copy_of(ok_sweep, tmp_path)
-    ok = read(cell / "result.json")
+@contextmanager
+def local_submit_in_a_hanging_cell(jobs: Path, results: Path, cell: Path) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`submit --force` with the local executor, once its cell hangs after its first step: the
+    submit process and the cell's processes (torchrun and its rank, in a session of its own).
+    Afterwards none of them is left running, whatever the test did."""
     proc = hpcfsdp(
         "submit",
         str(jobs),
@@ -185,17 +185,28 @@ def test_a_local_submit_killed_by_sigkill_leaves_no_cell_running_and_keeps_the_o
             120,
             "the cell to train",
         )
-        time.sleep(1)
+        time.sleep(1)  # into the hang after the first step
         cell_processes = processes_under(proc.pid)
         assert len(cell_processes) >= 2, cell_processes
-        proc.kill()
-        proc.communicate(timeout=30)
-        wait_until(lambda: not alive(cell_processes), 60, "torchrun and its rank to end")
+        yield proc, cell_processes
     finally:
         if proc.poll() is None:
             proc.kill()
         for pid in alive(cell_processes):
             os.kill(pid, signal.SIGKILL)  # a failed test leaves no orphan behind
+
+
+def test_a_local_submit_killed_by_sigkill_leaves_no_cell_running_and_keeps_the_ok_record(ok_sweep, tmp_path):
+    """SIGKILL runs none of submit's handlers; Linux's parent-death signal still gives torchrun
+    SIGTERM, which it passes to its rank: nothing is left training, the rank records `cancelled`,
+    and the earlier ok record is kept in attempts/ (submit cannot put it back: --retry-failed or
+    --force reruns the cell)."""
+    jobs, results, cell = copy_of(ok_sweep, tmp_path)
+    ok = read(cell / "result.json")
+    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, cell_processes):
+        proc.kill()
+        proc.communicate(timeout=30)
+        wait_until(lambda: not alive(cell_processes), 60, "torchrun and its rank to end")
     assert read(cell / "result.json")["status"] == "cancelled"
     assert [read(path) for path in (cell / "attempts").iterdir()] == [ok]
 
@@ -207,34 +218,14 @@ def test_an_interrupted_local_submit_ends_its_cell_and_restores_the_ok_record(ok
     attempt while the ok record is current again. Exit status 128 + the signal, one line."""
     jobs, results, cell = copy_of(ok_sweep, tmp_path)
     ok = read(cell / "result.json")
-    proc = hpcfsdp(
-        "submit",
-        str(jobs),
-        "--executor",
-        "local",
-        "--force",
-        "--results-dir",
-        str(results),
-        HPCFSDP_FAULT="train_step:hang",
-    )
-    try:
-        wait_until(
-            lambda: "training" in (cell / "log.txt").read_text() if (cell / "log.txt").exists() else False,
-            120,
-            "the cell to train",
-        )
-        time.sleep(1)  # into the hang after the first step
-        cell_processes = processes_under(proc.pid)  # torchrun and its rank (in a session of its own)
-        assert len(cell_processes) >= 2, cell_processes
+    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, cell_processes):
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        still_running = alive(cell_processes)
     assert proc.returncode == 128 + sig, err
     assert TRACEBACK not in err
     assert err.splitlines()[-1].startswith(f"interrupted ({sig.name}): the running cell was stopped")
-    assert alive(cell_processes) == []
+    assert still_running == []
     assert read(cell / "result.json") == ok
     (attempt,) = (cell / "attempts").iterdir()
     cancelled = read(attempt)
