@@ -1,5 +1,6 @@
-"""`hpcfsdp plan` and the submitter without a cluster: the bad-YAML corpus, the plan table, the
-sbatch scripts, the print executor, in-flight detection and status (with a stand-in squeue)."""
+"""`hpcfsdp plan` and the submitter: the bad-YAML corpus, the plan table, the sbatch scripts, the
+print executor; in-flight detection, status and lost cells against real jobs of the local Slurm
+cluster (held, running, failed, cancelled), and a controller or slurmdbd that does not answer."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -223,22 +228,92 @@ def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
     assert proc.returncode == 0 and record["status"] == "ok", proc.stderr[-2000:]
 
 
+def slurm(*args: str) -> str:
+    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def conf_with(tmp_path: Path, name: str, **settings: str) -> str:
+    """A copy of the local cluster's slurm.conf with these settings changed, for the clients only
+    (squeue, sacct): e.g. a SlurmctldPort where no slurmctld listens."""
+    text = Path(os.environ["SLURM_CONF"]).read_text()
+    for key, value in settings.items():
+        text, found = re.subn(rf"(?m)^{key}=.*$", f"{key}={value}", text)
+        assert found == 1, key
+    path = tmp_path / f"{name}.conf"
+    path.write_text(text)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def unanswering_controller(tmp_path: Path) -> str:
+    """slurm.conf for clients whose slurmctld does not answer: nothing listens at its port. The
+    short MessageTimeout keeps each unanswered squeue at about a second."""
+    return conf_with(tmp_path, "no-slurmctld", SlurmctldPort=str(free_port()), MessageTimeout="1")
+
+
+def unanswering_slurmdbd(tmp_path: Path) -> str:
+    """slurm.conf for clients whose slurmdbd does not answer (sacct fails); squeue still works."""
+    return conf_with(tmp_path, "no-slurmdbd", AccountingStoragePort=str(free_port()))
+
+
 @pytest.fixture
-def fake_squeue(tmp_path, monkeypatch):
-    """A stand-in `squeue` (and a failing `sacct`, as without accounting) printing the given lines."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    listing = tmp_path / "squeue.txt"
-    (bin_dir / "squeue").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/squeue.args\ncat {listing}\n')
-    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
-    for tool in ("squeue", "sacct"):
-        (bin_dir / tool).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return listing
+def array(slurm_cluster, tmp_path) -> Iterator[str]:
+    """A real array job of four tasks on the local cluster, held in the queue: task 3 fails at once
+    when released (a cell that crashed before it could write a record), the others sleep for 5
+    minutes. The whole array is cancelled at the end."""
+    script = 'if [ "$SLURM_ARRAY_TASK_ID" = 3 ]; then echo crashed >&2; exit 1; fi; exec sleep 300'
+    job = slurm(
+        "sbatch", "--parsable", "--hold", "--array=0-3", "--time=10", "--cpus-per-task=1",
+        f"--output={tmp_path}/slurm-%A_%a.out", "--job-name=hpcfsdp-test-plan", "--wrap", script,
+    )  # fmt: skip
+    array_id = job.strip().split(";")[0]
+    yield array_id
+    subprocess.run(["scancel", array_id], capture_output=True, timeout=60)
 
 
-def four_cell_sweep(tmp_path: Path):
-    """ok, timeout, missing but still running, missing and gone: one cell each."""
+def arrange(array: str, cancel: tuple[int, ...] = (), release: tuple[int, ...] = (), running: tuple[int, ...] = ()):
+    """Cancel some tasks of the held array and release others; wait until the queue holds just the
+    `running` ones, running, and accounting knows how the others ended (a task cancelled before it
+    started never reaches accounting)."""
+    if cancel:
+        slurm("scancel", *(f"{array}_{task}" for task in cancel))
+    if release:
+        slurm("scontrol", "release", *(f"{array}_{task}" for task in release))
+    tasks = {f"{array}_{task}": task for task in (*cancel, *release, *running)}
+    queued = known = None
+    for _ in range(300):
+        queued = slurm("squeue", "--noheader", "--array", "--format=%i %T", f"--jobs={array}").split()
+        listed = slurm("sacct", "-nPX", "--format=JobID,State", f"--jobs={','.join(tasks)}").splitlines()
+        known = {line.split("|")[0]: line.split("|")[1].split()[0] for line in listed}
+
+        if queued == [word for task in sorted(running) for word in (f"{array}_{task}", "RUNNING")] and all(
+            settled(known.get(job), task, running, release) for job, task in tasks.items()
+        ):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"array {array}: queue {queued}, accounting {known}")
+
+
+def settled(state: str | None, task: int, running: tuple[int, ...], release: tuple[int, ...]) -> bool:
+    """Accounting's state of a task (None: not listed) is the one arrange waits for."""
+    if task in running:
+        return state == "RUNNING"
+    if task in release:
+        return state is not None and state not in IN_QUEUE
+    return state not in IN_QUEUE  # cancelled: CANCELLED, or not listed if it never started
+
+
+IN_QUEUE = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED")
+
+
+def four_cell_sweep(tmp_path: Path, array: str = "71"):
+    """ok, timeout, missing but still running, missing and gone: one cell each, queued as tasks
+    0..3 of `array`."""
     path = write(
         tmp_path,
         """
@@ -259,57 +334,72 @@ def four_cell_sweep(tmp_path: Path):
         )
         if status:
             write_record(directory / "result.json", {"status": status, "spec": cell.spec.to_dict()})
-        manifest[cell.id] = {"executor": "slurm", "job_id": f"71_{index}", "submitted_at": 0}
+        manifest[cell.id] = {"executor": "slurm", "job_id": f"{array}_{index}", "submitted_at": 0}
     (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
     return path, sweep, sweep_dir
 
 
-def test_cells_still_in_squeue_are_never_resubmitted(tmp_path, fake_squeue):
-    _path, sweep, sweep_dir = four_cell_sweep(tmp_path)
+@pytest.fixture
+def flight(array, tmp_path):
+    """The four-cell sweep as Slurm has it: the recorded cells' tasks (0, 1) left the queue, task 2
+    runs, task 3 failed without a record. Returns the jobs file, the sweep, its folder and the array."""
+    path, sweep, sweep_dir = four_cell_sweep(tmp_path, array)
+    arrange(array, cancel=(0, 1), release=(2, 3), running=(2,))
+    return path, sweep, sweep_dir, array
+
+
+@pytest.mark.slurm
+def test_cells_still_in_squeue_are_never_resubmitted(flight):
+    _path, sweep, sweep_dir, array = flight
     ok, timed_out, running, gone = sweep.cells
-    fake_squeue.write_text("71_2 RUNNING\n")
     chosen, done, flying = select_cells(sweep, sweep_dir)
-    assert chosen == [gone] and done == [ok, timed_out] and flying == {running.id: "71_2"}
+    assert chosen == [gone] and done == [ok, timed_out] and flying == {running.id: f"{array}_2"}
     chosen, done, flying = select_cells(sweep, sweep_dir, retry_failed=True)
     assert chosen == [timed_out, gone] and done == [ok] and list(flying) == [running.id]
     chosen, done, flying = select_cells(sweep, sweep_dir, force=True)
     assert chosen == [ok, timed_out, gone] and done == [] and list(flying) == [running.id]
-    assert "--jobs=71" in (tmp_path / "squeue.args").read_text()  # one query per array, not per cell
 
 
-def test_status_counts_states_and_lists_unfinished_cells(tmp_path, fake_squeue, capsys):
-    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+@pytest.mark.slurm
+def test_status_counts_states_and_lists_unfinished_cells(flight, tmp_path, monkeypatch, capsys):
+    _, sweep, sweep_dir, array = flight
     _ok, timed_out, running, gone = sweep.cells
-    fake_squeue.write_text("71_2 RUNNING\n")
     assert main(["status", str(sweep_dir)]) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     assert out[0] == f"{sweep_dir}: 4 cell(s): missing 1, ok 1, running 1, timeout 1"
     rows = {line.split()[0]: line.split()[1:] for line in out[2:-1]}
     assert rows == {
-        timed_out.id: ["fsdp2_zero3", "timeout", "71_1", "-"],
-        running.id: ["fsdp2_zero3", "running", "71_2", "RUNNING"],
-        gone.id: ["fsdp2_zero3", "missing", "71_3", "-"],
+        timed_out.id: ["fsdp2_zero3", "timeout", f"{array}_1", "-"],
+        running.id: ["fsdp2_zero3", "running", f"{array}_2", "RUNNING"],
+        gone.id: ["fsdp2_zero3", "missing", f"{array}_3", "FAILED"],  # sacct's final state
     }
     assert out[-1] == f"logs: {sweep_dir}/slurm/<job>/<job>_<rank>_log.err"
-    # --watch redraws until nothing is pending or running (here: the job leaves the queue after one
-    # look); the bar goes to stderr, one line per change when stderr is not a terminal.
-    (tmp_path / "bin" / "squeue").write_text(f"#!/bin/sh\ncat {fake_squeue}\n: > {fake_squeue}\n")
-    assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 0
+    assert "no Slurm accounting" not in captured.err, captured.err
+    # --watch redraws until nothing is pending or running (here: the running task is cancelled after
+    # a few looks); the bar goes to stderr, one line per change when stderr is not a terminal.
+    # slurmdbd does not answer this time: status says so in one line at the end.
+    monkeypatch.setenv("SLURM_CONF", unanswering_slurmdbd(tmp_path))
+    cancel = threading.Timer(2.0, slurm, ("scancel", f"{array}_2"))
+    cancel.start()
+    try:
+        assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 0
+    finally:
+        cancel.cancel()
     captured = capsys.readouterr()
     bars, note = captured.err.splitlines()[:-1], captured.err.splitlines()[-1]
     assert bars == [
         "[######################........] 3/4 finished (missing 1, ok 1, running 1, timeout 1)",
         "[##############################] 4/4 finished (missing 2, ok 1, timeout 1)",
     ]
-    assert note.startswith("note: no Slurm accounting (sacct: Slurm accounting storage is disabled)"), note
+    assert note.startswith("note: no Slurm accounting (sacct: error: ") and "Connection refused" in note, note
     assert captured.out.startswith(f"{sweep_dir}: 4 cell(s): missing 2, ok 1, timeout 1")
 
 
-def test_unanswered_squeue_stops_a_submit_but_not_status(tmp_path, fake_squeue, capsys):
+@pytest.mark.slurm
+def test_unanswered_squeue_stops_a_submit_but_not_status(slurm_cluster, tmp_path, monkeypatch, capsys):
     path, _, sweep_dir = four_cell_sweep(tmp_path)
-    fake_squeue.parent.joinpath("bin", "squeue").write_text(
-        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller' >&2\nexit 1\n"
-    )
+    monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     assert main(["submit", str(path), "--executor", "local", "--results-dir", str(tmp_path / "results")]) == 1
     err = capsys.readouterr().err
     assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
@@ -321,50 +411,64 @@ def cell_status_of(sweep_dir: Path, cell) -> str:
     return json.loads((sweep_dir / "cells" / cell.id / "result.json").read_text())["status"]
 
 
-def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(tmp_path, fake_squeue):
+@pytest.mark.slurm
+def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, tmp_path, monkeypatch):
     """A busy slurmctld times out one squeue: the cell still runs, so the wait must go on."""
-    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+    _, sweep, sweep_dir, array = flight
     running = sweep.cells[2]
-    calls = tmp_path / "calls"
-    # First answer: a timeout; second: the cell runs; third: it has left the queue.
-    (tmp_path / "bin" / "squeue").write_text(f"""#!/bin/sh
-echo x >> {calls}
-case $(wc -l < {calls}) in
-  1) echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1 ;;
-  2) echo '71_2 RUNNING' ;;
-esac
-""")
-    err = io.StringIO()
-    report = watch(sweep_dir, 0.01, [running.id], stream=err)
+    # A controller that accepts connections and never answers: squeue times out.
+    stalled = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.extend(iter(stalled.accept, None)), daemon=True).start()
+    cluster_conf = os.environ["SLURM_CONF"]
+    monkeypatch.setenv(
+        "SLURM_CONF", conf_with(tmp_path, "stalled", SlurmctldPort=str(stalled.getsockname()[1]), MessageTimeout="1")
+    )
+
+    class Scheduler(io.StringIO):
+        """What the test does to the cluster as watch reports: the controller answers again after
+        the first warning; the running task is cancelled, and gone, once a bar showed it running."""
+
+        def write(self, text: str) -> int:
+            if text.startswith("warning:"):
+                os.environ["SLURM_CONF"] = cluster_conf
+            elif "(running 1)" in text:
+                arrange(array, cancel=(2,))
+            return super().write(text)
+
+    err = Scheduler()
+    try:
+        report = watch(sweep_dir, 0.01, [running.id], stream=err)
+    finally:
+        stalled.close()
     assert not report.note and [c.state for c in report.cells] == ["missing"]
-    assert calls.read_text().count("x") == 3
     lines = err.getvalue().splitlines()
     assert (
         lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
-    )
+    ), lines
     assert lines[1:] == [
         "[..............................] 0/1 finished (running 1)",
         "[##############################] 1/1 finished (missing 1)",
     ]
     # A scheduler that never answers: watch gives up after its patience, note and all.
-    (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\necho 'Unable to contact slurm controller' >&2\nexit 1\n")
+    monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     report = watch(sweep_dir, 0.01, [running.id], stream=io.StringIO(), patience_s=0.05)
-    assert report.note.startswith("squeue: Unable to contact slurm controller")
+    assert report.note.startswith("squeue: slurm_load_jobs error: Unable to contact slurm controller"), report.note
 
 
-def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(tmp_path, fake_squeue):
-    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+@pytest.mark.slurm
+def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(flight):
+    _, sweep, sweep_dir, array = flight
     gone = sweep.cells[3]
-    logs = sweep_dir / "slurm" / "71_3"
+    logs = sweep_dir / "slurm" / f"{array}_3"
     logs.mkdir(parents=True)
-    (logs / "71_3_0_log.err").write_text("ok so far\n")
-    (logs / "71_3_1_log.err").write_text("torch.distributed.DistNetworkError: address already in use\n")
-    fake_squeue.write_text("71_2 RUNNING\n")
+    (logs / f"{array}_3_0_log.err").write_text("ok so far\n")
+    (logs / f"{array}_3_1_log.err").write_text("torch.distributed.DistNetworkError: address already in use\n")
     lost = record_lost_cells(sweep_status(sweep_dir))
     assert [c.cell_id for c in lost] == [gone.id]  # not the running one, nor those with a record
     record = json.loads((sweep_dir / "cells" / gone.id / "result.json").read_text())
     assert record["status"] == "error" and record["stage"] == "launch" and record["cell_id"] == gone.id
-    assert record["error"] == "Slurm job 71_3 ended without a record"
+    assert record["error"] == f"Slurm job {array}_3 ended (FAILED) without a record"
     assert record["traceback"].index("ok so far") < record["traceback"].index("address already in use")
     assert record["world_size"] == gone.spec.world_size and record["spec"] == gone.spec.to_dict()
     assert not (sweep_dir / "cells" / sweep.cells[2].id / "result.json").exists()
@@ -443,47 +547,49 @@ def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch
     assert default_executor() == ("slurm", "")
 
 
-def test_collect_names_the_slurm_state_of_cells_without_a_record(tmp_path, fake_squeue, capsys):
-    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
+@pytest.mark.slurm
+def test_collect_names_the_slurm_state_of_cells_without_a_record(flight, tmp_path, monkeypatch):
+    _, sweep, sweep_dir, array = flight
     _, _, running, _gone = sweep.cells
-    fake_squeue.write_text("71_2 RUNNING\n")
     main(["collect", str(sweep_dir), "--no-plots"])
     summary = (sweep_dir / "report" / "summary.md").read_text()
-    assert f"| {running.id} | missing | 71_2 |" in summary and "no result.json (Slurm job 71_2: RUNNING)" in summary
-    assert "no result.json (Slurm job 71_3: not in the queue, state unknown without accounting)" in summary
+    assert f"| {running.id} | missing | {array}_2 |" in summary
+    assert f"no result.json (Slurm job {array}_2: RUNNING)" in summary
+    assert f"no result.json (Slurm job {array}_3: FAILED)" in summary  # from sacct
+    # slurmdbd does not answer: the state of a job that left the queue is unknown.
+    monkeypatch.setenv("SLURM_CONF", unanswering_slurmdbd(tmp_path))
+    main(["collect", str(sweep_dir), "--no-plots"])
+    summary = (sweep_dir / "report" / "summary.md").read_text()
+    assert f"no result.json (Slurm job {array}_3: not in the queue, state unknown without accounting)" in summary
     # A controller that does not answer: collect says it does not know, rather than guessing.
-    (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\nexit 1\n")
+    monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     main(["collect", str(sweep_dir), "--no-plots"])
     assert (
-        "(Slurm job 71_3: pending, running or lost; `hpcfsdp status` asks Slurm)"
+        f"(Slurm job {array}_3: pending, running or lost; `hpcfsdp status` asks Slurm)"
         in (sweep_dir / "report" / "summary.md").read_text()
     )
 
 
-def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(tmp_path, fake_squeue, capsys):
-    _, sweep, sweep_dir = four_cell_sweep(tmp_path)
-    lost_with_node, gone = sweep.cells[2:]
-    fake_squeue.write_text("")
-    sacct = tmp_path / "bin" / "sacct"
-    sacct.write_text(
-        f'#!/bin/sh\necho "$@" >> {tmp_path}/sacct.args\n'
-        "printf '71_3|CANCELLED by 0\\n71_3.batch|CANCELLED\\n71_2|NODE_FAIL\\n'\n"
-    )
+@pytest.mark.slurm
+def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(array, tmp_path, capsys):
+    _, sweep, sweep_dir = four_cell_sweep(tmp_path, array)
+    cancelled, failed = sweep.cells[2:]
+    arrange(array, cancel=(0, 1), release=(2, 3), running=(2,))
+    arrange(array, cancel=(2,))  # cancelled while it runs
     assert main(["status", str(sweep_dir)]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
-    assert rows[gone.id] == ["fsdp2_zero3", "missing", "71_3", "CANCELLED"]
-    assert rows[lost_with_node.id] == ["fsdp2_zero3", "missing", "71_2", "NODE_FAIL"]
-    # The final states are asked for the unrecorded cells' jobs only (accounting, for the recorded ones).
-    assert "--format=JobID,State --jobs=71_2,71_3\n" in (tmp_path / "sacct.args").read_text()
-    # Their records say why they ended: cancelled, and node_fail, not error.
+    assert rows[cancelled.id] == ["fsdp2_zero3", "missing", f"{array}_2", "CANCELLED"]
+    assert rows[failed.id] == ["fsdp2_zero3", "missing", f"{array}_3", "FAILED"]
+    # Their records say why they ended: cancelled, and error (FAILED has no status of its own).
     record_lost_cells(sweep_status(sweep_dir))
-    assert [cell_status_of(sweep_dir, c) for c in (gone, lost_with_node)] == ["cancelled", "node_fail"]
+    assert [cell_status_of(sweep_dir, c) for c in (cancelled, failed)] == ["cancelled", "error"]
 
 
-def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(tmp_path, fake_squeue, capsys):
-    path, sweep, sweep_dir = four_cell_sweep(tmp_path)
+@pytest.mark.slurm
+def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(array, tmp_path, capsys):
+    path, sweep, sweep_dir = four_cell_sweep(tmp_path, array)
     ok, timed_out, _, _ = sweep.cells
-    fake_squeue.write_text("")
+    arrange(array, cancel=(0, 1, 2, 3))  # nothing of the sweep is queued
     older = {k: v for k, v in ok.spec.to_dict().items() if k != "record_param_norm"}  # before that field existed
     write_record(sweep_dir / "cells" / ok.id / "result.json", {"status": "ok", "spec": older})
     changed = {**timed_out.spec.to_dict(), "warmup_steps": timed_out.spec.warmup_steps + 1}  # a default since changed

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
+from hpcfsdp.record import slurm_job_of
 from hpcfsdp.sweep.matrix import load_sweep
 
 pytestmark = pytest.mark.slurm
@@ -34,6 +36,18 @@ include:
   - {strategy: fsdp2_zero3, nodes: 2, gpus_per_node: 1}
   - {strategy: ddp, lr: 1.0e+12, steps: 4}
 """
+
+
+def sacct_of(job_ids) -> dict[str, list[str]]:
+    """job id -> ElapsedRaw, Submit, Start, ConsumedEnergyRaw, as `sacct` prints them."""
+    command = [
+        "sacct",
+        "-nPX",
+        "--format=JobID,ElapsedRaw,Submit,Start,ConsumedEnergyRaw",
+        f"--jobs={','.join(job_ids)}",
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+    return {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines()}
 
 
 def records(sweep_dir: Path) -> dict[str, dict]:
@@ -85,8 +99,26 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     assert systems == {("hpcfsdp-local", "gpu")}
     with duckdb.connect(str(tmp_path / "results" / "history.duckdb"), read_only=True) as con:
         assert con.execute("SELECT DISTINCT cluster, count(*) OVER () FROM runs").fetchall() == [("hpcfsdp-local", 9)]
-    # The local cluster has no slurmdbd: collect says so in one line and carries on.
-    assert len([line for line in err.splitlines() if "no Slurm accounting (sacct" in line]) == 1, err
+    # Slurm accounting (the cluster's slurmdbd): each record, and its row of the history, carries
+    # the elapsed time and queue wait that sacct reports for its job; the cluster gathers no
+    # energy, so energy is unknown (null), never 0 J.
+    assert "no Slurm accounting" not in err, err
+    job_of = {cell_id: slurm_job_of(record["slurm"]) for cell_id, record in got.items()}
+    reported = sacct_of(job_of.values())
+    accounted = {cell_id: records(sweep_dir)[cell_id]["slurm_accounting"] for cell_id in got}
+    for cell_id, job in job_of.items():
+        elapsed, submit, start, energy = reported[job]
+        accounting = accounted[cell_id]
+        assert accounting["elapsed_s"] == int(elapsed) >= 1, (job, accounting)
+        queue_wait = (datetime.fromisoformat(start) - datetime.fromisoformat(submit)).total_seconds()
+        assert accounting["queue_wait_s"] == queue_wait >= 0, (job, accounting)
+        assert energy in ("", "0") and accounting["consumed_energy_j"] is None, (job, energy)
+    with duckdb.connect(str(tmp_path / "results" / "history.duckdb"), read_only=True) as con:
+        rows = con.execute("SELECT cell_id, elapsed_s, queue_wait_s, energy_j FROM runs").fetchall()
+    assert {row[0]: row[1:] for row in rows} == {
+        cell_id: (accounting["elapsed_s"], accounting["queue_wait_s"], None)
+        for cell_id, accounting in accounted.items()
+    }
     # Resubmitting the same YAML finds every record and queues nothing.
     assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
     assert "skipping 9 cell(s)" in capsys.readouterr().out

@@ -4,9 +4,10 @@
 # Usage:  slurm/local/stop.sh [--purge]
 #   --purge   also delete the state folder (configuration, logs, job state, fake GPU files)
 #
-# Only the daemons named by the pid files in the state folder are stopped, and only if they run
-# with that folder's slurm.conf; other Slurm daemons on the machine are left alone. Jobs still
-# running on this cluster are cancelled first. munged is left running (it is a system service).
+# Only the daemons named by the pid files in the state folder are stopped (slurmd, slurmctld, then
+# the accounting: slurmdbd and the cluster's own MariaDB server), and only if they run with that
+# folder's slurm.conf; other Slurm daemons on the machine are left alone. Jobs still running on
+# this cluster are cancelled first. munged is left running (it is a system service).
 # Idempotent: nothing running is fine.
 set -euo pipefail
 
@@ -23,13 +24,15 @@ done
 
 log() { echo "[hpcfsdp-slurm] $*" >&2; }
 
-# Pid from a pid file if that process is alive and was started with our slurm.conf.
+# Pid from a pid file if that process is alive and was started with our slurm.conf: on its command
+# line, or (slurmdbd, mariadbd) as SLURM_CONF in its environment.
 our_pid() {
     local pidfile=$1 pid
     [[ -s $pidfile ]] || return 1
     pid=$(<"$pidfile")
     [[ -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$CONF" || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$CONF" ||
+        tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF -- "SLURM_CONF=$CONF" || return 1
     echo "$pid"
 }
 
@@ -72,6 +75,11 @@ if [[ -d $DIR/run ]]; then
     done
     if [[ -n $ctld_pid ]]; then stop_pid slurmctld "$ctld_pid"; fi
     rm -f "$DIR/run/slurmctld.pid"
+    # Accounting last: slurmctld hands slurmdbd what it still holds as it stops.
+    for name in slurmdbd mariadb; do
+        if pid=$(our_pid "$DIR/run/$name.pid"); then stop_pid "$name" "$pid"; fi
+        rm -f "$DIR/run/$name.pid"
+    done
 fi
 
 if ((PURGE)); then
