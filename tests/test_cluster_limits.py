@@ -54,6 +54,7 @@ def small_cluster_env() -> Iterator[dict[str, str]]:
         "HPCFSDP_SLURM_CPUS": "1",
         "HPCFSDP_SLURM_MAX_ARRAY_SIZE": "5",
         "HPCFSDP_SLURM_MAX_TIME": "60",
+        "HPCFSDP_SLURM_ACCOUNTING": "0",  # as a cluster without slurmdbd; spares a database
     }
     try:
         env, _ = start_slurm(knobs)
