@@ -67,8 +67,9 @@ def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     assert last.startswith("export SLURM_CONF="), last
     env = {"SLURM_CONF": last.split("=", 1)[1].strip().strip("'\""), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     assert shutil.which("sbatch"), "sbatch not on PATH after start.sh"
-    # start.sh logs "starting slurmctld ..." / "starting slurmd <node>" for each daemon it starts.
-    return env, re.search(r"^\[hpcfsdp-slurm\] starting slurm", start.stderr, flags=re.M) is not None
+    # start.sh logs "starting slurmctld ..." / "starting slurmd <node>" / "starting slurmdbd ..." /
+    # "starting mariadbd ..." for each daemon it starts.
+    return env, re.search(r"^\[hpcfsdp-slurm\] starting (slurm|mariadbd)", start.stderr, flags=re.M) is not None
 
 
 def stop_slurm(knobs: dict[str, str], *args: str) -> None:

@@ -441,7 +441,7 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
 
         def write(self, text: str) -> int:
             if text.startswith("warning:"):
-                os.environ["SLURM_CONF"] = cluster_conf
+                monkeypatch.setenv("SLURM_CONF", cluster_conf)
             elif "(running 1)" in text:
                 arrange(array, cancel=(2,))
             return super().write(text)

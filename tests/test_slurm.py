@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -38,16 +39,23 @@ include:
 """
 
 
-def sacct_of(job_ids) -> dict[str, list[str]]:
-    """job id -> ElapsedRaw, Submit, Start, ConsumedEnergyRaw, as `sacct` prints them."""
+def wait_for_ended(job_ids, timeout_s: float = 60) -> dict[str, list[str]]:
+    """job id -> ElapsedRaw, Submit, Start, ConsumedEnergyRaw, as `sacct` prints them, once sacct
+    gives every one of the jobs an end."""
+    job_ids = sorted(set(job_ids))
     command = [
         "sacct",
         "-nPX",
-        "--format=JobID,ElapsedRaw,Submit,Start,ConsumedEnergyRaw",
+        "--format=JobID,End,ElapsedRaw,Submit,Start,ConsumedEnergyRaw",
         f"--jobs={','.join(job_ids)}",
     ]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
-    return {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines()}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+        rows = {line.split("|")[0]: line.split("|")[1:] for line in out.splitlines()}
+        if all(rows.get(job, ["Unknown"])[0] != "Unknown" for job in job_ids) or time.monotonic() > deadline:
+            return {job: row[1:] for job, row in rows.items()}
+        time.sleep(0.5)
 
 
 def records(sweep_dir: Path) -> dict[str, dict]:
@@ -104,7 +112,11 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     # energy, so energy is unknown (null), never 0 J.
     assert "no Slurm accounting" not in err, err
     job_of = {cell_id: slurm_job_of(record["slurm"]) for cell_id, record in got.items()}
-    reported = sacct_of(job_of.values())
+    # slurmctld hands a job's end to slurmdbd within seconds, so sacct may have been a little behind
+    # the collect that ended submit --wait: a record without accounting gets it from the next one.
+    reported = wait_for_ended(job_of.values())
+    main(["collect", str(sweep_dir), "--no-plots"])
+    assert "no Slurm accounting" not in capsys.readouterr().err
     accounted = {cell_id: records(sweep_dir)[cell_id]["slurm_accounting"] for cell_id in got}
     for cell_id, job in job_of.items():
         elapsed, submit, start, energy = reported[job]
