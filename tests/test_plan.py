@@ -538,23 +538,27 @@ def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
     assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
 
 
-def test_default_executor_falls_back_to_local_and_says_why(tmp_path, monkeypatch):
+def test_default_executor_is_local_where_slurm_is_not_installed(tmp_path, monkeypatch):
     from hpcfsdp.sweep.submit import default_executor
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no Slurm client on it
     assert default_executor() == ("local", "no Slurm here (sbatch is not on PATH)")
-    for tool, script in (
-        ("sbatch", "exit 0"),
-        ("sinfo", "echo 'sinfo: error: noise' >&2\necho 'sinfo: fatal: no config' >&2\nexit 1"),
-    ):
-        (bin_dir / tool).write_text(f"#!/bin/sh\n{script}\n")
-        (bin_dir / tool).chmod(0o755)
-    executor, why = default_executor()
-    assert executor == "local" and "no Slurm controller answers (sinfo: sinfo: fatal: no config;" in why
-    (bin_dir / "sinfo").write_text("#!/bin/sh\necho gpu\n")
+
+
+@pytest.mark.slurm
+def test_default_executor_is_slurm_where_a_controller_answers_else_local_with_sinfos_reason(
+    slurm_cluster, tmp_path, monkeypatch
+):
+    from hpcfsdp.sweep.submit import default_executor
+
     assert default_executor() == ("slurm", "")
+    monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
+    executor, why = default_executor()
+    assert executor == "local", why
+    assert why.startswith("sbatch is installed but no Slurm controller answers (sinfo: ") and why.endswith(
+        "; is SLURM_CONF set?)"
+    ), why
+    assert "Unable to contact slurm controller" in why and "\n" not in why
 
 
 @pytest.mark.slurm
