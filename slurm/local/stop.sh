@@ -36,6 +36,14 @@ our_pid() {
     echo "$pid"
 }
 
+descendants() {   # pid: every process below it
+    local child
+    for child in $(pgrep -P "$1" || true); do
+        echo "$child"
+        descendants "$child"
+    done
+}
+
 stop_pid() {   # name pid: SIGTERM, wait up to 15 s, then SIGKILL
     local name=$1 pid=$2
     log "stopping $name (pid $pid)"
@@ -73,6 +81,16 @@ if [[ -d $DIR/run ]]; then
         if pid=$(our_pid "$pidfile"); then stop_pid "$name" "$pid"; fi
         rm -f "$pidfile"
     done
+    # A job step that outlived its slurmd (its job did not end in time) would go on running with
+    # what it runs: end both, the step's own processes too.
+    if command -v pgrep >/dev/null; then
+        for stepd in $(pgrep -x slurmstepd || true); do
+            tr '\0' '\n' <"/proc/$stepd/environ" 2>/dev/null | grep -qxF -- "SLURM_CONF=$CONF" || continue
+            log "ending a job step left running (slurmstepd pid $stepd)"
+            # shellcheck disable=SC2046
+            kill -KILL $(descendants "$stepd") "$stepd" 2>/dev/null || true
+        done
+    fi
     if [[ -n $ctld_pid ]]; then stop_pid slurmctld "$ctld_pid"; fi
     rm -f "$DIR/run/slurmctld.pid"
     # Accounting last: slurmctld hands slurmdbd what it still holds as it stops.
