@@ -27,7 +27,7 @@ FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper and later
 GPU_ONLY_LEVERS = ("attention", "loss", "float8")
 # cut-cross-entropy with its fp32-accumulating variants (25.6.4, as pyproject.toml's gpu extra
 # names it): PyPI's newest release is 25.1.1
-CCE_GIT = (
+CCE_REQUIREMENT = (
     "cut-cross-entropy @ https://github.com/apple/ml-cross-entropy/archive/d42911f9b1a1f98289bb601c35c8151562603d74.zip"
 )
 
@@ -143,7 +143,7 @@ def _cce_loss(variant: str, device: torch.device, softcap: float | None) -> Loss
     if known is None or impl.upper() not in known.__members__:
         raise RuntimeError(
             f"loss: {variant} needs cut-cross-entropy 25.6 or later (this is {_version('cut-cross-entropy')}); "
-            f"pip install '{CCE_GIT}'"
+            f"pip install '{CCE_REQUIREMENT}'"
         )
 
     def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
