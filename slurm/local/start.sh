@@ -95,6 +95,7 @@ if [[ ! -s /etc/munge/munge.key ]]; then
     chown munge:munge /etc/munge/munge.key
     chmod 0400 /etc/munge/munge.key
 fi
+MUNGED_OURS=/run/munge/started-by-hpcfsdp   # shared by every cluster of this script on the machine
 munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
 if ! munge_ok; then
     log "starting munged"
@@ -106,6 +107,7 @@ if ! munge_ok; then
     runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&-
     for _ in $(seq 50); do munge_ok && break; sleep 0.2; done
     munge_ok || die "munged does not answer; see /var/log/munge/munged.log"
+    touch "$MUNGED_OURS"   # stop.sh stops it once no cluster of ours runs
 fi
 
 # --- 3. node names must resolve (torch.distributed uses the first node as MASTER_ADDR) ----------

@@ -7,7 +7,8 @@
 # Only the daemons named by the pid files in the state folder are stopped (slurmd, slurmctld, then
 # the accounting: slurmdbd and the cluster's own MariaDB server), and only if they run with that
 # folder's slurm.conf; other Slurm daemons on the machine are left alone. Jobs still running on
-# this cluster are cancelled first. munged is left running (it is a system service).
+# this cluster are cancelled first. munged is stopped too if start.sh started it and no Slurm
+# daemon is left on the machine.
 # Idempotent: nothing running is fine.
 set -euo pipefail
 
@@ -98,6 +99,17 @@ if [[ -d $DIR/run ]]; then
         if pid=$(our_pid "$DIR/run/$name.pid"); then stop_pid "$name" "$pid"; fi
         rm -f "$DIR/run/$name.pid"
     done
+fi
+
+# munged, if start.sh started it, once no Slurm daemon runs on this machine any more (another
+# cluster of this script, with another state folder, may still need it).
+MUNGED_OURS=/run/munge/started-by-hpcfsdp
+slurm_daemons_left() { local d; for d in slurmctld slurmd slurmdbd; do pgrep -x "$d" >/dev/null && return 0; done; return 1; }
+if [[ -e $MUNGED_OURS ]] && command -v pgrep >/dev/null && ! slurm_daemons_left; then
+    if [[ -s /run/munge/munged.pid ]] && pid=$(</run/munge/munged.pid) && [[ -e /proc/$pid ]]; then
+        stop_pid munged "$pid"
+    fi
+    rm -f "$MUNGED_OURS"
 fi
 
 if ((PURGE)); then
