@@ -51,6 +51,11 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
     return json.loads(records[-1].read_text()), proc
 
 
+def slurm(*args: str) -> str:
+    """A Slurm client command (sbatch, squeue, sacct, scontrol, ...): its output; it must succeed."""
+    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
+
+
 def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     """Run slurm/local/start.sh with these HPCFSDP_SLURM_* knobs: the environment that reaches the
     cluster, and whether start.sh started any Slurm daemon (else it found them all running)."""

@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import socket
-import subprocess
 import tempfile
 import textwrap
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_slurm, stop_slurm
+from conftest import slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.cluster import Node, Partition, gpus_in_gres, never_clears, slurm_minutes
 from hpcfsdp.sweep.matrix import load_sweep
@@ -75,10 +74,6 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(textwrap.dedent(text))
     return path
-
-
-def slurm(*args: str) -> str:
-    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 @pytest.mark.slurm

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import slurm
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
@@ -96,10 +97,6 @@ def alive(processes: dict[int, str]) -> list[int]:
         if fields[19] == started and fields[0] != "Z":
             living.append(pid)
     return living
-
-
-def slurm(*args: str) -> str:
-    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 def cancel_sweep_jobs(name: str) -> None:

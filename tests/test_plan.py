@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
@@ -226,10 +226,6 @@ def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
     )
     record = json.loads((results / "printed" / "cells" / sweep.cells[0].id / "result.json").read_text())
     assert proc.returncode == 0 and record["status"] == "ok", proc.stderr[-2000:]
-
-
-def slurm(*args: str) -> str:
-    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 def conf_with(tmp_path: Path, name: str, **settings: str) -> str:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import slurm
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
@@ -37,10 +37,6 @@ def manifest_jobs(sweep_dir: Path) -> dict[str, str]:
 
 def record(sweep_dir: Path, cell_id: str) -> dict:
     return json.loads((sweep_dir / "cells" / cell_id / "result.json").read_text())
-
-
-def slurm(*args: str) -> str:
-    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone(slurm_cluster, tmp_path, capsys):
