@@ -6,6 +6,11 @@
 #     the header of every raw log in bench/results/.
 # shellcheck shell=bash
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# Inductor starts one compile worker per core in every process that compiles. On the lent machines
+# host memory is handed out as it is used, and two processes compiling at once on a 32-core
+# machine (64 workers importing torch) preceded a machine that stopped answering (2026-11-23):
+# fewer workers per process.
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi

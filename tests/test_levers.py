@@ -31,7 +31,10 @@ CPU = {"device": "cpu"}
             {"attention": "flashy"},
             "attention: expected one of sdpa, cudnn, flash, efficient; got 'flashy' (did you mean 'flash'?)",
         ),
-        ({"loss": "fused"}, "loss: expected one of default, cce, cce_kahan_full_c, cce_exact, liger; got 'fused'"),
+        (
+            {"loss": "fused"},
+            "loss: expected one of default, compiled, cce, cce_kahan_full_c, cce_exact, liger; got 'fused'",
+        ),
         (
             {"float8": "rowwize"},
             "float8: expected one of none, tensorwise, rowwise; got 'rowwize' (did you mean 'rowwise'?)",
@@ -121,6 +124,13 @@ def test_cut_cross_entropy_gives_the_models_own_loss_and_gradient_on_cpu(variant
     torch.testing.assert_close(grad_cce, grad_default, rtol=1e-5, atol=1e-7)
 
 
+def test_the_compiled_loss_gives_the_models_own_loss_and_gradient_on_cpu():
+    loss_default, _, grad_default = _tiny_backward()
+    loss_compiled, _, grad_compiled = _tiny_backward(loss="compiled")
+    assert loss_compiled == pytest.approx(loss_default, rel=1e-6)
+    torch.testing.assert_close(grad_compiled, grad_default, rtol=1e-5, atol=1e-7)
+
+
 def test_a_cce_variant_the_installed_release_lacks_is_one_line_naming_the_release(monkeypatch):
     """PyPI's cut-cross-entropy 25.1.1 knows only `cce` and `torch_compile`; the fp32-accumulating
     variants are in 25.6, released on GitHub. The check reads the library's own list of variants."""
@@ -163,6 +173,12 @@ def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(tmp
     assert "float8_linears" not in record
     assert_same_training(zero2_default, record)
     assert zero2_default["losses"][0] != zero2_default["losses"][-1]
+
+
+def test_the_compiled_loss_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
+    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", loss="compiled", record_param_norm=True)
+    assert record["status"] == "ok" and record["spec"]["loss"] == "compiled"
+    assert_same_training(zero2_default, record)
 
 
 def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):

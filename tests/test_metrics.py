@@ -48,8 +48,10 @@ def test_peak_lookup_and_override():
     assert peak_tflops("Mystery GPU") == 0.0 and peak_tflops("Mystery GPU", 500.0) == 500.0
 
 
-def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA"):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA", annotation: bool = False):
+    return SimpleNamespace(
+        name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, is_user_annotation=annotation
+    )
 
 
 def test_exposed_communication_is_what_no_compute_kernel_covers():
@@ -59,6 +61,8 @@ def test_exposed_communication_is_what_no_compute_kernel_covers():
         event("ncclDevKernel_ReduceScatter", 140, 160),  # overlaps the all-gather: union 50..160
         event("elementwise_kernel", 155, 170),  # hides 5 us of it
         event("cpu_op", 0, 1000, device="DeviceType.CPU"),  # host events do not count on a GPU run
+        event("ProfilerStep#1", 0, 1000, annotation=True),  # an annotation on the device timeline: no kernel
+        event("FSDP::all_gather_copy_in", 40, 160, annotation=True),
     ]
     out = communication_breakdown(events, steps=2)
     assert out["comm_s_per_step"] == pytest.approx(110e-6 / 2)

@@ -253,6 +253,8 @@ def loss_bytes(shape: Shape, spec: RunSpec) -> float:
     final_norm = _norm_bytes(shape, spec, float8=False)  # the LM head stays in bf16
     if spec.loss == "default":
         return final_norm + labels + 12 * shape.vocab
+    if spec.loss == "compiled":  # the logits and their gradient, in the compute dtype (levers._compiled_loss)
+        return final_norm + labels + 2 * c * shape.vocab
     fp32_sum = 4 * shape.hidden if spec.loss in CCE_FP32_ACCUMULATION else 0
     return final_norm + labels + (c + 4) * shape.hidden + fp32_sum
 

@@ -41,7 +41,7 @@ WrapPolicy = Literal["layer", "size", "none"]
 ReduceDtype = Literal["fp32", "bf16"]
 Kernels = Literal["none", "liger"]
 Attention = Literal["sdpa", "cudnn", "flash", "efficient"]
-Loss = Literal["default", "cce", "cce_kahan_full_c", "cce_exact", "liger"]
+Loss = Literal["default", "compiled", "cce", "cce_kahan_full_c", "cce_exact", "liger"]
 Float8 = Literal["none", "tensorwise", "rowwise"]
 Init = Literal["random", "pretrained"]
 GpuRequest = Literal["gres", "gpus_per_node", "none"]
@@ -171,7 +171,8 @@ class RunSpec:
     compile: bool = False
     kernels: Kernels = "none"  # liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`
     attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: that one (GPU)
-    # the model's own; cce* (cut-cross-entropy: cce filters small gradients and sums them in bf16,
+    # the model's own; compiled: the same loss, LM head and cross-entropy in one compiled function
+    # (no fp32 copy of the logits); cce* (cut-cross-entropy: cce filters small gradients and sums them in bf16,
     # cce_kahan_full_c sums in fp32 and keeps every LM-head gradient, cce_exact filters nothing)
     # | liger (GPU): fused, no logits in memory
     loss: Loss = "default"

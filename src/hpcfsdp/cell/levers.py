@@ -100,7 +100,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (
 
 def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
     """Replace the model's forward by one that feeds the final hidden state and the LM head's weight
-    to a fused linear cross-entropy, so the [tokens x vocab] logits are never materialised.
+    to the loss of `spec.loss`: a fused linear cross-entropy, so the [tokens x vocab] logits are
+    never materialised (cce*, liger), or the LM head and cross-entropy in one compiled function
+    (compiled).
 
     The loss equals the model's own: next-token cross-entropy, mean over batch x (seq - 1). The
     forward is replaced on the instance, so DDP and FSDP still call it through the module (under
@@ -113,7 +115,12 @@ def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
     if lm_head is None or getattr(lm_head, "bias", None) is not None:
         raise RuntimeError(f"loss: {spec.loss} needs a model with a bias-free lm_head; use loss: default")
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    loss_fn = _liger_loss(softcap) if spec.loss == "liger" else _cce_loss(spec.loss, device, softcap)
+    if spec.loss == "compiled":
+        loss_fn = _compiled_loss(softcap)
+    elif spec.loss == "liger":
+        loss_fn = _liger_loss(softcap)
+    else:
+        loss_fn = _cce_loss(spec.loss, device, softcap)
     decoder = model.get_submodule("model")
     from transformers.modeling_outputs import CausalLMOutput
 
@@ -125,6 +132,26 @@ def install_loss(model: nn.Module, spec: RunSpec, device: torch.device) -> None:
         return CausalLMOutput(loss=loss_fn(hidden.to(dtype), weight.to(dtype), labels))
 
     model.forward = forward
+
+
+def _compiled_loss(softcap: float | None) -> LossFn:
+    """The model's own loss, computed as torchtitan computes its loss: the LM head, the fp32 upcast
+    and cross-entropy inside one torch.compile'd function.
+
+    Hugging Face's loss upcasts the whole [tokens x vocab] logits to fp32 in eager mode, and
+    log-softmax saves another fp32 copy: 12 bytes per logit at the start of backward. Compiled,
+    the upcast happens inside the fused log-sum-exp and gradient kernels, so only the bf16 logits
+    and their bf16 gradient are ever held (4 bytes per logit), and the kernels read them once.
+    The same function: the last position predicts nothing, the mean is over batch x (seq - 1).
+    """
+
+    def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(hidden[:, :-1], weight)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten())
+
+    return cast(LossFn, torch.compile(loss))
 
 
 def _cce_loss(variant: str, device: torch.device, softcap: float | None) -> LossFn:
