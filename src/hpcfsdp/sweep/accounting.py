@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -105,3 +106,12 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
         write_record(path, record)
         added[cell_id] = answers[job]
     return added, ""
+
+
+def note_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """add_accounting for `status` and `collect`: what was added; where there is no accounting, one
+    `note:` line on stderr."""
+    added, note = add_accounting(sweep_dir, jobs)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return added

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..errors import UserError
 from ..record import (
     MISSING,
     RECORD_NAME,
@@ -38,7 +39,7 @@ STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(UserError, RuntimeError):
     """squeue did not answer, so whether a cell is still queued cannot be known."""
 
 
@@ -320,6 +321,31 @@ def watch(
             return report
         stuck_before = report.stuck
         time.sleep(interval_s)
+
+
+def print_status(report: StatusReport, summary: bool = True) -> None:
+    """Counts by state, then one row per cell that is not ok (yet) with Slurm's word for it (and
+    why it is pending), and where Slurm logs are; warnings on stderr."""
+    if report.note:
+        print(f"warning: {report.note}", file=sys.stderr)
+    for line in problem_lines(report.problems):
+        print(f"warning: {line}", file=sys.stderr)
+    if summary:
+        counts = report.counts()
+        print(
+            f"{report.sweep_dir}: {len(report.cells)} cell(s): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        )
+    rows = [c for c in report.cells if c.state != "ok"]
+    if not rows:
+        return
+    width = max(4, *(len(c.cell_id) for c in rows))
+    print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
+    for c in rows:
+        slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
+    if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
+        print(f"logs: {report.sweep_dir / 'slurm' / '<job>' / '<job>_<rank>_log.err'}")
 
 
 def blocked_message(cells: list[CellStatus]) -> str:

@@ -36,15 +36,17 @@ from pathlib import Path
 import yaml
 
 from ..cache.hub import CACHE_ENV
+from ..errors import Stopped, UserError
 from ..record import (
     MISSING,
+    RecordError,
     keep_as_attempt,
     restore_attempt,
     write_json,
 )
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources, SpecError
 from .cluster import array_size_limit, jobs_in_queue
-from .interrupts import interrupts_deferred, interrupts_raise
+from .interrupts import Interrupted, interrupts_deferred, interrupts_raise
 from .lock import sweep_lock
 from .matrix import Cell, Sweep, arrays
 from .preflight import cluster_problems
@@ -52,6 +54,7 @@ from .status import (
     IN_FLIGHT,
     MANIFEST_NAME,
     STALE,
+    SchedulerError,
     StatusReport,
     _log_tails,
     cell_dir,
@@ -79,7 +82,7 @@ SECRET_NAME = re.compile(r"(^|_)(TOKEN|API_KEY|SECRET|SECRET_KEY|ACCESS_KEY|PASS
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     """sbatch refused an array; the cells not queued keep the records they had."""
 
 
@@ -150,15 +153,38 @@ def submit(
     room_poll_s: float | None = None,
 ) -> Submission:
     """Run or queue the cells that need it. room_poll_s (submit --wait): when slurm.max_jobs_in_queue
-    leaves no room, look again this often until all are queued; None: queue what fits and say so."""
+    leaves no room, look again this often until all are queued; None: queue what fits and say so.
+
+    What stops it is a UserError that says what was and was not queued: squeue not answering, sbatch
+    refusing an array, an unreadable manifest, or an interrupt (Stopped)."""
     executor = executor or default_executor()[0]
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
     # The lock: from reading which cells are queued to the manifest naming what this submit
     # queued (for the local executor, to its last cell). Signals end what it started (interrupts.py).
-    with interrupts_raise(), sweep_lock(sweep_dir, log):
-        return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
+    try:
+        with interrupts_raise(), sweep_lock(sweep_dir, log):
+            return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
+    except SchedulerError as exc:
+        raise UserError(f"cannot tell which cells are still queued ({exc}); nothing submitted") from None
+    except SubmitError as exc:
+        raise UserError(
+            f"{exc}; the cells of that array and any after it were not queued "
+            f"(arrays queued before it are in {sweep_dir / MANIFEST_NAME})"
+        ) from None
+    except RecordError as exc:  # the manifest: which jobs are the sweep's
+        raise UserError(
+            f"{exc}; it names the sweep's queued jobs: repair or remove it (`squeue --name "
+            f"hpcfsdp-{sweep.name}` lists them); nothing submitted"
+        ) from None
+    except Interrupted as exc:
+        done = (
+            "the running cell was stopped and its earlier record is current again"
+            if executor == "local"
+            else "arrays queued before it are in manifest.json; the cells not queued keep their records"
+        )
+        raise Stopped(f"interrupted ({exc}): {done}; run the same command again to go on", exc.exit_status) from None
 
 
 def _submit_locked(
