@@ -102,6 +102,7 @@ def _to_stderr(message: str) -> None:
 def run(args: argparse.Namespace) -> NoReturn:
     from .cell.distributed import launched_shape
     from .cell.run import run_cell, run_cell_dir
+    from .sweep.layout import cell_dir
     from .sweep.matrix import Cell
 
     if args.cell_dir:
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         spec = RunSpec.from_dict({**launched_shape(), **values}, where="run arguments")
         cell = Cell.of(spec)
         check_folder_name("run", "--sweep", args.sweep)
-        status = run_cell(spec, Path(args.results_dir) / args.sweep / "cells" / cell.id, cell.id, args.sweep)
+        status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep)
     _exit_worker(0 if status == "ok" else 1)
 
 
@@ -141,11 +142,11 @@ def _exit_worker(code: int) -> NoReturn:
 
 def status(args: argparse.Namespace) -> int:
     from .sweep.accounting import note_accounting
+    from .sweep.layout import require_sweep_folder
     from .sweep.status import blocked_message, print_status, sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
-    if not (sweep_dir / "cells").is_dir():
-        raise SpecError(f"{sweep_dir}: not a sweep folder (no cells/ inside; e.g. results/<name> of a jobs YAML)")
+    require_sweep_folder(sweep_dir)
     if args.watch is not None and args.watch <= 0:
         raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
@@ -222,10 +223,10 @@ def history(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     from .results.export import export_sweep
+    from .sweep.layout import require_sweep_folder
 
     sweep_dir = Path(args.sweep_dir)
-    if not (sweep_dir / "cells").is_dir():
-        raise SpecError(f"{sweep_dir}: not a sweep folder (no cells/ inside; e.g. results/<name> of a jobs YAML)")
+    require_sweep_folder(sweep_dir)
     target, destination = args.to
     written, skipped = export_sweep(sweep_dir, target, destination)
     already = f" ({skipped} exported before, left as they were)" if skipped else ""

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..record import RECORD_NAME, RecordError
 from ..spec import SpecError
 from ..sweep.accounting import note_accounting
+from ..sweep.layout import cell_files, read_manifest
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 
@@ -95,9 +96,9 @@ def collect(
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from ..sweep.status import read_manifest, slurm_job_ids, sweep_status
+    from ..sweep.status import slurm_job_ids, sweep_status
 
-    recorded = {path.parent.name for path in sweep_dir.glob(f"cells/*/{RECORD_NAME}")}
+    recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
     try:
         cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
     except RecordError:  # collect names the broken manifest itself

@@ -44,7 +44,7 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it for a fresh sweep."""
-    from .submit import sbatch_script
+    from .sbatch import sbatch_script
 
     for index, ((nodes, gpus), cells) in enumerate(
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size))
