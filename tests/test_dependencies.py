@@ -2,7 +2,7 @@
 
 submitit: the API the submitter uses holds for the installed version, and pyproject's bound says so.
 
-`sweep/submit.py` renders the sbatch script with submitit's private `_make_sbatch_string` (submitit
+`sweep/sbatch.py` renders the sbatch script with submitit's private `_make_sbatch_string` (submitit
 has no public call for the script text) and reads logs through `JobPaths`; the job object is a
 `Checkpointable`. A submitit that changes these must fail here, not on a user's login node.
 """
@@ -38,7 +38,7 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     from hpcfsdp.spec import Resources
     from hpcfsdp.sweep.job import CellJob
     from hpcfsdp.sweep.matrix import parse_sweep
-    from hpcfsdp.sweep.submit import slurm_parameters
+    from hpcfsdp.sweep.sbatch import slurm_parameters
 
     sweep = parse_sweep(
         {

@@ -34,7 +34,7 @@ from conftest import slurm
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.submit import processes_under
+from hpcfsdp.sweep.local import processes_under
 
 CPU_CELL = {
     "model": "tiny",

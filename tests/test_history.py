@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
 import pytest
 
-from hpcfsdp import cli
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
-from hpcfsdp.results import history, references, regressions
+from hpcfsdp.results import defaults, references, regressions
 from hpcfsdp.results.history import setup_key
 from hpcfsdp.sweep.accounting import parse_sacct
 from hpcfsdp.sweep.matrix import cell_id
@@ -307,10 +308,17 @@ def test_a_bad_references_file_is_one_line_naming_file_line_and_key(results, cap
     assert err == f"error: {results}/{message}"
 
 
-def test_the_parser_shows_the_constants_of_the_modules_it_does_not_import():
-    assert cli.HISTORY_NAME == history.HISTORY_NAME
-    assert cli.REFERENCES_NAME == references.REFERENCES_NAME
-    assert cli.DEFAULT_TOLERANCE == regressions.DEFAULT_TOLERANCE
+def test_the_parser_shows_the_results_defaults_without_loading_pandas(capsys):
+    probe = (
+        "import sys; from hpcfsdp.cli import _parser; text = _parser().format_help(); "
+        "print('pandas' in sys.modules, 'duckdb' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "False"], proc.stderr[-2000:]
+    with pytest.raises(SystemExit):
+        main(["history", "--help"])
+    assert re.search(rf"default\s+results/{defaults.HISTORY_NAME}", capsys.readouterr().out)
+    assert regressions.DEFAULT_TOLERANCE == defaults.DEFAULT_TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------

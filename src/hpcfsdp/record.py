@@ -19,6 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .errors import UserError
 from .spec import RunSpec, choices
 
 try:
@@ -99,7 +100,7 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
 REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 

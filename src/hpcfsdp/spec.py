@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .cache.hub import DatasetRef, ModelRef
+from .errors import UserError
 
 StrategyName = Literal[
     "ddp",
@@ -112,13 +113,15 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions")
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """A bad value in user input, as one line '<where>: <key>: <what>'.
 
     `where` is a file (and line) or a section, `key` the offending key ("" for a whole-file
     problem), `what` what was expected and what came. Kept apart so that the YAML loader can point
     at the line that set `key` without parsing the message.
     """
+
+    exit_status = 2
 
     def __init__(self, where: str, key: str = "", what: str = ""):
         self.where, self.key, self.what = where, key, what

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
+
 CACHE_ENV = "HPCFSDP_CACHE"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -60,7 +62,7 @@ _DATASET_RE = re.compile(rf"^(?P<repo>{_REPO_ID})(?::(?P<config>[^\s:@]+))?(?:@(
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-class CacheMissError(FileNotFoundError):
+class CacheMissError(UserError, FileNotFoundError):
     """An item is not (completely) in the cache. str() is one line: the item and the command to run."""
 
 

@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import UserError
 from ..spec import data_kind
 from .hub import (
     CacheMissError,
@@ -20,7 +21,7 @@ from .hub import (
 )
 
 
-class DownloadError(RuntimeError):
+class DownloadError(UserError, RuntimeError):
     """Something the user can fix (a wrong name, a gated repo, a bad file); str() is one line."""
 
 

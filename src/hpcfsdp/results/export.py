@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..errors import UserError
 from .history import attempt_of, setup_key, spec_values, system_of
 from .read import METRICS, load_records
 
@@ -26,7 +27,7 @@ FINAL_PREFIX = "final/"  # TensorBoard tag of a headline metric
 MLFLOW_METRICS, MLFLOW_PARAMS = 1000, 100  # the most MLflow's log_batch takes in one call
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """The export cannot run: a missing extra or an unusable target; one line."""
 
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import pandas as pd
 
+from ..errors import UserError
 from ..record import ACCOUNTING_KEY, slurm_job_of
 from ..spec import MEASUREMENT_FIELDS, RunSpec, SpecError
 from .read import Collection
 
-HISTORY_NAME = "history.duckdb"
 TABLE = "runs"
 KEY = ("sweep_dir", "cell_id", "attempt")
 # name -> DuckDB type, in table order. A later hpcfsdp may add columns: History adds them to an older file.
@@ -95,7 +95,7 @@ RECORD_COLUMNS = {
 _DEFAULTS = RunSpec().to_dict()
 
 
-class HistoryError(RuntimeError):
+class HistoryError(UserError, RuntimeError):
     """The history file cannot be opened (absent, another process holds it, not a DuckDB file)."""
 
 

@@ -25,10 +25,7 @@ from ..record import (
     spec_problem,
 )
 from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
-
-# Written by `hpcfsdp submit` and the cell set-up: together they name the cells a sweep planned.
-MANIFEST_NAME = "manifest.json"
-
+from ..sweep.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 
@@ -77,7 +74,7 @@ def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None 
     scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
     the caller asked the scheduler, names the state of cells that have no record yet."""
     sweep_dir = Path(sweep_dir)
-    paths = sorted(sweep_dir.glob(f"cells/*/{RECORD_NAME}"))
+    paths = cell_files(sweep_dir, RECORD_NAME)
     unreadable: list[str] = []
     rows, spec_fields = [], {}
     for path in paths:
@@ -120,10 +117,10 @@ def _missing_cells(
 ) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
     manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
-    planned = set(manifest) | {path.parent.name for path in sweep_dir.glob(f"cells/*/{SPEC_NAME}")}
+    planned = set(manifest) | set(planned_cell_ids(sweep_dir))
     rows = []
     for cell_id in sorted(planned - recorded):
-        spec = _planned_spec(sweep_dir / "cells" / cell_id / SPEC_NAME, sweep_dir, problems)
+        spec = _planned_spec(cell_dir(sweep_dir, cell_id) / SPEC_NAME, sweep_dir, problems)
         entry = manifest.get(cell_id)
         job = entry.get("job_id") if isinstance(entry, dict) else None
         reason = f"no {RECORD_NAME}" + (f" (Slurm job {job}: {_job_state(cell_id, scheduler_states)})" if job else "")

@@ -19,6 +19,9 @@ spec fields, then the one naming more of cluster, GPU and fields; ties go to the
 
 from __future__ import annotations
 
+import datetime
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +29,9 @@ from typing import Any
 
 import yaml
 
+from ..errors import UserError
 from ..spec import RunSpec, SpecError, coerce_fields, unknown_key
 
-REFERENCES_NAME = "references.yaml"
 TOP_KEYS = ("tolerance", "references")
 ENTRY_KEYS = (
     "cluster",
@@ -241,3 +244,28 @@ def write_references(path: Path, new: list[Reference]) -> References:
     )
     path.write_text(header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
     return merged
+
+
+def references_of(medians: Any, tolerance: float | None) -> list[Reference]:
+    """`history --set-reference`: one entry per row of history.medians_by_setup, dated today;
+    UserError when there is none."""
+    if medians.empty:
+        raise UserError("no ok run matches these filters: no reference written")
+    today = datetime.date.today().isoformat()
+    return [
+        Reference(
+            tokens_per_s_per_gpu=round(float(row.tokens_per_s_per_gpu), 1),
+            cluster=_text_or_none(row.cluster),
+            gpu=_text_or_none(row.gpu),
+            setup=row.setup,
+            match=json.loads(row.setup_fields),
+            peak_memory_gib=None if math.isnan(row.peak_memory_gib) else round(float(row.peak_memory_gib), 3),
+            tolerance=tolerance,
+            extra={"runs": int(row.runs), "set_at": today},
+        )
+        for row in medians.itertuples(index=False)
+    ]
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -19,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 
+from .defaults import DEFAULT_TOLERANCE
 from .history import KEY, History, HistoryError, history_rows
 from .read import Collection
 from .references import Reference, References
@@ -26,7 +27,6 @@ from .render import Section
 from .report import ROW_LIMIT
 from .tables import fmt
 
-DEFAULT_TOLERANCE = 0.10
 REGRESSION = "REGRESSION"
 
 

@@ -296,3 +296,31 @@ def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
     chosen = ok[groups.ngroup() == best]
     first = chosen.iloc[0]
     return chosen, describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
+
+
+# Columns of `hpcfsdp history`'s table: (history column, header).
+HISTORY_COLUMNS = (
+    ("started_at", "started (UTC)"),
+    ("sweep", "sweep"),
+    ("cluster", "cluster"),
+    ("gpu", "gpu"),
+    ("model", "model"),
+    ("strategy", "strategy"),
+    ("batch_size", "batch"),
+    ("grad_accum", "accum"),
+    ("world_size", "ranks"),
+    ("status", "status"),
+    ("tokens_per_s_per_gpu", "tokens/s/gpu"),
+    ("mfu", "MFU"),
+    ("peak_memory_gib", "peak GiB"),
+    ("torch_version", "torch"),
+    ("setup", "setup"),
+    ("cell_id", "cell"),
+)
+
+
+def history_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The runs of a history (History.select) as `hpcfsdp history` prints them."""
+    table = rows[[column for column, _ in HISTORY_COLUMNS]].rename(columns=dict(HISTORY_COLUMNS))
+    table["started (UTC)"] = table["started (UTC)"].dt.strftime("%Y-%m-%d %H:%M")
+    return table

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..record import ACCOUNTING_KEY, RECORD_NAME, RecordError, read_record, slurm_job_of, write_record
+from .layout import cell_dir
 
 SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw"
 IDS_PER_CALL = 500  # a command line has a length limit
@@ -94,7 +96,7 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
     for cell_id, job in jobs.items():
         if job not in answers:
             continue
-        path = Path(sweep_dir) / "cells" / cell_id / RECORD_NAME
+        path = cell_dir(sweep_dir, cell_id) / RECORD_NAME
         try:
             record = read_record(path)
         except (RecordError, OSError):  # unreadable, or gone since: collect and status name it themselves
@@ -105,3 +107,12 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
         write_record(path, record)
         added[cell_id] = answers[job]
     return added, ""
+
+
+def note_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """add_accounting for `status` and `collect`: what was added; where there is no accounting, one
+    `note:` line on stderr."""
+    added, note = add_accounting(sweep_dir, jobs)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return added

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..errors import UserError
 from ..record import (
     MISSING,
     RECORD_NAME,
@@ -29,22 +30,17 @@ from ..record import (
 )
 from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, read_partitions, waits_for_nodes
+from .layout import SLURM_DIR, cell_dir, planned_cell_ids, read_manifest, slurm_folder
 from .matrix import Cell
 
-MANIFEST_NAME = "manifest.json"
 ENDED_BY = {"CANCELLED": "cancelled", "NODE_FAIL": "node_fail", "TIMEOUT": "timeout"}
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(UserError, RuntimeError):
     """squeue did not answer, so whether a cell is still queued cannot be known."""
-
-
-def slurm_folder(sweep_dir: Path) -> Path:
-    """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
-    return (Path(sweep_dir) / "slurm" / "%j").expanduser().absolute()
 
 
 @dataclass(frozen=True)
@@ -93,10 +89,6 @@ class StatusReport:
         return bool(flying) and all(c.blocked for c in flying)
 
 
-def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
-    return Path(sweep_dir) / "cells" / (cell if isinstance(cell, str) else cell.id)
-
-
 def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
     """The cell's record as status, submit and collect all read it (record.record_state): its
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
@@ -121,22 +113,6 @@ def _made_with_other_values(recorded: dict, spec: dict) -> bool:
     default is the behaviour the record was made with.)"""
     searched = SEARCHED_FIELDS if spec.get("auto_batch") else ()  # the record holds the batch found
     return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys() if name not in searched)
-
-
-def read_manifest(sweep_dir: Path) -> dict[str, dict]:
-    """cell id -> {executor, job_id, submitted_at}; {} before the first submit; RecordError (one
-    line) when the file cannot be read."""
-    path = Path(sweep_dir) / MANIFEST_NAME
-    try:
-        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
-    except FileNotFoundError:
-        return {}
-    for cell_id, entry in manifest.items():
-        if not isinstance(entry, dict):
-            raise RecordError(
-                f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
-            )
-    return manifest
 
 
 def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
@@ -199,7 +175,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
     sweep_dir = Path(sweep_dir)
     if cell_ids is None:
-        cell_ids = sorted(p.name for p in (sweep_dir / "cells").glob("*") if (p / SPEC_NAME).is_file())
+        cell_ids = planned_cell_ids(sweep_dir)
     cell_ids = list(cell_ids)
     problems = []
     try:
@@ -322,6 +298,31 @@ def watch(
         time.sleep(interval_s)
 
 
+def print_status(report: StatusReport, summary: bool = True) -> None:
+    """Counts by state, then one row per cell that is not ok (yet) with Slurm's word for it (and
+    why it is pending), and where Slurm logs are; warnings on stderr."""
+    if report.note:
+        print(f"warning: {report.note}", file=sys.stderr)
+    for line in problem_lines(report.problems):
+        print(f"warning: {line}", file=sys.stderr)
+    if summary:
+        counts = report.counts()
+        print(
+            f"{report.sweep_dir}: {len(report.cells)} cell(s): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        )
+    rows = [c for c in report.cells if c.state != "ok"]
+    if not rows:
+        return
+    width = max(4, *(len(c.cell_id) for c in rows))
+    print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
+    for c in rows:
+        slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
+    if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
+        print(f"logs: {report.sweep_dir / SLURM_DIR / '<job>' / '<job>_<rank>_log.err'}")
+
+
 def blocked_message(cells: list[CellStatus]) -> str:
     """One line for cells Slurm holds with a reason that cannot clear: which, why, how to cancel."""
     by_reason: dict[str, list[str]] = {}
@@ -355,7 +356,7 @@ def record_lost_cells(report: StatusReport) -> list[CellStatus]:
         record_launch_failure(
             directory,
             f"Slurm job {cell.job_id} ended{state} without a record",
-            _log_tails(logs),
+            log_tails(logs),
             ENDED_BY.get(cell.slurm, "error"),
         )
     return lost
@@ -369,7 +370,8 @@ def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
     return [path for path in paths if path.exists()]
 
 
-def _log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
+def log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
+    """The last `chars` of each log, under a line naming it: what a launch-failure record keeps."""
     return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
 
 

@@ -1,0 +1,261 @@
+"""One function per `hpcfsdp` command (cli.py parses and dispatches): it checks the options that
+only make sense together, and calls the side that does the work (sweep/, results/, cache/, cell/),
+imported lazily so that a login-node command loads no torch. What stops a command is a UserError
+(errors.py), which cli.main prints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import yaml
+
+from .errors import Stopped, UserError
+from .record import SPEC_NAME, STATUSES
+from .results.defaults import REFERENCES_NAME
+from .spec import RunSpec, SpecError, check_folder_name
+
+if TYPE_CHECKING:  # for annotations only: each command imports what it uses
+    from .sweep.matrix import Sweep
+
+WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
+
+
+def _load_sweep(args: argparse.Namespace) -> Sweep:
+    from .sweep.matrix import MAX_CELLS, load_sweep
+
+    return load_sweep(args.jobs, args.max_cells or MAX_CELLS)
+
+
+def plan(args: argparse.Namespace) -> int:
+    from .sweep.plan import print_plan, print_sbatch_scripts
+
+    sweep = _load_sweep(args)
+    if args.sbatch:
+        return print_sbatch_scripts(sweep, Path(args.results_dir))
+    return print_plan(sweep, memory=args.memory)
+
+
+def submit(args: argparse.Namespace) -> int:
+    from .cache.plan import cache_misses
+    from .results.collect import collect
+    from .sweep.plan import without_predicted_oom
+    from .sweep.status import blocked_message, print_status
+    from .sweep.submit import default_executor, still_queued, submit, wait_for
+
+    sweep = _load_sweep(args)
+    misses = cache_misses(sweep, sweep.resources.cache_dir or None)
+    if misses:
+        more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
+        raise SpecError(f"{sweep.source}: {misses[0]}{more}")
+    executor, why = (args.executor, "") if args.executor else default_executor()
+    # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
+    log = _to_stderr if executor == "print" else print
+    if args.skip_predicted_oom:
+        sweep = without_predicted_oom(sweep, log)
+    if why:
+        log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
+    sub = submit(
+        sweep,
+        Path(args.results_dir),
+        executor,
+        force=args.force,
+        retry_failed=args.retry_failed,
+        log=log,
+        room_poll_s=WAIT_POLL_S if args.wait else None,
+    )
+    log(f"sweep folder: {sub.sweep_dir}")
+    # Exit status 1 when a cell did not finish ok: what a scheduled (cron, CI) run checks.
+    if executor == "slurm" and args.wait:
+        try:
+            report = wait_for(sub, WAIT_POLL_S, log)
+        except KeyboardInterrupt as exc:  # the jobs run on
+            queued = still_queued(sub)
+            raise Stopped(
+                f"stopped waiting; {'?' if queued is None else queued} cells still queued; "
+                f"`hpcfsdp status {sub.sweep_dir}`",
+                getattr(exc, "exit_status", 130),
+            ) from None
+        print_status(report, summary=False)
+        if report.stuck:  # every cell left waits on a reason that cannot clear
+            if not all(c.blocked for c in report.cells):  # some cells finished: their table
+                collect(sub.sweep_dir)
+            raise UserError(blocked_message(report.blocked))
+        failed = sum(c.state != "ok" for c in report.cells)
+    elif executor == "local":
+        failed = sum(status != "ok" for status in sub.outcomes.values())
+    else:
+        return 0
+    code = collect(sub.sweep_dir)
+    if failed:
+        print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
+    return 1 if failed else code
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> NoReturn:
+    from .cell.distributed import launched_shape
+    from .cell.run import run_cell, run_cell_dir
+    from .sweep.layout import cell_dir
+    from .sweep.matrix import Cell
+
+    if args.cell_dir:
+        if args.fields:
+            raise SpecError("run: give either --cell-dir or KEY=VALUE fields, not both")
+        if not (Path(args.cell_dir) / SPEC_NAME).is_file():
+            raise SpecError(
+                f"{args.cell_dir}: no {SPEC_NAME} here (--cell-dir takes a cells/<id> folder written by submit)"
+            )
+        status = run_cell_dir(Path(args.cell_dir))
+    else:
+        values = {}
+        for item in args.fields:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SpecError(f"run: {item!r}: expected KEY=VALUE")
+            values[key] = yaml.safe_load(value)
+        spec = RunSpec.from_dict({**launched_shape(), **values}, where="run arguments")
+        cell = Cell.of(spec)
+        check_folder_name("run", "--sweep", args.sweep)
+        status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep)
+    _exit_worker(0 if status == "ok" else 1)
+
+
+def _exit_worker(code: int) -> NoReturn:
+    """End a training worker at once, skipping the interpreter's finalization.
+
+    By now the record is written and the process group destroyed, so finalization has nothing
+    left to do, and it can hang: Gloo's and autograd's C++ threads race the interpreter's teardown
+    (pytorch/pytorch#190489). Seen here about once in 130 two-process CPU runs: the record said ok
+    and torchrun waited on a worker that never exited.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def status(args: argparse.Namespace) -> int:
+    from .sweep.accounting import note_accounting
+    from .sweep.layout import require_sweep_folder
+    from .sweep.status import blocked_message, print_status, sweep_status, watch
+
+    sweep_dir = Path(args.sweep_dir)
+    require_sweep_folder(sweep_dir)
+    if args.watch is not None and args.watch <= 0:
+        raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
+    report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
+    print_status(report)
+    note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES})
+    if report.stuck and args.watch:  # the watch ended with cells still queued
+        raise UserError(blocked_message(report.blocked))
+    if report.blocked:
+        print(f"warning: {blocked_message(report.blocked)}", file=sys.stderr)
+    return 0
+
+
+def collect(args: argparse.Namespace) -> int:
+    from .results.collect import collect, over_time_options
+
+    for flag, value in (("--threshold", args.threshold), ("--tolerance", args.tolerance)):
+        if not 0 < value < 1:
+            raise SpecError(f"collect: {flag}: expected a fraction between 0 and 1, got {value}")
+    if args.references and not Path(args.references).is_file():
+        raise SpecError(f"collect: --references: {args.references}: no such file")
+    sweep_dir = Path(args.sweep_dir)
+    options = over_time_options(
+        sweep_dir,
+        Path(args.history) if args.history else None,
+        args.references,
+        args.tolerance,
+        use_history=not args.no_history,
+    )
+    return collect(
+        sweep_dir,
+        baseline=args.baseline,
+        plots=not args.no_plots,
+        compare=Path(args.compare) if args.compare else None,
+        threshold=args.threshold,
+        over_time=options,
+        fail_on_regression=args.fail_on_regression,
+    )
+
+
+def history(args: argparse.Namespace) -> int:
+    from .results.history import Filters, History, medians_by_setup, parse_day
+    from .results.references import references_of, write_references
+    from .results.render import markdown_table
+    from .results.tables import history_table, printable
+
+    filters = Filters(
+        model=args.model,
+        strategy=args.strategy,
+        system=args.system,
+        setup=args.setup,
+        sweep=args.sweep,
+        status=args.status,
+        since=parse_day(args.since, "--since") if args.since else None,
+        until=parse_day(args.until, "--until", end_of_day=True) if args.until else None,
+    )
+    if args.tolerance is not None and not 0 < args.tolerance < 1:
+        raise SpecError(f"history: --tolerance: expected a fraction between 0 and 1, got {args.tolerance}")
+    if args.limit < 0:
+        raise SpecError(f"history: --limit: expected a number of runs >= 0, got {args.limit}")
+    with History(Path(args.history), read_only=True) as store:
+        rows = store.select(filters)
+    if args.set_reference:
+        path = Path(args.references) if args.references else Path(args.history).parent / REFERENCES_NAME
+        new = references_of(medians_by_setup(rows), args.tolerance)
+        merged = write_references(path, new)
+        print(f"wrote {len(new)} reference(s) to {path} ({len(merged.entries)} in the file)")
+        return 0
+    if args.limit:
+        rows = rows.tail(args.limit)
+    print(markdown_table(printable(history_table(rows))) if len(rows) else "(no records)")
+    print(f"{len(rows)} run(s) of {rows['setup'].nunique()} setup(s) in {args.history}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from .results.export import export_sweep
+    from .sweep.layout import require_sweep_folder
+
+    sweep_dir = Path(args.sweep_dir)
+    require_sweep_folder(sweep_dir)
+    target, destination = args.to
+    written, skipped = export_sweep(sweep_dir, target, destination)
+    already = f" ({skipped} exported before, left as they were)" if skipped else ""
+    print(f"exported {written} run(s) of {sweep_dir} to {target} at {destination}{already}")
+    return 0
+
+
+def download(args: argparse.Namespace) -> int:
+    from .cache.download import download_main
+    from .cache.plan import Request
+
+    request = Request(
+        jobs=args.jobs,
+        max_cells=args.max_cells,
+        models=tuple(args.model),
+        datasets=tuple(args.dataset),
+        weights=args.weights,
+        tokenize_for=tuple(args.tokenize_for),
+        seq_lens=tuple(args.seq_len),
+    )
+    try:
+        return download_main(
+            request,
+            cache_dir=args.cache_dir,
+            verify_only=args.verify,
+            allow_patterns=args.allow_pattern,
+            text_column=args.text_column,
+            num_proc=args.num_proc,
+            force=args.force,
+        )
+    except KeyboardInterrupt:
+        raise Stopped("interrupted: rerun the same command to resume (complete files are kept)") from None

@@ -1,0 +1,31 @@
+"""The one base class of the errors a user can act on.
+
+Each kind (a bad spec, an unreadable record, a refused sbatch, a history that cannot be opened,
+...) is a `UserError` carrying the exit status it ends `hpcfsdp` with; `cli.main` prints it, as
+one line, in one place. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Something the user can fix or must know; str() is one line. `exit_status`: what `hpcfsdp`
+    exits with (1; 2 for bad input, SpecError)."""
+
+    exit_status = 1
+
+    def line(self) -> str:
+        """What `hpcfsdp` prints on stderr."""
+        return f"error: {self}"
+
+
+class Stopped(UserError):
+    """An interrupt (Ctrl-C, SIGTERM, SIGHUP) ended the command: what it left, and how to go on.
+    Its exit status is the shell's for the signal (128 + its number)."""
+
+    def __init__(self, message: str, exit_status: int = 130):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+    def line(self) -> str:
+        return str(self)

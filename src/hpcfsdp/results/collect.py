@@ -1,0 +1,113 @@
+"""`hpcfsdp collect` (and the table `submit` prints once its cells ended): Slurm accounting into the
+records, the history and references checks, the report, and what is printed of them.
+
+Its order matters: a bad references file stops the command before anything is written; the
+accounting is added to the records before they are read into the history.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..record import RECORD_NAME, RecordError
+from ..spec import SpecError
+from ..sweep.accounting import note_accounting
+from ..sweep.layout import cell_files, read_manifest
+from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
+from .regressions import OverTimeOptions
+
+
+def over_time_options(
+    sweep_dir: Path,
+    history: Path | None = None,
+    references: str | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    use_history: bool = True,
+) -> OverTimeOptions:
+    """The history and references a collection of sweep_dir uses: those given, else the defaults
+    beside the sweep folder (results/history.duckdb, results/references.yaml where it exists)."""
+    from .references import References, load_references
+
+    beside = sweep_dir.resolve().parent
+    path = Path(references) if references else beside / REFERENCES_NAME
+    return OverTimeOptions(
+        history=(history or beside / HISTORY_NAME) if use_history else None,
+        references=load_references(path) if path.is_file() else References(),
+        tolerance=tolerance,
+    )
+
+
+def collect(
+    sweep_dir: Path,
+    baseline: str | None = None,
+    plots: bool = True,
+    compare: Path | None = None,
+    threshold: float = 0.05,
+    over_time: OverTimeOptions | None = None,
+    fail_on_regression: bool = False,
+) -> int:
+    """Add Slurm accounting, append to the history and check each cell over time, write the report;
+    print the comparison against `compare` if given, the cell table, the regressions, and what was
+    written. The exit status: 1 when a cell regressed against `compare` (or, with
+    fail_on_regression, against its reference or history)."""
+    from .compare import write_comparison
+    from .history import accounting_jobs, merge_accounting
+    from .read import load_records
+    from .regressions import over_time as check_over_time
+    from .report import write_report
+    from .tables import printed_comparison
+
+    for folder in (sweep_dir, compare):
+        if folder is not None and not folder.is_dir():
+            raise SpecError(f"{folder}: no such sweep folder")
+    options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
+    collection = load_records(sweep_dir, scheduler_states(sweep_dir))
+    merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))
+    checked = check_over_time(collection, sweep_dir, options)
+    report = write_report(
+        sweep_dir, baseline=baseline, plots=plots, collection=collection, first_sections=(checked.section(),)
+    )
+    for message in report.unreadable:
+        print(f"warning: skipped {message}", file=sys.stderr)
+    for note in report.notes:
+        print(f"warning: {note}", file=sys.stderr)
+    regressions = 0
+    if compare is not None:
+        comparison, text, path = write_comparison(sweep_dir, compare, threshold, collection)
+        regressions = len(comparison.regressions)
+        print(text)
+        print(f"wrote {path}\n")
+    for line in report.recommendation:
+        print(line)
+    print(printed_comparison(report.table, report.directory / "results.csv"))
+    print("over time: " + " ".join(checked.notes))
+    for line in checked.regressions:
+        print(f"regression: {line}")
+    for line in checked.hints:
+        print(f"note: {line}")
+    tables = [p.name for p in report.files if p.suffix != ".png"]
+    plots_drawn = len(report.files) - len(tables)
+    skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
+    print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
+    return 1 if regressions or (fail_on_regression and checked.regressions) else 0
+
+
+def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
+    """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
+    None when squeue does not answer (collect then says it does not know)."""
+    from ..sweep.status import slurm_job_ids, sweep_status
+
+    recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
+    try:
+        cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+    except RecordError:  # collect names the broken manifest itself
+        return {}
+    if not slurm_job_ids(sweep_dir, cell_ids):
+        return {}
+    report = sweep_status(sweep_dir, cell_ids)
+    return (
+        None
+        if report.note
+        else {c.cell_id: f"{c.slurm} ({c.reason})" if c.reason else c.slurm for c in report.cells if c.job_id}
+    )

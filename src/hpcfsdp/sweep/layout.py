@@ -1,0 +1,107 @@
+"""The layout of a sweep folder (results/<sweep>/), in one place:
+
+    matrix.yaml                    the matrix as submitted
+    manifest.json                  cell id -> executor, job id, submit time
+    cells/<id>/spec.json           the resolved spec of the cell (job.write_cell_spec)
+    cells/<id>/result.json         written by the cell (record.py): its current record
+    cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
+    cells/<id>/log.txt             the local executor's log of the cell
+    slurm/<job>/                   submitit's scripts and logs
+    .submit.lock                   held by the submit running now (lock.py)
+
+Submit writes it; status, collect, export and the accounting read it. No torch, no pandas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from ..record import SPEC_NAME, RecordError, keep_as_attempt, read_json_object, restore_attempt, write_json
+from ..spec import SpecError
+
+if TYPE_CHECKING:
+    from .matrix import Cell, Sweep
+
+CELLS_DIR = "cells"
+MANIFEST_NAME = "manifest.json"
+MATRIX_NAME = "matrix.yaml"
+SLURM_DIR = "slurm"
+
+
+def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
+    """cells/<id> of the cell (a Cell or its id)."""
+    return Path(sweep_dir) / CELLS_DIR / (cell if isinstance(cell, str) else cell.id)
+
+
+def cell_files(sweep_dir: Path, name: str) -> list[Path]:
+    """The file `name` (result.json, spec.json) of every cell that has one, by cell id."""
+    return sorted(Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}"))
+
+
+def planned_cell_ids(sweep_dir: Path) -> list[str]:
+    """The cells of the folder: those with a spec.json, sorted."""
+    return [path.parent.name for path in cell_files(sweep_dir, SPEC_NAME)]
+
+
+def require_sweep_folder(sweep_dir: Path) -> None:
+    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path)."""
+    if not (Path(sweep_dir) / CELLS_DIR).is_dir():
+        raise SpecError(f"{sweep_dir}: not a sweep folder (no {CELLS_DIR}/ inside; e.g. results/<name> of a jobs YAML)")
+
+
+def slurm_folder(sweep_dir: Path) -> Path:
+    """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
+    return (Path(sweep_dir) / SLURM_DIR / "%j").expanduser().absolute()
+
+
+def read_manifest(sweep_dir: Path) -> dict[str, dict]:
+    """cell id -> {executor, job_id, submitted_at}; {} before the first submit; RecordError (one
+    line) when the file cannot be read."""
+    path = Path(sweep_dir) / MANIFEST_NAME
+    try:
+        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
+    except FileNotFoundError:
+        return {}
+    for cell_id, entry in manifest.items():
+        if not isinstance(entry, dict):
+            raise RecordError(
+                f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
+            )
+    return manifest
+
+
+def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
+    """Add or replace the entries of these cells (atomically: the file names the sweep's jobs)."""
+    manifest = read_manifest(sweep_dir)
+    manifest.update(entries)
+    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
+
+
+def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
+    """matrix.yaml, and the spec.json of each cell about to run."""
+    from .job import write_cell_spec
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / MATRIX_NAME).write_text(yaml.safe_dump(sweep.raw, sort_keys=False))
+    for cell in cells:
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name)
+
+
+@contextmanager
+def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
+    """Keep the cells' current records as attempts (record.keep_as_attempt) for a rerun: status
+    then reads the new run's state. If the block fails or is interrupted (sbatch refused, Ctrl-C,
+    a local run cut short), each earlier record is current again, and whatever the cut-short run
+    recorded is kept as an attempt too."""
+    kept = {cell.id: path for cell in cells if (path := keep_as_attempt(cell_dir(sweep_dir, cell)))}
+    try:
+        yield
+    except BaseException:
+        for cell_id, path in kept.items():
+            restore_attempt(cell_dir(sweep_dir, cell_id), path)
+        raise
