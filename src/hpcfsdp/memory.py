@@ -94,6 +94,7 @@ class Shape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys (head_dim weights each)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str = "config.json") -> Shape:
@@ -112,6 +113,7 @@ class Shape:
                 qkv_bias=attention_bias or config.get("model_type") == "qwen2",  # Qwen2 always has q/k/v biases
                 o_bias=attention_bias,
                 mlp_bias=bool(config.get("mlp_bias", False)),
+                qk_norm=config.get("model_type") == "qwen3",
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelConfigError(f"{where}: not a decoder config this prediction knows ({exc})") from None
@@ -136,7 +138,7 @@ class Shape:
         attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         attention += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + h * self.o_bias
         mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
-        return attention + mlp + 2 * h  # two RMSNorm weights
+        return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm  # RMSNorm weights
 
     @property
     def embedding_params(self) -> int:
