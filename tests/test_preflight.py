@@ -22,9 +22,9 @@ from hpcfsdp.cli import main
 from hpcfsdp.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
 from hpcfsdp.memory import load_shape
 from hpcfsdp.spec import PRESETS_DIR, Resources, RunSpec, SpecError
-from hpcfsdp.sweep.cluster import tres_counts
+from hpcfsdp.sweep.cluster import Node, Partition, tres_counts
 from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.preflight import refusal_text
+from hpcfsdp.sweep.preflight import memory_given_mb, refusal_text
 from test_cluster_limits import free_port_block
 
 TINY = "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0"
@@ -264,6 +264,24 @@ def test_mem_gb_auto_is_read_once_and_asks_for_the_prediction_plus_its_margin(tm
     for gpus in (1, 2):
         expected = auto_mem_gb(node_gib(**{**TINY_2, "gpus_per_node": gpus}))
         assert slurm_parameters(sweep, 1, gpus)["mem"] == f"{expected}G"
+
+
+def test_what_a_job_gets_without_mem_gb_is_extra_sbatch_memory_else_the_partitions_default(tmp_path):
+    nodes = (Node("n1", 8, 64000, 4, "idle"), Node("n2", 8, 32000, 4, "idle"))
+    plain = Partition("gpu", True, nodes, None, 0, None, "UNLIMITED", None, None)
+    per_cpu = Partition("gpu", True, nodes, None, 0, None, "UNLIMITED", None, None, def_mem_per_cpu_mb=2000)
+    per_node = Partition("gpu", True, nodes, None, 0, None, "UNLIMITED", None, None, 16000, 2000)
+
+    def given(slurm: str, partition: Partition) -> tuple[int, str] | None:
+        jobs = write(tmp_path, f"name: site\nbase: {{{TINY}}}\nslurm: {slurm}\n")
+        return memory_given_mb(load_sweep(jobs), partition, 1, 2)
+
+    assert given("{cpus_per_task: 2}", per_cpu) == (8000, "partition gpu's DefMemPerCPU 2000 MB x 4 CPU(s)")
+    assert given("{}", per_node) == (16000, "partition gpu's DefMemPerNode 16000 MB")
+    assert given("{}", plain) == (32000, "a whole node of partition gpu, the smallest: 32000 MB")
+    assert given("{extra_sbatch: {mem_per_cpu: 3G}}", per_node) == (6144, "extra_sbatch.mem_per_cpu 3G x 2")
+    assert given("{extra_sbatch: {mem-per-gpu: 5000}}", per_node) == (10000, "extra_sbatch.mem_per_gpu 5000 x 2")
+    assert given("{mem_gb: 12}", per_node) == (12288, "mem_gb 12")
 
 
 def test_tres_and_sbatch_refusals_read_as_slurm_prints_them():

@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from ..hostmemory import auto_mem_gb, predict_host_cells
-from .cluster import ANSWER_TIMEOUT_S, Partition, array_size_limit, read_partitions, read_qos
+from .cluster import ANSWER_TIMEOUT_S, Partition, array_size_limit, read_partitions, read_qos, tres_counts
 from .matrix import Cell, Sweep, by_shape
 
 
 def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[str]:
     """One line per shape of `cells` (default: every cell) that the sweep's partition can never run;
-    [] when every shape can run, or when no Slurm answers here (nothing to check against)."""
+    when every shape can, one per shape beyond its host memory, the QOS's limits, or refused by
+    sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here."""
     partitions = read_partitions()
     if partitions is None:
         return []
@@ -95,6 +96,11 @@ def memory_given_mb(sweep: Sweep, partition: Partition, nodes: int, gpus: int) -
     requested = requested_mem_gb(sweep, nodes, gpus)
     if requested:
         return requested * 1024, f"mem_gb {'auto: ' if res.mem_auto else ''}{requested}"
+    for key, per in (("mem_per_cpu", gpus * res.cpus_per_task), ("mem_per_gpu", gpus)):
+        value = res.extra_sbatch.get(key, res.extra_sbatch.get(key.replace("_", "-")))
+        mb = tres_counts(f"mem={value}").get("mem") if value is not None else None
+        if mb:
+            return per * mb, f"extra_sbatch.{key} {value} x {per}"
     if partition.def_mem_per_node_mb:
         return (
             partition.def_mem_per_node_mb,
