@@ -119,6 +119,10 @@ def read_partitions() -> dict[str, Partition] | None:
         nodes.setdefault(partition, []).append(
             Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state)
         )
+    # A partition without DefMemPerCPU / DefMemPerNode of its own takes slurm.conf's.
+    config: dict[str, str] = dict(
+        re.findall(r"^(DefMemPer(?:CPU|Node))\s*=\s*(\S*)", _ask("scontrol", "show", "config") or "", flags=re.M)
+    )
     partitions = {}
     for line in listing.splitlines():
         values = dict(item.split("=", 1) for item in line.split() if "=" in item)
@@ -136,8 +140,8 @@ def read_partitions() -> dict[str, Partition] | None:
             max_time_text=max_time,
             max_cpus_per_node=_number(values.get("MaxCPUsPerNode", "")),
             max_mem_per_node_mb=_number(values.get("MaxMemPerNode", "")),
-            def_mem_per_node_mb=_number(values.get("DefMemPerNode", "")),
-            def_mem_per_cpu_mb=_number(values.get("DefMemPerCPU", "")),
+            def_mem_per_node_mb=_number(values.get("DefMemPerNode", config.get("DefMemPerNode") or "")),
+            def_mem_per_cpu_mb=_number(values.get("DefMemPerCPU", config.get("DefMemPerCPU") or "")),
         )
     return partitions
 
