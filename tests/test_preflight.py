@@ -34,7 +34,8 @@ DEF_MEM_PER_CPU_MB = 1000  # above a CPU rank's host memory, below a GPU rank's
 @pytest.fixture(scope="module")
 def enforcing_cluster_env() -> Iterator[dict[str, str]]:
     """A cluster of this module's own (state folder and ports), with accounting enforced: account
-    `research` for root, QOS `short` (MaxWall 10 min, at most 2 CPUs per job) allowed to root."""
+    `research` for root, QOS `short` (MaxWall 10 min, at most 2 CPUs per job) and QOS `deny` (1 CPU
+    per user, refused on submission: DenyOnLimit) allowed to root."""
     knobs = {
         "HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-enforce-"),
         "HPCFSDP_SLURM_PORT": str(free_port_block(5)),  # slurmctld, 2 slurmd, slurmdbd, MariaDB
@@ -53,7 +54,8 @@ def enforcing_cluster_env() -> Iterator[dict[str, str]]:
                 "add account research",
                 "add user root account=research",
                 "add qos short MaxWall=00:10:00 MaxTRESPerJob=cpu=2",
-                "modify user root set qos+=short",
+                "add qos deny MaxTRESPerUser=cpu=1 Flags=DenyOnLimit",
+                "modify user root set qos+=short,deny",
             ):
                 slurm("sacctmgr", "--immediate", *command.split())
         yield env
@@ -113,6 +115,13 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
             "gpus_per_node: [1, 4]",
             "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 4 GPU(s) can never start under QOS short: "
             "they ask for cpu=4 per job, above its MaxTRESPerJob cpu=2",
+        ),
+        (  # a limit preflight does not read, which the QOS refuses on submission
+            "{account: research, qos: deny}",
+            "gpus_per_node: [2]",
+            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 2 GPU(s) (sbatch --test-only): "
+            "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits) "
+            "(QOSMaxCpuPerUserLimit)",
         ),
         (
             "{account: research, constraint: a100}",

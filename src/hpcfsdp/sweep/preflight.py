@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterable
@@ -191,7 +192,7 @@ def qos_problems(sweep: Sweep, cells: list[Cell]) -> list[str]:
     return problems
 
 
-# sbatch's refusal (lower case) -> the key that chose what it refuses.
+# A word of sbatch's refusal (lower case) -> the key that chose what it refuses.
 REFUSAL_KEYS = (
     ("account", "slurm.account"),
     ("qos", "slurm.qos"),
@@ -228,7 +229,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
         if proc.returncode == 0:
             continue
         why = refusal_text(proc.stderr)
-        key = next((key for word, key in REFUSAL_KEYS if word in why.lower()), "slurm")
+        key = next((key for word, key in REFUSAL_KEYS if re.search(rf"\b{word}\b", why.lower())), "slurm")
         problems.append(
             f"{_place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
             f"(sbatch --test-only): {why}"
