@@ -139,7 +139,6 @@ def host_memory_problems(sweep: Sweep, cells: list[Cell], partition: Partition) 
     return problems
 
 
-# How a cell's resources count against a QOS's per-job TRES limits, and the key to blame.
 def _tres_asked(sweep: Sweep, nodes: int, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
     """(per job, per node) TRES a job of this shape asks for, as sacctmgr names them (mem in MB)."""
     res = sweep.resources
@@ -153,6 +152,7 @@ def _tres_asked(sweep: Sweep, nodes: int, gpus: int) -> tuple[dict[str, int], di
 
 
 def _tres_key(tres: str, nodes: int, gpus: int) -> tuple[str, Any]:
+    """The key (and its value, to find its YAML line) that set how much of `tres` a shape asks for."""
     if tres == "node":
         return "nodes", nodes
     if tres == "mem":
