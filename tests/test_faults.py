@@ -33,8 +33,8 @@ import yaml
 from conftest import slurm
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
-from hpcfsdp.sweep.matrix import load_sweep
 from hpcfsdp.sweep.local import processes_under
+from hpcfsdp.sweep.matrix import load_sweep
 
 CPU_CELL = {
     "model": "tiny",

@@ -21,6 +21,9 @@
 #   HPCFSDP_SLURM_TIMEOUT  seconds to wait for the nodes to become idle     [60]
 #   HPCFSDP_SLURM_MAX_ARRAY_SIZE   MaxArraySize (array indices 0..N-1)       [10001]
 #   HPCFSDP_SLURM_MAX_TIME         the partition's MaxTime in minutes         [INFINITE]
+#   HPCFSDP_SLURM_ENFORCE          AccountingStorageEnforce (needs accounting) [none]
+#   HPCFSDP_SLURM_FEATURES         Features of every node (for --constraint)  [none]
+#   HPCFSDP_SLURM_DEF_MEM_PER_CPU  the partition's DefMemPerCPU in MB         [none]
 set -euo pipefail
 
 # Everything we (and the tools we call) print goes to stderr; fd 3 keeps the real stdout for the
@@ -39,6 +42,9 @@ TIMEOUT=${HPCFSDP_SLURM_TIMEOUT:-60}
 MAX_ARRAY_SIZE=${HPCFSDP_SLURM_MAX_ARRAY_SIZE:-10001}
 MAX_TIME=${HPCFSDP_SLURM_MAX_TIME:-INFINITE}
 ACCOUNTING=${HPCFSDP_SLURM_ACCOUNTING:-1}
+ENFORCE=${HPCFSDP_SLURM_ENFORCE:-}                  # AccountingStorageEnforce, e.g. associations,limits,qos
+FEATURES=${HPCFSDP_SLURM_FEATURES:-}                # every node's Features (for --constraint)
+DEF_MEM_PER_CPU=${HPCFSDP_SLURM_DEF_MEM_PER_CPU:-}  # the partition's DefMemPerCPU, MB
 DBD_PORT=$((PORT + NNODES + 1))
 DB_PORT=$((PORT + NNODES + 2))
 CLUSTER=hpcfsdp-local
@@ -51,6 +57,7 @@ log() { echo "[hpcfsdp-slurm] $*"; }
 die() { echo "[hpcfsdp-slurm] ERROR: $*"; exit 1; }
 
 [[ $ACCOUNTING == [01] ]] || die "HPCFSDP_SLURM_ACCOUNTING must be 0 or 1, not '$ACCOUNTING'"
+[[ -z $ENFORCE || $ACCOUNTING == 1 ]] || die "HPCFSDP_SLURM_ENFORCE needs accounting (HPCFSDP_SLURM_ACCOUNTING=1)"
 [[ $(id -u) == 0 ]] || die "must run as root (installs packages, starts munged, edits /etc/hosts)"
 
 # --- 1. packages -------------------------------------------------------------------------------
@@ -164,6 +171,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$DBD_PORT
 EOF
+        if [[ -n $ENFORCE ]]; then echo "AccountingStorageEnforce=$ENFORCE"; fi
     else
         echo "AccountingStorageType=accounting_storage/none"
     fi
@@ -204,9 +212,9 @@ SlurmdDebug=info
 
 EOF
     for ((i = 1; i <= NNODES; i++)); do
-        echo "NodeName=${NODES[i-1]} NodeHostname=${NODES[i-1]} NodeAddr=127.0.0.1 Port=$((PORT + i)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS State=UNKNOWN"
+        echo "NodeName=${NODES[i-1]} NodeHostname=${NODES[i-1]} NodeAddr=127.0.0.1 Port=$((PORT + i)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS${FEATURES:+ Features=$FEATURES} State=UNKNOWN"
     done
-    echo "PartitionName=gpu Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=$MAX_TIME State=UP OverSubscribe=NO"
+    echo "PartitionName=gpu Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=$MAX_TIME${DEF_MEM_PER_CPU:+ DefMemPerCPU=$DEF_MEM_PER_CPU} State=UP OverSubscribe=NO"
 } >"$CONF.new"
 
 {

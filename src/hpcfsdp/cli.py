@@ -68,9 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--memory",
         action="store_true",
-        help="predicted peak GPU memory per rank of every cell, flagging those predicted not to fit "
-        "(slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the batch predicted "
-        "to be found (docs/submit.md)",
+        help="predicted peak GPU memory per rank and host memory per node of every cell, flagging those "
+        "predicted not to fit (slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the "
+        "batch predicted to be found (docs/submit.md, docs/preflight.md)",
     )
     plan.set_defaults(func=commands.plan)
 

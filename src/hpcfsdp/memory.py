@@ -296,7 +296,7 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
         "backward": states + gathered + saved + loss,
         # a checkpointed layer recomputed in backward, with its activations' gradients beside it
         "recompute": states + gathered + grads + saved + 2 * tokens * per_layer if checkpointed else 0.0,
-        "optimizer": states + grads + _optimizer_temporary(spec, shape, params * p / n),
+        "optimizer": states + grads + optimizer_temporary(spec, shape, params * p / n),
     }
     moment = max(moments, key=lambda name: moments[name])
     workspace = WORKSPACE_GIB if spec.device != "cpu" else 0.0
@@ -348,7 +348,7 @@ def _checkpointed_layers(spec: RunSpec, layers: int) -> int:
     return 0
 
 
-def _optimizer_temporary(spec: RunSpec, shape: Shape, state_bytes: float) -> float:
+def optimizer_temporary(spec: RunSpec, shape: Shape, state_bytes: float) -> float:
     """foreach AdamW builds sqrt(exp_avg_sq) for all parameters at once; plain AdamW one parameter
     at a time (the embedding is the largest); fused AdamW none. Offloaded states step on the CPU."""
     if spec.cpu_offload or spec.adamw_impl == "fused":

@@ -492,6 +492,7 @@ class Resources:
     time_min: int = 30
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: the partition's default
+    mem_auto: bool = False  # mem_gb: auto: the predicted host memory per node plus a margin (hostmemory.py)
     account: str = ""
     qos: str = ""
     constraint: str = ""
@@ -591,11 +592,12 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
         if isinstance(value, str):
             require_no_control_characters(where, f"extra_sbatch.{key}", value)
         # Options sbatch refuses beside one that hpcfsdp sets:
-        if flag in ("mem-per-cpu", "mem-per-gpu") and res.mem_gb:
+        if flag in ("mem-per-cpu", "mem-per-gpu") and (res.mem_gb or res.mem_auto):
             raise SpecError(
                 where,
                 f"extra_sbatch.{key}",
-                f"sbatch takes only one of --{flag} and --mem (slurm.mem_gb: {res.mem_gb}); set mem_gb: 0",
+                f"sbatch takes only one of --{flag} and --mem "
+                f"(slurm.mem_gb: {'auto' if res.mem_auto else res.mem_gb}); set mem_gb: 0",
             )
         if flag in ("gpus", "gpus-per-task", "gpus-per-socket") and res.gpu_request != "none":
             raise SpecError(
@@ -608,6 +610,8 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
 
 # `batch_size: auto` in a jobs YAML or on the command line: RunSpec.auto_batch (batch_size stays an int).
 AUTO = "auto"
+# The fields that take `auto`, and the flag that `auto` sets instead (the field keeps its default).
+AUTO_FIELDS: dict[type, tuple[str, str]] = {RunSpec: ("batch_size", "auto_batch"), Resources: ("mem_gb", "mem_auto")}
 # The fields whose values a `batch_size: auto` cell's record holds as the search chose them.
 SEARCHED_FIELDS = ("batch_size", "grad_accum")
 # The fields that say how the search ran (not what its cell then measured).
@@ -714,16 +718,17 @@ def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str,
     """Check names and types of user values against the dataclass fields (YAML gives plain types)."""
     types = _field_types(cls)
     out: dict[str, Any] = {}
-    auto = cls is RunSpec and values.get("batch_size") == AUTO
-    if auto and values.get("auto_batch", True) is not True:
+    auto_key, auto_flag = AUTO_FIELDS.get(cls, ("", ""))
+    auto = bool(auto_key) and values.get(auto_key) == AUTO
+    if auto and values.get(auto_flag, True) is not True:
         raise SpecError(
-            where, "auto_batch", f"{shown(values['auto_batch'])} contradicts batch_size: auto; leave auto_batch out"
+            where, auto_flag, f"{shown(values[auto_flag])} contradicts {auto_key}: auto; leave {auto_flag} out"
         )
     for key, value in values.items():
         if key not in types:
             raise unknown_key(where, key, tuple(types))
-        if auto and key == "batch_size":
-            out["auto_batch"] = True  # batch_size keeps its default: the search's first batch
+        if auto and key == auto_key:
+            out[auto_flag] = True  # the field keeps its default (batch_size: the search's first batch)
             continue
         out[key] = _coerce(where, key, value, types[key])
     return out
@@ -747,7 +752,9 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise SpecError(
-            where, key, f"expected an integer{' or auto' if key == 'batch_size' else ''}, got {shown(value)}"
+            where,
+            key,
+            f"expected an integer{' or auto' if key in ('batch_size', 'mem_gb') else ''}, got {shown(value)}",
         )
     if expected is float:
         number = None

@@ -77,6 +77,20 @@ class Partition:
     max_time_text: str  # as Slurm prints it, for messages
     max_cpus_per_node: int | None
     max_mem_per_node_mb: int | None
+    def_mem_per_node_mb: int | None = None  # what a job without --mem gets: per node, or
+    def_mem_per_cpu_mb: int | None = None  # per allocated CPU; neither: the whole node
+
+
+@dataclass(frozen=True)
+class Qos:
+    """A QOS's per-job limits (sacctmgr show qos): a job beyond one never starts, and Slurm queues it
+    anyway (pending QOSMax...PerJobLimit) unless the QOS has the DenyOnLimit flag."""
+
+    name: str
+    max_wall_min: int | None
+    max_wall_text: str
+    max_tres_per_job: dict[str, int]  # cpu, node, mem (MB), gres/gpu, ...
+    max_tres_per_node: dict[str, int]
 
 
 def read_limits() -> Limits | None:
@@ -105,6 +119,10 @@ def read_partitions() -> dict[str, Partition] | None:
         nodes.setdefault(partition, []).append(
             Node(node, _number(cpus) or 0, _number(memory) or 0, gpus_in_gres(gres), state)
         )
+    # A partition without DefMemPerCPU / DefMemPerNode of its own takes slurm.conf's.
+    config: dict[str, str] = dict(
+        re.findall(r"^(DefMemPer(?:CPU|Node))\s*=\s*(\S*)", _ask("scontrol", "show", "config") or "", flags=re.M)
+    )
     partitions = {}
     for line in listing.splitlines():
         values = dict(item.split("=", 1) for item in line.split() if "=" in item)
@@ -122,8 +140,34 @@ def read_partitions() -> dict[str, Partition] | None:
             max_time_text=max_time,
             max_cpus_per_node=_number(values.get("MaxCPUsPerNode", "")),
             max_mem_per_node_mb=_number(values.get("MaxMemPerNode", "")),
+            def_mem_per_node_mb=_number(values.get("DefMemPerNode", config.get("DefMemPerNode") or "")),
+            def_mem_per_cpu_mb=_number(values.get("DefMemPerCPU", config.get("DefMemPerCPU") or "")),
         )
     return partitions
+
+
+def read_qos(name: str) -> Qos | None:
+    """The per-job limits of QOS `name`; None when sacctmgr does not answer or knows no such QOS."""
+    out = _ask(
+        "sacctmgr", "--noheader", "--parsable2", "show", "qos", name, "format=Name,MaxWall,MaxTRESPerJob,MaxTRESPerNode"
+    )
+    rows = [row.split("|") for row in (out or "").splitlines() if row.split("|")[0] == name]
+    if not rows or len(rows[0]) != 4:
+        return None
+    _, wall, per_job, per_node = rows[0]
+    return Qos(name, slurm_minutes(wall), wall, tres_counts(per_job), tres_counts(per_node))
+
+
+def tres_counts(text: str) -> dict[str, int]:
+    """'cpu=2,mem=4G,gres/gpu=4' (as sacctmgr prints TRES) -> {'cpu': 2, 'mem': 4096, 'gres/gpu': 4}; mem in MB."""
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        match = re.fullmatch(r"(\d+)([KMGTP]?)", value.strip())
+        if name and match:
+            scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2, "P": 1024**3}[match.group(2)]
+            out[name.strip()] = int(int(match.group(1)) * scale)
+    return out
 
 
 def jobs_in_queue() -> int | None:

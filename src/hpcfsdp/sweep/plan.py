@@ -80,16 +80,19 @@ def plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) 
 
 
 def memory_table(sweep: Sweep) -> list[str]:
-    """`plan --memory`: the predicted memory of every cell, GiB per GPU (hpcfsdp/memory.py)."""
+    """`plan --memory`: the predicted memory of every cell, GiB per GPU (hpcfsdp/memory.py), and its
+    host memory per node (hpcfsdp/hostmemory.py)."""
+    from ..hostmemory import predict_host_cells
     from ..memory import RUNTIME_RESERVE_GIB, predict_cells, usable_gib
 
     res = sweep.resources
     capacity = capacity_of(sweep)
     rows = predict_cells(sweep.cells, capacity, res.cache_dir or None)
+    hosts = predict_host_cells(sweep.cells, res.cache_dir or None)
     id_width = max(4, *(len(r.cell_id) for r in rows))
     lines = [
         f"{'cell':{id_width}} {'strategy':19} {'batch':>9} {'ckpt':>9} {'seq':>6} {'states':>7} {'gathered':>8} "
-        f"{'activ.':>7} {'loss':>7} {'peak GiB':>8} {'peak at':>9} fit"
+        f"{'activ.':>7} {'loss':>7} {'peak GiB':>8} {'peak at':>9} {'host/node':>9} fit"
     ]
     for row in rows:
         s, p = row.spec, row.prediction
@@ -103,10 +106,12 @@ def memory_table(sweep: Sweep) -> list[str]:
             else f"{'-':>7} {'-':>8} {'-':>7} {'-':>7} {'-':>8} {'-':>9}"
         )
         fit = {"oom": "OOM", "": "n/a (cpu)" if s.device == "cpu" else "-"}.get(row.fit, row.fit)
+        host = hosts[row.cell_id]
         lines.append(
             f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6} "
-            f"{figures} {fit}" + (f"  ({row.note})" if row.note else "")
+            f"{figures} {f'{host.node_gib:9.2f}' if host else '-':>9} {fit}" + (f"  ({row.note})" if row.note else "")
         )
+    lines.append("host/node: predicted host memory (RAM) per node, GiB; preflight compares it with slurm.mem_gb")
     if capacity is None:
         lines.append("GPU memory unknown: set slurm.gpu_memory_gib or slurm.gpu_name to flag cells that do not fit")
     else:

@@ -19,6 +19,7 @@ from .environment import HF_TOKEN_ENV, job_environment, secrets_removed
 from .interrupts import interrupts_deferred
 from .layout import cell_dir, records_set_aside, slurm_folder, update_manifest
 from .matrix import Cell, Sweep, arrays
+from .preflight import requested_mem_gb
 
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
 # SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
@@ -63,8 +64,9 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
     for key in ("account", "qos", "constraint"):
         if getattr(res, key):
             params[key] = getattr(res, key)
-    if res.mem_gb:
-        params["mem"] = f"{res.mem_gb}G"
+    mem_gb = requested_mem_gb(sweep, nodes, gpus_per_node)
+    if mem_gb:
+        params["mem"] = f"{mem_gb}G"
     if res.exclusive:
         params["exclusive"] = True
     return params
