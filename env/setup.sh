@@ -12,6 +12,7 @@
 #   bash env/setup.sh --download-wheels DIR [--gpu|--cpu] [--dev] [--python-version 3.11]
 #        [--platform manylinux_2_28_x86_64]   # where a package index answers: every wheel into DIR
 #   bash env/setup.sh --wheelhouse DIR        # installs from DIR only (pip --no-index)
+#   --dry-run: print the pip commands instead of running them (no venv is made)
 # Torch: TORCH_SPEC overrides the requirement (e.g. TORCH_SPEC='torch==2.11.0'); --torch-index URL
 # takes torch from that index, e.g. https://download.pytorch.org/whl/cpu for a CPU build of a
 # release whose PyPI build is CUDA's. HPCFSDP_VENV: another venv than .venv.
@@ -22,10 +23,11 @@ venv="${HPCFSDP_VENV:-$root/.venv}"
 usage() { sed -n '2,${/^#/!q;p}' "$0"; }
 die() { echo "setup.sh: $*" >&2; exit 2; }
 
-build="" dev="" download="" wheelhouse="" python_version="" platform="" torch_index=""
+build="" dev="" dry="" download="" wheelhouse="" python_version="" platform="" torch_index=""
 while (($#)); do
   case "$1" in
     --dev) dev=1 ;;
+    --dry-run) dry=1 ;;
     --gpu | --cpu) [[ -z "$build" || "$build" == "${1#--}" ]] || die "--gpu and --cpu exclude each other"; build="${1#--}" ;;
     --download-wheels | --wheelhouse | --python-version | --platform | --torch-index)
       (($# > 1)) || die "$1 needs a value"
@@ -38,7 +40,7 @@ while (($#)); do
       esac
       shift ;;
     -h | --help) usage; exit 0 ;;
-    *) die "unknown option '$1' (expected --gpu, --cpu, --dev, --download-wheels DIR, --wheelhouse DIR, --python-version X.Y, --platform TAG, --torch-index URL; --help)" ;;
+    *) die "unknown option '$1' (expected --gpu, --cpu, --dev, --dry-run, --download-wheels DIR, --wheelhouse DIR, --python-version X.Y, --platform TAG, --torch-index URL; --help)" ;;
   esac
   shift
 done
@@ -69,8 +71,11 @@ fi
 extras=""
 if ((${#extra_names[@]})); then extras="[$(IFS=,; echo "${extra_names[*]}")]"; fi
 
+# Runs a command, or prints it with --dry-run.
+run() { if [[ -n "$dry" ]]; then echo "+ $*"; else "$@"; fi; }
+
 make_venv() {
-  [[ ! -x "$venv/bin/python" ]] || return 0
+  [[ -z "$dry" && ! -x "$venv/bin/python" ]] || return 0
   echo "[setup] creating $venv" >&2
   if ! python3 -m venv "$venv" 2>/dev/null; then
     # Debian ships venv separately; as root we can add it.
@@ -91,23 +96,24 @@ platform_flags() {
 }
 
 if [[ -n "$download" ]]; then
-  mkdir -p "$download"
-  download="$(cd "$download" && pwd)"
+  run mkdir -p "$download"
+  download="$(cd "$(dirname "$download")" && pwd)/$(basename "$download")"
   make_venv
   pip=("$venv/bin/python" -m pip --disable-pip-version-check)
   target=(--only-binary=:all:)  # wheels only: the air-gapped side needs no compiler
   [[ -z "$python_version" ]] || target+=(--implementation=cp "--python-version=$python_version")
   if [[ -n "$platform" ]]; then mapfile -t -O "${#target[@]}" target < <(platform_flags "$platform"); fi
   echo "[setup] building the hpcfsdp wheel into $download" >&2
-  "${pip[@]}" wheel --quiet --no-deps -w "$download" "$root"
-  wheel="$(ls -t "$download"/hpcfsdp-*.whl | head -n 1)"
+  run "${pip[@]}" wheel --quiet --no-deps -w "$download" "$root"
+  wheel="$( (ls -t "$download"/hpcfsdp-*.whl 2>/dev/null || echo "$download/hpcfsdp-VERSION-py3-none-any.whl") | head -n 1)"
   if [[ -n "$torch_index" ]]; then
     echo "[setup] downloading $torch_spec from $torch_index" >&2
-    "${pip[@]}" download --quiet --no-deps -d "$download" "${target[@]}" --index-url "$torch_index" "$torch_spec"
+    run "${pip[@]}" download --quiet --no-deps -d "$download" "${target[@]}" --index-url "$torch_index" "$torch_spec"
   fi
   echo "[setup] downloading $torch_spec, hpcfsdp$extras's dependencies and setuptools into $download" >&2
-  "${pip[@]}" download --quiet -d "$download" "${target[@]}" --find-links "$download" \
+  run "${pip[@]}" download --quiet -d "$download" "${target[@]}" --find-links "$download" \
     "$torch_spec" "setuptools>=77" "$wheel$extras"
+  [[ -n "$dry" ]] && exit 0
   echo "$build ${dev:-nodev}" >"$download/setup-flags"
   echo "[setup] done: $(ls "$download" | wc -l) files, $(du -sh "$download" | cut -f1); install with" \
     "bash env/setup.sh --wheelhouse $download" >&2
@@ -125,9 +131,10 @@ else
   torch_pip=("${pip[@]}")
 fi
 echo "[setup] installing $torch_spec${wheelhouse:+ from $wheelhouse}" >&2
-"${torch_pip[@]}" "$torch_spec"
+run "${torch_pip[@]}" "$torch_spec"
 echo "[setup] installing hpcfsdp$extras (editable)${wheelhouse:+ from $wheelhouse}" >&2
-"${pip[@]}" -e "$root$extras"
+run "${pip[@]}" -e "$root$extras"
+[[ -z "$dry" ]] || exit 0
 if [[ -n "$dev" ]] && ! command -v chromium >/dev/null 2>&1 && [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
   echo "[setup] installing Debian's chromium (headless rendering test of the HTML report)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null

@@ -136,3 +136,32 @@ def test_a_downloaded_wheelhouse_installs_a_fresh_venv_with_no_network_that_runs
     assert run([str(python), "-c", "import torch; print(torch.__version__)"]).stdout.startswith("2.13.0")
     record = a_cell_of_the_smoke_matrix(python, ROOT, tmp_path / "results", offline=True)
     assert record["status"] == "ok"
+
+
+def setup_dry_run(*flags: str, venv: Path) -> tuple[list[str], str]:
+    """The pip commands `env/setup.sh --dry-run FLAGS` would run, and its messages."""
+    proc = run(["bash", str(ROOT / "env/setup.sh"), "--dry-run", *flags], env={**os.environ, "HPCFSDP_VENV": str(venv)})
+    return [line.removeprefix("+ ") for line in proc.stdout.splitlines()], proc.stderr
+
+
+def test_setup_builds_for_gpu_or_cpu_nodes_as_told_whatever_the_machine_it_runs_on(tmp_path):
+    """--gpu on a login node without GPUs installs the CUDA torch and the gpu extra; --cpu the CPU
+    build; neither: nvidia-smi on this machine decides, and says so. No venv is made."""
+    venv = tmp_path / "venv"
+    pip = f"{venv}/bin/python -m pip install --quiet --disable-pip-version-check"
+    gpu, _ = setup_dry_run("--gpu", venv=venv)
+    assert gpu == [f"{pip} torch>=2.11,<2.14", f"{pip} -e {ROOT}[gpu]"]
+    cpu, _ = setup_dry_run("--cpu", "--dev", "--torch-index", "https://download.pytorch.org/whl/cpu", venv=venv)
+    assert cpu == [f"{pip} --index-url https://download.pytorch.org/whl/cpu torch==2.13.0", f"{pip} -e {ROOT}[dev]"]
+    here = "gpu" if shutil.which("nvidia-smi") else "cpu"
+    default, said = setup_dry_run(venv=venv)
+    assert default == (gpu if here == "gpu" else [f"{pip} torch==2.13.0", f"{pip} -e {ROOT}"])
+    assert f"[setup] {here} build (nvidia-smi " in said and "--gpu or --cpu chooses" in said
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "setup-flags").write_text("gpu nodev\n")  # as --download-wheels DIR --gpu leaves it
+    offline, _ = setup_dry_run("--wheelhouse", str(wheels), venv=venv)
+    assert offline == [f"{pip} --no-index --find-links {wheels} torch>=2.11,<2.14"] + [
+        f"{pip} --no-index --find-links {wheels} -e {ROOT}[gpu]"
+    ]
+    assert not venv.exists()
