@@ -15,6 +15,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from .spec import RunSpec
@@ -29,7 +30,7 @@ class Package:
 
     @property
     def distribution(self) -> str:
-        return self.requirement.split(">")[0].split("=")[0]
+        return Requirement(self.requirement).name
 
 
 TORCHAO = Package("torchao", "torchao>=0.18")
