@@ -25,9 +25,15 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 
 def _load_sweep(args: argparse.Namespace) -> Sweep:
+    """The jobs YAML, refused in one line where a cell asks for a lever whose package is missing."""
     from .sweep.matrix import MAX_CELLS, load_sweep
+    from .sweep.packages import package_problems
 
-    return load_sweep(args.jobs, args.max_cells or MAX_CELLS)
+    sweep = load_sweep(args.jobs, args.max_cells or MAX_CELLS)
+    missing = package_problems(sweep)
+    if missing:
+        raise SpecError(missing[0] + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return sweep
 
 
 def plan(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -19,17 +18,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..extras import CCE_FP32_VERSION, CCE_REQUIREMENT, EXTRA, PACKAGES, installed_version
 from ..spec import RunSpec
 
-EXTRA = "gpu"  # pyproject.toml's optional extra that holds the packages below
-PACKAGES = {"torchao": "torchao", "cut_cross_entropy": "cut-cross-entropy", "liger_kernel": "liger-kernel"}
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper and later
 GPU_ONLY_LEVERS = ("attention", "loss", "float8")
-# cut-cross-entropy with its fp32-accumulating variants (25.6.4, as pyproject.toml's gpu extra
-# names it): PyPI's newest release is 25.1.1
-CCE_REQUIREMENT = (
-    "cut-cross-entropy @ https://github.com/apple/ml-cross-entropy/archive/d42911f9b1a1f98289bb601c35c8151562603d74.zip"
-)
 
 
 def require(module: str, lever: str) -> ModuleType:
@@ -37,18 +30,10 @@ def require(module: str, lever: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        top = module.split(".")[0]
+        top = next(p.distribution for p in PACKAGES if p.module == module.split(".")[0])
         raise RuntimeError(
-            f"{lever} needs the {PACKAGES[top]} package, which is not installed here "
-            f"({exc}); pip install 'hpcfsdp[{EXTRA}]'"
+            f"{lever} needs the {top} package, which is not installed here ({exc}); pip install 'hpcfsdp[{EXTRA}]'"
         ) from None
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "an unknown version"
 
 
 def check_device(spec: RunSpec, device: torch.device) -> None:
@@ -168,8 +153,9 @@ def _cce_loss(variant: str, device: torch.device, softcap: float | None) -> Loss
     impl = variant if device.type == "cuda" else "torch_compile"
     known = getattr(cce, "LinearCrossEntropyImpl", None)
     if known is None or impl.upper() not in known.__members__:
+        this = installed_version("cut-cross-entropy") or "an unknown version"
         raise RuntimeError(
-            f"loss: {variant} needs cut-cross-entropy 25.6 or later (this is {_version('cut-cross-entropy')}); "
+            f"loss: {variant} needs cut-cross-entropy {CCE_FP32_VERSION} or later (this is {this}); "
             f"pip install '{CCE_REQUIREMENT}'"
         )
 

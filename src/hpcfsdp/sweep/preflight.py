@@ -46,9 +46,7 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     unknown = [name for name in names if name not in partitions] if names else [""]  # "": no default partition
     if unknown:
         known = ", ".join(sorted(partitions)) or "none"
-        return [
-            f"{_place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster (partitions: {known})"
-        ]
+        return [f"{place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster (partitions: {known})"]
     where = f"partition {names[0]}" if len(names) == 1 else f"any of the partitions {', '.join(names)}"
     problems = []
     limits = [limit for name in names if (limit := partitions[name].max_time_min) is not None]
@@ -59,7 +57,7 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
             else partitions[names[0]].max_time_text
         )
         problems.append(
-            f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
+            f"{place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
             f"({texts}, {max(limits)} min): no cell can ever run"
         )
     for (nodes, gpus), group in by_shape(sweep.cells if cells is None else cells).items():
@@ -68,7 +66,7 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
         if first is not None and all(found):  # the first partition's reason
             key, value, why = first
             problems.append(
-                f"{_place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
+                f"{place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
                 f"can never run in {where}: {why}"
             )
     if problems:
@@ -292,7 +290,7 @@ def _why_never(partition: Partition, nodes: int, gpus: int, sweep: Sweep) -> tup
     return None
 
 
-def _place(sweep: Sweep, key: str, value: Any = None) -> str:
+def place(sweep: Sweep, key: str, value: Any = None) -> str:
     """'<file>:<line>: <section>.<key>' for where the YAML set `key` (to `value`: the first matrix
     axis, include entry or base that did), else '<file>: <key>' (its default)."""
     raw = sweep.raw
