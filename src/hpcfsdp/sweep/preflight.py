@@ -130,7 +130,7 @@ def host_memory_problems(sweep: Sweep, cells: list[Cell], partition: Partition) 
         over = [need for need in needs.values() if need * 1024 > given_mb]
         if over:
             problems.append(
-                f"{_place(sweep, 'slurm.mem_gb')}: {len(over)} cell(s) on {nodes} node(s) x {gpus} GPU(s) are "
+                f"{place(sweep, 'slurm.mem_gb')}: {len(over)} cell(s) on {nodes} node(s) x {gpus} GPU(s) are "
                 f"predicted to need {max(over):.1f} GiB of host memory per node, above the {given_mb / 1024:.1f} GiB "
                 f"they get ({how}); raise slurm.mem_gb to at least {math.ceil(max(over))} (or mem_gb: auto)"
             )
@@ -170,7 +170,7 @@ def qos_problems(sweep: Sweep, cells: list[Cell]) -> list[str]:
     problems = []
     if qos.max_wall_min is not None and res.time_min > qos.max_wall_min:
         problems.append(
-            f"{_place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxWall of QOS {qos.name} "
+            f"{place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxWall of QOS {qos.name} "
             f"({qos.max_wall_text}, {qos.max_wall_min} min): no cell can ever start (Slurm would hold it pending "
             f"with QOSMaxWallDurationPerJobLimit); lower slurm.time_min or choose another slurm.qos"
         )
@@ -182,7 +182,7 @@ def qos_problems(sweep: Sweep, cells: list[Cell]) -> list[str]:
                 tres = beyond[0]
                 key, value = _tres_key(tres, nodes, gpus)
                 problems.append(
-                    f"{_place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) can never "
+                    f"{place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) can never "
                     f"start under QOS {qos.name}: they ask for {tres}={asked[tres]} per {scope}, above its "
                     f"MaxTRESPer{scope.capitalize()} {tres}={limits[tres]}"
                 )
@@ -229,7 +229,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
         why = refusal_text(proc.stderr)
         key = next((key for word, key in REFUSAL_KEYS if re.search(rf"\b{word}\b", why.lower())), "slurm")
         problems.append(
-            f"{_place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
+            f"{place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
             f"(sbatch --test-only): {why}"
         )
     return problems
