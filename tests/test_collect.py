@@ -358,20 +358,20 @@ def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
 
 
 def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
-    """device_name is not a field the collector computes with, so a number there is kept."""
+    """device_type is not a field the collector or the history reads, so a number there is kept."""
     pytest.importorskip("pyarrow")
     sweep = tmp_path / "mixed"
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
-    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3"), 1100.0, 10.0, device=7))
+    put(sweep, {**ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3"), 1100.0, 10.0), "device_type": 7})
     report = write_report(sweep, plots=False)
     assert report.notes == [
-        f"{report.directory / 'results.parquet'}: column(s) device_name hold values of more "
+        f"{report.directory / 'results.parquet'}: column(s) device_type hold values of more "
         "than one type; written as text"
     ]
     assert report.unreadable == []
     parquet = pd.read_parquet(report.directory / "results.parquet").set_index("strategy")
-    assert parquet["device_name"].to_dict() == {"ddp": H100, "fsdp2_zero3": "7"}
-    assert set(pd.read_csv(report.directory / "results.csv")["device_name"]) == {H100, "7"}
+    assert parquet["device_type"].to_dict() == {"ddp": "cuda", "fsdp2_zero3": "7"}
+    assert set(pd.read_csv(report.directory / "results.csv")["device_type"]) == {"cuda", "7"}
 
 
 def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):

@@ -429,6 +429,59 @@ def test_a_running_cell_holds_no_token_and_scancel_records_cancelled(slurm_clust
     assert f"{sweep_dir}: 1 cell(s): cancelled 1" in capsys.readouterr().out
 
 
+# Secrets of every common shape: by name (any prefix, any case) or by value. Each value holds
+# "i21secret" so that one grep finds any of them.
+SECRETS = {
+    "PGPASSWORD": "pg-i21secret",
+    "MYSQL_PWD": "my-i21secret",
+    "MYAPP_KEY": "app-i21secret",
+    "GITHUB_PAT": "pat-i21secret",
+    "API_TOKENS": "a,b-i21secret",
+    "AWS_SESSION_TOKEN": "aws-i21secret",
+    "AZURE_CLIENT_SECRET": "az-i21secret",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/keys/i21secret.json",
+    "SENTRY_DSN": "https://i21secret@o1.ingest.sentry.io/1",
+    "DATABASE_URL": "postgres://me:i21secret@db:5432/x",
+    "https_proxy": "http://me:i21secret@proxy:3128",
+    "deploy_password": "lower-i21secret",
+    "SOMETHING": "ghp_i21secretI21secretI21secretAAAA",
+    "TWINE_PASSWORD": "twine-i21secret",
+}
+# Look alike, but are none: they must reach the job.
+NOT_SECRETS = {"I21_CANARY": "visible", "KEYBOARD_LAYOUT": "visible-us", "PASSAGE_COUNT": "visible-3"}
+
+
+def test_every_common_shape_of_secret_is_told_from_ordinary_variables():
+    from hpcfsdp.sweep.environment import is_secret
+
+    assert all(is_secret(name, value) for name, value in SECRETS.items())
+    ordinary = {**NOT_SECRETS, "PATH": "/usr/bin", "PWD": "/home/me", "OLDPWD": "/", "LD_LIBRARY_PATH": "/opt/lib"}
+    ordinary |= {
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "HTTPS_PROXY": "http://proxy:3128",
+    }
+    assert not [name for name, value in ordinary.items() if is_secret(name, value)]
+
+
+@pytest.mark.slurm
+def test_slurmctlds_saved_job_environment_holds_no_secret_of_any_common_shape(
+    slurm_cluster, tmp_path, monkeypatch, capsys
+):
+    name = unique("secrets")
+    jobs = jobs_file(tmp_path, name, slurm={"extra_sbatch": {"hold": True}})
+    for variable, value in {**SECRETS, **NOT_SECRETS}.items():
+        monkeypatch.setenv(variable, value)
+    try:
+        assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results")]) == 0
+        (job,) = re.findall(r"submitted array (\d+): 1 cell", capsys.readouterr().out)
+        saved = saved_job_environment(job)
+    finally:
+        cancel_sweep_jobs(name)
+    assert all(f"{k}={v}".encode() in saved for k, v in NOT_SECRETS.items())  # the right file is read
+    assert b"i21secret" not in saved, [k for k, v in SECRETS.items() if v.encode() in saved]
+
+
 @pytest.mark.slurm
 def test_two_submits_of_one_sweep_at_once_queue_each_cell_once(slurm_cluster, tmp_path):
     name = unique("lock")

@@ -542,19 +542,39 @@ def test_default_executor_is_local_where_slurm_is_not_installed(tmp_path, monkey
 
 
 @pytest.mark.slurm
-def test_default_executor_is_slurm_where_a_controller_answers_else_local_with_sinfos_reason(
+def test_default_executor_is_slurm_where_a_controller_answers_and_refused_where_none_does(
     slurm_cluster, tmp_path, monkeypatch
 ):
-    from hpcfsdp.sweep.submit import default_executor
+    from hpcfsdp.sweep.submit import NoController, default_executor
 
     assert default_executor() == ("slurm", "")
     monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
-    executor, why = default_executor()
-    assert executor == "local", why
-    assert why.startswith("sbatch is installed but no Slurm controller answers (sinfo: ") and why.endswith(
-        "; is SLURM_CONF set?)"
-    ), why
+    with pytest.raises(NoController) as refused:
+        default_executor()
+    why = str(refused.value)
+    assert why.startswith("sbatch is installed but no Slurm controller answers (sinfo: "), why
+    assert "; is SLURM_CONF set?); nothing submitted and nothing run on this login node" in why
     assert "Unable to contact slurm controller" in why and "\n" not in why
+
+
+@pytest.mark.slurm
+def test_submit_refuses_to_train_on_the_login_node_when_the_controller_does_not_answer(
+    slurm_cluster, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
+    jobs = write(
+        tmp_path, "name: outage\nbase: {device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1}\n"
+    )
+    results = tmp_path / "results"
+    assert main(["submit", str(jobs), "--results-dir", str(results)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
+    assert captured.err.startswith("error: sbatch is installed but no Slurm controller answers (sinfo: ")
+    assert "nothing submitted and nothing run on this login node" in captured.err
+    assert not results.exists()  # no cell ran here, nothing was written
+    # Training here is the user's explicit choice.
+    assert main(["submit", str(jobs), "--results-dir", str(results), "--executor", "local"]) == 0
+    assert json.loads(next((results / "outage" / "cells").glob("*/result.json")).read_text())["status"] == "ok"
 
 
 @pytest.mark.slurm
@@ -575,7 +595,7 @@ def test_collect_names_the_slurm_state_of_cells_without_a_record(flight, tmp_pat
     monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     main(["collect", str(sweep_dir), "--no-plots"])
     assert (
-        f"(Slurm job {array}_3: pending, running or lost; `hpcfsdp status` asks Slurm)"
+        f"(Slurm job {array}_3: pending, running or lost; \\`hpcfsdp status\\` asks Slurm)"  # Markdown: as written
         in (sweep_dir / "report" / "summary.md").read_text()
     )
 

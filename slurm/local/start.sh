@@ -94,30 +94,7 @@ if ((${#packages[@]})); then
     fi
 fi
 
-# --- 2. munge (authentication between all Slurm daemons and clients) ----------------------------
-if [[ ! -s /etc/munge/munge.key ]]; then
-    log "creating /etc/munge/munge.key"
-    install -d -o munge -g munge -m 0700 /etc/munge
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-    chown munge:munge /etc/munge/munge.key
-    chmod 0400 /etc/munge/munge.key
-fi
-MUNGED_OURS=/run/munge/started-by-hpcfsdp   # shared by every cluster of this script on the machine
-munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
-if ! munge_ok; then
-    log "starting munged"
-    # No systemd here: start it by hand, as the munge user, like the packaged service does.
-    install -d -o munge -g munge -m 0755 /run/munge
-    install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
-    # Daemons must not inherit our stdout/stderr or fd 3: a caller's `start.sh | tail -1` would
-    # otherwise wait for them forever (munged keeps inherited descriptors open).
-    runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&-
-    for _ in $(seq 50); do munge_ok && break; sleep 0.2; done
-    munge_ok || die "munged does not answer; see /var/log/munge/munged.log"
-    touch "$MUNGED_OURS"   # stop.sh stops it once no cluster of ours runs
-fi
-
-# --- 3. node names must resolve (torch.distributed uses the first node as MASTER_ADDR) ----------
+# --- 2. node names must resolve (torch.distributed uses the first node as MASTER_ADDR) ----------
 missing=()
 for n in "${NODES[@]}"; do
     addr=$(getent ahostsv4 "$n" | awk 'NR == 1 {print $1}') || true
@@ -132,7 +109,7 @@ if ((${#missing[@]})); then
     echo "127.0.0.1 ${missing[*]}" >>/etc/hosts
 fi
 
-# --- 4. configuration ----------------------------------------------------------------------------
+# --- 3. configuration ----------------------------------------------------------------------------
 mkdir -p "$DIR"/{conf,log,state,run,spool}
 if ((ACCOUNTING)); then mkdir -p "$DIR/db"; fi
 for n in "${NODES[@]}"; do
@@ -303,6 +280,31 @@ else
     for f in "${generated[@]}"; do rm -f "$f.new"; done
 fi
 export SLURM_CONF=$CONF
+
+# --- 4. munge (authentication between all Slurm daemons and clients) ----------------------------
+# After a restart, not before: stop.sh stops the munged that start.sh started once no Slurm daemon
+# is left on the machine, which a restart of the only cluster here is (slurmdbd would then not answer).
+if [[ ! -s /etc/munge/munge.key ]]; then
+    log "creating /etc/munge/munge.key"
+    install -d -o munge -g munge -m 0700 /etc/munge
+    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+    chown munge:munge /etc/munge/munge.key
+    chmod 0400 /etc/munge/munge.key
+fi
+MUNGED_OURS=/run/munge/started-by-hpcfsdp   # shared by every cluster of this script on the machine
+munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
+if ! munge_ok; then
+    log "starting munged"
+    # No systemd here: start it by hand, as the munge user, like the packaged service does.
+    install -d -o munge -g munge -m 0755 /run/munge
+    install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
+    # Daemons must not inherit our stdout/stderr or fd 3: a caller's `start.sh | tail -1` would
+    # otherwise wait for them forever (munged keeps inherited descriptors open).
+    runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&-
+    for _ in $(seq 50); do munge_ok && break; sleep 0.2; done
+    munge_ok || die "munged does not answer; see /var/log/munge/munged.log"
+    touch "$MUNGED_OURS"   # stop.sh stops it once no cluster of ours runs
+fi
 
 # --- 5. daemons ----------------------------------------------------------------------------------
 # Accounting first: slurmctld registers with slurmdbd as it starts.

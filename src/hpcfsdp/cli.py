@@ -199,7 +199,8 @@ def _parser() -> argparse.ArgumentParser:
     over_time.add_argument(
         "--fail-on-regression",
         action="store_true",
-        help="exit status 1 when a cell regressed against its reference or history",
+        help="exit status 1 when a cell regressed against its reference or history (a history that cannot be "
+        "updated and checked, e.g. locked past 120 s, makes collect exit 1 in any case)",
     )
     collect.set_defaults(func=commands.collect)
 

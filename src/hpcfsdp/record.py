@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -72,10 +75,10 @@ STATUSES = tuple(
     )
 )
 MISSING, CORRUPT = CellState.MISSING, CellState.CORRUPT
+ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status once its Slurm job ended
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
-ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status once its Slurm job ended
 
 # Fields the tables and plots compute with: a number (or null) each, lists of numbers.
 NUMBER_FIELDS = (
@@ -92,6 +95,44 @@ NUMBER_FIELDS = (
     "memory_capacity_gib",
 )
 NUMBER_LIST_FIELDS = ("losses", "step_times_s")
+# The other fields that collect, the history, status and export read (docs/record.md), and the JSON
+# types each may hold besides null: a record that holds another type is corrupt, so that the
+# history only ever receives typed rows. A mapping's keys are checked the same way ("*": any key).
+TEXT, INTEGER, NUMBER = (str,), (int,), (int, float)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "cell_id": TEXT,
+    "sweep": TEXT,
+    "stage": TEXT,
+    "error": TEXT,
+    "launch_id": TEXT,
+    "git_commit": TEXT,
+    "device_name": TEXT,
+    "world_size": INTEGER,
+    "nodes": INTEGER,
+    "started_at": NUMBER,
+    "duration_s": NUMBER,
+}
+MAPPING_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "slurm": {
+        "job_id": (str, int),
+        "array_job_id": (str, int),
+        "array_task_id": (str, int),
+        "job_nodelist": TEXT,
+        "cluster_name": TEXT,
+        "job_partition": TEXT,
+    },
+    "versions": {"*": TEXT},
+    ACCOUNTING_KEY: {
+        "state": TEXT,
+        "submit": TEXT,
+        "start": TEXT,
+        "end": TEXT,
+        "elapsed_s": INTEGER,
+        "queue_wait_s": NUMBER,
+        "consumed_energy_j": INTEGER,
+    },
+}
+TEXT_LIST_FIELDS = ("hostnames",)
 # Exact types, as json.loads gives them: true is a bool, not the number 1.
 NUMBER_TYPES = frozenset({int, float})
 SCALAR_TYPES = frozenset({str, int, float, bool})
@@ -137,24 +178,46 @@ def failure_record(
 
 
 def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
-    """The one atomic JSON writer (records, the sweep's and the cache's manifests): a temporary
-    file of a unique name beside path, fsync, then rename over path, so that a reader sees the old
-    file or the new one, never half of one. Values JSON does not know are written as text."""
+    """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
+    atomic_output. Values JSON does not know are written as text."""
+    text = json.dumps(value, indent=2, sort_keys=sort_keys, default=str) + "\n"
+    return write_text(path, text)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write a text file atomically (atomic_output)."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+@contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """A temporary file of a unique name beside path for the block to write (a table, a plot, a
+    YAML file), then fsync and rename over path: a reader sees the old file or the new one, never
+    half of one, and a write that fails (a full disk) leaves the old file, or none, and no
+    temporary file. Its OSError names path, not the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = Path(name)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
-        with os.fdopen(fd, "w") as handle:
-            json.dump(value, handle, indent=2, sort_keys=sort_keys, default=str)
-            handle.write("\n")
-            handle.flush()
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
+        finally:
+            os.close(fd)
+        yield tmp
+        with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno is None:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 def _umask() -> int:
@@ -241,7 +304,38 @@ def _record_problem(record: dict[str, Any]) -> str | None:
         values = record.get(name)
         if values is not None and not (isinstance(values, list) and set(map(type, values)) <= NUMBER_TYPES):
             return f"{name}: expected a list of numbers, got {_shown(values)}"
+    for name in TEXT_LIST_FIELDS:
+        values = record.get(name)
+        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= {str}):
+            return f"{name}: expected a list of text, got {_shown(values)}"
+    for name, allowed in FIELD_TYPES.items():
+        problem = _type_problem(name, record.get(name), allowed)
+        if problem:
+            return problem
+    for name, keys in MAPPING_TYPES.items():
+        mapping = record.get(name)
+        if mapping is None:
+            continue
+        if not isinstance(mapping, dict):
+            return f"{name}: expected an object, got {_shown(mapping)}"
+        for key, value in mapping.items():
+            problem = _type_problem(f"{name}.{key}", value, keys.get(key, keys.get("*", ())))
+            if problem:
+                return problem
     return None
+
+
+def _type_problem(name: str, value: Any, allowed: tuple[type, ...]) -> str | None:
+    """Whether value (null aside) has one of the allowed types (exactly: true is no integer);
+    an empty `allowed` lets any single value through (a field of a newer hpcfsdp)."""
+    if value is None:
+        return None
+    if not allowed:
+        return None if type(value) in SCALAR_TYPES else f"{name}: expected a single value, got {_shown(value)}"
+    if type(value) in allowed:
+        return None
+    words = "a number" if float in allowed else " or ".join(TYPE_WORDS[kind] for kind in allowed)
+    return f"{name}: expected {words} or null, got {_shown(value)}"
 
 
 def spec_problem(spec: Any) -> str | None:
@@ -334,7 +428,14 @@ def slurm_job_of(slurm: Any) -> str | None:
     if not isinstance(slurm, dict):
         return None
     array, task, job = (_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
-    return f"{array}_{task}" if array and task else job
+    found = f"{array}_{task}" if array and task else job
+    return found if found and is_job_id(found) else None
+
+
+def is_job_id(text: str) -> bool:
+    """A Slurm job id as squeue and sacct take it (JOB or ARRAY_TASK): a value from a file that
+    becomes their argument must be nothing else (a comma would name other jobs)."""
+    return bool(re.fullmatch(r"[0-9]+(_[0-9]+)?", text))
 
 
 def _id_text(value: Any) -> str | None:

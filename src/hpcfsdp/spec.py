@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .cache.hub import DatasetRef, ModelRef
 from .errors import UserError
+from .names import MAX_NAME_BYTES, folder_name_problem, name_problem, slurm_name_problem, unseen_character
 
 StrategyName = Literal[
     "ddp",
@@ -101,12 +102,19 @@ TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+# The dtype the weights and the compute take under each precision, and its largest finite value
+# (torch.finfo(...).max; spec.py imports no torch); AdamW's beta1 as cell/train.py leaves it.
+TRAINING_DTYPE_MAX = {
+    "fp32": ("float32", 3.4028234663852886e38),
+    "bf16_mixed": ("bfloat16", 3.3895313892515355e38),
+    "bf16": ("bfloat16", 3.3895313892515355e38),
+}
+ADAMW_BETA1 = 0.9
 # Tells each array task how many requeues its sweep allows (Resources.max_requeue); see run.py.
 MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 # C0 and C1 control characters and DEL: a newline in a value that reaches an #SBATCH line would end
 # it and make the rest a shell line of the batch script; none belongs in a name, path or option.
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-MAX_NAME_BYTES = 255  # a file name, on the file systems Linux clusters use
 # config.json keys that give how many positions a model's position embedding covers
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
 # The end of the cell's time limit as its job was scheduled (cell/run.py tells a time limit from a cancel).
@@ -258,6 +266,7 @@ class RunSpec:
             raise SpecError(where, "warmup_steps", f"expected fewer than steps ({self.steps}), got {self.warmup_steps}")
         if self.lr <= 0:
             raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
+        self._check_overflow(where)
         for name in ("weight_decay", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
@@ -268,6 +277,28 @@ class RunSpec:
         spec._check_model(where)
         spec._check_data(where)
         return spec
+
+    def _check_overflow(self, where: str) -> None:
+        """lr and weight_decay must not overflow the training dtype in the optimizer's first step:
+        AdamW moves each weight by lr / (1 - beta1) (its bias correction) and scales it by
+        1 - lr x weight_decay. Beyond the dtype's largest value the weights become inf, and the
+        cell fails at run time instead of here."""
+        dtype, largest = TRAINING_DTYPE_MAX[self.precision]
+        step = self.lr / (1 - ADAMW_BETA1)
+        if step > largest:
+            raise SpecError(
+                where,
+                "lr",
+                f"{self.lr:g} overflows {dtype}: AdamW's first step moves each weight by lr / (1 - beta1) = "
+                f"{step:.3g}, beyond the largest {dtype} {largest:.4g}",
+            )
+        if self.lr * self.weight_decay > largest:
+            raise SpecError(
+                where,
+                "weight_decay",
+                f"{self.weight_decay:g} overflows {dtype}: lr x weight_decay = {self.lr * self.weight_decay:.3g} "
+                f"is beyond the largest {dtype} {largest:.4g}",
+            )
 
     def _check_batch_search(self, where: str) -> None:
         if not 0 <= self.batch_margin < 1:
@@ -536,11 +567,27 @@ class Resources:
             )
         for name, value in _text_fields(res):
             require_no_control_characters(where, name, value)
+        _check_names(where, res)
         _check_extra_sbatch(where, res)
         return res
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_names(where: str, res: Resources) -> None:
+    """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
+    for name in ("partition", "account", "qos", "constraint"):
+        problem = slurm_name_problem(getattr(res, name))
+        if problem:
+            raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
+    if res.cache_dir:
+        problem = name_problem(res.cache_dir)
+        path = Path(res.cache_dir).expanduser()
+        if not problem and _exists(path, where, "cache_dir") and not path.is_dir():
+            problem = "a file, not a folder (the pre-download cache is a folder)"
+        if problem:
+            raise SpecError(where, "cache_dir", f"{problem}: {shown(res.cache_dir)}")
 
 
 # sbatch options that hpcfsdp sets itself -> what to set instead ("": submitit's own); extra_sbatch
@@ -810,8 +857,15 @@ def one_line(text: str) -> str:
 
 
 def require_no_control_characters(where: str, key: str, value: str) -> None:
+    """No control character, nor one that is invisible or turns the text around (names.py): every
+    text of a RunSpec, Resources and extra_sbatch reaches a path, an sbatch line or a report."""
     if CONTROL_CHARACTERS.search(value):
         raise SpecError(where, key, f"expected no control characters (newline, tab, NUL, ...), got {shown(value)}")
+    unseen = unseen_character(value)
+    if unseen:
+        raise SpecError(
+            where, key, f"holds {unseen}, a character that is invisible or changes the direction of the text around it"
+        )
 
 
 def check_folder_name(where: str, key: str, value: Any) -> None:
@@ -830,6 +884,9 @@ def check_folder_name(where: str, key: str, value: Any) -> None:
             "expected a folder-safe string (not . or .., no / or \\, no control characters, "
             f"at most {MAX_NAME_BYTES} bytes), got {shown(value)}",
         )
+    problem = folder_name_problem(value)
+    if problem:
+        raise SpecError(where, key, f"{problem}: {shown(value)}")
 
 
 def _text_fields(instance: Any) -> Iterator[tuple[str, str]]:

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import UserError
@@ -369,11 +369,30 @@ def find_model_entry(items: dict[str, dict], ref: ModelRef) -> tuple[str, dict |
     return ref.key, None
 
 
+def entry_files(cache: Path, entry: dict) -> tuple[Path, list[tuple[Path, dict]]]:
+    """A manifest entry's folder and its files (each with its manifest record). Every path must lie
+    inside the cache: one that is absolute, climbs out with '..' or is not text is a CacheMissError
+    naming the manifest and the path, never followed."""
+    folder = cache / _inside_path(cache, entry.get("path"), entry)
+    files = entry.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise CacheMissError(f"{cache / MANIFEST_NAME}: item {entry.get('item')!r}: files is not a list of objects")
+    return folder, [(folder / _inside_path(cache, f.get("path"), entry), f) for f in files]
+
+
+def _inside_path(cache: Path, path: Any, entry: dict) -> str:
+    parts = PurePosixPath(path).parts if isinstance(path, str) and path else ("..",)
+    if PurePosixPath(path or "/").is_absolute() or ".." in parts:
+        raise CacheMissError(
+            f"{cache / MANIFEST_NAME}: item {entry.get('item')!r}: path {path!r} leads out of the cache; not followed"
+        )
+    return str(path)
+
+
 def _checked(cache: Path, key: str, entry: dict, name: str, command: str) -> CachedItem:
     """Every recorded file exists with its recorded size (a quick check: --verify hashes them)."""
-    folder = cache / entry["path"]
-    for f in entry.get("files", []):
-        path = folder / f["path"]
+    folder, files = entry_files(cache, entry)
+    for path, f in files:
         try:
             size = path.stat().st_size
         except OSError:

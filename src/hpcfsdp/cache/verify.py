@@ -16,6 +16,8 @@ from typing import Any
 from .hub import (
     DOWNLOAD_COMMAND,
     MANIFEST_NAME,
+    CacheMissError,
+    entry_files,
     find_model_entry,
     model_download_command,
     read_cache_manifest,
@@ -82,11 +84,14 @@ def _wanted_items(cache: Path, plan: Plan | None) -> list[_Wanted]:
 
 
 def _file_problems(cache: Path, entry: dict) -> Iterator[str]:
-    folder = cache / entry["path"]
-    total = sum(f["size"] for f in entry["files"])
+    try:
+        _, files = entry_files(cache, entry)
+    except CacheMissError as exc:
+        yield str(exc)
+        return
+    total = sum(f["size"] for _, f in files)
     with _progress(total, f"verify {entry['item']}") as bar:
-        for f in entry["files"]:
-            path = folder / f["path"]
+        for path, f in files:
             if not path.is_file():
                 yield f"{path}: missing"
                 continue
@@ -100,10 +105,13 @@ def _file_problems(cache: Path, entry: dict) -> Iterator[str]:
 
 
 def files_complete(cache: Path, entry: dict) -> bool:
-    folder = cache / entry["path"]
-    return all(
-        (folder / f["path"]).is_file() and (folder / f["path"]).stat().st_size == f["size"] for f in entry["files"]
-    )
+    """Every file of the entry is there with its size; False for an entry whose paths lead out of
+    the cache (the item is then fetched again, and its entry rewritten)."""
+    try:
+        _, files = entry_files(cache, entry)
+    except CacheMissError:
+        return False
+    return all(path.is_file() and path.stat().st_size == f["size"] for path, f in files)
 
 
 def file_records(folder: Path, previous: dict | None, expected: dict | None = None, label: str = "") -> list[dict]:

@@ -50,7 +50,8 @@ def collect(
     """Add Slurm accounting, append to the history and check each cell over time, write the report;
     print the comparison against `compare` if given, the cell table, the regressions, and what was
     written. The exit status: 1 when a cell regressed against `compare` (or, with
-    fail_on_regression, against its reference or history)."""
+    fail_on_regression, against its reference or history), or when the history could not be
+    updated and checked."""
     from .compare import write_comparison
     from .history import accounting_jobs, merge_accounting
     from .read import load_records
@@ -64,7 +65,9 @@ def collect(
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
     collection = load_records(sweep_dir, scheduler_states(sweep_dir))
     merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))
-    checked = check_over_time(collection, sweep_dir, options)
+    checked = check_over_time(collection, sweep_dir, options, log=lambda line: print(line, file=sys.stderr))
+    if checked.unchecked:  # never a silent pass: the gate could not look (collect exits 1)
+        print(f"error: history {checked.unchecked}; --no-history collects without it", file=sys.stderr)
     report = write_report(
         sweep_dir, baseline=baseline, plots=plots, collection=collection, first_sections=(checked.section(),)
     )
@@ -90,7 +93,7 @@ def collect(
     plots_drawn = len(report.files) - len(tables)
     skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
     print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
-    return 1 if regressions or (fail_on_regression and checked.regressions) else 0
+    return 1 if regressions or checked.unchecked or (fail_on_regression and checked.regressions) else 0
 
 
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:

@@ -11,6 +11,7 @@ import pandas as pd
 
 from ..record import (
     MISSING,
+    write_text,
 )
 from .read import METRICS, Collection, load_records, value_text
 from .render import Section, to_markdown
@@ -159,5 +160,5 @@ def write_comparison(
     comparison = compare_sweeps(sweep_dir, reference_dir, threshold, current)
     text = comparison.render(str(sweep_dir), str(reference_dir))
     path = report_folder(Path(sweep_dir)) / "compare.md"
-    path.write_text(text)
+    write_text(path, text)
     return comparison, text, path

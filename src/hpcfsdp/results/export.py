@@ -107,7 +107,7 @@ def _tensorboard(runs: list[dict[str, Any]], sweep: str, destination: str) -> tu
     root = Path(destination) / sweep
     hparam_names: dict[str, None] = {}
     for run in runs:
-        folder = root / run["cell_id"]
+        folder = root / run["cell_id"]  # the cell's folder name (read.load_records): one plain name
         for old in folder.glob("events.out.tfevents.*"):  # a re-export replaces the run
             old.unlink()
         wall = run["ended_at"] or run["started_at"] or 0.0
@@ -158,6 +158,19 @@ def tracking_uri(destination: str) -> str:
     return Path(destination).resolve().as_uri()
 
 
+def _exported_attempts(client: Any, experiment_id: str) -> set[tuple[str, str]]:
+    """(cell id, attempt) of every run exported to the experiment before, compared here rather
+    than in a search filter: the values come from records, and a quote in one would end the
+    filter's string."""
+    found, token = set(), None
+    while True:
+        page = client.search_runs([experiment_id], max_results=1000, page_token=token)
+        found |= {(run.data.tags.get("hpcfsdp.cell_id"), run.data.tags.get("hpcfsdp.attempt")) for run in page}
+        token = page.token
+        if not token:
+            return found
+
+
 def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[int, int]:
     _import_extra("mlflow")
     from mlflow.entities import Metric, Param, RunStatus
@@ -170,10 +183,10 @@ def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[i
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(sweep)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(sweep)
+    exported = _exported_attempts(client, experiment_id)
     written = skipped = 0
     for run in runs:
-        query = f"tags.`hpcfsdp.cell_id` = '{run['cell_id']}' AND tags.`hpcfsdp.attempt` = '{run['attempt']}'"
-        if client.search_runs([experiment_id], filter_string=query, max_results=1):
+        if (run["cell_id"], run["attempt"]) in exported:
             skipped += 1  # this record was exported before
             continue
         start_ms = int(run["started_at"] * 1000) if run["started_at"] else None

@@ -16,10 +16,17 @@ Login side: DuckDB and pandas only, no torch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -316,7 +323,8 @@ def parse_day(text: str, option: str, end_of_day: bool = False) -> datetime:
 
 
 class History:
-    """The DuckDB file; use as a context manager. Read-only for `hpcfsdp history` (it must exist)."""
+    """The DuckDB file; use as a context manager. Read-only for `hpcfsdp history` (it must exist);
+    collect writes through `updated_history`, never into the file itself."""
 
     def __init__(self, path: Path, read_only: bool = False):
         try:
@@ -330,10 +338,8 @@ class History:
                 "--history PATH names another)"
             )
         try:
-            if not read_only:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
             self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except (OSError, duckdb.Error) as exc:  # in use by another collect, no permission, not a DuckDB file
+        except (OSError, duckdb.Error) as exc:  # no permission, not a DuckDB file
             raise HistoryError(f"{self.path}: cannot open ({str(exc).splitlines()[0]})") from None
         if not read_only:
             self._create()
@@ -343,6 +349,10 @@ class History:
 
     def __exit__(self, *exc: object) -> None:
         self.con.close()
+
+    def checkpoint(self) -> None:
+        """Write everything into the database file itself (no write-ahead log left beside it)."""
+        self._run("CHECKPOINT")
 
     def _create(self) -> None:
         columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
@@ -421,3 +431,88 @@ def medians_by_setup(rows: pd.DataFrame) -> pd.DataFrame:
         peak_memory_gib=("peak_memory_gib", "median"),
         runs=("cell_id", "size"),
     ).reset_index()
+
+
+# ---------------------------------------------------------------------------------------------
+# Updating: one collect at a time, and the file replaced whole or not at all
+
+
+@contextmanager
+def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None = None) -> Iterator[History]:
+    """The history at path, open for appending; on leaving the block it replaces the file whole.
+
+    Collects queue for the history's lock (history.duckdb.lock beside it, flock) for up to wait_s
+    seconds (LOCK_WAIT_S), saying once that they wait. The update is made in a copy of the file
+    beside it, which is checkpointed and renamed over it: a full disk, a crash or Ctrl-C leaves the
+    old file as it was (or none, before the first collect) and no half-written one. A failure is a
+    HistoryError naming the file and why, never a traceback."""
+    import duckdb
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
+    with _history_lock(path, log, LOCK_WAIT_S if wait_s is None else wait_s):
+        scratch = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            if path.is_file() and path.stat().st_size:  # 0 bytes: an interrupted write of an older hpcfsdp
+                shutil.copyfile(path, scratch)
+            with History(scratch) as store:
+                yield store
+                store.checkpoint()
+            with open(scratch, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(scratch, path)
+        except (OSError, duckdb.Error, HistoryError) as exc:
+            if isinstance(exc, OSError) and exc.strerror:
+                reason = exc.strerror
+            else:  # DuckDB's message, or History's "<scratch>: cannot open (...)": about the copy
+                reason = str(exc).splitlines()[0].removeprefix(f"{scratch}: ").replace(str(scratch), str(path))
+            raise HistoryError(f"{path}: not updated ({reason}); the file is as it was") from None
+        finally:
+            for leftover in (scratch, scratch.with_name(scratch.name + ".wal")):
+                leftover.unlink(missing_ok=True)
+
+
+LOCK_WAIT_S = 120.0  # how long a collect waits for another one's update of the history
+
+
+@contextmanager
+def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iterator[None]:
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        handle = open(lock_path, "a+b", buffering=0)  # noqa: SIM115  (closed by the with below); unbuffered: a full disk fails at write, not at close
+    except OSError as exc:
+        raise HistoryError(f"{path}: not updated (its lock {lock_path}: {exc.strerror or exc})") from None
+    with handle:
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().decode(errors="replace").strip() or "another process"
+                if time.monotonic() >= deadline:
+                    raise HistoryError(
+                        f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder})"
+                    ) from None
+                if not said:
+                    log(f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})")
+                    said = True
+                time.sleep(0.2)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
+        except OSError:  # a full disk: the note is for people, the lock is the flock
+            pass
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                handle.seek(0)
+                handle.truncate()
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -31,6 +31,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from ..memory import gpu_memory_gib
+from ..record import atomic_output
 
 DPI = 100
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
@@ -97,10 +98,13 @@ def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData
     matter more than one figure."""
     try:
         # A fast zlib level: the default spends seconds compressing large multi-panel PNGs.
-        draw(data).savefig(path, dpi=DPI, pil_kwargs={"compress_level": 1})
+        with atomic_output(path) as tmp:
+            draw(data).savefig(tmp, format="png", dpi=DPI, pil_kwargs={"compress_level": 1})
         return None
     except NoData as exc:
         why = str(exc)
+    except OSError:  # a full disk: not the figure's fault; collect names the file and fails
+        raise
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
     path.unlink(missing_ok=True)  # neither half a figure nor one of an earlier collection

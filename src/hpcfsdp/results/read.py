@@ -83,7 +83,11 @@ def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None 
             unreadable.append(state.problem)
         elif state.record is not None:
             spec_fields.update(dict.fromkeys(state.record["spec"]))
-            rows.append({"cell_id": path.parent.name, **_flatten(state.record)})  # the folder names the cell
+            # The folder names the cell, never the record's own cell_id: a value that becomes
+            # paths (export, accounting) and names in reports must not come from inside a file.
+            flat = _flatten(state.record)
+            flat.pop("cell_id", None)
+            rows.append({"cell_id": path.parent.name, **flat})
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
 

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
+from ..record import write_text
 from ..spec import RunSpec, SpecError, coerce_fields, unknown_key
 
 TOP_KEYS = ("tolerance", "references")
@@ -242,7 +243,7 @@ def write_references(path: Path, new: list[Reference]) -> References:
         "# Expected tokens/s per GPU (and peak memory) per system and setup: docs/history.md.\n"
         "# `hpcfsdp history --set-reference` rewrites this file (comments are not kept).\n"
     )
-    path.write_text(header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
+    write_text(path, header + yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
     return merged
 
 

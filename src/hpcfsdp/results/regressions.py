@@ -13,6 +13,7 @@ reference, but is no regression.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from .defaults import DEFAULT_TOLERANCE
-from .history import KEY, History, HistoryError, history_rows
+from .history import KEY, HistoryError, history_rows, updated_history
 from .read import Collection
 from .references import Reference, References
 from .render import Section
@@ -46,6 +47,7 @@ class OverTime:
     regressions: list[str] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unchecked: str = ""  # why the history could not be updated and checked against: collect then fails
 
     def section(self) -> Section:
         text = " ".join(self.notes)
@@ -57,23 +59,29 @@ class OverTime:
         return Section("Over time", text=text, table=shown, items=[*self.regressions, *self.hints])
 
 
-def over_time(collection: Collection, sweep_dir: Path, options: OverTimeOptions) -> OverTime:
-    """Append the collection to the history (unless there is none) and check every record."""
+def over_time(
+    collection: Collection, sweep_dir: Path, options: OverTimeOptions, log: Callable[[str], None] = print
+) -> OverTime:
+    """Append the collection to the history (unless there is none) and check every record. A
+    history that cannot be updated (locked past the wait, a full disk, not a DuckDB file) is no
+    pass: the result says why in `unchecked`, and collect fails."""
     references = options.references
     rows = history_rows(collection, sweep_dir)
-    notes, earlier = [], None
+    notes, earlier, unchecked = [], None, ""
     if options.history is not None:
         try:
-            with History(options.history) as store:
+            with updated_history(options.history, log) as store:
                 added = store.append(rows)
                 earlier = store.earlier_runs(rows)
             notes.append(f"History: {added} new row(s) in {options.history} ({len(rows) - added} collected before).")
         except HistoryError as exc:
-            notes.append(f"History not updated: {exc}.")
+            unchecked = str(exc)
+            notes.append(f"History not updated, so no cell was checked against it: {exc}.")
     if references.path:
         notes.append(f"References: {len(references.entries)} in {references.path}.")
     result = check(rows, earlier, references, options.tolerance)
     result.notes[:0] = notes
+    result.unchecked = unchecked
     return result
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,15 +46,19 @@ def to_markdown(title: str, sections: list[Section], relative_to: Path | None = 
 
 
 # Characters that would turn a value into markup: a line break (ends a table row or an item), a
-# pipe (ends a table cell), brackets (a link, or an image fetched from anywhere) and `<` (raw
-# HTML, which Markdown viewers render). Each gets CommonMark's backslash escape; the
-# backslash itself first, so that a value's own backslash cannot undo one.
-_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", "\n": " ", "\r": " "})
+# pipe (ends a table cell), brackets (a link, or an image fetched from anywhere), `<` (raw
+# HTML, which Markdown viewers render; `>` alone is none), `*`, `_` and `~` (emphasis, strikethrough), a
+# backtick (code), `&` (an entity), `#` (a heading's closing sequence) and `$` (math, on GitHub).
+# Each gets CommonMark's backslash escape; the backslash itself too, so that a value's own
+# backslash cannot undo one. An underscore inside a word (fsdp2_zero3) is no markup and stays.
+_MARKDOWN_ESCAPES = str.maketrans({**{char: "\\" + char for char in "\\|[]<*~`&#$"}, "\n": " ", "\r": " "})
+_EMPHASIS_UNDERSCORE = re.compile(r"(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
 
 
 def markdown_text(value: object) -> str:
     """A value as literal Markdown text, on one line."""
-    return str(value).translate(_MARKDOWN_ESCAPES)
+    text = str(value).translate(_MARKDOWN_ESCAPES)
+    return _EMPHASIS_UNDERSCORE.sub(r"\\_", text) if "_" in text else text
 
 
 def markdown_table(table: pd.DataFrame) -> str:

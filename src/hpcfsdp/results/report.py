@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..memory import gpu_memory_gib
+from ..record import atomic_output, write_text
 from ..spec import SpecError
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
@@ -88,8 +89,8 @@ def write_report(
     ]
 
     title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
-    (report / "summary.md").write_text(to_markdown(title, sections, relative_to=report))
-    (report / "index.html").write_text(to_html(title, sections))
+    write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
+    write_text(report / "index.html", to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
     return Report(table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells))
 
@@ -118,7 +119,8 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
     """results.csv, and results.parquet when pyarrow is there; lists and objects as JSON text.
     Returns the files and a note per column that parquet could not keep as it was."""
     table = _exportable(frame)
-    table.to_csv(report / "results.csv", index=False)
+    with atomic_output(report / "results.csv") as tmp:
+        table.to_csv(tmp, index=False)
     written = [report / "results.csv"]
     try:
         import pyarrow  # noqa: F401  (only to know whether parquet can be written)
@@ -135,11 +137,13 @@ def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
     import pyarrow
 
     try:
-        table.to_parquet(path, index=False)
+        with atomic_output(path) as tmp:
+            table.to_parquet(tmp, index=False)
         return []
     except pyarrow.ArrowException:
         mixed = [column for column in table.columns[table.dtypes == "object"] if not _arrow_converts(table[column])]
-        table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(path, index=False)
+        with atomic_output(path) as tmp:
+            table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(tmp, index=False)
         return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import submitit
 
-from ..record import SPEC_NAME
+from ..record import SPEC_NAME, write_text
 from ..spec import RunSpec
 
 
@@ -35,5 +35,5 @@ class CellJob(submitit.helpers.Checkpointable):
 def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
-    path.write_text(json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
+    write_text(path, json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
     return path

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from ..record import SPEC_NAME, RecordError, keep_as_attempt, read_json_object, restore_attempt, write_json
+from ..record import SPEC_NAME, RecordError, keep_as_attempt, read_json_object, restore_attempt, write_json, write_text
 from ..spec import SpecError
 
 if TYPE_CHECKING:
@@ -68,6 +68,9 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
     except FileNotFoundError:
         return {}
     for cell_id, entry in manifest.items():
+        if cell_id in ("", ".", "..") or "/" in cell_id or "\\" in cell_id or "\0" in cell_id:
+            # A cell id becomes the folder cells/<id>/ that status and submit write records into.
+            raise RecordError(f"{path}: {cell_id!r}: not a cell folder name; not followed")
         if not isinstance(entry, dict):
             raise RecordError(
                 f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
@@ -87,7 +90,7 @@ def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> N
     from .job import write_cell_spec
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / MATRIX_NAME).write_text(yaml.safe_dump(sweep.raw, sort_keys=False))
+    write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
         write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name)
 

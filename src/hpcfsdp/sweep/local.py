@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..record import MISSING
 from ..spec import JOB_END_ENV
-from .environment import HF_TOKEN_ENV, is_secret, job_environment, without_secrets
+from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
 from .layout import cell_dir, records_set_aside, update_manifest
 from .matrix import Cell, Sweep
 from .status import cell_status, log_tails, record_launch_failure
@@ -56,7 +56,7 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]
 def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
     """One runnable shell line for the cell: `env` without the tokens of the shell it runs in
     (the Hugging Face ones always, and any other set here), the cell's environment, then torchrun."""
-    unset = dict.fromkeys([*HF_TOKEN_ENV, *sorted(name for name in os.environ if is_secret(name))])
+    unset = dict.fromkeys([*HF_TOKEN_ENV, *secret_names(os.environ)])
     env = [f"{k}={shlex.quote(v)}" for k, v in job_environment(sweep).items()]
     args = torchrun_command(cell_dir(sweep_dir, cell).absolute(), cell.spec.gpus_per_node, cell.spec.nodes)
     return " ".join(

@@ -24,6 +24,7 @@ from ..record import (
     RecordError,
     RecordState,
     failure_record,
+    is_job_id,
     read_json_object,
     record_state,
     write_record,
@@ -125,7 +126,11 @@ def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
     """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
     manifest = read_manifest(sweep_dir)
     entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
-    return {cid: str(e["job_id"]) for cid, e in entries.items() if e.get("executor") == "slurm" and e.get("job_id")}
+    return {
+        cid: str(e["job_id"])
+        for cid, e in entries.items()
+        if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
+    }
 
 
 def queued_states(job_ids: Iterable[str]) -> dict[str, QueuedJob]:

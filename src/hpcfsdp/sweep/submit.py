@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Stopped, UserError
+from ..names import sbatch_word_problem
 from ..record import MISSING, RecordError
 from ..spec import SpecError
 from .interrupts import Interrupted, interrupts_raise
@@ -56,18 +57,34 @@ class Submission:
     not_queued: list[Cell] = field(default_factory=list)  # left out: no room under slurm.max_jobs_in_queue
 
 
+class NoController(UserError):
+    """sbatch is installed but no Slurm controller answers: a login node whose controller is down
+    or unreachable, where training the cells here instead is the worst thing to do."""
+
+
 def default_executor() -> tuple[str, str]:
-    """slurm when a Slurm controller answers here, else local (this machine's processes), and why."""
+    """slurm when a Slurm controller answers here, local where Slurm is not installed (a laptop, a
+    workstation), and why; NoController where sbatch is installed but no controller answers
+    (`--executor local` is then the user's explicit choice, never a fallback)."""
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
         return "local", "no Slurm here (sbatch is not on PATH)"
     try:
         probe = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=15)
     except subprocess.TimeoutExpired:
-        return "local", "sbatch is installed but sinfo did not answer within 15 s"
+        raise NoController(_no_controller("sbatch is installed but sinfo did not answer within 15 s")) from None
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]  # its fatal line
-        return "local", f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)"
+        raise NoController(
+            _no_controller(f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)")
+        )
     return "slurm", ""
+
+
+def _no_controller(why: str) -> str:
+    return (
+        f"{why}; nothing submitted and nothing run on this login node "
+        "(submit again once the controller answers, or choose --executor local)"
+    )
 
 
 def select_cells(
@@ -122,6 +139,11 @@ def submit(
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
+    if executor == "slurm":  # the folder's path goes into the #SBATCH lines of the log files
+        folder = str(sweep_dir.absolute())
+        problem = "holds '%', which sbatch expands in log file names" if "%" in folder else sbatch_word_problem(folder)
+        if problem:
+            raise SpecError(folder, "", f"the sweep folder's path {problem}; choose another --results-dir")
     # The lock: from reading which cells are queued to the manifest naming what this submit
     # queued (for the local executor, to its last cell). Signals end what it started (interrupts.py).
     try:
