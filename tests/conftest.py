@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -75,6 +77,23 @@ def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     # start.sh logs "starting slurmctld ..." / "starting slurmd <node>" / "starting slurmdbd ..." /
     # "starting mariadbd ..." for each daemon it starts.
     return env, re.search(r"^\[hpcfsdp-slurm\] starting (slurm|mariadbd)", start.stderr, flags=re.M) is not None
+
+
+def free_port_block(size: int) -> int:
+    """A port p with p .. p+size-1 all free (slurmctld on p, the slurmd of node i on p+i, ...), for
+    a cluster of a test module's own beside the session's. The search starts at a random block, so
+    that test runs beside each other (other checkouts) seldom race for the same one."""
+    blocks = list(range(17817, 29817, 97))
+    start = random.randrange(len(blocks))
+    for base in blocks[start:] + blocks[:start]:
+        try:
+            for port in range(base, base + size):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of ports")
 
 
 def stop_slurm(knobs: dict[str, str], *args: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import tempfile
 import textwrap
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import slurm, start_slurm, stop_slurm
+from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.cluster import Node, Partition, gpus_in_gres, never_clears, slurm_minutes
 from hpcfsdp.sweep.matrix import load_sweep
@@ -28,19 +27,6 @@ TINY = (
     "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
     "strategy: ddp, gpus_per_node: 1"
 )
-
-
-def free_port_block(size: int) -> int:
-    """A port p with p .. p+size-1 all free (slurmctld on p, the slurmd of node i on p+i)."""
-    for base in range(17817, 29817, 97):
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free block of ports")
 
 
 @pytest.fixture(scope="module")

@@ -502,6 +502,7 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         saved = signals.handle_time_limit()
         with pytest.raises(signals.CellTimeout, match="SIGUSR2"):
             os.kill(os.getpid(), signal.SIGUSR2)  # requeues used up: a timeout record
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal while that record is written: ignored
         signals.restore_handlers(saved)
         assert calls == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is submitit_handler
     finally:

@@ -24,6 +24,16 @@
 #   HPCFSDP_SLURM_ENFORCE          AccountingStorageEnforce (needs accounting) [none]
 #   HPCFSDP_SLURM_FEATURES         Features of every node (for --constraint)  [none]
 #   HPCFSDP_SLURM_DEF_MEM_PER_CPU  the partition's DefMemPerCPU in MB         [none]
+#   HPCFSDP_SLURM_CLUSTER_NAME     ClusterName (what sbatch -M names)        [hpcfsdp-local]
+#   HPCFSDP_SLURM_DBD_PORT  port of another cluster's running slurmdbd that keeps this cluster's
+#                          accounting (then no slurmdbd or MariaDB of its own); clusters that
+#                          share one slurmdbd reach each other with -M              [unset: its own]
+#   HPCFSDP_SLURM_PREEMPT  1: partition `urgent` (PriorityTier 2) on the nodes of `gpu` (PriorityTier
+#                          1) preempts its jobs (preempt/partition_prio, PreemptMode=REQUEUE,
+#                          KillWait 20 s)                                                   [0]
+#   HPCFSDP_SLURM_MEMORY_LIMIT  1: memory is a consumable (CR_CPU_Memory, DefMemPerNode 1000) and a
+#                          step above its job's memory is killed (jobacct_gather/linux every
+#                          second, OverMemoryKill): OUT_OF_MEMORY without cgroups        [0]
 set -euo pipefail
 
 # Everything we (and the tools we call) print goes to stderr; fd 3 keeps the real stdout for the
@@ -45,9 +55,17 @@ ACCOUNTING=${HPCFSDP_SLURM_ACCOUNTING:-1}
 ENFORCE=${HPCFSDP_SLURM_ENFORCE:-}                  # AccountingStorageEnforce, e.g. associations,limits,qos
 FEATURES=${HPCFSDP_SLURM_FEATURES:-}                # every node's Features (for --constraint)
 DEF_MEM_PER_CPU=${HPCFSDP_SLURM_DEF_MEM_PER_CPU:-}  # the partition's DefMemPerCPU, MB
-DBD_PORT=$((PORT + NNODES + 1))
+SHARED_DBD=${HPCFSDP_SLURM_DBD_PORT:-}
+DBD_PORT=${SHARED_DBD:-$((PORT + NNODES + 1))}
 DB_PORT=$((PORT + NNODES + 2))
-CLUSTER=hpcfsdp-local
+OWN_DBD=$((ACCOUNTING && ${#SHARED_DBD} == 0))   # a slurmdbd and MariaDB of its own
+CLUSTER=${HPCFSDP_SLURM_CLUSTER_NAME:-hpcfsdp-local}
+PREEMPT=${HPCFSDP_SLURM_PREEMPT:-0}
+MEMORY_LIMIT=${HPCFSDP_SLURM_MEMORY_LIMIT:-0}
+# SIGTERM to SIGKILL. With preemption 20 s: a preempted job's ranks ask squeue why, then write a
+# record. (A partition GraceTime would do it too, but a job that ends within its GraceTime ends
+# FAILED and is not requeued.)
+KILL_WAIT=$((PREEMPT ? 20 : 5))
 
 CONF=$DIR/conf/slurm.conf
 NODES=()
@@ -58,6 +76,11 @@ die() { echo "[hpcfsdp-slurm] ERROR: $*"; exit 1; }
 
 [[ $ACCOUNTING == [01] ]] || die "HPCFSDP_SLURM_ACCOUNTING must be 0 or 1, not '$ACCOUNTING'"
 [[ -z $ENFORCE || $ACCOUNTING == 1 ]] || die "HPCFSDP_SLURM_ENFORCE needs accounting (HPCFSDP_SLURM_ACCOUNTING=1)"
+[[ $PREEMPT == [01] ]] || die "HPCFSDP_SLURM_PREEMPT must be 0 or 1, not '$PREEMPT'"
+[[ $MEMORY_LIMIT == [01] ]] || die "HPCFSDP_SLURM_MEMORY_LIMIT must be 0 or 1, not '$MEMORY_LIMIT'"
+[[ $CLUSTER =~ ^[a-z0-9_-]+$ ]] || die "HPCFSDP_SLURM_CLUSTER_NAME must be lower-case letters, digits, '-' and '_', not '$CLUSTER'"
+[[ -z $SHARED_DBD || ($SHARED_DBD =~ ^[0-9]+$ && $ACCOUNTING == 1) ]] ||
+    die "HPCFSDP_SLURM_DBD_PORT must be a port number, with HPCFSDP_SLURM_ACCOUNTING=1, not '$SHARED_DBD'"
 [[ $(id -u) == 0 ]] || die "must run as root (installs packages, starts munged, edits /etc/hosts)"
 
 # --- 1. packages -------------------------------------------------------------------------------
@@ -65,7 +88,7 @@ packages=()
 for tool in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge; do
     command -v "${tool%%:*}" >/dev/null || packages+=("${tool#*:}")
 done
-if ((ACCOUNTING)); then
+if ((OWN_DBD)); then
     command -v slurmdbd >/dev/null || packages+=(slurmdbd)
     command -v mariadbd >/dev/null || packages+=(mariadb-server)
 fi
@@ -111,7 +134,7 @@ fi
 
 # --- 3. configuration ----------------------------------------------------------------------------
 mkdir -p "$DIR"/{conf,log,state,run,spool}
-if ((ACCOUNTING)); then mkdir -p "$DIR/db"; fi
+if ((OWN_DBD)); then mkdir -p "$DIR/db"; fi
 for n in "${NODES[@]}"; do
     mkdir -p "$DIR/spool/$n" "$DIR/gpu/$n"
     # Fake GPUs: gres.conf needs File= entries or the node registers with 0 GPUs. Plain files are
@@ -138,8 +161,18 @@ MpiDefault=none
 # No cgroups/systemd needed:
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
 EOF
+    if ((MEMORY_LIMIT)); then
+        cat <<EOF
+# Memory limits without cgroups: every second slurmstepd reads each step's memory from /proc and
+# kills a step that uses more than its job asked for (OUT_OF_MEMORY).
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=1
+JobAcctGatherParams=OverMemoryKill
+EOF
+    else
+        echo "JobAcctGatherType=jobacct_gather/none"
+    fi
     if ((ACCOUNTING)); then
         cat <<EOF
 # Accounting through this cluster's slurmdbd (conf/slurmdbd.conf), so that sacct answers. No
@@ -159,8 +192,23 @@ SchedulerType=sched/backfill
 # jobs to start at once.
 SchedulerParameters=batch_sched_delay=0
 SelectType=select/cons_tres
-# CPUs only; memory is not a consumable, so jobs need not ask for --mem.
-SelectTypeParameters=CR_CPU
+EOF
+    if ((MEMORY_LIMIT)); then
+        echo "# CPUs and memory are consumables; a job that does not ask for memory gets DefMemPerNode."
+        echo "SelectTypeParameters=CR_CPU_Memory"
+    else
+        echo "# CPUs only; memory is not a consumable, so jobs need not ask for --mem."
+        echo "SelectTypeParameters=CR_CPU"
+    fi
+    if ((PREEMPT)); then
+        cat <<EOF
+# A job of partition urgent (PriorityTier 2) takes the nodes of running jobs of partition gpu
+# (PriorityTier 1): they are requeued (ended, if they may not be requeued).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+EOF
+    fi
+    cat <<EOF
 GresTypes=gpu
 # Nodes declare more CPUs than the machine has (oversubscription on purpose). Without
 # config_overrides slurmctld would drain them for "Low CPU count".
@@ -170,7 +218,7 @@ MaxArraySize=$MAX_ARRAY_SIZE
 MaxJobCount=50000
 # Short timeouts for tests; finished jobs stay visible in squeue for MinJobAge seconds.
 MinJobAge=300
-KillWait=5
+KillWait=$KILL_WAIT
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
@@ -191,7 +239,14 @@ EOF
     for ((i = 1; i <= NNODES; i++)); do
         echo "NodeName=${NODES[i-1]} NodeHostname=${NODES[i-1]} NodeAddr=127.0.0.1 Port=$((PORT + i)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS${FEATURES:+ Features=$FEATURES} State=UNKNOWN"
     done
-    echo "PartitionName=gpu Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=$MAX_TIME${DEF_MEM_PER_CPU:+ DefMemPerCPU=$DEF_MEM_PER_CPU} State=UP OverSubscribe=NO"
+    partition="Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=$MAX_TIME${DEF_MEM_PER_CPU:+ DefMemPerCPU=$DEF_MEM_PER_CPU} State=UP OverSubscribe=NO"
+    if ((MEMORY_LIMIT)) && [[ -z $DEF_MEM_PER_CPU ]]; then partition+=" DefMemPerNode=1000"; fi
+    if ((PREEMPT)); then
+        echo "PartitionName=gpu $partition Default=YES PriorityTier=1"
+        echo "PartitionName=urgent $partition PriorityTier=2"
+    else
+        echo "PartitionName=gpu $partition Default=YES"
+    fi
 } >"$CONF.new"
 
 {
@@ -207,7 +262,7 @@ DBD_CONF=$DIR/conf/slurmdbd.conf
 DB_CNF=$DIR/conf/mariadb.cnf
 DB_SOCKET=$DIR/run/mariadb.sock
 DB_PASS=hpcfsdp   # a throwaway database of a test cluster, on 127.0.0.1 only
-if ((ACCOUNTING)); then
+if ((OWN_DBD)); then
     (
         umask 077
         cat >"$DBD_CONF.new" <<EOF
@@ -263,19 +318,19 @@ any_running() {
 }
 
 generated=("$CONF" "$DIR/conf/gres.conf")
-if ((ACCOUNTING)); then generated+=("$DBD_CONF" "$DB_CNF"); fi
+if ((OWN_DBD)); then generated+=("$DBD_CONF" "$DB_CNF"); fi
 changed=0
 for f in "${generated[@]}"; do
     if ! cmp -s "$f.new" "$f"; then changed=1; fi
 done
-if ((!ACCOUNTING)) && [[ -e $DBD_CONF || -e $DB_CNF ]]; then changed=1; fi
+if ((!OWN_DBD)) && [[ -e $DBD_CONF || -e $DB_CNF ]]; then changed=1; fi
 if ((changed)); then
     if any_running; then
         log "configuration changed: restarting the daemons"
         HPCFSDP_SLURM_DIR=$DIR bash "$HERE/stop.sh"
     fi
     for f in "${generated[@]}"; do mv "$f.new" "$f"; done
-    if ((!ACCOUNTING)); then rm -f "$DBD_CONF" "$DB_CNF"; fi
+    if ((!OWN_DBD)); then rm -f "$DBD_CONF" "$DB_CNF"; fi
 else
     for f in "${generated[@]}"; do rm -f "$f.new"; done
 fi
@@ -309,7 +364,7 @@ fi
 # --- 5. daemons ----------------------------------------------------------------------------------
 # Accounting first: slurmctld registers with slurmdbd as it starts.
 db() { mariadb --defaults-file="$DB_CNF" --socket="$DB_SOCKET" -uroot "$@"; }
-if ((ACCOUNTING)); then
+if ((OWN_DBD)); then
     if ours "$DIR/run/mariadb.pid"; then
         log "mariadbd already running (pid $(<"$DIR/run/mariadb.pid"))"
     else
@@ -337,6 +392,8 @@ if ((ACCOUNTING)); then
         rm -f "$DIR/run/slurmdbd.pid"
         slurmdbd </dev/null >>"$DIR/log/slurmdbd.out" 2>&1 3>&- || die "slurmdbd failed to start; see $DIR/log/slurmdbd.log"
     fi
+fi
+if ((ACCOUNTING)); then
     # The cluster must be in the database before slurmctld registers with slurmdbd.
     for _ in $(seq 150); do
         clusters=$(sacctmgr --noheader --parsable2 list cluster format=cluster 2>/dev/null) && break

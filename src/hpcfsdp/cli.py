@@ -95,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument(
         "--retry-failed",
         action="store_true",
-        help="also rerun cells whose record is not ok (oom, error, timeout, diverged, cancelled, node_fail) or "
-        "is corrupt (cells without one always run; every earlier record is kept in attempts/)",
+        help="also rerun cells whose record is not ok (oom, error, timeout, diverged, cancelled, node_fail, "
+        "preempted, host_oom, deadline, boot_fail) or is corrupt (cells without one always run; every earlier "
+        "record is kept in attempts/)",
     )
     rerun.add_argument("--force", action="store_true", help="rerun every cell (except those still queued or running)")
     submit.add_argument(
@@ -130,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
         "status",
         help="cells by state in a sweep folder, from records and the scheduler",
         description="Count the cells of a sweep folder by state: pending / running (squeue), "
-        "else their record's status (ok, oom, error, timeout, diverged, cancelled, node_fail), "
+        "else their record's status (ok, oom, error, timeout, diverged, cancelled, node_fail, preempted, "
+        "host_oom, deadline, boot_fail), "
         "else missing (no record) or corrupt (a record file that cannot be used, named "
         "in one line); then a row per cell that is not ok.",
     )

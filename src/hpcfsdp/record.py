@@ -47,6 +47,11 @@ class CellState(str, Enum):
     DIVERGED = "diverged"  # a loss that is not finite
     CANCELLED = "cancelled"  # scancel, or an interrupted local submit
     NODE_FAIL = "node_fail"
+    # Slurm's other endings (endings.py): PREEMPTED, OUT_OF_MEMORY (host memory), DEADLINE, BOOT_FAIL
+    PREEMPTED = "preempted"
+    HOST_OOM = "host_oom"
+    DEADLINE = "deadline"
+    BOOT_FAIL = "boot_fail"
     # what the sweep folder and the scheduler say of a cell
     MISSING = "missing"  # no record (yet)
     CORRUPT = "corrupt"  # a record file that cannot be read, or holds values of the wrong type
@@ -72,6 +77,10 @@ STATUSES = tuple(
         CellState.DIVERGED,
         CellState.CANCELLED,
         CellState.NODE_FAIL,
+        CellState.PREEMPTED,
+        CellState.HOST_OOM,
+        CellState.DEADLINE,
+        CellState.BOOT_FAIL,
     )
 )
 MISSING, CORRUPT = CellState.MISSING, CellState.CORRUPT

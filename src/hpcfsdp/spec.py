@@ -532,7 +532,7 @@ class Resources:
     max_array_size: int = 0  # cells per array at most; 0: the cluster's MaxArraySize (scontrol show config)
     max_jobs_in_queue: int = 0  # your jobs (array tasks) queued at once at most, e.g. MaxSubmitJobs; 0: no cap
     gpu_request: GpuRequest = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
-    max_requeue: int = 0  # requeues after the time-limit signal; the cell then starts over
+    max_requeue: int = 0  # requeues (time limit, preemption, a failed node); the cell then starts over
     signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
     cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
     gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
@@ -604,6 +604,7 @@ SBATCH_SET_BY = {
     "array": "slurm.array_parallelism",
     "signal": "slurm.signal_delay_s",
     "requeue": "slurm.max_requeue",
+    "no-requeue": "slurm.max_requeue",
     "gres": "slurm.gpu_request",
     "gpus-per-node": "slurm.gpu_request",
     "nodes": "the cells' nodes",

@@ -54,7 +54,14 @@ from .metrics import (
 from .models import ModelSource, build_model, materialize, resolve_model
 from .profiling import memory_snapshot, profile_communication, write_trace
 from .provenance import driver_version, framework_environment, git_commit
-from .signals import CellCancelled, CellTimeout, handle_time_limit, restore_handlers, signal_cause
+from .signals import (
+    CellCancelled,
+    CellTimeout,
+    handle_time_limit,
+    requeued_too_often,
+    restore_handlers,
+    signal_cause,
+)
 from .strategies import parallelize, param_dtype
 from .summary import summary_line
 from .train import Diverged, TrainLog, build_optimizer, train
@@ -68,6 +75,13 @@ def run_cell_dir(cell_dir: Path) -> str:
     except SpecError as exc:
         write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **_provenance()))
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
+    too_often = requeued_too_often()
+    if too_often:  # the record of the run Slurm requeued (preempted, node_fail) stays the cell's
+        print(f"[hpcfsdp] {meta['cell_id']}: {too_often}", flush=True)
+        try:
+            return read_record(cell_dir / RECORD_NAME)["status"]
+        except (RecordError, FileNotFoundError):
+            return "missing"
     return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
 
 
@@ -303,6 +317,8 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str,
     )
     if isinstance(exc, Diverged):
         record.update(diverged_step=exc.step, losses=exc.losses)
+    if isinstance(exc, CellCancelled):
+        record.update(exc.fields)
     return record
 
 

@@ -1,6 +1,6 @@
 """Slurm's signals to a running cell: the time limit (SIGUSR2, or SIGTERM near the job's end)
 becomes CellTimeout, or a requeue through submitit's handler while requeues are left; an early
-SIGTERM becomes CellCancelled (scancel, or a failed node).
+SIGTERM becomes CellCancelled (scancel, a failed node, or preemption).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import time
 from datetime import datetime
 
+from ..endings import ENDINGS
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
 
 
@@ -20,11 +21,13 @@ class CellTimeout(Exception):
 
 class CellCancelled(Exception):
     """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
-    or Slurm ending the job because one of its nodes went down (`node_fail`)."""
+    Slurm ending the job because one of its nodes went down (`node_fail`), or preempting it for a
+    job of a higher priority (`preempted`). `fields`: the record's slurm_state and advice."""
 
-    def __init__(self, message: str, status: str):
+    def __init__(self, message: str, status: str, **fields: str):
         super().__init__(message)
         self.status = status
+        self.fields = fields
 
 
 # Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
@@ -55,13 +58,15 @@ def handle_time_limit() -> dict:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
     submitit_handler = previous[signal.SIGUSR2] if callable(previous[signal.SIGUSR2]) else None
     requeue = submitit_handler is not None and _requeues_left()
-    requeued = False
+    requeued = ended = False
 
     def handler(signum, frame):
-        nonlocal requeued
+        nonlocal requeued, ended
         name = signal.Signals(signum).name
         if requeued:
             raise SystemExit(f"requeued after {name}")
+        if ended:  # Slurm may signal twice (preemption does): the record of the first is being written
+            return
         if signum == signal.SIGUSR2 and requeue and submitit_handler is not None:
             requeued = True
             try:
@@ -69,6 +74,7 @@ def handle_time_limit() -> dict:
             except Exception as exc:  # submitit declined to requeue: a plain timeout
                 raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
             return
+        ended = True
         if signum == signal.SIGTERM:
             _raise_if_not_time_limit()
         raise CellTimeout(f"received {name} (time limit)")
@@ -80,16 +86,39 @@ def handle_time_limit() -> dict:
 
 def _raise_if_not_time_limit() -> None:
     """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
-    script from squeue, or by the local executor); then Slurm's reason for the job tells a failed
-    node (NodeDown) from a cancel. Without a known end time, SIGTERM counts as the time limit."""
+    script from squeue, or by the local executor); then Slurm's word on the job tells preemption
+    (a PreemptTime) and a failed node (the reason NodeDown) from a cancel. Without a known end
+    time, SIGTERM counts as the time limit."""
     left = _seconds_to_job_end()
     if left is None or left <= EARLY_SIGTERM_S:
         return
-    if "NodeDown" in _slurm_reason():
-        raise CellCancelled("received SIGTERM: a node of the job failed (Slurm: NodeDown)", "node_fail")
+    preempted_at, reason = _slurm_view()
+    if preempted_at:
+        state, why = "PREEMPTED", "requeued by Slurm" if preempted_at == "requeue" else f"at {preempted_at}"
+    elif "NodeDown" in reason:
+        state, why = "NODE_FAIL", "Slurm: NodeDown"
+    else:
+        raise CellCancelled(
+            f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit)",
+            "cancelled",
+        )
+    ending = ENDINGS[state]
     raise CellCancelled(
-        f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit)", "cancelled"
+        f"received SIGTERM: {ending.meaning} ({why}){_requeue_note()}",
+        ending.status,
+        slurm_state=state,
+        advice=ending.advice,
     )
+
+
+def _requeue_note() -> str:
+    """Whether Slurm requeues the job now (slurm.max_requeue > 0 gives it --requeue)."""
+    done, allowed = _restarts()
+    if not allowed:
+        return "; not requeued (slurm.max_requeue 0)"
+    if done < allowed:
+        return f"; Slurm requeues it (requeue {done + 1} of slurm.max_requeue {allowed})"
+    return f"; its slurm.max_requeue {allowed} requeue(s) are used up: the requeued run ends at once"
 
 
 def _seconds_to_job_end() -> float | None:
@@ -104,22 +133,48 @@ def _seconds_to_job_end() -> float | None:
     return end - time.time()
 
 
-def _slurm_reason() -> str:
-    """squeue's reason for this process's job ("" outside Slurm, or when it does not answer soon:
-    Slurm's KillWait after SIGTERM is short)."""
+def _slurm_view() -> tuple[str, str]:
+    """squeue's PreemptTime ("" when the job was not preempted) and reason for this process's job
+    ("", "" outside Slurm, or when it does not answer within 4 s: SIGKILL follows SIGTERM after
+    KillWait, 30 s by default, or a preempting partition's GraceTime)."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
-        return ""
+        return "", ""
     try:
-        return subprocess.run(
-            ["squeue", "--noheader", f"--jobs={job}", "--format=%r"], capture_output=True, text=True, timeout=3
+        out = subprocess.run(
+            ["squeue", "--noheader", f"--jobs={job}", "--Format=PreemptTime:40,State:40,Reason:400"],
+            capture_output=True,
+            text=True,
+            timeout=4,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return "", ""
+    preempted_at, state, reason = [*out.split(None, 2), "", "", ""][:3]
+    if preempted_at in ("", "N/A", "None", "Unknown"):
+        # Requeued already (preemption clears PreemptTime as it requeues): still preempted, unless
+        # a node failed.
+        preempted_at = "requeue" if state.startswith(("PENDING", "REQUEUE")) and "NodeDown" not in reason else ""
+    return preempted_at, reason.strip()
+
+
+def requeued_too_often() -> str:
+    """Why this run must not train, or "": Slurm requeued the job (preemption, a failed node) more
+    often than slurm.max_requeue allows. Slurm requeues a job with --requeue whenever it is
+    preempted; only the cell can stop that."""
+    done, allowed = _restarts()
+    if allowed and done > allowed:
+        return f"Slurm requeued the job {done} time(s), above slurm.max_requeue {allowed}: not run again"
+    return ""
+
+
+def _restarts() -> tuple[int, int]:
+    """Requeues so far (SLURM_RESTART_COUNT, the same on every rank) and those the sweep allows."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0), int(os.environ.get(MAX_REQUEUE_ENV) or 0)
 
 
 def _requeues_left() -> bool:
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) < int(os.environ.get(MAX_REQUEUE_ENV) or 0)
+    done, allowed = _restarts()
+    return done < allowed
 
 
 def restore_handlers(previous: dict) -> None:

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..endings import ENDINGS, ending_fields
 from ..record import ACCOUNTING_KEY, RECORD_NAME, RecordError, read_record, slurm_job_of, write_record
 from .layout import cell_dir
 
@@ -104,6 +105,7 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
         if ACCOUNTING_KEY in record or slurm_job_of(record.get("slurm")) != job:
             continue
         record[ACCOUNTING_KEY] = answers[job]
+        record.update(_ending_slurm_saw(record, answers[job]["state"]))
         write_record(path, record)
         added[cell_id] = answers[job]
     return added, ""
@@ -116,3 +118,12 @@ def note_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> dict[str, dict[
     if note:
         print(f"note: {note}", file=sys.stderr)
     return added
+
+
+def _ending_slurm_saw(record: dict[str, Any], state: str | None) -> dict[str, Any]:
+    """A rank that got an early SIGTERM records `cancelled` when squeue did not answer it in time
+    (a busy controller, a short KillWait); sacct's final state then tells a failed node or a
+    preemption from a cancel: the record's status, slurm_state and advice follow it."""
+    if record.get("status") != "cancelled" or state not in ("NODE_FAIL", "PREEMPTED"):
+        return {}
+    return {"status": ENDINGS[state].status, **ending_fields(state, ENDINGS[state])}

@@ -35,8 +35,9 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
     res: Resources = sweep.resources
     env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
     additional = dict(res.extra_sbatch)
-    if res.max_requeue:
-        additional["requeue"] = True  # clusters with JobRequeue=0 refuse `scontrol requeue` otherwise
+    # Clusters with JobRequeue=0 refuse `scontrol requeue` without --requeue; with JobRequeue=1 (the
+    # default) Slurm would requeue a preempted job, or one whose node failed, without end.
+    additional["requeue" if res.max_requeue else "no_requeue"] = True
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}",
         partition=res.partition or None,

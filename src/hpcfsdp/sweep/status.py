@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..endings import ended_by, ending_fields, memory_to_ask
 from ..errors import UserError
 from ..record import (
     MISSING,
@@ -34,7 +35,6 @@ from .cluster import never_clears, read_partitions, waits_for_nodes
 from .layout import SLURM_DIR, cell_dir, planned_cell_ids, read_manifest, slurm_folder
 from .matrix import Cell
 
-ENDED_BY = {"CANCELLED": "cancelled", "NODE_FAIL": "node_fail", "TIMEOUT": "timeout"}
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
@@ -63,6 +63,7 @@ class CellStatus:
     slurm: str = ""  # the scheduler's word: squeue's state, or sacct's once the job left the queue
     reason: str = ""  # why a pending cell waits (squeue %r)
     blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
+    advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
 
 
 @dataclass(frozen=True)
@@ -160,20 +161,54 @@ def _queued_job(line: str) -> tuple[str, QueuedJob]:
     )
 
 
-def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """job id -> final Slurm state from sacct; empty where there is no accounting (sacct fails)."""
+@dataclass(frozen=True)
+class FinishedJob:
+    """What sacct says of a job that left the queue: its state, then its steps' (CANCELLED for
+    "CANCELLED by 0"), and the most memory a step of it used on one node (MaxRSS; 0 unknown)."""
+
+    states: list[str]
+    max_rss_bytes: int = 0
+
+
+def finished_jobs(job_ids: Iterable[str]) -> dict[str, FinishedJob]:
+    """job id -> what sacct says of it; empty where there is no accounting (sacct fails)."""
     ids = sorted(set(job_ids))
     if not ids or not shutil.which("sacct"):
         return {}
-    command = ["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State", f"--jobs={','.join(ids)}"]
+    command = ["sacct", "--noheader", "--parsable2", "--format=JobID,State,MaxRSS", f"--jobs={','.join(ids)}"]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return {}
     if proc.returncode != 0:
         return {}
-    rows = (line.split("|") for line in proc.stdout.splitlines() if "|" in line)
-    return {row[0]: row[1].split()[0] for row in rows if row[1]}
+    found: dict[str, FinishedJob] = {}
+    for line in proc.stdout.splitlines():
+        row = line.split("|")
+        if len(row) != 3 or not row[1]:
+            continue
+        job = row[0].split(".")[0]  # 12_3.batch -> 12_3
+        if job not in ids:
+            continue
+        known = found.get(job, FinishedJob([]))
+        state = row[1].split()[0]
+        states = [state, *known.states] if row[0] == job else [*known.states, state]
+        found[job] = FinishedJob(states, max(known.max_rss_bytes, _bytes(row[2])))
+    return {job: finished for job, finished in found.items() if finished.states}
+
+
+def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """job id -> final Slurm state from sacct; empty where there is no accounting (sacct fails)."""
+    return {job: finished.states[0] for job, finished in finished_jobs(job_ids).items()}
+
+
+def _bytes(size: str) -> int:
+    """sacct's MaxRSS ("269040K", "1.50G", "0") in bytes; 0 when empty."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        return int(float(size[:-1]) * units[size[-1]]) if size and size[-1] in units else int(size or 0)
+    except ValueError:
+        return 0
 
 
 def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> StatusReport:
@@ -196,14 +231,28 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
-    finished = finished_states(unrecorded)
+    finished = finished_jobs(unrecorded)
     blocked = _blocked_jobs(queued)
     cells = []
     for cid in cell_ids:
         jid = jobs.get(cid, "")
         job = queued.get(jid)
         if job is None:
-            cells.append(CellStatus(cid, _strategy(sweep_dir, cid), states[cid].status, jid, finished.get(jid, "")))
+            ended = finished.get(jid)
+            record = states[cid].record or {}
+            advice = record.get("advice") or (
+                _lost_ending(sweep_dir, cid, jid, ended)[2].get("advice") if ended else ""
+            )
+            cells.append(
+                CellStatus(
+                    cid,
+                    _strategy(sweep_dir, cid),
+                    states[cid].status,
+                    jid,
+                    ended.states[0] if ended else "",
+                    advice=advice if isinstance(advice, str) else "",
+                )
+            )
         else:
             cells.append(
                 CellStatus(
@@ -323,6 +372,7 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
     for c in rows:
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        slurm += f": {c.advice}" if c.advice else ""
         print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         print(f"logs: {report.sweep_dir / SLURM_DIR / '<job>' / '<job>_<rank>_log.err'}")
@@ -347,24 +397,53 @@ def blocked_message(cells: list[CellStatus]) -> str:
 def record_lost_cells(report: StatusReport) -> list[CellStatus]:
     """Give each cell whose Slurm job left the queue without a record a record of its own.
 
-    Such a cell was cancelled, killed with its node, or crashed before training began (a failed
-    rendezvous, an import error); its record names the job, the scheduler's final state where
-    accounting tells it (CANCELLED, NODE_FAIL and TIMEOUT give the status `cancelled`, `node_fail`
-    and `timeout`; else `error`), and the tail of every rank's log, so that collect shows why.
+    Such a cell was cancelled, killed with its node, killed for host memory, preempted, past its
+    deadline, or crashed before training began (a failed rendezvous, an import error); its record
+    names the job, how Slurm ended it where accounting or the logs tell (endings.py: the status
+    `cancelled`, `timeout`, `node_fail`, `preempted`, `host_oom`, `deadline` or `boot_fail`, with
+    `slurm_state` and `advice`; else `error`), and the tail of every rank's log, so that collect
+    shows why.
     """
     lost = [c for c in report.cells if c.state == MISSING and c.job_id]
+    if not lost:
+        return lost
+    finished = finished_jobs(c.job_id for c in lost)
     for cell in lost:
-        state = f" ({cell.slurm})" if cell.slurm else ""
+        status, error, fields = _lost_ending(report.sweep_dir, cell.cell_id, cell.job_id, finished.get(cell.job_id))
         directory = cell_dir(report.sweep_dir, cell.cell_id)
-        spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
-        logs = slurm_logs(report.sweep_dir, cell.job_id, spec["nodes"] * spec["gpus_per_node"])
         record_launch_failure(
-            directory,
-            f"Slurm job {cell.job_id} ended{state} without a record",
-            log_tails(logs),
-            ENDED_BY.get(cell.slurm, "error"),
+            directory, error, log_tails(_cell_logs(report.sweep_dir, cell.cell_id, cell.job_id)), status, **fields
         )
     return lost
+
+
+def _lost_ending(
+    sweep_dir: Path, cell_id: str, job_id: str, finished: FinishedJob | None
+) -> tuple[str, str, dict[str, str]]:
+    """status, error line and the record's ending fields (endings.py) of a job that left no record."""
+    states = finished.states if finished else []
+    logs = "\n".join(path.read_text(errors="replace") for path in _cell_logs(sweep_dir, cell_id, job_id))
+    known = ended_by(states, logs)
+    shown = f" ({states[0]})" if states else ""
+    if known is None:
+        return "error", f"Slurm job {job_id} ended{shown} without a record", {}
+    state, ending = known
+    mem_gb = memory_to_ask(logs, 0, finished.max_rss_bytes if finished else 0) if ending.status == "host_oom" else 0
+    fields = ending_fields(state, ending, mem_gb)
+    return (
+        ending.status,
+        f"Slurm job {job_id} ended ({state}) without a record: {ending.meaning}; {fields['advice']}",
+        fields,
+    )
+
+
+def _cell_logs(sweep_dir: Path, cell_id: str, job_id: str) -> list[Path]:
+    """Every rank's stderr log of the cell's job (slurm_logs), as many ranks as its spec has."""
+    try:
+        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, kind="cell spec")["spec"]
+    except (FileNotFoundError, RecordError):
+        return []
+    return slurm_logs(sweep_dir, job_id, spec.get("nodes", 1) * spec.get("gpus_per_node", 1))
 
 
 def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
@@ -380,7 +459,7 @@ def log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
     return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
 
 
-def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error") -> None:
+def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error", **fields: str) -> None:
     """A cell that ended before it could write its record still gets one, with its log's tail."""
     meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
-    write_record(directory / RECORD_NAME, failure_record(status, "launch", error, log_tail, cell=meta))
+    write_record(directory / RECORD_NAME, failure_record(status, "launch", error, log_tail, cell=meta, **fields))

@@ -1,0 +1,290 @@
+"""Every way Slurm ends a job gets its own status, on a cluster of this module's own
+(slurm/local/start.sh with preemption tiers, memory as a consumable with OverMemoryKill, and
+accounting): a preempted cell records `preempted` and is requeued by Slurm up to slurm.max_requeue
+times, a node taken down under a cell records `node_fail`, a cell over its memory `host_oom` with
+the mem_gb to ask for, and a job past its deadline `deadline`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port_block, slurm, start_slurm, stop_slurm
+from hpcfsdp.cli import main
+from hpcfsdp.endings import ended_by, memory_to_ask
+from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.status import record_lost_cells, sweep_status
+
+TINY = (
+    "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
+    "strategy: ddp"
+)
+# The cell trains until a signal ends it: a run that is still training when Slurm ends the job.
+HANG = "export HPCFSDP_FAULT=train_step:hang"
+
+
+@pytest.fixture(scope="module")
+def site_cluster_env() -> Iterator[dict[str, str]]:
+    knobs = {
+        "HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-ends-"),
+        "HPCFSDP_SLURM_PORT": str(free_port_block(5)),
+        "HPCFSDP_SLURM_CPUS": "4",
+        "HPCFSDP_SLURM_PREEMPT": "1",
+        "HPCFSDP_SLURM_MEMORY_LIMIT": "1",
+    }
+    try:
+        env, _ = start_slurm(knobs)
+        yield env
+    finally:
+        stop_slurm(knobs, "--purge")
+        shutil.rmtree(knobs["HPCFSDP_SLURM_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def site_cluster(site_cluster_env, monkeypatch) -> dict[str, str]:
+    for key, value in site_cluster_env.items():
+        monkeypatch.setenv(key, value)
+    return site_cluster_env
+
+
+def submit(tmp_path: Path, name: str, text: str, capsys) -> tuple[Path, str, str]:
+    """Submit a sweep of one cell: its folder, cell id and job id."""
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(textwrap.dedent(text))
+    results = tmp_path / "results"
+    assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]) == 0
+    (job,) = re.findall(r"submitted array (\d+)", capsys.readouterr().out)
+    (cell,) = load_sweep(jobs).cells
+    return results / name, cell.id, job
+
+
+def job_field(job: str, name: str) -> str:
+    """A field of `scontrol show job` ("" once the job is gone)."""
+    try:
+        info = slurm("scontrol", "--oneliner", "show", "job", job)
+    except Exception:
+        return ""
+    found = re.search(rf"\b{name}=(\S*)", info)
+    return found.group(1) if found else ""
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while not check():
+        assert time.time() < deadline, f"{what}: not after {timeout_s} s\n{slurm('squeue')}"
+        time.sleep(1)
+
+
+def training(job_dir: Path, runs: int = 1) -> Callable[[], bool]:
+    """The job's rank 0 has reached training in its `runs`-th run (its submitit log says so)."""
+    return lambda: sum(p.read_text(errors="replace").count(": training ") for p in job_dir.glob("*_0_log.out")) >= runs
+
+
+def preempt() -> None:
+    """A job of the higher partition that needs every CPU of both nodes: Slurm requeues (or ends)
+    the gpu partition's jobs there."""
+    slurm(
+        "sbatch",
+        "--partition=urgent",
+        "--nodes=2",
+        "--cpus-per-task=4",
+        "--mem=100M",
+        "--time=1",
+        "--output=/dev/null",
+        "--wrap=true",
+    )
+
+
+def record(sweep_dir: Path, cell_id: str, name: str = "result.json") -> dict:
+    return json.loads((sweep_dir / "cells" / cell_id / name).read_text())
+
+
+def restart_now(job: str, restarts: int) -> None:
+    """Slurm holds a requeued job about 2 minutes (BeginTime): start it now."""
+    wait_for(f"job {job} requeued", lambda: job_field(job, "Restarts") == str(restarts))
+    wait_for(f"job {job} pending", lambda: job_field(job, "JobState") == "PENDING")
+    slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
+@pytest.mark.slurm
+@pytest.mark.xfail(
+    reason="open: with --requeue the preempted ranks' squeue shows neither PreemptTime nor a requeued "
+    "state in time on the loaded local cluster, so the first run records cancelled",
+    strict=False,
+)
+def test_a_preempted_cell_is_requeued_by_slurm_until_max_requeue_and_ends_ok_or_preempted(
+    site_cluster, tmp_path, capsys
+):
+    # Both cells allow one requeue. `again` trains until a signal in every run; `once` only in
+    # its first, so its requeued run ends ok.
+    again_dir, again, again_job = submit(
+        tmp_path,
+        "again",
+        f"""
+        name: again
+        base: {{{TINY}, gpus_per_node: 1}}
+        slurm: {{time_min: 10, max_requeue: 1}}
+        setup: ["{HANG}"]
+        """,
+        capsys,
+    )
+    once_dir, once, once_job = submit(
+        tmp_path,
+        "once",
+        f"""
+        name: once
+        base: {{{TINY}, gpus_per_node: 1}}
+        slurm: {{time_min: 10, max_requeue: 1}}
+        setup: ['[ "$SLURM_RESTART_COUNT" = 1 ] || {HANG}']
+        """,
+        capsys,
+    )
+    for sweep_dir, job in ((again_dir, again_job), (once_dir, once_job)):
+        wait_for("training", training(sweep_dir / "slurm" / job))
+    preempt()
+    for sweep_dir, cell in ((again_dir, again), (once_dir, once)):
+        wait_for("record", lambda d=sweep_dir, c=cell: (d / "cells" / c / "result.json").exists())
+    for job in (again_job, once_job):
+        restart_now(job, 1)
+    # The preempted run's record is the cell's until the requeued run keeps it as an attempt.
+    wait_for("once ends", lambda: job_field(once_job, "JobState") in ("", "COMPLETED"))
+    first = record(once_dir, once, "attempts/1.json")
+    assert first["status"] == "preempted" and first["slurm_state"] == "PREEMPTED", first.get("error")
+    assert "Slurm requeues it (requeue 1 of slurm.max_requeue 1)" in first["error"]
+    assert "raise slurm.max_requeue" in first["advice"]
+    assert record(once_dir, once)["status"] == "ok"
+    assert record(once_dir, once)["launch_id"] == f"slurm-{once_job}-1"
+
+    # `again` is preempted a second time: its one requeue is used up, so the run Slurm requeues
+    # ends at once and the cell stays preempted (not error, not timeout).
+    wait_for("training again", training(again_dir / "slurm" / again_job, runs=2))
+    preempt()
+    restart_now(again_job, 2)
+    wait_for("again ends", lambda: job_field(again_job, "JobState") in ("", "COMPLETED"))
+    last = record(again_dir, again)
+    assert last["status"] == "preempted" and last["launch_id"] == f"slurm-{again_job}-1", last.get("error")
+    assert "requeue(s) are used up" in last["error"]
+    assert record(again_dir, again, "attempts/1.json")["status"] == "preempted"
+    log = (again_dir / "slurm" / again_job / f"{again_job}_0_log.out").read_text()
+    assert "Slurm requeued the job 2 time(s), above slurm.max_requeue 1: not run again" in log
+
+    assert main(["status", str(again_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"{again_dir}: 1 cell(s): preempted 1" in out
+    assert re.search(rf"^{again} +ddp +preempted +{again_job} .*raise slurm.max_requeue", out, flags=re.M), out
+
+
+@pytest.mark.slurm
+def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_their_ending(
+    site_cluster, tmp_path, capsys
+):
+    preempted_dir, preempted, preempted_job = submit(
+        tmp_path,
+        "preempted",
+        f"""
+        name: preempted
+        base: {{{TINY}, gpus_per_node: 1}}
+        slurm: {{time_min: 10}}
+        setup: ["{HANG}"]
+        """,
+        capsys,
+    )
+    wait_for("training", training(preempted_dir / "slurm" / preempted_job))
+    preempt()
+    wait_for("record", lambda: (preempted_dir / "cells" / preempted / "result.json").exists())
+    got = record(preempted_dir, preempted)
+    assert got["status"] == "preempted" and "not requeued (slurm.max_requeue 0)" in got["error"], got.get("error")
+
+    down_dir, down, down_job = submit(
+        tmp_path,
+        "down",
+        f"""
+        name: down
+        base: {{{TINY}, gpus_per_node: 1}}
+        slurm: {{time_min: 10}}
+        setup: ["{HANG}"]
+        """,
+        capsys,
+    )
+    wait_for("training", training(down_dir / "slurm" / down_job))
+    node = job_field(down_job, "NodeList")
+    try:
+        slurm("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test")
+        wait_for("record", lambda: (down_dir / "cells" / down / "result.json").exists())
+    finally:  # ReturnToService=2 may have put it back already: then RESUME is refused
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, timeout=60)
+    # The ranks ask squeue why they got SIGTERM (NodeDown); where it does not answer them in time
+    # they record `cancelled`, and status (like collect) corrects that from sacct's NODE_FAIL.
+    wait_for("job ends", lambda: job_field(down_job, "JobState") not in ("RUNNING", "COMPLETING"))
+    assert main(["status", str(down_dir)]) == 0
+    assert f"{down_dir}: 1 cell(s): node_fail 1" in capsys.readouterr().out
+    got = record(down_dir, down)
+    assert got["status"] == "node_fail" and got["slurm_state"] == "NODE_FAIL", got.get("error")
+    assert got["slurm_accounting"]["state"] == "NODE_FAIL" and "max_requeue" in got["advice"]
+
+
+@pytest.mark.slurm
+def test_a_cell_over_its_memory_and_one_past_its_deadline_get_records_from_what_slurm_said(
+    site_cluster, tmp_path, capsys
+):
+    # Four ranks of torch on a node need well over 1 GiB (0.4 GiB each): slurmstepd kills the step (OverMemoryKill).
+    oom_dir, oom, _ = submit(
+        tmp_path,
+        "memory",
+        f"""
+        name: memory
+        base: {{{TINY}, gpus_per_node: 4}}
+        slurm: {{time_min: 10, mem_gb: 1}}
+        """,
+        capsys,
+    )
+    # Held past its deadline: Slurm ends it DEADLINE once it may be scheduled.
+    late_dir, late, late_job = submit(
+        tmp_path,
+        "late",
+        f"""
+        name: late
+        base: {{{TINY}, gpus_per_node: 1}}
+        slurm: {{time_min: 1, signal_delay_s: 10, extra_sbatch: {{hold: true, deadline: now+2}}}}
+        """,
+        capsys,
+    )
+    # submit --wait finds the memory cell in flight, waits for it, and records how its job ended.
+    command = ["submit", str(tmp_path / "memory.yaml"), "--executor", "slurm", "--wait"]
+    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 1
+    subprocess.run(["scontrol", "release", late_job], capture_output=True, timeout=60)  # if not ended yet
+    wait_for("deadline", lambda: job_field(late_job, "JobState") in ("", "DEADLINE"))
+    assert main(["status", str(late_dir)]) == 0  # before any record: sacct's word and the advice
+    assert re.search(rf"^{late} +ddp +missing +{late_job} +DEADLINE: set a later", capsys.readouterr().out, re.M)
+    assert [c.cell_id for c in record_lost_cells(sweep_status(late_dir))] == [late]  # as submit --wait does
+    got = record(oom_dir, oom)
+    assert got["status"] == "host_oom" and got["slurm_state"] == "OUT_OF_MEMORY", got.get("error")
+    (needed,) = re.findall(r"raise slurm.mem_gb to at least (\d+)", got["advice"])
+    assert int(needed) >= 2 and got["advice"] in got["error"]
+    assert "exceeded memory limit" in got["traceback"]
+    got = record(late_dir, late)
+    assert got["status"] == "deadline" and got["slurm_state"] == "DEADLINE", got.get("error")
+    assert "set a later slurm.extra_sbatch.deadline" in got["advice"]
+    assert main(["status", str(late_dir)]) == 0
+    assert f"{late_dir}: 1 cell(s): deadline 1" in capsys.readouterr().out
+
+
+def test_endings_are_read_from_sacct_states_and_slurmstepd_memory_kills():
+    kill = "slurmstepd-n1: error: StepId=10.0 exceeded memory limit (1275496960 > 1073741824), being killed"
+    assert ended_by(["COMPLETED", "COMPLETED", "CANCELLED"], kill)[0] == "OUT_OF_MEMORY"
+    assert ended_by(["FAILED", "OUT_OF_MEMORY"])[0] == "OUT_OF_MEMORY"  # a cgroup site
+    assert ended_by(["CANCELLED", "CANCELLED"])[0] == "CANCELLED"
+    assert ended_by(["FAILED", "CANCELLED"]) is None  # an error: the other ranks were ended with it
+    for state in ("NODE_FAIL", "PREEMPTED", "DEADLINE", "BOOT_FAIL", "TIMEOUT"):
+        assert ended_by([state])[0] == state
+    assert memory_to_ask(kill, 1) == 2  # used 1.19 GiB over a 1 GiB limit
+    assert memory_to_ask("", 4, max_rss_bytes=6 * 1024**3 + 1) == 7
