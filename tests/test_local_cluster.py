@@ -8,8 +8,7 @@ import tempfile
 
 import pytest
 
-from conftest import ROOT
-from test_cluster_limits import free_port_block
+from conftest import ROOT, free_port_block
 
 # In a PID and mount namespace of its own, with a /run/munge of its own, the cluster is the only
 # one on the "machine" (as on a bare CI machine): start.sh starts munged, and stop.sh stops it
