@@ -278,7 +278,8 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     GPU-hours; a partial energy measurement adds the least energy among those measured."""
     energy = ranked.dropna(subset=["joules_per_token"])
     by_energy = len(energy) == len(ranked)
-    cheapest = ranked.loc[ranked["joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"].idxmin()]
+    cost = "joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"
+    cheapest = ranked.sort_values(cost, kind="stable").iloc[0]  # the first of equals, as idxmin
     same = " (also the fastest)" if cheapest.name == fastest.name else ""
     gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion tokens"
     if by_energy:
