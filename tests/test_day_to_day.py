@@ -25,7 +25,8 @@ BASE = (
 DAILY = (
     "name: daily\n"
     + BASE
-    + "slurm: {partition: gpu, time_min: 10, cpus_per_task: 1}\nmatrix: {gpus_per_node: [1, 2]}\n"
+    + "slurm: {partition: gpu, time_min: 10, cpus_per_task: 1, mail_user: hpc@localhost, mail_type: 'END,FAIL'}\n"
+    + "matrix: {gpus_per_node: [1, 2]}\n"
 )
 
 
@@ -93,6 +94,16 @@ def test_then_collect_runs_collect_in_a_job_after_the_arrays_and_leaves_report_a
     assert daily["done"][-1] == (
         f"collect job {job}: exit status 0 (report written): {sweep_dir / 'report' / 'summary.md'}"
     )
+    script = (sweep_dir / "slurm" / job / f"{job}_submission.sh").read_text()
+    after = ":".join(sorted(arrays, key=int))
+    for line in (
+        f"--dependency=afterany:{after}",
+        "--mail-type=END,FAIL",
+        "--mail-user=hpc@localhost",
+        "--ntasks-per-node=1",
+    ):
+        assert f"#SBATCH {line}\n" in script
+    assert "gres" not in script  # a CPU job
     summary = (sweep_dir / "report" / "summary.md").read_text()
     ok = cell_of(sweep_dir, 1)
     assert summary.split("\n## ")[1].startswith("Recommendation") and f"(cell {ok})" in summary
