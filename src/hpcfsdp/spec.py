@@ -584,7 +584,7 @@ class Resources:
 
 def _check_names(where: str, res: Resources) -> None:
     """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
-    for name in ("partition", "account", "qos", "constraint"):
+    for name in ("partition", "account", "qos", "constraint", "collect_partition"):
         problem = slurm_name_problem(getattr(res, name))
         if problem:
             raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
