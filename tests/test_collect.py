@@ -769,20 +769,24 @@ def test_the_report_opens_with_one_recommendation_line_each_for_speed_headroom_a
     fastest, roomy, cheapest = gpu_report.recommendation
     zero2_b4 = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=4))
     zero3_b1 = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1))
-    assert fastest == f"Fastest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 14,000 tokens/s per GPU (cell {zero2_b4})"
+    assert fastest == (
+        f"Fastest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 28,000 tokens/s for the job, 2 GPU(s) x 14,000 "
+        f"(cell {zero2_b4})"
+    )
     # The H100's 79.6 GiB from its name (these records predate memory_capacity_gib); 20 GiB peak.
     assert roomy == (
         f"Most memory headroom: fsdp2_zero3 at batch 1, accum 1, ckpt none: peak 20.00 of 79.6 GiB, "
         f"59.6 GiB (75%) free (cell {zero3_b1})"
     )
-    assert cheapest.startswith(
-        "Cheapest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 19.8 GPU-hours per billion tokens (the fastest"
+    assert cheapest == (
+        f"Cheapest: fsdp2_zero2 at batch 4, accum 1, ckpt none: 19.8 GPU-hours per billion tokens (also the fastest) "
+        f"(cell {zero2_b4})"
     )
     assert all(line in summary for line in gpu_report.recommendation)
     assert "Recommendation" in (gpu_report.directory / "index.html").read_text().split("Best configuration")[0]
 
 
-def test_cheapest_names_the_least_energy_per_token_where_nvml_measured_it(tmp_path):
+def test_cheapest_is_the_least_energy_per_token_where_nvml_measured_it(tmp_path):
     sweep = tmp_path / "energy"
     for strategy, tps, joules in (("ddp", 12000, 0.05), ("fsdp2_zero3", 11000, 0.04)):
         spec = spec_of(GPU_BASE, strategy=strategy, batch_size=2)
@@ -799,10 +803,40 @@ def test_cheapest_names_the_least_energy_per_token_where_nvml_measured_it(tmp_pa
         )
     fastest, roomy, cheapest = write_report(sweep, plots=False).recommendation
     assert fastest.startswith("Fastest: ddp at batch 2") and "of 139.8 GiB, 89.8 GiB (64%) free" in roomy
+    assert cheapest.startswith(
+        "Cheapest: fsdp2_zero3 at batch 2, accum 1, ckpt none: 11.1 kWh per billion tokens (0.04 J per token; "
+        "25.3 GPU-hours per billion tokens) (cell "
+    )
+    # Energy measured for one cell only: GPU-hours decide, and the measured one is named beside.
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=2), 10000, 50))
+    cheapest = write_report(sweep, plots=False).recommendation[2]
     assert cheapest.startswith("Cheapest: ddp at batch 2, accum 1, ckpt none: 23.1 GPU-hours per billion tokens")
     assert cheapest.endswith(
-        "least energy: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token (11.1 kWh per billion tokens)"
+        "least energy of the 2 measured: fsdp2_zero3 at batch 2, accum 1, ckpt none: 0.04 J per token "
+        "(11.1 kWh per billion tokens)"
     )
+
+
+def test_fastest_and_cheapest_differ_when_cells_use_different_gpu_counts(tmp_path, capsys):
+    """4 GPUs at 9,000 tokens/s each finish first (36,000 for the job); 1 GPU at 12,000 costs
+    fewest GPU-hours per token; the 8-GPU ZeRO-3 cell has the most memory left."""
+    sweep = tmp_path / "counts"
+    one = put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp", gpus_per_node=1), 12000, 60))
+    four = put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", gpus_per_node=4), 9000, 40))
+    eight = put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", nodes=2, gpus_per_node=4), 4000, 20))
+    assert main(["collect", str(sweep), "--no-plots", "--no-history"]) == 0
+    fastest, roomy, cheapest = capsys.readouterr().out.splitlines()[:3]
+    assert fastest == (
+        "Fastest: fsdp2_zero2 at batch 1, accum 1, ckpt none, gpus/node 4, nodes 1: 36,000 tokens/s for the job, "
+        f"4 GPU(s) x 9,000 (cell {four})"
+    )
+    assert cheapest == (
+        "Cheapest: ddp at batch 1, accum 1, ckpt none, gpus/node 1, nodes 1: 23.1 GPU-hours per billion tokens "
+        f"(cell {one})"
+    )
+    assert roomy.startswith("Most memory headroom: fsdp2_zero3 at batch 1") and roomy.endswith(f"(cell {eight})")
+    summary = (sweep / "report" / "summary.md").read_text()
+    assert summary.split("\n## ")[1].startswith("Recommendation") and fastest in summary and cheapest in summary
 
 
 def test_the_printed_cell_table_has_a_column_for_each_field_the_sweep_varies(tmp_path, capsys):

@@ -1,10 +1,11 @@
 """A real record (the tiny model, 2 ranks under torchrun on CPU): its provenance, its row in the
-history, and its export to TensorBoard and MLflow, read back with their own readers."""
+history, and its export to TensorBoard, MLflow and W&B (offline), read back with their own readers."""
 
 from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,89 @@ def test_export_to_mlflow_writes_a_file_store_its_client_reads_back(sweep, tmp_p
     assert broken.data.metrics == {}
 
 
+WANDB_BLOCK = 32768  # a .wandb file is a LevelDB-style log: 32 KiB blocks of framed chunks
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a .wandb transaction log, parsed with wandb's own protobuf `Record`.
+
+    wandb 0.2x moved its reader (the Python `datastore`) into the Go wandb-core, which offers no
+    call to read a file: this unframes the log as that datastore did (a 7-byte header `:W&B`,
+    0xBEE1, version; then chunks of checksum, length, type: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0)
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += WANDB_BLOCK - pos % WANDB_BLOCK
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def read_wandb_run(folder: Path) -> dict:
+    """An offline run: its run record, config, history rows, summary and exit code."""
+    (path,) = folder.glob("run-*.wandb")
+    run: dict = {"config": {}, "history": [], "summary": {}}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":  # the config given to wandb.init comes with it
+            run["run"] = record.run
+            run["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+        elif kind == "config":
+            run["config"].update({i.key: json.loads(i.value_json) for i in record.config.update})
+        elif kind == "history":
+            run["history"].append(
+                {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            )
+        elif kind == "summary":
+            run["summary"].update(
+                {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update}
+            )
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+    return run
+
+
+def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(sweep, tmp_path, capsys):
+    sweep_dir, record, _ = sweep
+    out = tmp_path / "wb"
+    assert main(["export", str(sweep_dir), "--to", "wandb", str(out)]) == 0
+    assert main(["export", str(sweep_dir), "--to", "wandb", str(out)]) == 0  # exported before: skipped
+    printed = capsys.readouterr().out.splitlines()
+    assert f"exported 2 run(s) of {sweep_dir} to wandb" in printed[0] and "exported 0 run(s)" in printed[-1]
+
+    runs = {}
+    for folder in sorted((out / "wandb").glob("offline-run-*")):
+        run = read_wandb_run(folder)
+        runs[run["run"].display_name] = run
+    assert set(runs) == {record["cell_id"], "broken-cell"}
+    ok = runs[record["cell_id"]]
+    assert ok["run"].project == "t" and ok["run"].run_group == setup_key(record["spec"]) and ok["exit_code"] == 0
+    assert {k: v for k, v in ok["config"].items() if not k.startswith("_")} == record["spec"]
+    warmup = record["spec"]["warmup_steps"]
+    steps = {row["_step"]: row for row in ok["history"]}
+    assert [(step, row["loss"]) for step, row in sorted(steps.items())] == list(enumerate(record["losses"]))
+    assert [(step, row["step_time_s"]) for step, row in sorted(steps.items()) if "step_time_s" in row] == [
+        (warmup + i, t) for i, t in enumerate(record["step_times_s"])
+    ]
+    assert ok["summary"]["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"])
+    assert ok["summary"]["peak_memory_gib"] == pytest.approx(record["peak_memory_gib"])
+    assert ok["summary"]["status"] == "ok" and "mfu" not in ok["summary"]  # a CPU run has no MFU
+    broken = runs["broken-cell"]
+    assert broken["exit_code"] == 1 and broken["history"] == [] and broken["config"]["strategy"] == "ddp"
+    assert broken["summary"]["status"] == "error" and broken["summary"]["error"] == "RuntimeError: injected"
+
+
 # Runs one hpcfsdp command in a fresh interpreter, with the named modules made unimportable.
 PROBE = """
 import json, sys
@@ -184,7 +268,7 @@ def run_fresh(args: list[str], blocked: list[str] = ()) -> tuple[dict, str]:
 
 def test_an_exporter_without_its_extra_says_which_extra_in_one_line(sweep, tmp_path):
     sweep_dir, _, _ = sweep
-    for target, blocked in (("tensorboard", ["tensorboard"]), ("mlflow", ["mlflow"])):
+    for target, blocked in (("tensorboard", ["tensorboard"]), ("mlflow", ["mlflow"]), ("wandb", ["wandb"])):
         result, err = run_fresh(["export", str(sweep_dir), "--to", target, str(tmp_path / target)], blocked)
         assert result["code"] == 1
         assert err.strip() == f"error: export --to {target} needs the '{target}' extra: pip install 'hpcfsdp[{target}]'"
@@ -192,6 +276,6 @@ def test_an_exporter_without_its_extra_says_which_extra_in_one_line(sweep, tmp_p
 
 def test_export_loads_no_torch(sweep, tmp_path):
     sweep_dir, _, _ = sweep
-    for target in ("tensorboard", "mlflow"):
+    for target in ("tensorboard", "mlflow", "wandb"):
         result, err = run_fresh(["export", str(sweep_dir), "--to", target, str(tmp_path / target)])
         assert result == {"code": 0, "torch": False}, err[-2000:]

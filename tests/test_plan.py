@@ -370,7 +370,7 @@ def test_status_counts_states_and_lists_unfinished_cells(flight, tmp_path, monke
         running.id: ["fsdp2_zero3", "running", f"{array}_2", "RUNNING"],
         gone.id: ["fsdp2_zero3", "missing", f"{array}_3", "FAILED"],  # sacct's final state
     }
-    assert out[-1] == f"logs: {sweep_dir}/slurm/<job>/<job>_<rank>_log.err"
+    assert out[-1] == f"logs: `hpcfsdp logs {sweep_dir} CELL` ({sweep_dir}/slurm/<job>/<job>_<rank>_log.err)"
     assert "no Slurm accounting" not in captured.err, captured.err
     # --watch redraws until nothing is pending or running (here: the running task is cancelled after
     # a few looks); the bar goes to stderr, one line per change when stderr is not a terminal.

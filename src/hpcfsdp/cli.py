@@ -1,4 +1,4 @@
-"""`hpcfsdp plan | submit | run | status | collect | history | export | download`: the parser, and
+"""`hpcfsdp plan | submit | run | status | logs | cancel | collect | history | export | download`: the parser, and
 main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
 as one line, in one place."""
 
@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out the cells `plan --memory` predicts not to fit in slurm.gpu_memory_gib / gpu_name",
     )
+    submit.add_argument(
+        "--then-collect",
+        action="store_true",
+        help="slurm: also queue one small CPU job that runs `collect --fail-on-regression` once the arrays "
+        "end (--dependency=afterany); its exit status goes to collect_job.json, mail by slurm.mail_user / "
+        "mail_type (docs/submit.md)",
+    )
     submit.set_defaults(func=commands.submit)
 
     run = sub.add_parser(
@@ -146,6 +153,34 @@ def _parser() -> argparse.ArgumentParser:
         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running",
     )
     status.set_defaults(func=commands.status)
+
+    logs = sub.add_parser(
+        "logs",
+        help="a cell's Slurm logs: every rank, every job it ran as, newest first",
+        description="Print a cell's Slurm stdout (or stderr) log of every rank, of every job the cell ran as "
+        "(its latest submit's, then its earlier records'), newest first; for a cell that did not finish ok, "
+        "its error and the error lines of its newest job's logs come first. Without CELL: the cells, "
+        "their states and jobs, not-ok ones first.",
+    )
+    logs.add_argument("sweep_dir", help="e.g. results/smoke")
+    logs.add_argument("cell", nargs="?", help="a cell id, or a unique beginning of one")
+    logs.add_argument("--stderr", action="store_true", help="the stderr logs instead of stdout")
+    logs.add_argument(
+        "--follow", action="store_true", help="print what the newest job writes as it writes it, until it ends"
+    )
+    logs.set_defaults(func=commands.logs)
+
+    cancel = sub.add_parser(
+        "cancel",
+        help="scancel this sweep's queued cells (never other jobs) and record them as cancelled",
+        description="scancel the queued jobs (array tasks) of a sweep folder's cells, found from its manifest "
+        "and checked against their Slurm job name, so no other job is touched; each cancelled cell's "
+        "record says cancelled.",
+    )
+    cancel.add_argument("sweep_dir", help="e.g. results/smoke")
+    cancel.add_argument("--cells", nargs="+", default=[], metavar="CELL", help="only these cells (default: all)")
+    cancel.add_argument("--pending-only", action="store_true", help="only cells still pending; running ones run on")
+    cancel.set_defaults(func=commands.cancel)
 
     collect = sub.add_parser(
         "collect",
@@ -247,10 +282,10 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export",
-        help="one run per cell in TensorBoard event files or an MLflow store (docs/history.md)",
+        help="one run per cell in TensorBoard event files, an MLflow store or W&B offline runs (docs/history.md)",
         description="Write each cell record of a sweep as a run: loss per step and step time as series, the spec as "
         "hyperparameters, tokens/s per GPU, MFU and peak memory as final values. Needs the extra of the "
-        "target: pip install 'hpcfsdp[tensorboard]' or 'hpcfsdp[mlflow]'.",
+        "target: pip install 'hpcfsdp[tensorboard]', 'hpcfsdp[mlflow]' or 'hpcfsdp[wandb]'.",
     )
     export.add_argument("sweep_dir", help="e.g. results/smoke")
     export.add_argument(
@@ -258,8 +293,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs=2,
         required=True,
         metavar=("TARGET", "DIR"),
-        help="tensorboard DIR (event files in DIR/<sweep>/<cell>), or mlflow DIR (a local file store; "
-        "an MLflow tracking URI works too)",
+        help="tensorboard DIR (event files in DIR/<sweep>/<cell>), mlflow DIR (a local file store; "
+        "an MLflow tracking URI works too), or wandb DIR (offline runs in DIR/wandb/, for `wandb sync`)",
     )
     export.set_defaults(func=commands.export)
 

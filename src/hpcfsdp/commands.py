@@ -58,6 +58,8 @@ def submit(args: argparse.Namespace) -> int:
         more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
         raise SpecError(f"{sweep.source}: {misses[0]}{more}")
     executor, why = (args.executor, "") if args.executor else default_executor()
+    if args.then_collect and executor != "slurm":
+        raise SpecError(f"submit: --then-collect queues a Slurm job: it needs the slurm executor, not {executor}")
     # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
     log = _to_stderr if executor == "print" else print
     if args.skip_predicted_oom:
@@ -74,6 +76,10 @@ def submit(args: argparse.Namespace) -> int:
         room_poll_s=WAIT_POLL_S if args.wait else None,
     )
     log(f"sweep folder: {sub.sweep_dir}")
+    if args.then_collect:
+        from .sweep.collect_job import queue_collect
+
+        queue_collect(sweep, sub.sweep_dir, [*sub.job_ids.values(), *sub.in_flight.values()], log)
     # Exit status 1 when a cell did not finish ok: what a scheduled (cron, CI) run checks.
     if executor == "slurm" and args.wait:
         try:
@@ -148,6 +154,7 @@ def _exit_worker(code: int) -> NoReturn:
 
 def status(args: argparse.Namespace) -> int:
     from .sweep.accounting import note_accounting
+    from .sweep.collect_job import collect_line
     from .sweep.layout import require_sweep_folder
     from .sweep.status import blocked_message, print_status, sweep_status, watch
 
@@ -160,10 +167,45 @@ def status(args: argparse.Namespace) -> int:
     if note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES}):
         report = sweep_status(sweep_dir, [c.cell_id for c in report.cells])
     print_status(report)
+    if line := collect_line(sweep_dir):
+        print(line)
     if report.stuck and args.watch:  # the watch ended with cells still queued
         raise UserError(blocked_message(report.blocked))
     if report.blocked:
         print(f"warning: {blocked_message(report.blocked)}", file=sys.stderr)
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    from .sweep.layout import require_sweep_folder
+    from .sweep.logs import Stream, cell_index, find_cell, follow, print_logs
+
+    sweep_dir = Path(args.sweep_dir)
+    require_sweep_folder(sweep_dir)
+    stream: Stream = "stderr" if args.stderr else "stdout"
+    if not args.cell:
+        print("\n".join(cell_index(sweep_dir)))
+        return 0
+    cell = find_cell(sweep_dir, args.cell)
+    return follow(sweep_dir, cell, stream) if args.follow else print_logs(sweep_dir, cell, stream)
+
+
+def cancel(args: argparse.Namespace) -> int:
+    from .sweep.cancel import cancel_sweep
+    from .sweep.layout import require_sweep_folder
+
+    sweep_dir = Path(args.sweep_dir)
+    require_sweep_folder(sweep_dir)
+    done = cancel_sweep(sweep_dir, args.cells, args.pending_only)
+    for what, cells in (("pending", done.pending), ("running", done.running)):
+        for cid, jid in cells.items():
+            print(f"cancelled {cid} (job {jid}, {what})")
+    if done.left_running:
+        print(f"left {len(done.left_running)} running cell(s) as they are (--pending-only)")
+    if done.still_queued:
+        jobs = " ".join(done.still_queued.values())
+        print(f"warning: {len(done.still_queued)} cancelled job(s) still in the queue: {jobs}", file=sys.stderr)
+    print(f"{len(done.pending) + len(done.running)} cell(s) cancelled; {len(done.not_queued)} had no queued job")
     return 0
 
 

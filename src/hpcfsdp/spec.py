@@ -538,6 +538,10 @@ class Resources:
     gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
     gpu_memory_gib: float = 0.0  # GPU memory for plan --memory and submit --skip-predicted-oom; 0: from gpu_name
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
+    # The collect job of `submit --then-collect` (sweep/collect_job.py): where it runs, whom it mails.
+    collect_partition: str = ""  # default: partition
+    mail_user: str = ""  # sbatch --mail-user of the collect job
+    mail_type: str = ""  # sbatch --mail-type of the collect job: END, FAIL, ALL, ... (comma-separated)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> Resources:
@@ -569,6 +573,9 @@ class Resources:
             require_no_control_characters(where, name, value)
         _check_names(where, res)
         _check_extra_sbatch(where, res)
+        unknown = [kind for kind in res.mail_type.split(",") if kind and kind.strip().upper() not in MAIL_TYPES]
+        if unknown:
+            raise SpecError(where, "mail_type", f"{unknown[0]!r}: expected one or more of {', '.join(MAIL_TYPES)}")
         return res
 
     def to_dict(self) -> dict[str, Any]:
@@ -577,7 +584,7 @@ class Resources:
 
 def _check_names(where: str, res: Resources) -> None:
     """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
-    for name in ("partition", "account", "qos", "constraint"):
+    for name in ("partition", "account", "qos", "constraint", "collect_partition"):
         problem = slurm_name_problem(getattr(res, name))
         if problem:
             raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
@@ -589,6 +596,12 @@ def _check_names(where: str, res: Resources) -> None:
         if problem:
             raise SpecError(where, "cache_dir", f"{problem}: {shown(res.cache_dir)}")
 
+
+# sbatch --mail-type values (Slurm 22.05 and later).
+MAIL_TYPES = (
+    "NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT", "TIME_LIMIT_90",
+    "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS",
+)  # fmt: skip
 
 # sbatch options that hpcfsdp sets itself -> what to set instead ("": submitit's own); extra_sbatch
 # must not repeat them.

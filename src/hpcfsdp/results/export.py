@@ -1,14 +1,16 @@
-"""`hpcfsdp export SWEEP --to tensorboard|mlflow DIR`: one run per cell record, where people
+"""`hpcfsdp export SWEEP --to tensorboard|mlflow|wandb DIR`: one run per cell record, where people
 already look at runs (docs/history.md).
 
 Each run holds the loss per step and the step time as series, the spec as hyperparameters /
 params, and the headline metrics (tokens/s per GPU, MFU, peak memory) as final values. The writers
-are the libraries' own, imported here only: tensorboard and mlflow are optional extras
-(`pip install 'hpcfsdp[tensorboard]'`, `'hpcfsdp[mlflow]'`).
+are the libraries' own, imported here only: tensorboard, mlflow and wandb are optional extras
+(`pip install 'hpcfsdp[tensorboard]'`, `'hpcfsdp[mlflow]'`, `'hpcfsdp[wandb]'`). W&B runs are
+written offline only (nothing leaves the machine): `wandb sync DIR/wandb/offline-run-*` uploads them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Iterator
@@ -21,8 +23,8 @@ from ..errors import UserError
 from .history import attempt_of, setup_key, spec_values, system_of
 from .read import METRICS, load_records
 
-TARGETS = ("tensorboard", "mlflow")
-EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # target -> the pyproject extra that installs it
+TARGETS = ("tensorboard", "mlflow", "wandb")
+EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # target -> the pyproject extra
 FINAL_PREFIX = "final/"  # TensorBoard tag of a headline metric
 MLFLOW_METRICS, MLFLOW_PARAMS = 1000, 100  # the most MLflow's log_batch takes in one call
 
@@ -35,7 +37,7 @@ def export_sweep(sweep_dir: Path, target: str, destination: str) -> tuple[int, i
     """Write one run per cell record of the sweep; returns (runs written, runs already there)."""
     if target not in TARGETS:
         raise ExportError(f"export: --to {target}: expected one of {', '.join(TARGETS)}")
-    writer = _tensorboard if target == "tensorboard" else _mlflow
+    writer = {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}[target]
     collection = load_records(sweep_dir)
     runs = list(_runs(collection.frame, collection.spec_fields))
     return writer(runs, Path(sweep_dir).resolve().name, destination)
@@ -223,5 +225,65 @@ def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[i
             client.log_batch(run_id, metrics=metrics[first : first + MLFLOW_METRICS])
         status = RunStatus.FINISHED if run["status"] == "ok" else RunStatus.FAILED
         client.set_terminated(run_id, RunStatus.to_string(status), end_time=end_ms)
+        written += 1
+    return written, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights & Biases: offline runs in <DIR>/wandb/offline-run-<time>-<id>, project = the sweep
+
+
+def wandb_run_id(sweep: str, run: dict[str, Any]) -> str:
+    """One W&B run id per record (sweep, cell, attempt): a re-export finds the runs it wrote, and
+    `wandb sync` of the same record twice updates one run."""
+    return hashlib.sha256(f"{sweep}/{run['cell_id']}/{run['attempt']}".encode()).hexdigest()[:16]
+
+
+def _wandb(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[int, int]:
+    _import_extra("wandb")
+    import wandb
+
+    root = Path(destination)
+    root.mkdir(parents=True, exist_ok=True)
+    written = skipped = 0
+    for run in runs:
+        run_id = wandb_run_id(sweep, run)
+        if any((root / "wandb").glob(f"offline-run-*-{run_id}")):
+            skipped += 1  # this record was exported before
+            continue
+        started = run["started_at"]
+        writer = wandb.init(
+            mode="offline",
+            dir=str(root),
+            project=sweep,
+            id=run_id,
+            name=run["cell_id"],
+            group=run["setup"],
+            config=run["spec"],
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True),
+            reinit="create_new",
+        )
+        try:
+            rows: dict[int, dict[str, float]] = {}
+            for step, loss in enumerate(run["losses"]):
+                rows.setdefault(step, {})["loss"] = loss
+            for step, seconds in run["step_times"]:
+                rows.setdefault(step, {})["step_time_s"] = seconds
+            for step in sorted(rows):
+                writer.log(rows[step], step=step)
+            writer.summary.update(
+                {
+                    **run["metrics"],
+                    "status": run["status"],
+                    "error": (run["error"] or "").split("\n", 1)[0],
+                    "attempt": run["attempt"],
+                    "system": run["system"] or "",
+                    "gpu": run["gpu"] or "",
+                    "started_at": started,
+                    **{f"version.{k}": v for k, v in run["versions"].items()},
+                }
+            )
+        finally:
+            writer.finish(exit_code=0 if run["status"] == "ok" else 1)
         written += 1
     return written, skipped

@@ -51,7 +51,7 @@ class Report:
     unreadable: list[str]
     skipped_plots: dict[str, str]  # plot name -> why it was not drawn
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
-    recommendation: list[str] = field(default_factory=list)  # fastest, most headroom, cheapest
+    recommendation: list[str] = field(default_factory=list)  # fastest (whole job), most headroom, cheapest
 
 
 def write_report(
@@ -64,8 +64,8 @@ def write_report(
 ) -> Report:
     """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png.
 
-    `collection`: the sweep's records when the caller read them already; `first_sections` go
-    before the others (the over-time checks)."""
+    `collection`: the sweep's records when the caller read them already; `first_sections` (the
+    over-time checks) go right after the recommendation."""
     sweep_dir = Path(sweep_dir)
     collection = collection if collection is not None else load_records(sweep_dir, scheduler_states)
     cells = label_cells(collection)
@@ -74,7 +74,9 @@ def write_report(
 
     configs = ok_configs(cells)
     table = comparison_table(cells.frame, collection.spec_fields)
-    sections = [*first_sections, *summary_sections(cells, configs, baseline, collection.unreadable)]
+    # The recommendation first, then the over-time checks (first_sections), then the rest.
+    recommended, *rest = summary_sections(cells, configs, baseline, collection.unreadable)
+    sections = [recommended, *first_sections, *rest]
     figures: list[tuple[str, Path]] = []
     skipped: dict[str, str] = {}
     if plots:
@@ -224,9 +226,16 @@ def all_cells_section(table: pd.DataFrame) -> Section:
 
 
 def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
-    """One line each for the fastest (tokens/s per GPU), the most memory headroom (GPU memory left
-    at the peak; the lowest peak where the device's size is unknown) and the cheapest (GPU-hours
-    per billion tokens) ok configuration, with its setup and the figures it was picked by."""
+    """Three questions, one line each, among the ok configurations:
+
+    - fastest: the highest tokens/s of the whole job (time to train), tokens/s per GPU x GPUs;
+    - most memory headroom: GPU memory left at the peak (the lowest peak where the device's size
+      is unknown);
+    - cheapest: the fewest joules per billion tokens where NVML measured energy for every one of
+      them, else the fewest GPU-hours per billion tokens (the highest tokens/s per GPU).
+
+    Fastest and cheapest differ whenever cells use different GPU counts: 4 GPUs at 9,000 tokens/s
+    each finish first, 1 GPU at 12,000 costs less per token."""
     ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).copy()
     if ranked.empty:
         return []
@@ -234,14 +243,16 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     ranked["gpu_hours_per_billion_tokens"] = ranked["gpu_hours_per_billion_tokens"].fillna(
         1e9 / (3600 * ranked["tokens_per_s_per_gpu"])
     )
+    ranked["gpus"] = ranked["nodes"] * ranked["gpus_per_node"]
+    ranked["tokens_per_s"] = ranked["tokens_per_s_per_gpu"] * ranked["gpus"]
     named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
-    fastest = ranked.loc[ranked["tokens_per_s_per_gpu"].idxmax()]
-    cheapest = ranked.loc[ranked["gpu_hours_per_billion_tokens"].idxmin()]
+    fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
     lines = [
-        f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
-        f"tokens/s per GPU (cell {fastest['cell_id']})"
+        f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
+        f"job, {int(fastest['gpus'])} GPU(s) x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+        f"(cell {fastest['cell_id']})"
     ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
     if known.empty:
@@ -259,23 +270,35 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
             f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
             f"(cell {roomy['cell_id']})"
         )
-    same = (
-        " (the fastest: GPU-hours per token are the inverse of tokens/s per GPU)"
-        if cheapest.name == fastest.name
-        else ""
-    )
-    line = (
-        f"Cheapest: {_setup(cheapest, cells)}: {cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion "
-        f"tokens{same} (cell {cheapest['cell_id']})"
-    )
+    return [*lines, _cheapest_line(ranked, fastest, cells)]
+
+
+def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:
+    """By energy where every configuration has it (joules count all GPUs of the job), else by
+    GPU-hours; a partial energy measurement adds the least energy among those measured."""
     energy = ranked.dropna(subset=["joules_per_token"])
+    by_energy = len(energy) == len(ranked)
+    cost = "joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"
+    cheapest = ranked.sort_values(cost, kind="stable").iloc[0]  # the first of equals, as idxmin
+    same = " (also the fastest)" if cheapest.name == fastest.name else ""
+    gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion tokens"
+    if by_energy:
+        return (
+            f"Cheapest: {_setup(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "
+            f"({cheapest['joules_per_token']:.3g} J per token; {gpu_hours}){same} (cell {cheapest['cell_id']})"
+        )
+    line = f"Cheapest: {_setup(cheapest, cells)}: {gpu_hours}{same} (cell {cheapest['cell_id']})"
     if not energy.empty:
         frugal = energy.loc[energy["joules_per_token"].idxmin()]
         line += (
-            f"; least energy: {_setup(frugal, cells)}: {frugal['joules_per_token']:.3g} J per token "
-            f"({frugal['joules_per_token'] * 1e9 / 3.6e6:.3g} kWh per billion tokens)"
+            f"; least energy of the {len(energy)} measured: {_setup(frugal, cells)}: "
+            f"{frugal['joules_per_token']:.3g} J per token ({_kwh(frugal)} kWh per billion tokens)"
         )
-    return [*lines, line]
+    return line
+
+
+def _kwh(config: pd.Series) -> str:
+    return f"{config['joules_per_token'] * 1e9 / 3.6e6:.3g}"
 
 
 def _setup(config: pd.Series, cells: Cells) -> str:

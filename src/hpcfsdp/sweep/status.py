@@ -375,7 +375,8 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
         slurm += f": {c.advice}" if c.advice else ""
         print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
-        print(f"logs: {report.sweep_dir / SLURM_DIR / '<job>' / '<job>_<rank>_log.err'}")
+        files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
+        print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
 
 
 def blocked_message(cells: list[CellStatus]) -> str:

@@ -1,0 +1,118 @@
+"""`submit --then-collect`: one small CPU job that runs `hpcfsdp collect` when the sweep's arrays end.
+
+The job depends on the arrays (`--dependency=afterany:<array>:...`: whatever way their tasks end),
+so no login-node process has to wait. It runs `hpcfsdp collect SWEEP --fail-on-regression` (the
+report in report/, the history appended to, each cell checked against its references), then writes
+collect's exit status into the sweep folder's collect_job.json: 0 all well, 1 a regression, else
+collect failed. A status other than 0 also fails the Slurm job, so that `slurm.mail_type: FAIL`
+mails about it. `hpcfsdp status` shows the job (collect_line).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..record import RecordError, read_json_object, write_json
+from .layout import slurm_folder
+from .matrix import Sweep
+from .status import SchedulerError, finished_states, queued_states
+
+COLLECT_JOB_NAME = "collect_job.json"  # in the sweep folder: the job, then collect's exit status
+COLLECT_TIME_MIN = 30  # collect of 10,000 records with plots takes minutes, not half an hour
+
+
+@dataclass(frozen=True)
+class CollectJob:
+    """What the collect job runs on its node: collect of the sweep folder, its exit status saved."""
+
+    sweep_dir: str
+
+    def __call__(self) -> int:
+        command = [sys.executable, "-m", "hpcfsdp", "collect", self.sweep_dir, "--fail-on-regression"]
+        code = subprocess.run(command, check=False).returncode
+        path = Path(self.sweep_dir) / COLLECT_JOB_NAME
+        entry = _read(path) or {}
+        job = os.environ.get("SLURM_JOB_ID", "")
+        write_json(path, {**entry, "job_id": entry.get("job_id") or job, "exit_status": code, "ended_at": time.time()})
+        if code:
+            what = "a cell regressed" if code == 1 else "collect failed"
+            raise RuntimeError(f"hpcfsdp collect exited {code} ({what}); see {Path(self.sweep_dir) / 'report'}")
+        return code
+
+
+def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
+    """submitit SlurmExecutor parameters of the collect job: one CPU task on the sweep's partition
+    (or slurm.collect_partition), after the arrays, with the sweep's setup lines and mail settings."""
+    res = sweep.resources
+    params: dict = dict(
+        job_name=f"hpcfsdp-{sweep.name}-collect",
+        partition=res.collect_partition or res.partition or None,
+        time=COLLECT_TIME_MIN,
+        nodes=1,
+        ntasks_per_node=1,
+        cpus_per_task=1,
+        setup=list(sweep.setup),
+    )
+    if arrays:
+        params["dependency"] = "afterany:" + ":".join(arrays)
+    for key in ("account", "qos", "mail_user", "mail_type"):
+        if getattr(res, key):
+            params[key] = getattr(res, key)
+    return params
+
+
+def queue_collect(sweep: Sweep, sweep_dir: Path, job_ids: list[str], log=print) -> str:
+    """Queue the collect job after the arrays of these jobs (array tasks); returns its job id."""
+    import submitit
+
+    from .environment import secrets_removed
+
+    arrays = sorted({jid.split("_")[0] for jid in job_ids}, key=lambda j: (len(j), j))
+    executor = submitit.SlurmExecutor(folder=slurm_folder(sweep_dir))
+    executor.update_parameters(**collect_parameters(sweep, arrays))
+    with secrets_removed():
+        job = executor.submit(CollectJob(str(Path(sweep_dir).absolute())))
+    write_json(
+        Path(sweep_dir) / COLLECT_JOB_NAME,
+        {"job_id": job.job_id, "after": arrays, "submitted_at": time.time(), "exit_status": None, "ended_at": None},
+    )
+    after = f" after array(s) {', '.join(arrays)}" if arrays else " (no array in flight: it runs now)"
+    log(f"submitted collect job {job.job_id}{after}: report and exit status in {sweep_dir}")
+    return job.job_id
+
+
+def collect_line(sweep_dir: Path) -> str | None:
+    """The collect job as `hpcfsdp status` shows it; None when the sweep has none."""
+    path = Path(sweep_dir) / COLLECT_JOB_NAME
+    entry = _read(path)
+    if entry is None:
+        return None
+    job = str(entry.get("job_id", "?"))
+    code = entry.get("exit_status")
+    if isinstance(code, int):
+        what = {0: "report written", 1: "report written; a cell regressed"}.get(code, "collect failed")
+        return f"collect job {job}: exit status {code} ({what}): {Path(sweep_dir) / 'report' / 'summary.md'}"
+    try:
+        queued = queued_states([job]).get(job)
+    except SchedulerError as exc:
+        return f"collect job {job}: unknown ({exc})"
+    if queued is not None:
+        reason = f" ({queued.reason})" if queued.reason else ""
+        return f"collect job {job}: {queued.state}{reason}"
+    final = finished_states([job]).get(job, "")
+    return (
+        f"collect job {job}: left the queue{f' ({final})' if final else ''} without an exit status; "
+        f"logs in {slurm_folder(sweep_dir).parent / job}"
+    )
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return read_json_object(path, kind="collect job")
+    except (FileNotFoundError, RecordError):
+        return None
