@@ -92,9 +92,11 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
     assert record(sweep_dir, cancelled)["slurm"]["job_id"] == rerun
 
 
-def test_a_refused_sbatch_is_one_line_and_keeps_the_records(slurm_cluster, tmp_path, capsys):
-    # The cluster has no reservation of that name: sbatch refuses the array (plan's check against
-    # the partition has nothing to say about reservations).
+def test_an_array_sbatch_would_refuse_is_one_line_before_anything_is_queued_and_keeps_the_records(
+    slurm_cluster, tmp_path, capsys
+):
+    # The cluster has no reservation of that name: `sbatch --test-only` in the preflight refuses the
+    # array before --force sets any record aside or anything is queued.
     jobs = write(
         tmp_path,
         "refused",
@@ -112,13 +114,11 @@ def test_a_refused_sbatch_is_one_line_and_keeps_the_records(slurm_cluster, tmp_p
         (sweep_dir / "cells" / cell.id).mkdir(parents=True)
         write_record(sweep_dir / "cells" / cell.id / "result.json", {"status": status})
     assert (
-        main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 1
+        main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 2
     )
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "error: sbatch refused the array of 4 cell(s) on 1 node(s) x 1 GPU(s): "
-    ), err
-    assert "Batch job submission failed: Requested reservation is invalid" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"error: {jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 4"), err
+    assert err[0].endswith("(sbatch --test-only): Requested reservation is invalid")
     # --force set the records aside for the rerun; nothing was queued, so they are back.
     assert [record(sweep_dir, c.id)["status"] for c in (ok, timed_out)] == ["ok", "timeout"]
     assert not list(sweep_dir.glob("cells/*/attempts/*.json"))
