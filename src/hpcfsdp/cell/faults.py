@@ -18,8 +18,10 @@ FAULT_ENV = "HPCFSDP_FAULT"
 def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     """Test-only hook: HPCFSDP_FAULT=stage:kind[>N][:rank] raises a real exception (or signal) there.
 
-    kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself) or hang
-    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell). With >N
+    kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself), hang
+    (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell) or hostmem
+    (takes 3 GiB of host memory and holds it: a leak that no prediction sees, for Slurm's memory
+    limit to end). With >N
     (train_step only) it fires only above a per-device batch of N: a memory budget the CPU path
     enforces, for the batch search (`train_step:oom>4` lets batches up to 4 fit).
     """
@@ -35,6 +37,10 @@ def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     if kind == "timeout":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
+    if kind == "hostmem":
+        held = b"\x01" * (3 << 30)  # written, so every page counts in the rank's resident memory
+        while held:
+            time.sleep(1)
     if kind == "hang":
         while True:
             time.sleep(1)
