@@ -67,3 +67,14 @@ def test_exposed_communication_is_what_no_compute_kernel_covers():
     out = communication_breakdown(events, steps=2)
     assert out["comm_s_per_step"] == pytest.approx(110e-6 / 2)
     assert out["comm_exposed_s_per_step"] == pytest.approx((110 - 50 - 5) * 1e-6 / 2)
+
+
+def test_on_the_cpu_gloos_collectives_count_though_the_profiler_marks_them_as_annotations():
+    """gloo's collectives reach the profiler as record_function ranges ("gloo:all_reduce"): on the
+    CPU they are the only communication there is, and all of it is exposed."""
+    events = [
+        event("gloo:all_reduce", 0, 30, device="DeviceType.CPU", annotation=True),
+        event("aten::mm", 10, 50, device="DeviceType.CPU"),
+    ]
+    out = communication_breakdown(events, steps=1)
+    assert out["comm_s_per_step"] == out["comm_exposed_s_per_step"] == pytest.approx(30e-6)

@@ -203,14 +203,14 @@ def communication_breakdown(events, steps: int) -> dict[str, float]:
     exposed part is the time covered by collectives and by no compute kernel. On CPU (gloo) the
     collectives run on helper threads and there is no device timeline: all of it counts as exposed.
 
-    The profiler also projects annotations onto the device timeline (`gpu_user_annotation`:
+    On a GPU the profiler also projects annotations onto the device timeline (`gpu_user_annotation`:
     "ProfilerStep#N", FSDP's record_function ranges). They are spans, not kernels: one of them
     covers the whole step, and counted as compute it hid every collective (exposed 0.000 s).
     """
     comm, compute = [], []
     on_device = any(_is_device_event(e) for e in events)
     for event in events:
-        if getattr(event, "is_user_annotation", False) or (on_device and not _is_device_event(event)):
+        if on_device and (not _is_device_event(event) or getattr(event, "is_user_annotation", False)):
             continue
         span = (event.time_range.start, event.time_range.end)
         if any(marker in event.name.lower() for marker in COMM_MARKERS):
