@@ -19,11 +19,11 @@ import pytest
 
 from conftest import slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
-from hpcfsdp.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
-from hpcfsdp.memory import load_shape
 from hpcfsdp.spec import PRESETS_DIR, Resources, RunSpec, SpecError
 from hpcfsdp.sweep.cluster import Node, Partition, tres_counts
+from hpcfsdp.sweep.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
 from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.memory import load_shape
 from hpcfsdp.sweep.preflight import memory_given_mb, refusal_text
 from test_cluster_limits import free_port_block
 

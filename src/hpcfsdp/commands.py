@@ -245,8 +245,7 @@ def download(args: argparse.Namespace) -> int:
     from .cache.plan import Request
 
     request = Request(
-        jobs=args.jobs,
-        max_cells=args.max_cells,
+        sweep=_load_sweep(args) if args.jobs else None,
         models=tuple(args.model),
         datasets=tuple(args.dataset),
         weights=args.weights,

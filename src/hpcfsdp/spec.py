@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from .cache.hub import DatasetRef, ModelRef
 from .errors import UserError
+from .gpus import gpu_memory_gib, known_memory_sizes
+from .hubrefs import DatasetRef, ModelRef
 from .names import MAX_NAME_BYTES, folder_name_problem, name_problem, slurm_name_problem, unseen_character
 
 StrategyName = Literal[
@@ -523,7 +524,7 @@ class Resources:
     time_min: int = 30
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: the partition's default
-    mem_auto: bool = False  # mem_gb: auto: the predicted host memory per node plus a margin (hostmemory.py)
+    mem_auto: bool = False  # mem_gb: auto: the predicted host memory per node plus a margin (sweep/hostmemory.py)
     account: str = ""
     qos: str = ""
     constraint: str = ""
@@ -551,14 +552,11 @@ class Resources:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(res, name)}")
         if res.gpu_memory_gib < 0:
             raise SpecError(where, "gpu_memory_gib", f"expected a number >= 0, got {res.gpu_memory_gib}")
-        if res.gpu_name and not res.gpu_memory_gib:
-            from .memory import GPU_MEMORY_GIB, gpu_memory_gib
-
-            if gpu_memory_gib(res.gpu_name) is None:
-                known = ", ".join(name for name, gib in GPU_MEMORY_GIB if gib)
-                raise SpecError(
-                    where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); set gpu_memory_gib"
-                )
+        if res.gpu_name and not res.gpu_memory_gib and gpu_memory_gib(res.gpu_name) is None:
+            known = ", ".join(known_memory_sizes())
+            raise SpecError(
+                where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); set gpu_memory_gib"
+            )
         if res.signal_delay_s >= res.time_min * 60:
             raise SpecError(
                 where,

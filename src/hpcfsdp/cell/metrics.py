@@ -11,20 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Dense bf16 tensor-core peak per GPU, TFLOP/s (no sparsity), matched against the device name.
-PEAK_BF16_TFLOPS = (
-    ("H200", 989.5),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.5),
-    ("GH200", 989.5),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.05),
-    ("A10", 125.0),
-    ("V100", 125.0),
-)
+from ..gpus import gpu_named
 
 
 @dataclass(frozen=True)
@@ -52,10 +39,8 @@ def peak_tflops(device_name: str, override: float = 0.0) -> float:
     """Dense bf16 peak of the device, 0.0 when unknown (then MFU is not reported)."""
     if override:
         return override
-    for key, value in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return value
-    return 0.0
+    gpu = gpu_named(device_name)
+    return gpu.peak_bf16_tflops if gpu else 0.0
 
 
 def device_name(device: torch.device) -> str:

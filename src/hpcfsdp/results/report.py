@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..memory import gpu_memory_gib
+from ..gpus import gpu_memory_gib
 from ..record import atomic_output, write_text
 from ..spec import SpecError
 from . import plots as plotting
