@@ -14,7 +14,8 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import param_dtype
 from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
-from hpcfsdp.spec import RunSpec, preset_names
+from hpcfsdp.sources import preset_names
+from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.memory import (
     GIB,
     WORKSPACE_GIB,

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.fields import SpecError
+from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.matrix import cell_id, load_sweep
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
-from ..spec import data_kind
+from ..sources import data_kind
 from .hub import CacheMissError, lookup_model, lookup_tokenized
 
 

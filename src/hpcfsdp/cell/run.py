@@ -23,6 +23,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from .. import __version__
+from ..fields import SpecError
 from ..record import (
     RECORD_NAME,
     SPEC_NAME,
@@ -33,7 +34,8 @@ from ..record import (
     read_record,
     write_record,
 )
-from ..spec import RunSpec, SpecError, check_seq_len
+from ..sources import check_seq_len
+from ..spec import RunSpec
 from .batch_search import BatchSearch, is_oom, search_batch_size
 from .data import open_data, training_batches
 from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown

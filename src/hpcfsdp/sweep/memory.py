@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ..gpus import gpu_memory_gib
-from ..spec import PRESETS_DIR, STRATEGIES, RunSpec, model_kind
+from ..sources import PRESETS_DIR, model_kind
+from ..spec import STRATEGIES, RunSpec
 
 GIB = 1024**3
 # What the allocator never gets of a GPU: the CUDA context, NCCL's and cuBLAS's buffers, and the

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..spec import RunSpec, SpecError, field_names
+from ..fields import SpecError, field_names
+from ..spec import RunSpec
 from .cluster import array_size_limit
 from .matrix import Cell, Sweep, arrays, plain_value
 
