@@ -140,7 +140,9 @@ def test_plan_prints_every_cell(capsys):
     assert all(cell.id in out for cell in sweep.cells)
 
 
-@pytest.mark.parametrize("jobs", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "jobs", sorted([*(ROOT / "jobs").glob("*.yaml"), *(ROOT / "bench" / "jobs").glob("*.yaml")]), ids=lambda p: p.name
+)
 def test_every_shipped_jobs_file_plans(jobs):
     sweep = load_sweep(jobs)
     assert sweep.cells and sweep.name == jobs.stem
