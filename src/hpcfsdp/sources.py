@@ -133,3 +133,77 @@ def model_config(path: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
+
+
+def check_model(where: str, spec: Any) -> None:
+    """The model, tokenizer and init of a RunSpec: a preset, a folder that holds what they need, or
+    a hub id; a preset or local model's config bounds seq_len."""
+    kind = model_kind(spec.model)
+    if not kind:
+        raise SpecError(
+            where,
+            "model",
+            f"expected a preset ({', '.join(preset_names())}), a folder with "
+            f"config.json or a hub id ORG/NAME[@REV]; got {spec.model!r}",
+        )
+    if kind == "local":
+        require_folder_with(where, "model", spec.model, ("config.json",))
+    if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
+        config = model_config(
+            str(PRESETS_DIR / f"{spec.model.lower()}.json")
+            if kind == "preset"
+            else str(Path(spec.model).expanduser() / "config.json")
+        )
+        check_seq_len(where, spec.seq_len, config)
+    if spec.init == "pretrained" and kind == "preset":
+        raise SpecError(
+            where,
+            "init",
+            f"pretrained needs weights, and model {spec.model!r} is a preset "
+            "(a config only); name a local folder or a hub id ORG/NAME",
+        )
+    if spec.init == "pretrained" and kind == "local":
+        require_folder_with(where, "model", spec.model, WEIGHT_GLOBS, "weights for init: pretrained")
+    if spec.tokenizer:
+        tokenizer_kind = model_kind(spec.tokenizer)
+        if tokenizer_kind not in ("local", "hub"):
+            raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {spec.tokenizer!r}")
+        if tokenizer_kind == "local":
+            require_folder_with(where, "tokenizer", spec.tokenizer, TOKENIZER_FILES)
+
+
+def check_data(where: str, spec: Any) -> None:
+    """The data of a RunSpec, and the tokenizer its text needs."""
+    kind = data_kind(spec.data)
+    if not kind:
+        raise SpecError(
+            where,
+            "data",
+            f"expected synthetic, a local folder, or a hub dataset "
+            f"ORG/NAME[:config][@split] or preset; got {spec.data!r}",
+        )
+    if kind == "synthetic":
+        if spec.text_column:
+            raise SpecError(
+                where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset"
+            )
+        return
+    if kind == "local":
+        require_text_data(where, spec.data)
+    tokenizer = spec.text_tokenizer
+    if not tokenizer:
+        raise SpecError(
+            where,
+            "tokenizer",
+            f"data {spec.data!r} needs one, and model {spec.model!r} is a "
+            "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
+        )
+    if kind == "hub" and model_kind(tokenizer) != "hub":
+        raise SpecError(
+            where,
+            "tokenizer",
+            f"hub data {spec.data!r} is read pre-tokenised from the cache, "
+            f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}",
+        )
+    if not spec.tokenizer and model_kind(spec.model) == "local":
+        require_folder_with(where, "model", spec.model, TOKENIZER_FILES, f"a tokenizer for data {spec.data!r}")

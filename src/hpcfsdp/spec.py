@@ -10,22 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
 from .fields import SpecError, coerce_fields, require_choices, require_no_control_characters, text_fields
-from .sources import (
-    PRESETS_DIR,
-    TOKENIZER_FILES,
-    WEIGHT_GLOBS,
-    check_seq_len,
-    data_kind,
-    model_config,
-    model_kind,
-    preset_names,
-    require_folder_with,
-    require_text_data,
-)
+from .sources import check_data, check_model, model_kind
 
 StrategyName = Literal[
     "ddp",
@@ -256,8 +244,8 @@ class RunSpec:
         # batch_size: auto derives grad_accum once the search has chosen a batch (with_batch_size).
         spec = self if self.auto_batch else self._with_derived_grad_accum(where, grad_accum_given)
         spec._check_combinations(where)
-        spec._check_model(where)
-        spec._check_data(where)
+        check_model(where, spec)
+        check_data(where, spec)
         return spec
 
     def _check_overflow(self, where: str) -> None:
@@ -407,77 +395,6 @@ class RunSpec:
             raise SpecError(where, "float8", f"supported with ddp and fsdp2_* strategies, got {self.strategy}")
         if self.float8 != "none" and self.cpu_offload:
             raise SpecError(where, "float8", "not with cpu_offload (the float8 casts would run on the CPU)")
-
-    def _check_model(self, where: str) -> None:
-        kind = model_kind(self.model)
-        if not kind:
-            raise SpecError(
-                where,
-                "model",
-                f"expected a preset ({', '.join(preset_names())}), a folder with "
-                f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}",
-            )
-        if kind == "local":
-            require_folder_with(where, "model", self.model, ("config.json",))
-        if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
-            config = model_config(
-                str(PRESETS_DIR / f"{self.model.lower()}.json")
-                if kind == "preset"
-                else str(Path(self.model).expanduser() / "config.json")
-            )
-            check_seq_len(where, self.seq_len, config)
-        if self.init == "pretrained" and kind == "preset":
-            raise SpecError(
-                where,
-                "init",
-                f"pretrained needs weights, and model {self.model!r} is a preset "
-                "(a config only); name a local folder or a hub id ORG/NAME",
-            )
-        if self.init == "pretrained" and kind == "local":
-            require_folder_with(where, "model", self.model, WEIGHT_GLOBS, "weights for init: pretrained")
-        if self.tokenizer:
-            tokenizer_kind = model_kind(self.tokenizer)
-            if tokenizer_kind not in ("local", "hub"):
-                raise SpecError(
-                    where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}"
-                )
-            if tokenizer_kind == "local":
-                require_folder_with(where, "tokenizer", self.tokenizer, TOKENIZER_FILES)
-
-    def _check_data(self, where: str) -> None:
-        kind = data_kind(self.data)
-        if not kind:
-            raise SpecError(
-                where,
-                "data",
-                f"expected synthetic, a local folder, or a hub dataset "
-                f"ORG/NAME[:config][@split] or preset; got {self.data!r}",
-            )
-        if kind == "synthetic":
-            if self.text_column:
-                raise SpecError(
-                    where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset"
-                )
-            return
-        if kind == "local":
-            require_text_data(where, self.data)
-        tokenizer = self.text_tokenizer
-        if not tokenizer:
-            raise SpecError(
-                where,
-                "tokenizer",
-                f"data {self.data!r} needs one, and model {self.model!r} is a "
-                "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
-            )
-        if kind == "hub" and model_kind(tokenizer) != "hub":
-            raise SpecError(
-                where,
-                "tokenizer",
-                f"hub data {self.data!r} is read pre-tokenised from the cache, "
-                f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}",
-            )
-        if not self.tokenizer and model_kind(self.model) == "local":
-            require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
 
 
 def fields_in(group: str) -> tuple[str, ...]:
