@@ -2,8 +2,8 @@
 # Run whole matrices on this (GPU) machine through `hpcfsdp submit --executor local`, i.e. one
 # `torchrun ... -m hpcfsdp run` per cell, then collect. Raw logs and records are packed into one
 # archive per sweep under $OUT (or ./bench-out), with the summary table beside it.
-#   bash bench/gpu_matrix.sh jobs/gpu_strategies.yaml [jobs/other.yaml ...]
-#   GPUS_PER_NODE=1 bash bench/gpu_matrix.sh jobs/overhead.yaml   # the matrix on fewer GPUs
+#   bash bench/gpu_matrix.sh bench/jobs/gpu_strategies.yaml [jobs/other.yaml ...]
+#   GPUS_PER_NODE=1 bash bench/gpu_matrix.sh bench/jobs/overhead.yaml   # the matrix on fewer GPUs
 # SWEEP_TIMEOUT_S (default: none) stops a sweep's submit after that many seconds; the cells that
 # finished are collected and packed all the same.
 set -uo pipefail

@@ -99,7 +99,8 @@ LEAK_CHECK = """
 import gc, os, sys, weakref
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   HPCFSDP_FAULT="train_step:oom>3")
-from hpcfsdp.cell import faults, run
+from hpcfsdp.cell import build as building
+from hpcfsdp.cell import faults
 from hpcfsdp.cell.batch_search import BatchSearch, search_batch_size
 from hpcfsdp.cell.distributed import init_distributed
 from hpcfsdp.spec import RunSpec
@@ -109,7 +110,7 @@ for strategy in ("ddp", "fsdp2_zero3"):
                               "strategy": strategy, "activation_checkpointing": "full"})
     built = []
     def build(probe):
-        model, optimizer, vocab = run._build_probe(probe, env)
+        model, optimizer, vocab = building.build_probe(probe, env)
         built.extend([weakref.ref(model), weakref.ref(optimizer)])
         return model, optimizer, vocab
     search = BatchSearch(1, spec.batch_cap, 0.0, 2)

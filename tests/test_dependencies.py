@@ -42,9 +42,9 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     from submitit.core.utils import JobPaths
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from hpcfsdp.spec import Resources
     from hpcfsdp.sweep.job import CellJob
     from hpcfsdp.sweep.matrix import parse_sweep
+    from hpcfsdp.sweep.resources import Resources
     from hpcfsdp.sweep.sbatch import slurm_parameters
 
     sweep = parse_sweep(

@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hpcfsdp.cache.hub import CacheMissError, DatasetRef, ModelRef, TokenizedRef, is_hub_model, lookup_tokenized
+from hpcfsdp.cache.hub import CacheMissError, lookup_tokenized
 from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep
+from hpcfsdp.hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
 from hpcfsdp.sweep.matrix import load_sweep, parse_sweep
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files
 
@@ -619,4 +620,4 @@ def test_text_column_is_part_of_a_tokenized_item_unless_it_is_text() -> None:
     assert columns("text") == {"laion/strategic_game_chess:text", "org/d:text"}
     assert columns("Result") == {"laion/strategic_game_chess:Result", "org/d:Result"}
     with pytest.raises(DownloadError, match="--text-column Moves applies to the --dataset items"):
-        build_plan(Request(jobs=None, datasets=("chess",)), "Moves")
+        build_plan(Request(datasets=("chess",)), "Moves")

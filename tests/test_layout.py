@@ -6,7 +6,10 @@ login node would run it; the check is `sys.modules` after the command returned.
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +79,98 @@ def test_the_cache_side_loads_no_torch_outside_tokenising():
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The import table of docs/design.md, read from the page itself: it is the one statement of which
+# part may import which, and this test keeps the code to it (module level and lazy imports alike).
+
+SRC = ROOT / "src" / "hpcfsdp"
+HEAVY = ("torch", "transformers")
+TABLE_HEADER = "| part | may import (of hpcfsdp) | torch, transformers |"
+
+
+def import_table() -> dict[str, tuple[set[str], set[str]]]:
+    """part -> (the parts and modules it may import, the heavy libraries it may import), from the
+    table under TABLE_HEADER. A part is a module (`spec`), a folder (`sweep`) or one file of a folder
+    (`sweep/job.py`, which adds to its folder's row); `everything` allows every part."""
+    lines = (ROOT / "docs" / "design.md").read_text().splitlines()
+    start = lines.index(TABLE_HEADER) + 2
+    table = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        parts, allowed, heavy = (re.findall(r"`([^`]+)`", cell) for cell in line.strip("|").split("|"))
+        for part in parts:
+            table[part] = (set(allowed), set(heavy))
+    return table
+
+
+def part_of(module: str) -> str:
+    """hpcfsdp.sweep.job -> sweep; hpcfsdp.spec -> spec; hpcfsdp -> hpcfsdp (the package: its version)."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else names[0]
+
+
+def imports_of(path: Path, src: Path = SRC) -> set[str]:
+    """Every module the file imports, at module level or inside a function, as absolute names."""
+    module = ".".join(("hpcfsdp", *path.relative_to(src).with_suffix("").parts))
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            found.add(target)
+            # `from . import plots`: a name may be a module itself
+            found |= {f"{target}.{alias.name}" for alias in node.names if _is_module(src, f"{target}.{alias.name}")}
+    return found
+
+
+def _is_module(src: Path, name: str) -> bool:
+    return src.joinpath(*name.split(".")[1:]).with_suffix(".py").exists()
+
+
+def allowed(rule: set[str], target: str) -> bool:
+    name = target.removeprefix("hpcfsdp.")
+    return "everything" in rule or any(name == entry or name.startswith(entry + ".") for entry in rule)
+
+
+def violations(src: Path, table: dict[str, tuple[set[str], set[str]]]) -> list[str]:
+    """'<file> imports <module>' for each import the table does not allow."""
+    broken = []
+    for path in sorted(src.rglob("*.py")):
+        relative = path.relative_to(src).as_posix()
+        part = relative.split("/")[0].removesuffix(".py")
+        if part not in table and relative not in table:
+            broken.append(f"{relative}: no row in the import table")
+            continue
+        own, heavy = table.get(part, (set(), set()))
+        extra, extra_heavy = table.get(relative, (set(), set()))
+        for target in sorted(imports_of(path, src)):
+            top = target.split(".")[0]
+            if top in HEAVY:
+                ok = top in heavy | extra_heavy
+            else:
+                ok = top != "hpcfsdp" or part_of(target) == part or allowed(own | extra, target)
+            if not ok:
+                broken.append(f"{relative} imports {target}")
+    return broken
+
+
+def test_every_part_imports_only_what_the_import_table_of_design_md_allows():
+    assert violations(SRC, import_table()) == []
+
+
+def test_the_import_check_names_a_forbidden_import_lazy_or_not(tmp_path):
+    """The check above can fail: in a copy of the package whose spec.py reaches into the sweep side
+    inside a function, and whose results/ loads torch, both are named."""
+    copy = tmp_path / "hpcfsdp"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("presets", "__pycache__"))
+    with (copy / "spec.py").open("a") as spec:
+        spec.write("\n\ndef _late():\n    from .sweep.matrix import Cell\n\n    return Cell\n")
+    with (copy / "results" / "read.py").open("a") as read:
+        read.write("\nimport torch  # noqa\n")
+    assert violations(copy, import_table()) == ["results/read.py imports torch", "spec.py imports hpcfsdp.sweep.matrix"]

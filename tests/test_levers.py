@@ -17,7 +17,8 @@ from hpcfsdp.cell.levers import install_loss, require
 from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import apply_activation_checkpointing
 from hpcfsdp.cli import main
-from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.fields import SpecError
+from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.matrix import cell_id, load_sweep
 from test_equivalence import assert_same_training
 

@@ -1,4 +1,4 @@
-"""The memory prediction (hpcfsdp/memory.py): its parts by hand and against torch on the CPU, its
+"""The memory prediction (hpcfsdp/sweep/memory.py): its parts by hand and against torch on the CPU, its
 accuracy on the project's GPU records, and `plan --memory` / `submit --skip-predicted-oom`."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import param_dtype
 from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
-from hpcfsdp.memory import (
+from hpcfsdp.sources import preset_names
+from hpcfsdp.spec import RunSpec
+from hpcfsdp.sweep.memory import (
     GIB,
     WORKSPACE_GIB,
     layer_activation_bytes,
@@ -22,7 +24,6 @@ from hpcfsdp.memory import (
     loss_bytes,
     predict,
 )
-from hpcfsdp.spec import RunSpec, preset_names
 from test_layout import loaded_by
 
 sys.path.insert(0, str(ROOT / "bench"))

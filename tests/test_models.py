@@ -28,7 +28,8 @@ from conftest import ROOT, TINY_CPU, run_torchrun_cell
 from hpcfsdp.cache.hub import CacheMissError
 from hpcfsdp.cell.data import synthetic_batches
 from hpcfsdp.cell.models import build_model, materialize, resolve_model
-from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.fields import SpecError
+from hpcfsdp.spec import RunSpec
 from tinyhub import MODEL, PRESET, download, offline
 
 CPU = torch.device("cpu")

@@ -19,12 +19,15 @@ import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
-from hpcfsdp.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
-from hpcfsdp.memory import load_shape
-from hpcfsdp.spec import PRESETS_DIR, Resources, RunSpec, SpecError
+from hpcfsdp.fields import SpecError
+from hpcfsdp.sources import PRESETS_DIR
+from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.cluster import Node, Partition, tres_counts
+from hpcfsdp.sweep.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
 from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.memory import load_shape
 from hpcfsdp.sweep.preflight import memory_given_mb, refusal_text
+from hpcfsdp.sweep.resources import Resources
 
 TINY = "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0"
 DEF_MEM_PER_CPU_MB = 1000  # above a CPU rank's host memory, below a GPU rank's

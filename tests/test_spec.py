@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.spec import RunSpec, SpecError
+from hpcfsdp.fields import SpecError
+from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.matrix import cell_id, load_sweep
 
 
@@ -139,7 +140,9 @@ def test_plan_prints_every_cell(capsys):
     assert all(cell.id in out for cell in sweep.cells)
 
 
-@pytest.mark.parametrize("jobs", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "jobs", sorted([*(ROOT / "jobs").glob("*.yaml"), *(ROOT / "bench" / "jobs").glob("*.yaml")]), ids=lambda p: p.name
+)
 def test_every_shipped_jobs_file_plans(jobs):
     sweep = load_sweep(jobs)
     assert sweep.cells and sweep.name == jobs.stem

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from . import commands
 from .errors import UserError
+from .fields import one_line
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
-from .spec import RunSpec, one_line
+from .spec import RunSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,7 +382,7 @@ def _positive_int(text: str) -> int:
 def _run_fields_help() -> str:
     import textwrap
 
-    from .spec import field_names
+    from .fields import field_names
     from .sweep.matrix import plain_value
 
     defaults = RunSpec().to_dict()

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, NoReturn
 import yaml
 
 from .errors import Stopped, UserError
+from .fields import SpecError, check_folder_name
 from .record import SPEC_NAME, STATUSES
 from .results.defaults import REFERENCES_NAME
-from .spec import RunSpec, SpecError, check_folder_name
+from .spec import RunSpec
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
     from .sweep.matrix import Sweep
@@ -289,8 +290,7 @@ def download(args: argparse.Namespace) -> int:
     from .cache.plan import Request
 
     request = Request(
-        jobs=args.jobs,
-        max_cells=args.max_cells,
+        sweep=_load_sweep(args) if args.jobs else None,
         models=tuple(args.model),
         datasets=tuple(args.dataset),
         weights=args.weights,

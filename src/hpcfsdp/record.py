@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import UserError
-from .spec import RunSpec, choices
+from .fields import choices
+from .spec import RunSpec
 
 try:
     import orjson

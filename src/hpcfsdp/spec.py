@@ -1,4 +1,5 @@
-"""What one cell runs (RunSpec) and what it asks the scheduler for (Resources).
+"""What one cell runs (RunSpec): the contract between the sweep that plans a cell, the cell that runs it
+and the record that reports it; and the registry of strategies.
 
 Every user-settable option is a field here, with a default, validated once in this module, and
 copied whole into the result record so the collector can group by it.
@@ -7,19 +8,12 @@ copied whole into the result record so the collector can group by it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import json
-import math
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, get_args
 
-from .cache.hub import DatasetRef, ModelRef
-from .errors import UserError
-from .names import MAX_NAME_BYTES, folder_name_problem, name_problem, slurm_name_problem, unseen_character
+from .fields import SpecError, coerce_fields, require_choices, require_no_control_characters, text_fields
+from .sources import check_data, check_model, model_kind
 
 StrategyName = Literal[
     "ddp",
@@ -46,24 +40,16 @@ Attention = Literal["sdpa", "cudnn", "flash", "efficient"]
 Loss = Literal["default", "compiled", "cce", "cce_kahan_full_c", "cce_exact", "liger"]
 Float8 = Literal["none", "tensorwise", "rowwise"]
 Init = Literal["random", "pretrained"]
-GpuRequest = Literal["gres", "gpus_per_node", "none"]
 
-# RunSpec fields that only one family of strategies reads; a cell of another family carries their
-# defaults. The collector uses this to match a cell with its baseline and to name variants.
-FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {
-    "ddp": (),
-    "fsdp1": (
-        "cpu_offload",
-        "backward_prefetch",
-        "forward_prefetch",
-        "limit_all_gathers",
-        "use_orig_params",
-        "wrap_policy",
-        "min_num_params",
-        "reduce_dtype",
-    ),
-    "fsdp2": ("cpu_offload", "prefetch_depth", "reduce_dtype", "optimizer_order"),
-}
+# The groups a RunSpec field may belong to, said once, on the field (grouped): a strategy family
+# that reads it (fsdp1, fsdp2; hybrid: the hybrid strategies), measurement-only, searched by
+# batch_size: auto, or how that search runs.
+Group = Literal["fsdp1", "fsdp2", "hybrid", "measurement", "searched", "batch_search"]
+
+
+def grouped(default: Any, *groups: Group) -> Any:
+    """A RunSpec field's default, with the groups it belongs to in its metadata (fields_in)."""
+    return field(default=default, metadata={"groups": groups})
 
 
 @dataclass(frozen=True)
@@ -77,7 +63,7 @@ class StrategyInfo:
 
     @property
     def knobs(self) -> tuple[str, ...]:
-        return FAMILY_KNOBS[self.family] + (("hsdp_shard_size",) if self.hybrid else ())
+        return FAMILY_KNOBS[self.family] + (fields_in("hybrid") if self.hybrid else ())
 
 
 # The one registry of strategies: validation, the wrappers (cell/strategies.py) and the collector read it.
@@ -95,13 +81,7 @@ STRATEGIES: dict[StrategyName, StrategyInfo] = {
     "fsdp2_hsdp": StrategyInfo("fsdp2", hybrid=True),
 }
 assert set(STRATEGIES) == set(get_args(StrategyName)), "every StrategyName needs a registry entry"
-STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + ("hsdp_shard_size",)
 
-PRESETS_DIR = Path(__file__).parent / "presets"
-TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
-SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 # The dtype the weights and the compute take under each precision, and its largest finite value
 # (torch.finfo(...).max; spec.py imports no torch); AdamW's beta1 as cell/train.py leaves it.
 TRAINING_DTYPE_MAX = {
@@ -112,33 +92,15 @@ TRAINING_DTYPE_MAX = {
 ADAMW_BETA1 = 0.9
 # Tells each array task how many requeues its sweep allows (Resources.max_requeue); see run.py.
 MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
-# C0 and C1 control characters and DEL: a newline in a value that reaches an #SBATCH line would end
-# it and make the rest a shell line of the batch script; none belongs in a name, path or option.
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-# config.json keys that give how many positions a model's position embedding covers
-POSITION_KEYS = ("max_position_embeddings", "n_positions")
 # The end of the cell's time limit as its job was scheduled (cell/run.py tells a time limit from a cancel).
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
-
-
-class SpecError(UserError, ValueError):
-    """A bad value in user input, as one line '<where>: <key>: <what>'.
-
-    `where` is a file (and line) or a section, `key` the offending key ("" for a whole-file
-    problem), `what` what was expected and what came. Kept apart so that the YAML loader can point
-    at the line that set `key` without parsing the message.
-    """
-
-    exit_status = 2
-
-    def __init__(self, where: str, key: str = "", what: str = ""):
-        self.where, self.key, self.what = where, key, what
-        super().__init__(": ".join(part for part in (where, key, what) if part))
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """One training run: model, parallelism, batch shape, and measurement settings."""
+
+    AUTO_FIELD: ClassVar[tuple[str, str]] = ("batch_size", "auto_batch")  # `batch_size: auto` sets auto_batch
 
     # model and data
     model: str = "tiny"
@@ -152,28 +114,32 @@ class RunSpec:
     strategy: StrategyName = "fsdp2_zero3"
     nodes: int = 1
     gpus_per_node: int = 1
-    hsdp_shard_size: int = 0  # 0: shard within a node, replicate across nodes
-    cpu_offload: bool = False
+    hsdp_shard_size: int = grouped(0, "hybrid")  # 0: shard within a node, replicate across nodes
+    cpu_offload: bool = grouped(False, "fsdp1", "fsdp2")
     # FSDP1 knobs
-    backward_prefetch: BackwardPrefetch = "pre"
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
-    use_orig_params: bool = True
-    wrap_policy: WrapPolicy = "layer"
-    min_num_params: int = 100_000_000
+    backward_prefetch: BackwardPrefetch = grouped("pre", "fsdp1")
+    forward_prefetch: bool = grouped(False, "fsdp1")
+    limit_all_gathers: bool = grouped(True, "fsdp1")
+    use_orig_params: bool = grouped(True, "fsdp1")
+    wrap_policy: WrapPolicy = grouped("layer", "fsdp1")
+    min_num_params: int = grouped(100_000_000, "fsdp1")
     # FSDP2 knobs
-    prefetch_depth: int = 0  # 0: FSDP2's implicit prefetch; k > 0: explicit, k layers ahead
-    reduce_dtype: ReduceDtype = "fp32"
-    optimizer_order: OptimizerOrder = "after_shard"
+    prefetch_depth: int = grouped(0, "fsdp2")  # 0: FSDP2's implicit prefetch; k > 0: explicit, k layers ahead
+    reduce_dtype: ReduceDtype = grouped("fp32", "fsdp1", "fsdp2")
+    optimizer_order: OptimizerOrder = grouped("after_shard", "fsdp2")
     # batch shape
-    batch_size: int = 1  # per device; with auto_batch, the first batch the search tries
-    grad_accum: int = 1
+    batch_size: int = grouped(1, "searched")  # per device; with auto_batch, the first batch the search tries
+    grad_accum: int = grouped(1, "searched")
     global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
     # batch_size: auto (cell/batch_search.py): the largest per-device batch that fits, found in the cell
-    auto_batch: bool = False  # set by `batch_size: auto`; the record's batch_size is then the one found
-    max_batch_size: int = 256  # the search never tries a larger batch
-    batch_margin: float = 0.0  # a batch fits only if its peak reserved memory stays this fraction below the GPU's
-    batch_probe_steps: int = 2  # steps per probe; the second one holds the optimizer states
+    auto_batch: bool = grouped(
+        False, "batch_search"
+    )  # set by `batch_size: auto`; the record's batch_size is then the one found
+    max_batch_size: int = grouped(256, "batch_search")  # the search never tries a larger batch
+    batch_margin: float = grouped(
+        0.0, "batch_search"
+    )  # a batch fits only if its peak reserved memory stays this fraction below the GPU's
+    batch_probe_steps: int = grouped(2, "batch_search")  # steps per probe; the second one holds the optimizer states
     sync_every_microbatch: bool = False
     # compute
     activation_checkpointing: Checkpointing = "none"  # full | selective (every k-th layer) | op (op-level policy)
@@ -194,17 +160,21 @@ class RunSpec:
     weight_decay: float = 0.0
     device: Device = "auto"
     # measurement
-    steps: int = 10
-    warmup_steps: int = 2
-    seed: int = 0
+    steps: int = grouped(10, "measurement")
+    warmup_steps: int = grouped(2, "measurement")
+    seed: int = grouped(0, "measurement")
     sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
-    nvml: bool = True  # sample GPU utilisation during timed steps
-    comm_profile_steps: int = 2  # extra steps under torch.profiler for communication time; 0: off
-    profile: bool = False  # TensorBoard trace of a window of steps in the cell folder
+    nvml: bool = grouped(True, "measurement")  # sample GPU utilisation during timed steps
+    comm_profile_steps: int = grouped(
+        2, "measurement"
+    )  # extra steps under torch.profiler for communication time; 0: off
+    profile: bool = grouped(False, "measurement")  # TensorBoard trace of a window of steps in the cell folder
     # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
     memory_snapshot: bool = False
-    peak_tflops: float = 0.0  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
-    record_param_norm: bool = False  # gathers the full model once at the end: for tests and small models
+    peak_tflops: float = grouped(0.0, "measurement")  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
+    record_param_norm: bool = grouped(
+        False, "measurement"
+    )  # gathers the full model once at the end: for tests and small models
 
     @property
     def world_size(self) -> int:
@@ -237,8 +207,8 @@ class RunSpec:
         return dataclasses.replace(self, **changes)
 
     def _validated(self, where: str, grad_accum_given: bool = False) -> RunSpec:
-        _require_choices(where, self)
-        for name, value in _text_fields(self):
+        require_choices(where, self)
+        for name, value in text_fields(self):
             require_no_control_characters(where, name, value)
         for name in (
             "seq_len",
@@ -274,8 +244,8 @@ class RunSpec:
         # batch_size: auto derives grad_accum once the search has chosen a batch (with_batch_size).
         spec = self if self.auto_batch else self._with_derived_grad_accum(where, grad_accum_given)
         spec._check_combinations(where)
-        spec._check_model(where)
-        spec._check_data(where)
+        check_model(where, spec)
+        check_data(where, spec)
         return spec
 
     def _check_overflow(self, where: str) -> None:
@@ -426,517 +396,23 @@ class RunSpec:
         if self.float8 != "none" and self.cpu_offload:
             raise SpecError(where, "float8", "not with cpu_offload (the float8 casts would run on the CPU)")
 
-    def _check_model(self, where: str) -> None:
-        kind = model_kind(self.model)
-        if not kind:
-            raise SpecError(
-                where,
-                "model",
-                f"expected a preset ({', '.join(preset_names())}), a folder with "
-                f"config.json or a hub id ORG/NAME[@REV]; got {self.model!r}",
-            )
-        if kind == "local":
-            _require_folder_with(where, "model", self.model, ("config.json",))
-        if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
-            config = _model_config(
-                str(PRESETS_DIR / f"{self.model.lower()}.json")
-                if kind == "preset"
-                else str(Path(self.model).expanduser() / "config.json")
-            )
-            check_seq_len(where, self.seq_len, config)
-        if self.init == "pretrained" and kind == "preset":
-            raise SpecError(
-                where,
-                "init",
-                f"pretrained needs weights, and model {self.model!r} is a preset "
-                "(a config only); name a local folder or a hub id ORG/NAME",
-            )
-        if self.init == "pretrained" and kind == "local":
-            _require_folder_with(where, "model", self.model, WEIGHT_GLOBS, "weights for init: pretrained")
-        if self.tokenizer:
-            tokenizer_kind = model_kind(self.tokenizer)
-            if tokenizer_kind not in ("local", "hub"):
-                raise SpecError(
-                    where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {self.tokenizer!r}"
-                )
-            if tokenizer_kind == "local":
-                _require_folder_with(where, "tokenizer", self.tokenizer, TOKENIZER_FILES)
 
-    def _check_data(self, where: str) -> None:
-        kind = data_kind(self.data)
-        if not kind:
-            raise SpecError(
-                where,
-                "data",
-                f"expected synthetic, a local folder, or a hub dataset "
-                f"ORG/NAME[:config][@split] or preset; got {self.data!r}",
-            )
-        if kind == "synthetic":
-            if self.text_column:
-                raise SpecError(
-                    where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset"
-                )
-            return
-        if kind == "local":
-            _require_text_data(where, self.data)
-        tokenizer = self.text_tokenizer
-        if not tokenizer:
-            raise SpecError(
-                where,
-                "tokenizer",
-                f"data {self.data!r} needs one, and model {self.model!r} is a "
-                "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
-            )
-        if kind == "hub" and model_kind(tokenizer) != "hub":
-            raise SpecError(
-                where,
-                "tokenizer",
-                f"hub data {self.data!r} is read pre-tokenised from the cache, "
-                f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}",
-            )
-        if not self.tokenizer and model_kind(self.model) == "local":
-            _require_folder_with(where, "model", self.model, TOKENIZER_FILES, f"a tokenizer for data {self.data!r}")
+def fields_in(group: str) -> tuple[str, ...]:
+    """The RunSpec fields of a group, in field order."""
+    return tuple(f.name for f in fields(RunSpec) if group in f.metadata.get("groups", ()))
 
 
+# The groups, each named once on its fields above:
+# RunSpec fields that only one family of strategies reads; a cell of another family carries their
+# defaults. The collector uses this to match a cell with its baseline and to name variants.
+FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {family: fields_in(family) for family in get_args(Family)}
+STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + fields_in("hybrid")
 # RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
 # what it runs: cells that differ only in these are the same *setup* to the history and its
 # regression checks (results/history.py). Not among them: sync_each_step (it changes what the step
 # time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
-MEASUREMENT_FIELDS = (
-    "steps",
-    "warmup_steps",
-    "seed",
-    "nvml",
-    "comm_profile_steps",
-    "profile",
-    "record_param_norm",
-    "peak_tflops",
-)
-assert set(MEASUREMENT_FIELDS) <= {f.name for f in fields(RunSpec)}, "MEASUREMENT_FIELDS names RunSpec fields"
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What every array task of a sweep asks Slurm for, beside nodes and GPUs per node (in RunSpec)."""
-
-    partition: str = "gpu"
-    time_min: int = 30
-    cpus_per_task: int = 1
-    mem_gb: int = 0  # 0: the partition's default
-    mem_auto: bool = False  # mem_gb: auto: the predicted host memory per node plus a margin (hostmemory.py)
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    exclusive: bool = False
-    array_parallelism: int = 64
-    max_array_size: int = 0  # cells per array at most; 0: the cluster's MaxArraySize (scontrol show config)
-    max_jobs_in_queue: int = 0  # your jobs (array tasks) queued at once at most, e.g. MaxSubmitJobs; 0: no cap
-    gpu_request: GpuRequest = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
-    max_requeue: int = 0  # requeues (time limit, preemption, a failed node); the cell then starts over
-    signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
-    cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
-    gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
-    gpu_memory_gib: float = 0.0  # GPU memory for plan --memory and submit --skip-predicted-oom; 0: from gpu_name
-    extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
-    # The collect job of `submit --then-collect` (sweep/collect_job.py): where it runs, whom it mails.
-    collect_partition: str = ""  # default: partition
-    mail_user: str = ""  # sbatch --mail-user of the collect job
-    mail_type: str = ""  # sbatch --mail-type of the collect job: END, FAIL, ALL, ... (comma-separated)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> Resources:
-        res = cls(**coerce_fields(cls, values, where))
-        _require_choices(where, res)
-        for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
-            if getattr(res, name) < 1:
-                raise SpecError(where, name, f"expected a positive integer, got {getattr(res, name)}")
-        for name in ("mem_gb", "max_requeue", "max_array_size", "max_jobs_in_queue"):
-            if getattr(res, name) < 0:
-                raise SpecError(where, name, f"expected an integer >= 0, got {getattr(res, name)}")
-        if res.gpu_memory_gib < 0:
-            raise SpecError(where, "gpu_memory_gib", f"expected a number >= 0, got {res.gpu_memory_gib}")
-        if res.gpu_name and not res.gpu_memory_gib:
-            from .memory import GPU_MEMORY_GIB, gpu_memory_gib
-
-            if gpu_memory_gib(res.gpu_name) is None:
-                known = ", ".join(name for name, gib in GPU_MEMORY_GIB if gib)
-                raise SpecError(
-                    where, "gpu_name", f"memory size of {res.gpu_name!r} unknown (known: {known}); set gpu_memory_gib"
-                )
-        if res.signal_delay_s >= res.time_min * 60:
-            raise SpecError(
-                where,
-                "signal_delay_s",
-                f"{res.signal_delay_s} s is not below the time limit (time_min {res.time_min} = {res.time_min * 60} s)",
-            )
-        for name, value in _text_fields(res):
-            require_no_control_characters(where, name, value)
-        _check_names(where, res)
-        _check_extra_sbatch(where, res)
-        unknown = [kind for kind in res.mail_type.split(",") if kind and kind.strip().upper() not in MAIL_TYPES]
-        if unknown:
-            raise SpecError(where, "mail_type", f"{unknown[0]!r}: expected one or more of {', '.join(MAIL_TYPES)}")
-        return res
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _check_names(where: str, res: Resources) -> None:
-    """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
-    for name in ("partition", "account", "qos", "constraint", "collect_partition"):
-        problem = slurm_name_problem(getattr(res, name))
-        if problem:
-            raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
-    if res.cache_dir:
-        problem = name_problem(res.cache_dir)
-        path = Path(res.cache_dir).expanduser()
-        if not problem and _exists(path, where, "cache_dir") and not path.is_dir():
-            problem = "a file, not a folder (the pre-download cache is a folder)"
-        if problem:
-            raise SpecError(where, "cache_dir", f"{problem}: {shown(res.cache_dir)}")
-
-
-# sbatch --mail-type values (Slurm 22.05 and later).
-MAIL_TYPES = (
-    "NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT", "TIME_LIMIT_90",
-    "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS",
-)  # fmt: skip
-
-# sbatch options that hpcfsdp sets itself -> what to set instead ("": submitit's own); extra_sbatch
-# must not repeat them.
-SBATCH_SET_BY = {
-    "partition": "slurm.partition",
-    "time": "slurm.time_min",
-    "cpus-per-task": "slurm.cpus_per_task",
-    "mem": "slurm.mem_gb",
-    "account": "slurm.account",
-    "qos": "slurm.qos",
-    "constraint": "slurm.constraint",
-    "exclusive": "slurm.exclusive",
-    "array": "slurm.array_parallelism",
-    "signal": "slurm.signal_delay_s",
-    "requeue": "slurm.max_requeue",
-    "no-requeue": "slurm.max_requeue",
-    "gres": "slurm.gpu_request",
-    "gpus-per-node": "slurm.gpu_request",
-    "nodes": "the cells' nodes",
-    "ntasks-per-node": "the cells' gpus_per_node",
-    "job-name": "",
-    "output": "",
-    "error": "",
-    "open-mode": "",
-}
-
-
-# An sbatch option name; anything else in a key (a newline, a space, '=', '#') would let the key
-# end its `#SBATCH --key=value` line and start a line of shell in the batch script.
-SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
-
-
-def _check_extra_sbatch(where: str, res: Resources) -> None:
-    for key, value in res.extra_sbatch.items():
-        if not isinstance(key, str) or not SBATCH_OPTION_NAME.fullmatch(key):
-            raise SpecError(
-                where,
-                f"extra_sbatch.{key!r}",
-                "expected an sbatch option name (letters, digits, '-' and '_', e.g. reservation)",
-            )
-        flag = key.replace("_", "-")
-        if flag in SBATCH_SET_BY:
-            hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
-            raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")
-        if not isinstance(value, (str, int, float, bool)) or value is False:
-            raise SpecError(where, f"extra_sbatch.{key}", f"expected a string, a number or true, got {shown(value)}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise SpecError(where, f"extra_sbatch.{key}", f"expected a finite number, got {value}")
-        if isinstance(value, str):
-            require_no_control_characters(where, f"extra_sbatch.{key}", value)
-        # Options sbatch refuses beside one that hpcfsdp sets:
-        if flag in ("mem-per-cpu", "mem-per-gpu") and (res.mem_gb or res.mem_auto):
-            raise SpecError(
-                where,
-                f"extra_sbatch.{key}",
-                f"sbatch takes only one of --{flag} and --mem "
-                f"(slurm.mem_gb: {'auto' if res.mem_auto else res.mem_gb}); set mem_gb: 0",
-            )
-        if flag in ("gpus", "gpus-per-task", "gpus-per-socket") and res.gpu_request != "none":
-            raise SpecError(
-                where,
-                f"extra_sbatch.{key}",
-                f"GPUs are already asked for (slurm.gpu_request: "
-                f"{res.gpu_request}); set gpu_request: none to ask with --{flag}",
-            )
-
-
-# `batch_size: auto` in a jobs YAML or on the command line: RunSpec.auto_batch (batch_size stays an int).
-AUTO = "auto"
-# The fields that take `auto`, and the flag that `auto` sets instead (the field keeps its default).
-AUTO_FIELDS: dict[type, tuple[str, str]] = {RunSpec: ("batch_size", "auto_batch"), Resources: ("mem_gb", "mem_auto")}
+MEASUREMENT_FIELDS = fields_in("measurement")
 # The fields whose values a `batch_size: auto` cell's record holds as the search chose them.
-SEARCHED_FIELDS = ("batch_size", "grad_accum")
+SEARCHED_FIELDS = fields_in("searched")
 # The fields that say how the search ran (not what its cell then measured).
-BATCH_SEARCH_FIELDS = ("auto_batch", "max_batch_size", "batch_margin", "batch_probe_steps")
-
-# A model / data / tokenizer value written like this names a local path, which must exist.
-LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
-
-
-@functools.cache
-def preset_names() -> tuple[str, ...]:
-    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
-
-
-def model_kind(value: str) -> str:
-    """A model (or tokenizer) value: 'preset', 'local' (written as a path, or an existing folder),
-    'hub' (ORG/NAME[@REV]), or '' when it is none of these."""
-    return "preset" if value.lower() in preset_names() else _local_or_hub(value, ModelRef)
-
-
-def data_kind(value: str) -> str:
-    """A data value: 'synthetic', 'local', 'hub' (ORG/NAME[:config][@split] or a preset), or ''."""
-    return "synthetic" if value == "synthetic" else _local_or_hub(value, DatasetRef)
-
-
-def _local_or_hub(value: str, ref: type[ModelRef] | type[DatasetRef]) -> str:
-    """'local' for a path, 'hub' for what `ref` parses, else ''."""
-    if _is_local(value):
-        return "local"
-    try:
-        ref.parse(value)
-    except ValueError:
-        return ""
-    return "hub"
-
-
-def is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in SAVED_DATASET_MARKERS)
-
-
-def text_files(path: Path) -> Iterator[Path]:
-    """The .txt/.json/.jsonl files of a data folder (recursively, hidden ones left out), or the file itself."""
-    if path.is_file():
-        yield from [path] if path.suffix in TEXT_SUFFIXES else []
-        return
-    for found in path.rglob("*"):
-        if (
-            found.suffix in TEXT_SUFFIXES
-            and found.is_file()
-            and not any(part.startswith(".") for part in found.relative_to(path).parts)
-        ):
-            yield found
-
-
-def _is_local(value: str) -> bool:
-    return value.startswith(LOCAL_PATH_PREFIXES) or _exists(Path(value))
-
-
-def _exists(path: Path, where: str = "", key: str = "") -> bool:
-    """Path.exists, for any text a user may write: a name the OS refuses (longer than a path or
-    file name may be) is a SpecError when `key` names the value, else simply no such path."""
-    try:
-        return path.exists()
-    except (OSError, ValueError) as exc:
-        if key:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise SpecError(where, key, f"not a usable path ({reason}): {shown(str(path))}") from None
-        return False
-
-
-def _require_folder_with(where: str, key: str, value: str, patterns: tuple[str, ...], what: str = "") -> None:
-    """A local folder holding at least one file matching one of `patterns`."""
-    path = Path(value).expanduser()
-    if not (_exists(path, where, key) and path.is_dir()):
-        raise SpecError(where, key, f"no such folder: {value}")
-    if not any(next(path.glob(pattern), None) for pattern in patterns):
-        raise SpecError(where, key, f"folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
-
-
-def _require_text_data(where: str, value: str) -> None:
-    path = Path(value).expanduser()
-    if not _exists(path, where, "data"):
-        raise SpecError(where, "data", f"no such file or folder: {value}")
-    if not (is_saved_dataset(path) or next(text_files(path), None)):
-        raise SpecError(
-            where,
-            "data",
-            f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
-            "or a folder written by datasets' save_to_disk",
-        )
-
-
-def field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
-def unknown_key(where: str, key: str, known: tuple[str, ...], section: str = "") -> SpecError:
-    close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(known)}"
-    return SpecError(where, f"{section}.{key}" if section else str(key), f"unknown key{hint}")
-
-
-def coerce_fields(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Check names and types of user values against the dataclass fields (YAML gives plain types)."""
-    types = _field_types(cls)
-    out: dict[str, Any] = {}
-    auto_key, auto_flag = AUTO_FIELDS.get(cls, ("", ""))
-    auto = bool(auto_key) and values.get(auto_key) == AUTO
-    if auto and values.get(auto_flag, True) is not True:
-        raise SpecError(
-            where, auto_flag, f"{shown(values[auto_flag])} contradicts {auto_key}: auto; leave {auto_flag} out"
-        )
-    for key, value in values.items():
-        if key not in types:
-            raise unknown_key(where, key, tuple(types))
-        if auto and key == auto_key:
-            out[auto_flag] = True  # the field keeps its default (batch_size: the search's first batch)
-            continue
-        out[key] = _coerce(where, key, value, types[key])
-    return out
-
-
-@functools.cache
-def _field_types(cls: type) -> dict[str, type]:
-    """Each field's type, read off its default (annotations are strings here)."""
-    return {
-        f.name: type(f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
-        for f in fields(cls)
-    }
-
-
-def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
-    if expected is bool:
-        if isinstance(value, bool):
-            return value
-        raise SpecError(where, key, f"expected true or false, got {shown(value)}")
-    if expected is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise SpecError(
-            where,
-            key,
-            f"expected an integer{' or auto' if key in ('batch_size', 'mem_gb') else ''}, got {shown(value)}",
-        )
-    if expected is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None or not math.isfinite(number):
-            raise SpecError(where, key, f"expected a finite number, got {shown(value)}")
-        return number
-    if expected is str:
-        if key == "activation_checkpointing" and isinstance(value, bool):
-            return "full" if value else "none"
-        if isinstance(value, str):
-            return value
-        raise SpecError(where, key, f"expected a string, got {shown(value)}")
-    if expected is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise SpecError(where, key, f"expected a mapping, got {shown(value)}")
-    return value
-
-
-@functools.cache
-def choices(cls: type) -> dict[str, tuple[str, ...]]:
-    """The fields of a dataclass typed as a Literal, and their allowed values."""
-    hints = get_type_hints(cls)
-    return {name: get_args(hint) for name, hint in hints.items() if get_origin(hint) is Literal}
-
-
-def _require_choices(where: str, instance: Any) -> None:
-    for key, allowed in choices(type(instance)).items():  # type: ignore[arg-type]  # a class is hashable
-        value = getattr(instance, key)
-        if value not in allowed:
-            close = difflib.get_close_matches(value, allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise SpecError(where, key, f"expected one of {', '.join(allowed)}; got {value!r}{hint}")
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: an error message stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
-
-
-def one_line(text: str) -> str:
-    """`text` with control characters written as escapes: a message that quotes user input raw
-    (a key, a path) still prints as one line."""
-    return CONTROL_CHARACTERS.sub(lambda match: repr(match.group())[1:-1], text)
-
-
-def require_no_control_characters(where: str, key: str, value: str) -> None:
-    """No control character, nor one that is invisible or turns the text around (names.py): every
-    text of a RunSpec, Resources and extra_sbatch reaches a path, an sbatch line or a report."""
-    if CONTROL_CHARACTERS.search(value):
-        raise SpecError(where, key, f"expected no control characters (newline, tab, NUL, ...), got {shown(value)}")
-    unseen = unseen_character(value)
-    if unseen:
-        raise SpecError(
-            where, key, f"holds {unseen}, a character that is invisible or changes the direction of the text around it"
-        )
-
-
-def check_folder_name(where: str, key: str, value: Any) -> None:
-    """A name that becomes one folder (results/<name>): not . or .., no separator, fits a file name."""
-    if (
-        not isinstance(value, str)
-        or value in ("", ".", "..")
-        or "/" in value
-        or "\\" in value
-        or CONTROL_CHARACTERS.search(value)
-        or len(value.encode()) > MAX_NAME_BYTES
-    ):
-        raise SpecError(
-            where,
-            key,
-            "expected a folder-safe string (not . or .., no / or \\, no control characters, "
-            f"at most {MAX_NAME_BYTES} bytes), got {shown(value)}",
-        )
-    problem = folder_name_problem(value)
-    if problem:
-        raise SpecError(where, key, f"{problem}: {shown(value)}")
-
-
-def _text_fields(instance: Any) -> Iterator[tuple[str, str]]:
-    """The free-text fields of a RunSpec or Resources and their values."""
-    for name in _text_field_names(type(instance)):  # type: ignore[arg-type]  # a class is hashable
-        yield name, getattr(instance, name)
-
-
-@functools.cache
-def _text_field_names(cls: type) -> tuple[str, ...]:
-    """Fields typed str that are no choice (a Literal is checked against its values)."""
-    return tuple(name for name, kind in _field_types(cls).items() if kind is str and name not in choices(cls))
-
-
-def max_positions(config: Mapping[str, Any]) -> int | None:
-    """How many positions a model config's position embedding covers; None when it does not say."""
-    for key in POSITION_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def check_seq_len(where: str, seq_len: int, config: Mapping[str, Any]) -> None:
-    limit = max_positions(config)
-    if limit is not None and seq_len > limit:
-        key = next(k for k in POSITION_KEYS if config.get(k) == limit)
-        raise SpecError(where, "seq_len", f"{seq_len} is beyond the model's {key} ({limit})")
-
-
-@functools.cache
-def _model_config(path: str) -> dict[str, Any]:
-    """A config.json as a dict, read once per path; {} when it cannot be read (the cell then fails
-    building the model, with a record that says why)."""
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
+BATCH_SEARCH_FIELDS = fields_in("batch_search")

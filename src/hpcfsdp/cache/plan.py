@@ -9,16 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UserError
-from ..spec import data_kind
-from .hub import (
-    CacheMissError,
-    DatasetRef,
-    ModelRef,
-    TokenizedRef,
-    is_hub_model,
-    lookup_model,
-    lookup_tokenized,
-)
+from ..hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
+from ..sources import data_kind
+from .hub import CacheMissError, lookup_model, lookup_tokenized
 
 
 class DownloadError(UserError, RuntimeError):
@@ -76,11 +69,10 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
 
 @dataclass(frozen=True)
 class Request:
-    """What to fetch, as the command line names it: a jobs YAML and/or explicit items
+    """What to fetch, as the command line names it: the cells of a jobs YAML and/or explicit items
     (tokenized: every dataset x tokenize_for model x seq_len)."""
 
-    jobs: str | None = None
-    max_cells: int | None = None  # for the jobs file; None: the sweep's default limit
+    sweep: Any = None  # a loaded sweep (sweep.matrix.Sweep: .cells, .source), loaded by the command
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     weights: bool = False
@@ -89,7 +81,7 @@ class Request:
 
     @property
     def names_items(self) -> bool:
-        return bool(self.jobs or self.models or self.datasets)
+        return bool(self.sweep or self.models or self.datasets)
 
 
 def build_plan(request: Request, text_column: str | None = None) -> Plan:
@@ -101,10 +93,8 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
             f"--text-column {text_column} applies to the --dataset items that --tokenize-for tokenizes; "
             "a jobs YAML names its cells' column with text_column"
         )
-    if request.jobs:
-        from ..sweep.matrix import MAX_CELLS, load_sweep
-
-        plan_from_sweep(load_sweep(request.jobs, request.max_cells or MAX_CELLS), plan)
+    if request.sweep is not None:
+        plan_from_sweep(request.sweep, plan)
     for text in request.models:
         plan.add_model(_parse(ModelRef, text, "--model"), weights=request.weights)
     if request.weights:  # --weights also applies to the models a jobs file names

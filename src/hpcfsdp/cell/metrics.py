@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-# Dense bf16 tensor-core peak per GPU, TFLOP/s (no sparsity), matched against the device name.
-PEAK_BF16_TFLOPS = (
-    ("H200", 989.5),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.5),
-    ("GH200", 989.5),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.05),
-    ("A10", 125.0),
-    ("V100", 125.0),
-)
+from ..gpus import gpu_named
+from ..spec import RunSpec
+from .distributed import DistEnv, all_gather_objects, all_reduce_max
+
+if TYPE_CHECKING:
+    from .train import TrainLog
 
 
 @dataclass(frozen=True)
@@ -52,10 +46,8 @@ def peak_tflops(device_name: str, override: float = 0.0) -> float:
     """Dense bf16 peak of the device, 0.0 when unknown (then MFU is not reported)."""
     if override:
         return override
-    for key, value in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return value
-    return 0.0
+    gpu = gpu_named(device_name)
+    return gpu.peak_bf16_tflops if gpu else 0.0
 
 
 def device_name(device: torch.device) -> str:
@@ -251,3 +243,80 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
         else:
             j += 1
     return total
+
+
+def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> dict[str, Any]:
+    step_times, data_times = log.timed(spec.warmup_steps)
+    slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends
+    window_step_time = all_reduce_max(log.window_s, env) / len(step_times)
+    step_time = median(slowest) if spec.sync_each_step else window_step_time
+    tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * env.world_size
+    tokens_per_s = tokens_per_step / step_time
+    name = device_name(env.device)
+    peak = peak_tflops(name, spec.peak_tflops) if env.device.type == "cuda" else spec.peak_tflops
+    tflops = tokens_per_s / env.world_size * flops / 1e12
+    memory_max = {stage: {k: all_reduce_max(v, env) for k, v in reading.items()} for stage, reading in memory.items()}
+    return {
+        "status": "ok",
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / env.world_size,
+        "samples_per_s": tokens_per_s / spec.seq_len,
+        "step_time_s": step_time,
+        "step_time_p90_s": percentile(slowest, 0.9),
+        "step_times_s": slowest,
+        "window_step_time_s": window_step_time,
+        "warmup_steps": spec.warmup_steps,
+        "timed_steps": len(slowest),
+        "data_time_fraction": sum(data_times) / sum(step_times) if step_times else float("nan"),
+        "flops_per_token": flops,
+        "tflops_per_gpu": tflops,
+        "peak_tflops": peak,
+        "mfu": tflops / peak if peak else None,
+        "memory": memory_max,
+        "peak_memory_gib": memory_max["end"].get("peak_allocated_gib", memory_max["end"]["cpu_max_rss_gib"]),
+        "peak_memory_kind": "cuda_peak_allocated" if env.device.type == "cuda" else "cpu_max_rss",
+        "memory_capacity_gib": memory_capacity_gib(env.device),
+        "losses": log.losses,
+        "final_loss": log.losses[-1],
+    }
+
+
+def gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str, Any]:
+    """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
+    gathered: list[dict[str, Any]] = all_gather_objects(summary)  # type: ignore[assignment]
+    per_gpu = [s for s in gathered if s.get("nvml_samples")]
+    energy = [s.get("energy_j") for s in gathered]
+    out: dict[str, Any] = {"energy_per_rank_j": energy if all(e is not None for e in energy) else None}
+    if not per_gpu:
+        return out
+    return {
+        **out,
+        "gpu_util_mean": sum(s["gpu_util_mean"] for s in per_gpu) / len(per_gpu),
+        "gpu_util_min": min(s["gpu_util_min"] for s in per_gpu),
+        "sm_clock_mhz_mean": sum(s["sm_clock_mhz_mean"] for s in per_gpu) / len(per_gpu),
+        "power_w_mean": sum(s["power_w_mean"] for s in per_gpu) / len(per_gpu),
+        "gpu_utilisation_per_rank": per_gpu,
+    }
+
+
+def energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str, Any]:
+    """Energy of the timed steps (NVML's counter, summed over ranks) and what a token costs.
+
+    GPU-hours per billion tokens = 1e9 / (3600 x tokens/s per GPU): devices x hours, for every
+    record with a throughput, a CPU run's included (then device-hours of its processes)."""
+    tokens = record["tokens_per_step"] * record["timed_steps"]
+    energy = sum(per_rank_j) if per_rank_j else None
+    return {
+        "energy_j": energy,
+        "joules_per_token": energy / tokens if energy is not None and tokens else None,
+        "gpu_hours_per_billion_tokens": 1e9 / (3600 * record["tokens_per_s_per_gpu"]),
+    }
+
+
+def full_param_norm(model) -> float:
+    """L2 norm over the full (unsharded) parameters: equal across strategies when training is equal."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return math.fsum(float(t.double().pow(2).sum()) for t in state.values()) ** 0.5

@@ -3,9 +3,11 @@ one), the NVIDIA driver, and the communication and PyTorch settings of the envir
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../hpcfsdp
 UNKNOWN = "unknown"
@@ -64,3 +66,44 @@ def driver_version() -> str | None:
     except Exception:  # no NVML library, driver or permission: the record says null
         return None
     return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it, before the process group exists."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def launch_id() -> str:
+    """Identifies one launch of the cell across its ranks (torchrun's run id, or the Slurm job)."""
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        return f"slurm-{slurm}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
+
+
+SLURM_FIELDS = ("job_id", "array_job_id", "array_task_id", "job_nodelist", "cluster_name", "job_partition")
+
+
+def provenance() -> dict[str, Any]:
+    """What every record carries about where and with what it ran, whatever stage it ended in.
+    (torch and transformers are imported here: the helpers above stay light.)"""
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    gpu = torch.cuda.is_available()
+    return {
+        "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in SLURM_FIELDS},
+        "versions": {
+            "hpcfsdp": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
+            "driver": driver_version() if gpu else None,
+        },
+        "environment": framework_environment(os.environ),
+        "git_commit": git_commit(),
+        "launch_id": launch_id(),
+    }

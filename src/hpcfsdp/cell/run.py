@@ -8,21 +8,17 @@ profiles and memory snapshot from profiling.py.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import transformers
-from transformers import PreTrainedModel
 
-from .. import __version__
+from ..fields import SpecError
 from ..record import (
     RECORD_NAME,
     SPEC_NAME,
@@ -33,27 +29,25 @@ from ..record import (
     read_record,
     write_record,
 )
-from ..spec import RunSpec, SpecError, check_seq_len
+from ..spec import RunSpec
 from .batch_search import BatchSearch, is_oom, search_batch_size
+from .build import build, build_probe
 from .data import open_data, training_batches
-from .distributed import DistEnv, all_gather_objects, all_reduce_max, init_distributed, shutdown
+from .distributed import DistEnv, all_gather_objects, init_distributed, shutdown
 from .faults import inject_fault
-from .levers import check_device, float8_linear_count, install_loss
+from .levers import check_device, float8_linear_count
 from .metrics import (
-    FlopCount,
     NvmlSampler,
     device_name,
-    flops_per_token,
-    median,
-    memory_capacity_gib,
+    energy,
+    full_param_norm,
+    gpu_utilisation,
     memory_reading,
-    peak_tflops,
-    percentile,
+    ok_record,
     reset_peak_memory,
 )
-from .models import ModelSource, build_model, materialize, resolve_model
 from .profiling import memory_snapshot, profile_communication, write_trace
-from .provenance import driver_version, framework_environment, git_commit
+from .provenance import launch_id, launch_rank, provenance
 from .signals import (
     CellCancelled,
     CellTimeout,
@@ -62,9 +56,8 @@ from .signals import (
     restore_handlers,
     signal_cause,
 )
-from .strategies import parallelize, param_dtype
 from .summary import summary_line
-from .train import Diverged, TrainLog, build_optimizer, train
+from .train import Diverged, train
 
 
 def run_cell_dir(cell_dir: Path) -> str:
@@ -73,7 +66,7 @@ def run_cell_dir(cell_dir: Path) -> str:
         # Validated again on the compute node: a path checked at plan time may be gone by now.
         spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
     except SpecError as exc:
-        write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **_provenance()))
+        write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **provenance()))
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
     too_often = requeued_too_often()
     if too_often:  # the record of the run Slurm requeued (preempted, node_fail) stays the cell's
@@ -88,7 +81,7 @@ def run_cell_dir(cell_dir: Path) -> str:
 def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     """Train one cell on this process's rank and write the record; returns the status."""
     started = time.time()
-    if _launch_rank() == 0:
+    if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
         # run (by hand, or a command --executor print printed) is kept in attempts/, not overwritten.
         keep_as_attempt(cell_dir)
@@ -165,14 +158,14 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
             spec,
             env,
             blocks,
-            lambda probe: _build_probe(probe, env),
+            lambda probe: build_probe(probe, env),
             on_first_step=lambda batch: inject_fault("train_step", env, batch),
             log=say,
         )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
-    built = _build(spec, env, memory, enter)
+    built = build(spec, env, memory, enter)
     model, optimizer, flops = built.model, built.optimizer, built.flops
     enter("train")
     reset_peak_memory(env.device)
@@ -201,7 +194,7 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
         if sampler is not None:
             sampler.stop()
     memory["end"] = memory_reading(env.device)
-    record = _ok_record(spec, env, log, flops.flops_per_token, memory)
+    record = ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(
         flops_tied_lm_head=flops.tied_lm_head,
         non_embedding_params=flops.non_embedding_params,
@@ -212,8 +205,8 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
     if spec.float8 != "none":
         record["float8_linears"] = float8_linear_count(model)
     if sampler is not None:
-        record.update(_gpu_utilisation(sampler.summary(), env))
-    record.update(_energy(record.get("energy_per_rank_j"), record))
+        record.update(gpu_utilisation(sampler.summary(), env))
+    record.update(energy(record.get("energy_per_rank_j"), record))
     if spec.comm_profile_steps:
         enter("comm_profile")
         record.update(profile_communication(model, optimizer, batches, spec, env))
@@ -224,75 +217,6 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
     if spec.record_param_norm:
         record["final_param_norm"] = full_param_norm(model)
     return record
-
-
-@dataclass(frozen=True)
-class _Built:
-    model: Any
-    optimizer: torch.optim.Optimizer
-    optimizer_tracks_model: bool
-    flops: FlopCount
-    source: ModelSource
-    vocab_size: int
-
-
-def _build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], None]) -> _Built:
-    """Model, strategy and optimizer for `spec`; memory is read after each stage."""
-    enter("model")
-    pretrained = spec.init == "pretrained"
-    source = resolve_model(spec.model, weights=pretrained)
-    model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
-    if spec.meta_init and spec.family != "fsdp2":
-        materialize(
-            cast(PreTrainedModel, model), env.device, spec.seed
-        )  # DDP holds a full replica: nothing to shard first
-    check_seq_len(f"model {spec.model}", spec.seq_len, model.config.to_dict())  # hub models: unknown at plan time
-    install_loss(model, spec, env.device)
-    flops = flops_per_token(model, spec.seq_len)
-    vocab_size = cast(int, model.config.vocab_size)
-    memory["after_model"] = memory_reading(env.device)
-    enter("shard")
-    model, optimizer, tracks = _parallelize_with_optimizer(model, spec, env, memory)
-    memory["after_optimizer"] = memory_reading(env.device)
-    return _Built(model, optimizer, tracks, flops, source, vocab_size)
-
-
-def _build_probe(spec: RunSpec, env: DistEnv):
-    """What a batch-search probe trains: the cell's own set-up at the probe's batch."""
-    built = _build(spec, env, {}, enter=lambda stage: None)
-    return built.model, built.optimizer, built.vocab_size
-
-
-def _gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str, Any]:
-    """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
-    gathered: list[dict[str, Any]] = all_gather_objects(summary)  # type: ignore[assignment]
-    per_gpu = [s for s in gathered if s.get("nvml_samples")]
-    energy = [s.get("energy_j") for s in gathered]
-    out: dict[str, Any] = {"energy_per_rank_j": energy if all(e is not None for e in energy) else None}
-    if not per_gpu:
-        return out
-    return {
-        **out,
-        "gpu_util_mean": sum(s["gpu_util_mean"] for s in per_gpu) / len(per_gpu),
-        "gpu_util_min": min(s["gpu_util_min"] for s in per_gpu),
-        "sm_clock_mhz_mean": sum(s["sm_clock_mhz_mean"] for s in per_gpu) / len(per_gpu),
-        "power_w_mean": sum(s["power_w_mean"] for s in per_gpu) / len(per_gpu),
-        "gpu_utilisation_per_rank": per_gpu,
-    }
-
-
-def _energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str, Any]:
-    """Energy of the timed steps (NVML's counter, summed over ranks) and what a token costs.
-
-    GPU-hours per billion tokens = 1e9 / (3600 x tokens/s per GPU): devices x hours, for every
-    record with a throughput, a CPU run's included (then device-hours of its processes)."""
-    tokens = record["tokens_per_step"] * record["timed_steps"]
-    energy = sum(per_rank_j) if per_rank_j else None
-    return {
-        "energy_j": energy,
-        "joules_per_token": energy / tokens if energy is not None and tokens else None,
-        "gpu_hours_per_billion_tokens": 1e9 / (3600 * record["tokens_per_s_per_gpu"]),
-    }
 
 
 def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
@@ -329,19 +253,6 @@ def _read_or(path: Path, fallback: dict[str, Any]) -> dict[str, Any]:
         return fallback
 
 
-def _launch_rank() -> int:
-    """This process's global rank as its launcher set it, before the process group exists."""
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
-
-
-def _launch_id() -> str:
-    """Identifies one launch of the cell across its ranks (torchrun's run id, or the Slurm job)."""
-    slurm = os.environ.get("SLURM_JOB_ID")
-    if slurm:
-        return f"slurm-{slurm}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
-
-
 def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
     """The first failing rank's record says why the cell failed; ranks that fail after it (a peer
     closed the connection, the launcher sent SIGTERM) must not overwrite it."""
@@ -351,80 +262,12 @@ def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
         earlier = read_record(cell_dir / RECORD_NAME)
     except (RecordError, FileNotFoundError):
         return False
-    return earlier["status"] != "ok" and earlier.get("launch_id") == _launch_id()
-
-
-def _parallelize_with_optimizer(model, spec: RunSpec, env: DistEnv, memory: dict):
-    """Build the optimizer after sharding (right), before it (the known broken way), or before it
-    with its parameter references remapped to the sharded parameters (the fix)."""
-    if spec.optimizer_order == "after_shard":
-        model = parallelize(model, spec, env)
-        if spec.meta_init and spec.family == "fsdp2":
-            materialize(model, env.device, spec.seed, offload_params=spec.cpu_offload)  # this rank's shards only
-        memory["after_shard"] = memory_reading(env.device)
-        optimizer = build_optimizer(model, spec)
-    else:
-        optimizer = build_optimizer(model, spec)
-        unsharded = list(model.parameters())
-        model = parallelize(model, spec, env)
-        memory["after_shard"] = memory_reading(env.device)
-        if spec.optimizer_order == "before_shard_fixed":
-            remap = dict(zip(map(id, unsharded), model.parameters(), strict=False))
-            for group in optimizer.param_groups:
-                group["params"] = [remap[id(p)] for p in group["params"]]
-    model_params = {id(p) for p in model.parameters()}
-    tracked = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return model, optimizer, model_params == tracked
-
-
-def full_param_norm(model) -> float:
-    """L2 norm over the full (unsharded) parameters: equal across strategies when training is equal."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return math.fsum(float(t.double().pow(2).sum()) for t in state.values()) ** 0.5
+    return earlier["status"] != "ok" and earlier.get("launch_id") == launch_id()
 
 
 def _print_progress(env: DistEnv, spec: RunSpec, step: int) -> None:
     if env.is_main and (step + 1) % max(1, spec.steps // 5) == 0:
         print(f"[hpcfsdp]   step {step + 1}/{spec.steps}", flush=True)
-
-
-def _ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> dict[str, Any]:
-    step_times, data_times = log.timed(spec.warmup_steps)
-    slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends
-    window_step_time = all_reduce_max(log.window_s, env) / len(step_times)
-    step_time = median(slowest) if spec.sync_each_step else window_step_time
-    tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * env.world_size
-    tokens_per_s = tokens_per_step / step_time
-    name = device_name(env.device)
-    peak = peak_tflops(name, spec.peak_tflops) if env.device.type == "cuda" else spec.peak_tflops
-    tflops = tokens_per_s / env.world_size * flops / 1e12
-    memory_max = {stage: {k: all_reduce_max(v, env) for k, v in reading.items()} for stage, reading in memory.items()}
-    return {
-        "status": "ok",
-        "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_gpu": tokens_per_s / env.world_size,
-        "samples_per_s": tokens_per_s / spec.seq_len,
-        "step_time_s": step_time,
-        "step_time_p90_s": percentile(slowest, 0.9),
-        "step_times_s": slowest,
-        "window_step_time_s": window_step_time,
-        "warmup_steps": spec.warmup_steps,
-        "timed_steps": len(slowest),
-        "data_time_fraction": sum(data_times) / sum(step_times) if step_times else float("nan"),
-        "flops_per_token": flops,
-        "tflops_per_gpu": tflops,
-        "peak_tflops": peak,
-        "mfu": tflops / peak if peak else None,
-        "memory": memory_max,
-        "peak_memory_gib": memory_max["end"].get("peak_allocated_gib", memory_max["end"]["cpu_max_rss_gib"]),
-        "peak_memory_kind": "cuda_peak_allocated" if env.device.type == "cuda" else "cpu_max_rss",
-        "memory_capacity_gib": memory_capacity_gib(env.device),
-        "losses": log.losses,
-        "final_loss": log.losses[-1],
-    }
 
 
 def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> dict[str, Any]:
@@ -439,29 +282,7 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "gpu_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
         "backend": env.backend,
         "hostnames": sorted(set(hosts)),
-        **_provenance(),
+        **provenance(),
         "started_at": started,
         "duration_s": time.time() - started,
-    }
-
-
-SLURM_FIELDS = ("job_id", "array_job_id", "array_task_id", "job_nodelist", "cluster_name", "job_partition")
-
-
-def _provenance() -> dict[str, Any]:
-    """What every record carries about where and with what it ran, whatever stage it ended in."""
-    gpu = torch.cuda.is_available()
-    return {
-        "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in SLURM_FIELDS},
-        "versions": {
-            "hpcfsdp": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
-            "driver": driver_version() if gpu else None,
-        },
-        "environment": framework_environment(os.environ),
-        "git_commit": git_commit(),
-        "launch_id": _launch_id(),
     }

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..fields import SpecError
 from ..record import RECORD_NAME, RecordError
-from ..spec import SpecError
 from ..sweep.accounting import note_accounting
 from ..sweep.layout import cell_files, read_manifest
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME

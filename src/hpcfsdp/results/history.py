@@ -35,8 +35,9 @@ from typing import Any
 import pandas as pd
 
 from ..errors import UserError
+from ..fields import SpecError
 from ..record import ACCOUNTING_KEY, slurm_job_of
-from ..spec import MEASUREMENT_FIELDS, RunSpec, SpecError
+from ..spec import MEASUREMENT_FIELDS, RunSpec
 from .read import Collection
 
 TABLE = "runs"

@@ -30,7 +30,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
-from ..memory import gpu_memory_gib
+from ..gpus import gpu_memory_gib
 from ..record import atomic_output
 
 DPI = 100

@@ -30,8 +30,9 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
+from ..fields import SpecError, coerce_fields, unknown_key
 from ..record import write_text
-from ..spec import RunSpec, SpecError, coerce_fields, unknown_key
+from ..spec import RunSpec
 
 TOP_KEYS = ("tolerance", "references")
 ENTRY_KEYS = (

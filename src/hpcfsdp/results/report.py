@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..memory import gpu_memory_gib
+from ..fields import SpecError
+from ..gpus import gpu_memory_gib
 from ..record import atomic_output, write_text
-from ..spec import SpecError
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from ..fields import SpecError
 from ..record import SPEC_NAME, RecordError, keep_as_attempt, read_json_object, restore_attempt, write_json, write_text
-from ..spec import SpecError
 
 if TYPE_CHECKING:
     from .matrix import Cell, Sweep

@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from ..spec import Resources, RunSpec, SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ..fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ..spec import RunSpec
+from .resources import Resources
 from .yamlfile import BoundedLoader, read_text
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..spec import RunSpec, SpecError, field_names
+from ..fields import SpecError, field_names
+from ..spec import RunSpec
 from .cluster import array_size_limit
 from .matrix import Cell, Sweep, arrays, plain_value
 
@@ -80,10 +81,10 @@ def plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) 
 
 
 def memory_table(sweep: Sweep) -> list[str]:
-    """`plan --memory`: the predicted memory of every cell, GiB per GPU (hpcfsdp/memory.py), and its
-    host memory per node (hpcfsdp/hostmemory.py)."""
-    from ..hostmemory import predict_host_cells
-    from ..memory import RUNTIME_RESERVE_GIB, predict_cells, usable_gib
+    """`plan --memory`: the predicted memory of every cell, GiB per GPU (sweep/memory.py), and its
+    host memory per node (sweep/hostmemory.py)."""
+    from .hostmemory import predict_host_cells
+    from .memory import RUNTIME_RESERVE_GIB, predict_cells, usable_gib
 
     res = sweep.resources
     capacity = capacity_of(sweep)
@@ -125,14 +126,14 @@ def memory_table(sweep: Sweep) -> list[str]:
 
 def capacity_of(sweep: Sweep) -> float | None:
     """The GPU memory, GiB, the sweep's cells get: slurm.gpu_memory_gib, else slurm.gpu_name's."""
-    from ..memory import capacity_gib
+    from .memory import capacity_gib
 
     return capacity_gib(sweep.resources.gpu_memory_gib, sweep.resources.gpu_name)
 
 
 def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
     """`submit --skip-predicted-oom`: the sweep less the cells predicted not to fit, each named."""
-    from ..memory import predict_cells
+    from .memory import predict_cells
 
     capacity = capacity_of(sweep)
     if capacity is None:

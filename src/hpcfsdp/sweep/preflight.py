@@ -7,7 +7,7 @@ has), when arrays before it may already be queued. `plan` and `submit` ask here 
 per nodes x GPUs shape that can never run, naming the YAML line and key that set the value.
 
 Then what the partition's limits do not show: each shape's predicted host memory per node
-(hostmemory.py) against the memory the job gets (`slurm.mem_gb`, else the partition's
+(sweep/hostmemory.py) against the memory the job gets (`slurm.mem_gb`, else the partition's
 DefMemPerNode or DefMemPerCPU x CPUs, else the whole node); the per-job limits of `slurm.qos`
 (MaxWall, MaxTRESPerJob, MaxTRESPerNode: Slurm queues a job beyond them and holds it pending for
 ever, unless the QOS denies it on submission); and last `sbatch --test-only` with each shape's
@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..hostmemory import auto_mem_gb, predict_host_cells
 from .cluster import ANSWER_TIMEOUT_S, Partition, array_size_limit, read_partitions, read_qos, tres_counts
+from .hostmemory import auto_mem_gb, predict_host_cells
 from .matrix import Cell, Sweep, by_shape
 
 

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UserError
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV, Resources
+from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
 from .cluster import array_size_limit, jobs_in_queue
 from .environment import HF_TOKEN_ENV, job_environment, secrets_removed
 from .interrupts import interrupts_deferred
 from .layout import cell_dir, records_set_aside, slurm_folder, update_manifest
 from .matrix import Cell, Sweep, arrays
 from .preflight import requested_mem_gb
+from .resources import Resources
 
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
 # SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).

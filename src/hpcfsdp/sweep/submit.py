@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Stopped, UserError
+from ..fields import SpecError
 from ..names import sbatch_word_problem
 from ..record import MISSING, RecordError
-from ..spec import SpecError
 from .interrupts import Interrupted, interrupts_raise
 from .layout import MANIFEST_NAME, SLURM_DIR, write_sweep_files
 from .local import print_command, run_local

@@ -14,7 +14,7 @@ import yaml
 from yaml.composer import ComposerError
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from ..spec import SpecError
+from ..fields import SpecError
 
 MAX_BYTES = 1024**2  # a hand-written jobs file is a few KiB; pure-Python YAML parses ~0.25 MiB/s here
 MAX_DEPTH = 64  # a jobs file nests 4 levels; Python's recursion limit is hit near 300

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..spec import RunSpec
 from .memory import (
     GIB,
     ModelConfigError,
@@ -36,7 +37,6 @@ from .memory import (
     predict,
     shard_degree,
 )
-from .spec import RunSpec
 
 # Peak RSS of one rank of the tiny model (whose own memory is negligible), as the record's
 # memory.end.cpu_max_rss_gib reports it: on the CPU (torch 2.13 CPU, transformers 5, gloo, this

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .spec import PRESETS_DIR, STRATEGIES, RunSpec, model_kind
+from ..gpus import gpu_memory_gib
+from ..sources import PRESETS_DIR, model_kind
+from ..spec import STRATEGIES, RunSpec
 
 GIB = 1024**3
 # What the allocator never gets of a GPU: the CUDA context, NCCL's and cuBLAS's buffers, and the
@@ -48,30 +50,6 @@ LIGER_COMPILE_ACTIVATION_FACTOR = 0.735
 # cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper), which torch allocates through its
 # caching allocator: the whole 0.07 GiB peak of a tiny model's cell on 2 x H200.
 WORKSPACE_GIB = 1 / 16
-
-# Device memory in GiB as nvidia-smi reports it, by a fragment of the CUDA device name; the first
-# match wins, so specific names come first. GH200 ships with 96 or 144 GB: no entry.
-GPU_MEMORY_GIB: tuple[tuple[str, float | None], ...] = (
-    ("GH200", None),
-    ("H200", 140.4),
-    ("H100 NVL", 93.6),
-    ("H100", 79.6),
-    ("B200", 179.1),
-    ("A100-SXM4-80GB", 80.0),
-    ("A100 80GB", 80.0),
-    ("A100", 40.0),
-    ("L40S", 44.4),
-    ("A10", 22.5),
-    ("V100", 32.0),
-)
-
-
-def gpu_memory_gib(device_name: str) -> float | None:
-    """A GPU's memory by (a fragment of) its name, e.g. "NVIDIA H200" -> 140.4; None if unknown."""
-    for fragment, gib in GPU_MEMORY_GIB:
-        if fragment.lower() in device_name.lower():
-            return gib
-    return None
 
 
 class ModelConfigError(ValueError):
@@ -162,7 +140,7 @@ def load_shape(model: str, cache_dir: str | None = None) -> Shape:
     elif kind == "local":
         path = Path(model).expanduser() / "config.json"
     else:
-        from .cache.hub import CacheMissError, lookup_model
+        from ..cache.hub import CacheMissError, lookup_model
 
         try:
             path = lookup_model(model, cache_dir).path / "config.json"
