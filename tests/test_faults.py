@@ -577,7 +577,8 @@ def test_ctrl_c_in_submit_wait_says_how_many_cells_are_still_queued(slurm_cluste
 def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, tmp_path):
     """SIGINT to `submit --force` while sbatch is queueing: the array is queued and the manifest
     names it (never a job the manifest does not know), and the record it replaces stays an attempt:
-    the queued cell will write result.json. (sbatch is the real one, started 3 s late by a wrapper.)"""
+    the queued cell will write result.json. (sbatch is the real one, started 3 s late by a wrapper;
+    the preflight's --test-only is not delayed.)"""
     name = unique("defer")
     jobs = jobs_file(tmp_path, name, slurm={"extra_sbatch": {"hold": True}})
     results = tmp_path / "results"
@@ -585,7 +586,10 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
     write_record(results / name / "cells" / cell.id / "result.json", {"status": "ok", "spec": cell.spec.to_dict()})
     wrappers, started = tmp_path / "bin", tmp_path / "sbatch-started"
     wrappers.mkdir()
-    (wrappers / "sbatch").write_text(f'#!/bin/sh\ntouch {started}\nsleep 3\nexec {shutil.which("sbatch")} "$@"\n')
+    sbatch = shutil.which("sbatch")
+    # The preflight's `sbatch --test-only` queues nothing: it is not delayed.
+    script = ["#!/bin/sh", f'case "$*" in *--test-only*) exec {sbatch} "$@";; esac', f"touch {started}", "sleep 3"]
+    (wrappers / "sbatch").write_text("\n".join([*script, f'exec {sbatch} "$@"', ""]))
     (wrappers / "sbatch").chmod(0o755)
     proc = hpcfsdp(
         "submit",

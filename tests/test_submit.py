@@ -117,7 +117,8 @@ def test_an_array_sbatch_would_refuse_is_one_line_before_anything_is_queued_and_
         main(["submit", str(jobs), "--executor", "slurm", "--force", "--results-dir", str(tmp_path / "results")]) == 2
     )
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 4"), err
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 4"), err
     assert err[0].endswith("(sbatch --test-only): Requested reservation is invalid")
     # --force set the records aside for the rerun; nothing was queued, so they are back.
     assert [record(sweep_dir, c.id)["status"] for c in (ok, timed_out)] == ["ok", "timeout"]

@@ -93,9 +93,10 @@ def telling_lines(logs: list[RankLog]) -> list[str]:
     return list(seen)[-TELLING_LINES:]
 
 
-def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO = sys.stdout) -> int:
+def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None = None) -> int:
     """Every job's logs of the cell, newest first, the lines that matter first for a failed cell;
     exit status 1 when there is no log to show."""
+    out = out or sys.stdout  # looked up now: a default bound at import would keep a replaced stream
     state = cell_state(sweep_dir, cell_id)
     jobs = cell_jobs(sweep_dir, cell_id)
     if not jobs:
@@ -127,10 +128,11 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO = sys.
 
 
 def follow(
-    sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO = sys.stdout, poll_s: float = FOLLOW_POLL_S
+    sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None = None, poll_s: float = FOLLOW_POLL_S
 ) -> int:
     """Print what the newest job's ranks write, as they write it, until the job leaves the queue
     and its files stop growing (Ctrl-C stops sooner)."""
+    out = out or sys.stdout
     jobs = cell_jobs(sweep_dir, cell_id)
     if not jobs:
         print(f"{cell_id}: no Slurm job to follow", file=out)
