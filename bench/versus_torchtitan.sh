@@ -9,6 +9,8 @@
 #   TORCHTITAN_DIR=.peer/torchtitan bash bench/versus_torchtitan.sh            # 1 GPU
 #   NGPU=2 RESHARD=zero3 TORCHTITAN_DIR=... bash bench/versus_torchtitan.sh    # 2 GPUs, both ZeRO-3
 #   LANES="0 1" ...        # NGPU=1 on a 2-GPU machine: one repeat on each GPU at once (reverse order on GPU 1)
+#   PROFILE="titan-b4 suite-b4" ...  # then one more run of each named case under torch.profiler
+#                                    # (not in the table) and bench/trace_summary.py over the traces
 #   SMOKE=1 bash bench/versus_torchtitan.sh    # tiny model, 2 CPU processes, the suite's side only (torchtitan
 #                                              # needs a GPU): tests the script and its table
 #
@@ -37,7 +39,6 @@ CASES=(
   "suite-b4 suite 4 loss=compiled"
   "suite-best suite 8 loss=liger attention=cudnn"
 )
-if [[ -n "${VERSUS_CASES:-}" ]]; then IFS=';' read -r -a CASES <<< "$VERSUS_CASES"; fi
 SUITE=(model=qwen3-1.7b device=cuda precision=bf16_mixed compile=true float8=tensorwise adamw_impl=fused
        activation_checkpointing=none expandable_segments=true nvml=false comm_profile_steps=0)
 WARMUP=${WARMUP:-4}
@@ -47,6 +48,7 @@ LANES=${LANES:-0}               # GPUs that each run the whole sequence at once 
 BUDGET_S=${BUDGET_S:-480}       # no run is started after this many seconds
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-170}
 TORCHTITAN_DIR=${TORCHTITAN_DIR:-}
+PROFILE=${PROFILE:-}            # case names to run once more under the profiler, after the table
 # -------------------------------------------------------------------------------------------------
 
 if [[ "${SMOKE:-0}" == 1 ]]; then
@@ -55,6 +57,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
   SUITE=(model=tiny device=cpu precision=fp32 adamw_impl=foreach nvml=false comm_profile_steps=0)
   export OMP_NUM_THREADS=1
 fi
+if [[ -n "${VERSUS_CASES:-}" ]]; then IFS=';' read -r -a CASES <<< "$VERSUS_CASES"; fi
 if [[ "${SMOKE:-0}" != 1 && ! -f "$TORCHTITAN_DIR/torchtitan/train.py" ]]; then
   echo "versus_torchtitan: TORCHTITAN_DIR='$TORCHTITAN_DIR' is no torchtitan checkout (docs/levers.md)" >&2
   exit 2
@@ -80,9 +83,18 @@ printf '%s\n' "SUITE: strategy=$strategy ${SUITE[*]}" "CASES: ${CASES[*]}" "TORC
 [[ -n $TORCHTITAN_DIR ]] && git -C "$TORCHTITAN_DIR" rev-parse HEAD >> "$work/machine.txt" 2>/dev/null
 
 run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged to logs/NAME-rREPEAT.log
+  # With repeat "prof": the run is profiled (two steps before the last), and kept out of the table
+  # under profile/.
   local lane=$1 repeat=$2 name=$3 side=$4 batch=$5; shift 5
-  local elapsed=$(( SECONDS - started )) log="$work/logs/$name-r$repeat.log"
-  if (( elapsed >= BUDGET_S )); then
+  local base="$work" titan_profile=() suite_profile=()
+  if [[ $repeat == prof ]]; then
+    base="$work/profile" suite_profile=(profile=true)
+    titan_profile=(--profiling.enable_profiling --profiling.profile_freq $(( WARMUP + TIMED - 2 ))
+                   --profiling.profiler_warmup 1 --profiling.profiler_active 2)
+    mkdir -p "$base/logs"
+  fi
+  local elapsed=$(( SECONDS - started )) log="$base/logs/$name-r$repeat.log"
+  if [[ $repeat != prof ]] && (( elapsed >= BUDGET_S )); then
     echo "[versus] $name r$repeat: not started, ${elapsed}s of the ${BUDGET_S}s budget spent" | tee -a "$work/skipped.txt"
     return
   fi
@@ -92,14 +104,16 @@ run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged 
   if [[ $side == titan ]]; then
     PYTHONPATH="$TORCHTITAN_DIR:$PYTHONPATH" timeout --kill-after=10 "$RUN_TIMEOUT_S" "${devices[@]}" "${launcher[@]}" \
       bench/torchtitan_random.py --job.config_file "$TORCHTITAN_DIR/torchtitan/models/qwen3/train_configs/qwen3_1.7b.toml" \
-      --job.dump_folder "$work/titan/$name-r$repeat" --model.name qwen3_random --model.flavor 1.7B \
+      --job.dump_folder "$base/titan/$name-r$repeat" --model.name qwen3_random --model.flavor 1.7B \
       --model.converters quantize.linear.float8 --compile.enable --activation_checkpoint.mode none \
       --training.seq_len "$SEQ" --training.local_batch_size "$batch" --training.steps $(( WARMUP + TIMED )) \
-      --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 --metrics.disable_color_printing "${titan_parallel[@]}" \
+      --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 --metrics.disable_color_printing "${titan_parallel[@]}" "${titan_profile[@]}" \
       > "$log" 2>&1
   else
+    local fields=(strategy="$strategy" "${SUITE[@]}" "$@")  # a case's own strategy= replaces the default
+    [[ " $* " == *" strategy="* ]] && fields=("${SUITE[@]}" "$@")
     timeout --kill-after=10 "$RUN_TIMEOUT_S" "${devices[@]}" "${launcher[@]}" -m hpcfsdp run \
-      --results-dir "$work/suite" --sweep "$name-r$repeat" strategy="$strategy" "${SUITE[@]}" "$@" \
+      --results-dir "$base/suite" --sweep "$name-r$repeat" "${fields[@]}" "${suite_profile[@]}" \
       seq_len="$SEQ" batch_size="$batch" steps=$(( WARMUP + TIMED )) warmup_steps="$WARMUP" > "$log" 2>&1
   fi
   local rc=$?
@@ -133,6 +147,24 @@ for i in "${!lanes[@]}"; do run_lane "${lanes[$i]}" $(( i + 1 )) "${#lanes[@]}" 
 wait
 
 write_table
+if [[ -n $PROFILE ]]; then  # after the table, so that they never cost a timed run (and not budgeted)
+  traces=()
+  for case in "${CASES[@]}"; do
+    read -r name _ <<< "$case"
+    [[ " $PROFILE " == *" $name "* ]] || continue
+    # shellcheck disable=SC2086
+    run_case "${lanes[0]}" prof $case
+    trace=$(find "$work/profile" -path "*$name-rprof*" -name '*trace.json*' | sort | head -1)
+    [[ -n $trace ]] && traces+=("$name=$trace")
+  done
+  if (( ${#traces[@]} )); then
+    python3 bench/trace_summary.py "${traces[@]}" > "$out/trace_summary.md" 2> "$out/trace_summary.err"
+    cp "$out/trace_summary.md" "$work/"
+    gzip -k "${traces[@]#*=}" 2>/dev/null
+    tar -czf "$out/versus_torchtitan.tar.gz" --exclude='*.pt' --exclude='*trace.json' -C "$work" .
+    cat "$out/trace_summary.md"
+  fi
+fi
 echo
 echo "[versus] $(( SECONDS - started )) s; logs and records: $out/versus_torchtitan.tar.gz"
 cat "$out/versus_torchtitan.md"
