@@ -190,3 +190,24 @@ def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):
     assert record["status"] == "error" and record["stage"] == "setup"
     assert record["error"] == "RuntimeError: attention: cudnn, loss: liger need a GPU, and this run is on cpu"
     assert record["spec"]["loss"] == "liger"
+
+
+@pytest.mark.parametrize(
+    "fields, gathers_float8",
+    [
+        ({"strategy": "fsdp2_zero2", "gpus_per_node": 2}, True),
+        ({"strategy": "fsdp2_zero3", "nodes": 2}, True),
+        ({"strategy": "fsdp2_zero2"}, False),  # one rank: the compiled layer casts its own weights
+        ({"strategy": "fsdp2_zero2", "gpus_per_node": 2, "float8": "rowwise"}, False),
+        ({"strategy": "ddp", "gpus_per_node": 2}, False),
+    ],
+)
+def test_weights_are_gathered_in_float8_only_where_there_is_something_to_gather(fields, gathers_float8):
+    from hpcfsdp.sweep.memory import _gathered_bytes, load_shape
+
+    spec = RunSpec.from_dict({"device": "cuda", "float8": "tensorwise", "model": "qwen3-1.7b", **fields}, "t.yaml")
+    assert spec.float8_all_gather is gathers_float8
+    bf16 = RunSpec.from_dict({**spec.to_dict(), "float8": "none"}, "t.yaml")
+    shape = load_shape("qwen3-1.7b")
+    # the memory prediction follows: float8 all-gather holds the gathered matmul weights in 1 byte, not 2
+    assert (_gathered_bytes(spec, shape) < _gathered_bytes(bf16, shape)) is (gathers_float8 and spec.family == "fsdp2")

@@ -189,6 +189,14 @@ class RunSpec:
         return STRATEGIES[self.strategy].family
 
     @property
+    def float8_all_gather(self) -> bool:
+        """tensorwise float8 under FSDP2 on several ranks gathers the weights in float8 (half the
+        bytes of bf16). On one rank there is nothing to gather, and the float8 all-gather would
+        only cast each weight eagerly in every layer's pre-forward, CPU time the GPU waits for
+        (docs/levers.md): there the compiled layer casts its weights itself."""
+        return self.float8 == "tensorwise" and self.family == "fsdp2" and self.world_size > 1
+
+    @property
     def text_tokenizer(self) -> str:
         """What text data is tokenised with: `tokenizer`, else the model's own ("" for a preset: it has none)."""
         if self.tokenizer or model_kind(self.model) == "preset":

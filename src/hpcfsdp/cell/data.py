@@ -79,7 +79,7 @@ def training_batches(
                 f"data: token id {int(tokens.max())} is out of range for the model's vocab_size "
                 f"{vocab_size}; the tokenizer does not belong to this model"
             )
-        yield tokens.to(device, non_blocking=True)
+        yield to_device(tokens, device)
 
 
 def synthetic_batches(
@@ -89,7 +89,17 @@ def synthetic_batches(
     generator = torch.Generator().manual_seed(seed * 100_003 + rank)
     while True:
         tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
-        yield tokens.to(device, non_blocking=True)
+        yield to_device(tokens, device)
+
+
+def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a batch to the GPU without making the host wait: from pageable memory a copy is
+    synchronous whatever non_blocking says, and the GPU then idles while the host has not yet
+    launched the next step's first kernels. Pinned, it is queued like a kernel (the pinned block is
+    not reused before the copy has run)."""
+    if device.type != "cuda":
+        return tokens.to(device)
+    return tokens.pin_memory().to(device, non_blocking=True)
 
 
 def rank_indices(count: int, seed: int, rank: int, world_size: int) -> Iterator[int]:

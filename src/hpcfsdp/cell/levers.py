@@ -190,7 +190,7 @@ def convert_float8(model: nn.Module, spec: RunSpec) -> None:
         return
     float8 = require("torchao.float8", f"float8: {spec.float8}")
     if spec.float8 == "tensorwise":
-        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=spec.family == "fsdp2")
+        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=spec.float8_all_gather)
     else:
         config = float8.Float8LinearConfig.from_recipe_name("rowwise")
     float8.convert_to_float8_training(model, module_filter_fn=_float8_eligible, config=config)
@@ -205,10 +205,10 @@ def float8_linear_count(model: nn.Module) -> int:
 
 
 def add_float8_scale_hook(optimizer: torch.optim.Optimizer, model: nn.Module, spec: RunSpec) -> None:
-    """tensorwise float8 under FSDP2: after every optimizer step, compute the float8 scales of all
-    sharded weights in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp), rather
+    """float8 all-gather (tensorwise, FSDP2, several ranks): after every optimizer step, compute
+    the float8 scales of all sharded weights in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp), rather
     than one per weight at its all-gather. A hook on the optimizer, so the training loop is unchanged."""
-    if spec.float8 != "tensorwise" or spec.family != "fsdp2":
+    if not spec.float8_all_gather:
         return
     precompute = require("torchao.float8", "float8: tensorwise").precompute_float8_dynamic_scale_for_fsdp
     optimizer.register_step_post_hook(lambda *_: precompute(model))

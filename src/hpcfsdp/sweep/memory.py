@@ -299,7 +299,7 @@ def _gathered_bytes(spec: RunSpec, shape: Shape) -> float:
         # the parameters are whole already; mixed precision adds their bf16 copy
         return shape.params * c if spec.precision == "bf16_mixed" else 0.0
     layer = shape.layer_params * c
-    if spec.float8 == "tensorwise" and spec.family == "fsdp2":  # FSDP2 gathers the matmul weights in float8
+    if spec.float8_all_gather:  # FSDP2 gathers the matmul weights in float8
         layer -= shape.layer_matmul_params * (c - 1)
     if not STRATEGIES[spec.strategy].reshard_after_forward:
         return shape.root_params * c + shape.layers * layer  # ZeRO-2: every layer stays gathered until backward
