@@ -206,8 +206,9 @@ def float8_linear_count(model: nn.Module) -> int:
 
 def add_float8_scale_hook(optimizer: torch.optim.Optimizer, model: nn.Module, spec: RunSpec) -> None:
     """float8 all-gather (tensorwise, FSDP2, several ranks): after every optimizer step, compute
-    the float8 scales of all sharded weights in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp), rather
-    than one per weight at its all-gather. A hook on the optimizer, so the training loop is unchanged."""
+    the float8 scales of all sharded weights in one all-reduce (torchao's
+    precompute_float8_dynamic_scale_for_fsdp), rather than one per weight at its all-gather. A
+    hook on the optimizer, so the training loop is unchanged."""
     if not spec.float8_all_gather:
         return
     precompute = require("torchao.float8", "float8: tensorwise").precompute_float8_dynamic_scale_for_fsdp
