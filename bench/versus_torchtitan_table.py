@@ -53,7 +53,9 @@ def main() -> None:
         name, side, batch, *fields = case.split()
         runs, errors = [], []
         for log in sorted((work / "logs").glob(f"{name}-r*.log")):
-            repeat = log.stem.rsplit("-r", 1)[1]
+            repeat = log.stem.removeprefix(f"{name}-r")
+            if not repeat.isdigit():  # another case whose name starts with this one's (suite-b4-rbf16)
+                continue
             run = titan_run(log, warmup) if side == "titan" else suite_run(work / "suite" / f"{name}-r{repeat}")
             if run and "tps" in run:
                 runs.append(run)
