@@ -15,14 +15,15 @@
 # last-LAST-steps means (the spread that a different seed alone gives); the table also shows the
 # paired difference (lever seed k against baseline seed k), which seed noise does not blur.
 #
-# Every run is one process on one GPU (FSDP2 on a one-rank mesh; on one rank tensorwise float8
-# casts each weight inside the compiled layer rather than at a float8 all-gather: the same scale,
-# amax over the whole weight, taken of its bf16 copy rather than of the fp32 master). Runs go in
-# waves of PER_GPU per GPU (GPU_IDS, default all that nvidia-smi lists): their compilations overlap, and their speed is not measured. Writes under
-# $OUT (default ./bench-out): loss_agreement.md (the table), loss_agreement.csv (every step's loss
-# per run) and loss_agreement.tar.gz (logs, records, machine.txt, the data manifest). Prints the
-# table last. Each run is cut at RUN_TIMEOUT_S, and no wave starts after BUDGET_S; the table is
-# rewritten under $OUT after every wave, so a cut run keeps what finished.
+# Every run is one process on one GPU (FSDP2 on a one-rank mesh; on one rank tensorwise float8 casts
+# each weight inside the compiled layer rather than at a float8 all-gather: the same scale, amax
+# over the whole weight, taken of its bf16 copy rather than of the fp32 master). Runs go in waves of
+# PER_GPU per GPU (GPU_IDS, default all that nvidia-smi lists): their compilations overlap, and
+# their speed is not measured. Writes under $OUT (default ./bench-out): loss_agreement.md (the
+# table), loss_agreement.csv (every step's loss per run) and loss_agreement.tar.gz (logs, records,
+# machine.txt, the data manifest). Prints the table last. Each run is cut at RUN_TIMEOUT_S, and no
+# wave starts after BUDGET_S; the table is rewritten under $OUT after every wave, so a cut run keeps
+# what finished.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
