@@ -4,7 +4,7 @@
 # the same numbers in an HF Qwen3Config), seq 8192, random tokens, torch.compile, float8 tensorwise
 # linears (output layer excluded), bf16 compute with fp32 master weights, fused AdamW, no
 # activation checkpointing. The cases alternate, REPEATS times; then one table of medians, ratios
-# and peak reserved memory.
+# and peak reserved memory, and the SM clock and power the GPU ran at (nvidia-smi, sampled).
 #
 #   TORCHTITAN_DIR=.peer/torchtitan bash bench/versus_torchtitan.sh            # 1 GPU
 #   NGPU=2 RESHARD=zero3 TORCHTITAN_DIR=... bash bench/versus_torchtitan.sh    # 2 GPUs, both ZeRO-3
@@ -101,6 +101,13 @@ run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged 
   echo "[versus] $(date -u +%T) $name r$repeat on ${lane} (at ${elapsed}s)"
   local devices=() launcher=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NGPU")
   [[ $lane != cpu && $NGPU == 1 ]] && devices=(env CUDA_VISIBLE_DEVICES="$lane")
+  local sampler=""  # the GPU's SM clock and power every 0.5 s: the same kernels run slower at a lower clock
+  if [[ $lane != cpu ]] && command -v nvidia-smi > /dev/null; then
+    local which=(); [[ $NGPU == 1 ]] && which=(-i "$lane")
+    nvidia-smi "${which[@]}" --query-gpu=utilization.gpu,clocks.sm,power.draw --format=csv,noheader,nounits -lms 500 \
+      > "${log%.log}.gpu.csv" 2> /dev/null &
+    sampler=$!
+  fi
   if [[ $side == titan ]]; then
     PYTHONPATH="$TORCHTITAN_DIR:$PYTHONPATH" timeout --kill-after=10 "$RUN_TIMEOUT_S" "${devices[@]}" "${launcher[@]}" \
       bench/torchtitan_random.py --job.config_file "$TORCHTITAN_DIR/torchtitan/models/qwen3/train_configs/qwen3_1.7b.toml" \
@@ -117,6 +124,7 @@ run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged 
       seq_len="$SEQ" batch_size="$batch" steps=$(( WARMUP + TIMED )) warmup_steps="$WARMUP" > "$log" 2>&1
   fi
   local rc=$?
+  [[ -n $sampler ]] && kill "$sampler" 2> /dev/null
   (( rc == 0 )) || echo "[versus] $name r$repeat: exit $rc (log: logs/$name-r$repeat.log)" | tee -a "$work/failed.txt"
   write_table  # after every run: a call cut short keeps what finished
 }

@@ -8,7 +8,9 @@ torchtitan's figure for one run is the median of its per-step `tps` log lines af
 (log_freq 1: each line covers one step, and the loss it logs has synchronised the device); its
 memory the largest `memory: X GiB` (max reserved, reset at every log line). hpcfsdp's figure is
 the record's tokens_per_s_per_gpu (the window after warm-up, between two device syncs) and its
-memory the record's peak reserved memory.
+memory the record's peak reserved memory. Where a run's `logs/NAME-rN.gpu.csv` exists (nvidia-smi
+samples of utilization, SM clock and power), the table gives the median SM clock and power over
+the samples with the GPU at least 90% busy: identical kernels take longer at a lower clock.
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def suite_run(folder: Path) -> dict | None:
     return None
 
 
+def gpu_clock(log: Path) -> tuple[float, float] | None:
+    """(median SM MHz, median W) while the GPU was at least 90% busy, from the run's samples."""
+    samples = log.with_suffix(".gpu.csv")
+    if not samples.exists():
+        return None
+    busy = []
+    for line in samples.read_text(errors="replace").splitlines():
+        try:
+            utilization, mhz, watts = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        if utilization >= 90:
+            busy.append((mhz, watts))
+    if not busy:
+        return None
+    return statistics.median(m for m, _ in busy), statistics.median(w for _, w in busy)
+
+
 def main() -> None:
     work, warmup, suite_fields, cases = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     rows, medians = [], {}
@@ -57,6 +77,8 @@ def main() -> None:
             if not repeat.isdigit():  # another case whose name starts with this one's (suite-b4-rbf16)
                 continue
             run = titan_run(log, warmup) if side == "titan" else suite_run(work / "suite" / f"{name}-r{repeat}")
+            if run and "tps" in run:
+                run["clock"] = gpu_clock(log)
             if run and "tps" in run:
                 runs.append(run)
             else:
@@ -77,6 +99,7 @@ def main() -> None:
         "peak reserved GiB",
         "vs torchtitan, same batch",
         "vs torchtitan's best",
+        "SM MHz, W while busy",
     ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -91,7 +114,11 @@ def main() -> None:
         same = titan.get(int(batch))
         ratio = f"{median / same:.3f}" if side == "suite" and median and same else "-"
         best = f"{median / best_titan:.3f}" if side == "suite" and median and best_titan else "-"
-        print(f"| {name} | {side} | {batch} | {fields or '-'} | {figure} | {reserved} | {ratio} | {best} |")
+        clocks = [r["clock"] for r in runs if r.get("clock")]
+        clock = "-"
+        if clocks:
+            clock = f"{statistics.median(c[0] for c in clocks):,.0f}, {statistics.median(c[1] for c in clocks):.0f}"
+        print(f"| {name} | {side} | {batch} | {fields or '-'} | {figure} | {reserved} | {ratio} | {best} | {clock} |")
     print()
     print(
         f"hpcfsdp: `hpcfsdp run {suite_fields}` + the case's fields, seq_len and batch_size. torchtitan: "
