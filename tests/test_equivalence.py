@@ -91,3 +91,13 @@ def test_training_knobs_change_no_loss(tmp_path, ddp_2, fields):
         reference = run_torchrun_cell(tmp_path / "ref", 2, strategy="ddp", batch_size=2, record_param_norm=True)
     record = run_torchrun_cell(tmp_path / "knob", 2, strategy="fsdp2_zero3", record_param_norm=True, **fields)
     assert_same_training(reference, record)
+
+
+def test_single_trains_as_ddp_on_one_process_with_gradient_accumulation(tmp_path):
+    """`single` is the plain model: no wrapper, gradients accumulate in .grad across micro-batches."""
+    fields = {"grad_accum": 2, "record_param_norm": True}
+    single = run_torchrun_cell(tmp_path / "single", 1, strategy="single", **fields)
+    ddp = run_torchrun_cell(tmp_path / "ddp", 1, strategy="ddp", **fields)
+    assert single["spec"]["strategy"] == "single" and single["world_size"] == 1
+    assert_same_training(ddp, single)
+    assert single["losses"][0] != single["losses"][-1]

@@ -69,7 +69,7 @@ def test_impossible_combinations_are_refused_at_plan_time(tmp_path):
         RunSpec.from_dict({"strategy": "fsdp1_full_shard", "device": "cpu"})
     with pytest.raises(SpecError, match="does not divide"):
         RunSpec.from_dict({"strategy": "fsdp2_hsdp", "gpus_per_node": 4, "hsdp_shard_size": 3})
-    with pytest.raises(SpecError, match="DDP has no CPU offload"):
+    with pytest.raises(SpecError, match="ddp has no CPU offload"):
         RunSpec.from_dict({"strategy": "ddp", "cpu_offload": True})
     with pytest.raises(SpecError, match="never synchronises gradients across its 2 replicas"):
         RunSpec.from_dict({"strategy": "fsdp1_hybrid_zero2", "nodes": 2, "gpus_per_node": 1, "device": "cuda"})

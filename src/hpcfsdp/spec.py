@@ -16,6 +16,7 @@ from .fields import SpecError, coerce_fields, require_choices, require_no_contro
 from .sources import check_data, check_model, model_kind
 
 StrategyName = Literal[
+    "single",
     "ddp",
     "fsdp1_full_shard",
     "fsdp1_shard_grad_op",
@@ -26,7 +27,7 @@ StrategyName = Literal[
     "fsdp2_zero2",
     "fsdp2_hsdp",
 ]
-Family = Literal["ddp", "fsdp1", "fsdp2"]
+Family = Literal["single", "ddp", "fsdp1", "fsdp2"]
 Checkpointing = Literal["none", "full", "selective", "op"]
 Precision = Literal["fp32", "bf16_mixed", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -68,6 +69,7 @@ class StrategyInfo:
 
 # The one registry of strategies: validation, the wrappers (cell/strategies.py) and the collector read it.
 STRATEGIES: dict[StrategyName, StrategyInfo] = {
+    "single": StrategyInfo("single"),  # one process, no wrapper: the plain model (torchtitan on one GPU)
     "ddp": StrategyInfo("ddp"),
     "fsdp1_full_shard": StrategyInfo("fsdp1", fsdp1_sharding="FULL_SHARD"),
     "fsdp1_shard_grad_op": StrategyInfo("fsdp1", reshard_after_forward=False, fsdp1_sharding="SHARD_GRAD_OP"),
@@ -349,8 +351,17 @@ class RunSpec:
         if self.kernels == "liger" and self.device == "cpu":
             raise SpecError(where, "kernels", "liger needs a GPU (Triton kernels); use kernels: none on CPU")
         self._check_levers(where)
-        if self.cpu_offload and self.strategy == "ddp":
-            raise SpecError(where, "cpu_offload", "DDP has no CPU offload; use an fsdp1_* or fsdp2_* strategy")
+        if self.family == "single" and self.world_size != 1:
+            raise SpecError(
+                where,
+                "strategy",
+                f"single trains one process on one device, but the cell has {self.nodes} node(s) x "
+                f"{self.gpus_per_node} GPU(s); use ddp or an fsdp* strategy",
+            )
+        if self.cpu_offload and self.family in ("single", "ddp"):
+            raise SpecError(
+                where, "cpu_offload", f"{self.strategy} has no CPU offload; use an fsdp1_* or fsdp2_* strategy"
+            )
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
             raise SpecError(where, "compile", f"not supported with {self.strategy} on CPU")
         if self.strategy_info.hybrid:

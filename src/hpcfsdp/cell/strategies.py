@@ -49,6 +49,12 @@ def apply_compile(model: nn.Module, spec: RunSpec) -> None:
         layers[index] = cast(nn.Module, torch.compile(layers[index], fullgraph=False))
 
 
+def single(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
+    """The plain model on its one device: what FSDP or DDP on one rank would only add copies and
+    hooks to (torchtitan on one GPU runs so)."""
+    return model
+
+
 def ddp(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
@@ -125,7 +131,7 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
 
 
 # One wrapper per family; how each strategy of a family shards is in spec.STRATEGIES.
-WRAPPERS: dict[Family, Strategy] = {"ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2}
+WRAPPERS: dict[Family, Strategy] = {"single": single, "ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2}
 
 
 def parallelize(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
@@ -141,6 +147,8 @@ def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> AbstractCon
         return _set_fsdp2_sync(model, True) if spec.family == "fsdp2" else contextlib.nullcontext()
     if spec.family == "fsdp2":
         return _set_fsdp2_sync(model, False)
+    if spec.family == "single":
+        return contextlib.nullcontext()  # nothing to synchronise: gradients accumulate in .grad
     return model.no_sync()
 
 
@@ -151,8 +159,9 @@ def _set_fsdp2_sync(model: nn.Module, enabled: bool):
 
 
 def autocast(spec: RunSpec, device: torch.device) -> AbstractContextManager:
-    """DDP has no mixed-precision policy: bf16_mixed means autocast around forward there."""
-    if spec.strategy == "ddp" and spec.precision == "bf16_mixed":
+    """DDP and the plain model have no mixed-precision policy: bf16_mixed means autocast around
+    forward there."""
+    if spec.family in ("single", "ddp") and spec.precision == "bf16_mixed":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

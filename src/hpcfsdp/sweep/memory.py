@@ -180,13 +180,14 @@ def precision_bytes(spec: RunSpec) -> tuple[int, int, int]:
     """
     storage = 2 if spec.precision == "bf16" else 4
     compute = 4 if spec.precision == "fp32" else 2
-    residual = 4 if spec.precision == "fp32" or (spec.strategy == "ddp" and spec.precision == "bf16_mixed") else compute
+    autocast = spec.family in ("single", "ddp") and spec.precision == "bf16_mixed"
+    residual = 4 if spec.precision == "fp32" or autocast else compute
     return storage, compute, residual
 
 
 def shard_degree(spec: RunSpec) -> int:
     """How many ranks share one copy of the parameters and optimizer states."""
-    if spec.strategy in ("ddp", "fsdp1_no_shard"):
+    if spec.strategy in ("single", "ddp", "fsdp1_no_shard"):
         return 1
     if STRATEGIES[spec.strategy].hybrid:
         return spec.hsdp_shard_size or spec.gpus_per_node
@@ -291,7 +292,7 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
 
 def _gathered_bytes(spec: RunSpec, shape: Shape) -> float:
     c = precision_bytes(spec)[1]
-    if spec.strategy == "ddp":
+    if spec.family in ("single", "ddp"):
         # autocast caches a bf16 copy of every weight a matmul reads (the layers' and the LM head)
         matmul_weights = shape.layers * shape.layer_params + shape.embedding_params
         return 2 * matmul_weights if spec.precision == "bf16_mixed" else 0.0
