@@ -28,8 +28,13 @@ TINY = (
     "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
     "strategy: ddp"
 )
-# The cell trains until a signal ends it: a run that is still training when Slurm ends the job.
-HANG = "export HPCFSDP_FAULT=train_step:hang"
+
+
+def hang_while(flag: Path) -> str:
+    """A setup line: while `flag` exists the cell trains until a signal ends it (a run still
+    training when Slurm ends the job); once the test removes it, the next run trains to the end."""
+    flag.touch()
+    return f"if [ -e {flag} ]; then export HPCFSDP_FAULT=train_step:hang; fi"
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +113,14 @@ def record(sweep_dir: Path, cell_id: str, name: str = "result.json") -> dict:
     return json.loads((sweep_dir / "cells" / cell_id / name).read_text())
 
 
+def status_of(sweep_dir: Path, cell_id: str) -> str:
+    """The status of the cell's record, "" while it has none (a requeued run moved it to attempts/)."""
+    try:
+        return record(sweep_dir, cell_id)["status"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return ""
+
+
 def restart_now(job: str, restarts: int) -> None:
     """Slurm holds a requeued job about 2 minutes (BeginTime): start it now."""
     wait_for(f"job {job} requeued", lambda: job_field(job, "Restarts") == str(restarts))
@@ -119,6 +132,7 @@ def restart_now(job: str, restarts: int) -> None:
 def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_their_ending(
     site_cluster, tmp_path, capsys
 ):
+    flag = tmp_path / "hang"
     preempted_dir, preempted, preempted_job = submit(
         tmp_path,
         "preempted",
@@ -126,7 +140,7 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
         name: preempted
         base: {{{TINY}, gpus_per_node: 1}}
         slurm: {{time_min: 10}}
-        setup: ["{HANG}"]
+        setup: ["{hang_while(flag)}"]
         """,
         capsys,
     )
@@ -140,6 +154,14 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
     assert f"{preempted_dir}: 1 cell(s): preempted 1" in capsys.readouterr().out
     got = record(preempted_dir, preempted)
     assert got["status"] == "preempted" and "max_requeue" in got["advice"], got.get("error")
+    # Not requeued by Slurm (max_requeue 0): --retry-failed reruns it, and it trains to the end.
+    flag.unlink()
+    command = ["submit", str(tmp_path / "preempted.yaml"), "--executor", "slurm", "--retry-failed", "--wait"]
+    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 0
+    assert record(preempted_dir, preempted)["status"] == "ok"
+    assert record(preempted_dir, preempted, "attempts/1.json")["status"] == "preempted"
+    assert main(["status", str(preempted_dir)]) == 0
+    assert f"{preempted_dir}: 1 cell(s): ok 1; preempted 1 time(s) in 1 cell(s)" in capsys.readouterr().out
 
     down_dir, down, down_job = submit(
         tmp_path,
@@ -148,7 +170,7 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
         name: down
         base: {{{TINY}, gpus_per_node: 1}}
         slurm: {{time_min: 10}}
-        setup: ["{HANG}"]
+        setup: ["{hang_while(tmp_path / "hang-down")}"]
         """,
         capsys,
     )
@@ -167,6 +189,62 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
     got = record(down_dir, down)
     assert got["status"] == "node_fail" and got["slurm_state"] == "NODE_FAIL", got.get("error")
     assert got["slurm_accounting"]["state"] == "NODE_FAIL" and "max_requeue" in got["advice"]
+
+
+@pytest.mark.slurm
+def test_a_preempted_cell_is_requeued_by_slurm_until_its_max_requeue_is_used_up(site_cluster, tmp_path, capsys):
+    """Two sweeps with slurm.max_requeue 1, both preempted: the one whose requeued run may train
+    ends ok; the other, preempted again, ends `preempted` (its third run does not train). Each
+    preempted run records `preempted`, whether or not the controller answered its ranks in time:
+    the requeued run names it from sacct's earlier runs (cell/requeue.py)."""
+    sweeps = {}
+    for name in ("requeued", "again"):
+        flag = tmp_path / f"hang-{name}"
+        sweeps[name] = (
+            *submit(
+                tmp_path,
+                name,
+                f"""
+                name: {name}
+                base: {{{TINY}, gpus_per_node: 1}}
+                slurm: {{time_min: 10, max_requeue: 1}}
+                setup: ["{hang_while(flag)}"]
+                """,
+                capsys,
+            ),
+            flag,
+        )
+    for sweep_dir, _, job, _ in sweeps.values():
+        wait_for("training", training(sweep_dir / "slurm" / job))
+    preempt()  # both
+    (requeued_dir, requeued, requeued_job, flag) = sweeps["requeued"]
+    flag.unlink()  # its requeued run trains to the end
+    (again_dir, again, again_job, _) = sweeps["again"]
+    for _, _, job, _ in sweeps.values():
+        restart_now(job, 1)
+    wait_for("requeued run ends", lambda: status_of(requeued_dir, requeued) == "ok")
+    wait_for("training again", training(again_dir / "slurm" / again_job, runs=2))
+    preempt()  # the second time: its one requeue is used up
+    restart_now(again_job, 2)
+    wait_for("third run ends", lambda: job_field(again_job, "JobState") in ("", "COMPLETED"))
+
+    first = record(requeued_dir, requeued, "attempts/1.json")
+    assert first["status"] == "preempted" and first["slurm_state"] == "PREEMPTED", first["error"]
+    assert main(["status", str(requeued_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"{requeued_dir}: 1 cell(s): ok 1; preempted 1 time(s) in 1 cell(s)" in out
+    assert re.search(rf"^{requeued} +ddp +ok +{requeued_job} .*\[preempted 1 time\(s\)\]", out, re.M), out
+
+    assert [record(again_dir, again, f"attempts/{n}.json")["status"] for n in (1,)] == ["preempted"]
+    got = record(again_dir, again)
+    assert got["status"] == "preempted" and got["slurm_state"] == "PREEMPTED", got["error"]
+    assert not (again_dir / "cells" / again / "attempts" / "2.json").exists()  # the third run did not train
+    logs = "".join(p.read_text() for p in (again_dir / "slurm" / again_job).glob("*_0_log.out"))
+    assert "Slurm requeued the job 2 time(s), above slurm.max_requeue 1: not run again" in logs
+    assert main(["status", str(again_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"{again_dir}: 1 cell(s): preempted 1; preempted 2 time(s) in 1 cell(s)" in out
+    assert re.search(rf"^{again} +ddp +preempted +{again_job} .*\[preempted 2 time\(s\)\]", out, re.M), out
 
 
 @pytest.mark.slurm
