@@ -25,6 +25,12 @@ from ..record import RECORD_NAME, RecordError, read_record, write_record
 from ..spec import MAX_REQUEUE_ENV
 
 SLURM_ASK_S = 4.0  # one question to the controller at a SIGTERM (SIGKILL follows after KillWait)
+# Test-only: another wait for that answer; 0 makes the controller "not answer", as a busy one may not.
+ASK_ENV = "HPCFSDP_SLURM_ASK_S"
+
+
+def ask_s() -> float:
+    return float(os.environ.get(ASK_ENV) or SLURM_ASK_S)
 
 
 def restarts() -> tuple[int, int]:
@@ -85,13 +91,13 @@ class JobView:
 
 def job_view() -> JobView:
     """The controller's word on this process's job; an empty view outside Slurm or when it does
-    not answer within SLURM_ASK_S."""
+    not answer within ask_s()."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return JobView(answered=False)
     try:
         out = subprocess.run(
-            ["scontrol", "--oneliner", "show", "job", job], capture_output=True, text=True, timeout=SLURM_ASK_S
+            ["scontrol", "--oneliner", "show", "job", job], capture_output=True, text=True, timeout=ask_s()
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return JobView(answered=False)
@@ -106,20 +112,32 @@ def job_view() -> JobView:
     )
 
 
+def _earlier_run(cell_dir: Path) -> dict[str, Any] | None:
+    """The cell's record when an earlier run of this Slurm job wrote it (this run is a requeue)."""
+    job, now = os.environ.get("SLURM_JOB_ID"), restarts()[0]
+    try:
+        record = read_record(cell_dir / RECORD_NAME)
+    except (RecordError, OSError):
+        return None
+    found = re.fullmatch(rf"slurm-{re.escape(job or '')}-(\d+)", str(record.get("launch_id")))
+    return record if job and found and int(found.group(1)) < now else None
+
+
+def done_before(cell_dir: Path) -> bool:
+    """An earlier run of this job trained the cell to the end (`ok`), and Slurm requeued the job as it
+    ended (a preemption while it finished): the requeued run need not train it again."""
+    earlier = _earlier_run(cell_dir)
+    return earlier is not None and earlier.get("status") == "ok"
+
+
 def name_requeued_run(cell_dir: Path) -> str:
     """Rank 0 of a requeued run, before anything else: an earlier run of this job whose record says
     `cancelled` was requeued by Slurm, so it was no cancel; its record is rewritten with the ending
     sacct gives that run (PREEMPTED, NODE_FAIL), else as preempted. Returns a line saying so, or ""."""
-    job, now = os.environ.get("SLURM_JOB_ID"), restarts()[0]
-    path = cell_dir / RECORD_NAME
-    try:
-        record = read_record(path)
-    except (RecordError, OSError):
+    record = _earlier_run(cell_dir)
+    if record is None or record.get("status") != "cancelled":
         return ""
-    found = re.fullmatch(rf"slurm-{re.escape(job or '')}-(\d+)", str(record.get("launch_id")))
-    if not job or not found or int(found.group(1)) >= now or record.get("status") != "cancelled":
-        return ""
-    state = _run_state(job, record.get("started_at"))
+    state = _run_state(os.environ["SLURM_JOB_ID"], record.get("started_at"))
     if state == "REQUEUED":  # `scontrol requeue` by hand: a person's doing, as a cancel is
         return ""
     state, why = (state, f"sacct: {state}") if state in ("PREEMPTED", "NODE_FAIL") else ("PREEMPTED", "sacct: -")
@@ -129,7 +147,7 @@ def name_requeued_run(cell_dir: Path) -> str:
         error=f"received SIGTERM: {ending.meaning} (Slurm requeued the job; {why})",
         **ending_fields(state, ending),
     )
-    write_record(path, record)
+    write_record(cell_dir / RECORD_NAME, record)
     return f"the run before this one recorded `cancelled` ({recorded}); Slurm restarted the job: {record['error']}"
 
 

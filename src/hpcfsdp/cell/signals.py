@@ -12,7 +12,7 @@ from datetime import datetime
 
 from ..endings import ENDINGS
 from ..spec import JOB_END_ENV
-from .requeue import SLURM_ASK_S, job_view, requeue_note, requeues_left
+from .requeue import ask_s, job_view, requeue_note, requeues_left
 
 
 class CellTimeout(Exception):
@@ -95,7 +95,7 @@ def _raise_if_not_time_limit() -> None:
     view = job_view()
     found = view.ending()
     if found is None:
-        unsure = "" if view.answered else f"; Slurm's controller did not answer within {SLURM_ASK_S:g} s"
+        unsure = "" if view.answered else f"; Slurm's controller did not answer within {ask_s():g} s"
         raise CellCancelled(
             f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit){unsure}",
             "cancelled",
