@@ -38,20 +38,25 @@ def hang_while(flag: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def site_cluster_env() -> Iterator[dict[str, str]]:
-    knobs = {
+def site_knobs() -> dict[str, str]:
+    return {
         "HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-ends-"),
         "HPCFSDP_SLURM_PORT": str(free_port_block(5)),
         "HPCFSDP_SLURM_CPUS": "4",
         "HPCFSDP_SLURM_PREEMPT": "1",
         "HPCFSDP_SLURM_MEMORY_LIMIT": "1",
+        "HPCFSDP_SLURM_POWER_SAVE": "1",
     }
+
+
+@pytest.fixture(scope="module")
+def site_cluster_env(site_knobs) -> Iterator[dict[str, str]]:
     try:
-        env, _ = start_slurm(knobs)
+        env, _ = start_slurm(site_knobs)
         yield env
     finally:
-        stop_slurm(knobs, "--purge")
-        shutil.rmtree(knobs["HPCFSDP_SLURM_DIR"], ignore_errors=True)
+        stop_slurm(site_knobs, "--purge")
+        shutil.rmtree(site_knobs["HPCFSDP_SLURM_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
@@ -80,6 +85,11 @@ def job_field(job: str, name: str) -> str:
         return ""
     found = re.search(rf"\b{name}=(\S*)", info)
     return found.group(1) if found else ""
+
+
+def node_state(node: str) -> str:
+    """sinfo's state of the node: idle, idle~ (powered down), idle# (powering up), down~, ..."""
+    return slurm("sinfo", "--noheader", "--Node", "--nodes", node, "--format=%T").strip()
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 180) -> None:
@@ -304,6 +314,42 @@ def test_a_job_past_its_deadline_gets_a_deadline_record_from_sacct(site_cluster,
     assert "set a later slurm.extra_sbatch.deadline" in got["advice"]
     assert main(["status", str(late_dir)]) == 0
     assert f"{late_dir}: 1 cell(s): deadline 1" in capsys.readouterr().out
+
+
+@pytest.mark.slurm
+def test_a_cell_whose_node_fails_to_boot_gets_a_boot_fail_record(site_cluster, site_knobs, tmp_path, capsys):
+    """Power saving (HPCFSDP_SLURM_POWER_SAVE): node 2 is powered down and its slurmd stopped (the
+    machine is off); the cell's job, pinned there, makes Slurm run the ResumeProgram, which fails
+    it as a site's does when the boot fails, and Slurm ends the job BOOT_FAIL (--no-requeue)."""
+    node = "hpcfsdp-n2"
+    slurm("scontrol", "update", f"NodeName={node}", "State=POWER_DOWN_FORCE")
+    try:
+        wait_for("powered down", lambda: node_state(node) == "idle~", 60)
+        pid = Path(site_knobs["HPCFSDP_SLURM_DIR"], "run", f"slurmd-{node}.pid").read_text().strip()
+        subprocess.run(["kill", pid], check=True, timeout=60)  # this cluster's own slurmd of the node
+        boot_dir, cell, job = submit(
+            tmp_path,
+            "boot",
+            f"""
+            name: boot
+            base: {{{TINY}, gpus_per_node: 1}}
+            slurm: {{time_min: 10, extra_sbatch: {{nodelist: {node}}}}}
+            """,
+            capsys,
+        )
+        wait_for("boot fails", lambda: job_field(job, "JobState") in ("", "BOOT_FAIL"), 60)
+    finally:
+        # The node back: Slurm marks it down at ResumeTimeout (10 s; a slurmd that registers before
+        # that does not count as booted); its slurmd started again (start.sh) then registers, and
+        # ReturnToService=2 puts it back.
+        wait_for("down at ResumeTimeout", lambda: node_state(node) in ("down~", "idle~"), 60)
+        start_slurm(site_knobs)
+    assert [c.cell_id for c in record_lost_cells(sweep_status(boot_dir))] == [cell]  # as submit --wait does
+    got = record(boot_dir, cell)
+    assert got["status"] == "boot_fail" and got["slurm_state"] == "BOOT_FAIL", got.get("error")
+    assert "tell the cluster's administrators" in got["advice"]
+    assert main(["status", str(boot_dir)]) == 0
+    assert f"{boot_dir}: 1 cell(s): boot_fail 1" in capsys.readouterr().out
 
 
 def test_endings_are_read_from_sacct_states_and_slurmstepd_memory_kills():
