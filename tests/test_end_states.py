@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
+from hpcfsdp.cell.requeue import JobView
 from hpcfsdp.cli import main
 from hpcfsdp.endings import ended_by, memory_to_ask
 from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.preemptions import preemption_note
 from hpcfsdp.sweep.status import record_lost_cells, sweep_status
 
 TINY = (
@@ -322,6 +324,8 @@ def test_a_cell_whose_node_fails_to_boot_gets_a_boot_fail_record(site_cluster, s
     machine is off); the cell's job, pinned there, makes Slurm run the ResumeProgram, which fails
     it as a site's does when the boot fails, and Slurm ends the job BOOT_FAIL (--no-requeue)."""
     node = "hpcfsdp-n2"
+    # Slurm refuses to power down a node where an earlier test's job is still completing.
+    wait_for("node idle", lambda: node_state(node) == "idle", 120)
     slurm("scontrol", "update", f"NodeName={node}", "State=POWER_DOWN_FORCE")
     try:
         wait_for("powered down", lambda: node_state(node) == "idle~", 60)
@@ -342,7 +346,7 @@ def test_a_cell_whose_node_fails_to_boot_gets_a_boot_fail_record(site_cluster, s
         # The node back: Slurm marks it down at ResumeTimeout (10 s; a slurmd that registers before
         # that does not count as booted); its slurmd started again (start.sh) then registers, and
         # ReturnToService=2 puts it back.
-        wait_for("down at ResumeTimeout", lambda: node_state(node) in ("down~", "idle~"), 60)
+        wait_for("down at ResumeTimeout", lambda: node_state(node) in ("down~", "idle~", "idle"), 60)
         start_slurm(site_knobs)
     assert [c.cell_id for c in record_lost_cells(sweep_status(boot_dir))] == [cell]  # as submit --wait does
     got = record(boot_dir, cell)
@@ -362,3 +366,12 @@ def test_endings_are_read_from_sacct_states_and_slurmstepd_memory_kills():
         assert ended_by([state])[0] == state
     assert memory_to_ask(kill, 1) == 2  # used 1.19 GiB over a 1 GiB limit
     assert memory_to_ask("", 4, max_rss_bytes=6 * 1024**3 + 1) == 7
+
+
+def test_a_sigterm_is_named_from_the_controllers_word_on_the_job(monkeypatch):
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert JobView(restarts=2).ending() == ("PREEMPTED", "Slurm requeues the job (restart 2)")  # counted first
+    assert JobView(restarts=1).ending() is None  # no requeue: scancel
+    assert JobView(preempt_time="2026-11-23T23:17:24").ending()[0] == "PREEMPTED"  # not requeued
+    assert JobView(reason="NodeDown", restarts=2).ending()[0] == "NODE_FAIL"
+    assert preemption_note([0, 1, 3]) == "; preempted 4 time(s) in 2 cell(s)" and preemption_note([0]) == ""

@@ -67,7 +67,6 @@ def requeue_note() -> str:
 class JobView:
     """What the controller says of this process's job at a SIGTERM (`scontrol show job`)."""
 
-    state: str = ""  # JobState: RUNNING, COMPLETING, PENDING, ...
     reason: str = ""  # Reason: NodeDown, BeginTime, None, ...
     restarts: int = 0  # Restarts: Slurm counts a requeue before it signals the job's steps
     preempt_time: str = ""  # PreemptTime ("" when not preempted)
@@ -101,10 +100,9 @@ def job_view() -> JobView:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return JobView(answered=False)
-    fields = dict(re.findall(r"\b(JobState|Reason|Restarts|PreemptTime)=(\S*)", out))
+    fields = dict(re.findall(r"\b(Reason|Restarts|PreemptTime)=(\S*)", out))
     preempt_time = fields.get("PreemptTime", "")
     return JobView(
-        fields.get("JobState", ""),
         fields.get("Reason", ""),
         int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
         "" if preempt_time in ("", "None", "Unknown", "N/A") else preempt_time,
