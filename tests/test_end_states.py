@@ -91,13 +91,13 @@ def job_field(job: str, name: str) -> str:
 
 def node_state(node: str) -> str:
     """sinfo's state of the node: idle, idle~ (powered down), idle# (powering up), down~, ..."""
-    return slurm("sinfo", "--noheader", "--Node", "--nodes", node, "--format=%T").strip()
+    return slurm("sinfo", "--noheader", "--Node", "--nodes", node, "--partition=gpu", "--format=%T").strip()
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 180) -> None:
     deadline = time.time() + timeout_s
     while not check():
-        assert time.time() < deadline, f"{what}: not after {timeout_s} s\n{slurm('squeue')}"
+        assert time.time() < deadline, f"{what}: not after {timeout_s} s\n{slurm('squeue')}{slurm('sinfo', '-N')}"
         time.sleep(1)
 
 
