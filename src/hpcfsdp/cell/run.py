@@ -48,11 +48,11 @@ from .metrics import (
 )
 from .profiling import memory_snapshot, profile_communication, write_trace
 from .provenance import launch_id, launch_rank, provenance
+from .requeue import done_before, name_requeued_run, requeued_too_often
 from .signals import (
     CellCancelled,
     CellTimeout,
     handle_time_limit,
-    requeued_too_often,
     restore_handlers,
     signal_cause,
 )
@@ -68,6 +68,11 @@ def run_cell_dir(cell_dir: Path) -> str:
     except SpecError as exc:
         write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **provenance()))
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
+    if launch_rank() == 0 and (named := name_requeued_run(cell_dir)):  # before keep_as_attempt moves it
+        print(f"[hpcfsdp] {meta['cell_id']}: {named}", flush=True)
+    if done_before(cell_dir):
+        print(f"[hpcfsdp] {meta['cell_id']}: an earlier run of this job recorded ok: not run again", flush=True)
+        return "ok"
     too_often = requeued_too_often()
     if too_often:  # the record of the run Slurm requeued (preempted, node_fail) stays the cell's
         print(f"[hpcfsdp] {meta['cell_id']}: {too_often}", flush=True)

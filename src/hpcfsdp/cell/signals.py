@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from datetime import datetime
 
 from ..endings import ENDINGS
-from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
+from ..spec import JOB_END_ENV
+from .requeue import ask_s, job_view, requeue_note, requeues_left
 
 
 class CellTimeout(Exception):
@@ -57,7 +57,7 @@ def handle_time_limit() -> dict:
     """
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
     submitit_handler = previous[signal.SIGUSR2] if callable(previous[signal.SIGUSR2]) else None
-    requeue = submitit_handler is not None and _requeues_left()
+    requeue = submitit_handler is not None and requeues_left()
     requeued = ended = False
 
     def handler(signum, frame):
@@ -86,39 +86,28 @@ def handle_time_limit() -> dict:
 
 def _raise_if_not_time_limit() -> None:
     """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
-    script from squeue, or by the local executor); then Slurm's word on the job tells preemption
-    (a PreemptTime) and a failed node (the reason NodeDown) from a cancel. Without a known end
-    time, SIGTERM counts as the time limit."""
+    script from squeue, or by the local executor); then Slurm's word on the job (requeue.job_view)
+    tells preemption and a failed node from a cancel. Without a known end time, SIGTERM counts as
+    the time limit."""
     left = _seconds_to_job_end()
     if left is None or left <= EARLY_SIGTERM_S:
         return
-    preempted_at, reason = _slurm_view()
-    if preempted_at:
-        state, why = "PREEMPTED", "requeued by Slurm" if preempted_at == "requeue" else f"at {preempted_at}"
-    elif "NodeDown" in reason:
-        state, why = "NODE_FAIL", "Slurm: NodeDown"
-    else:
+    view = job_view()
+    found = view.ending()
+    if found is None:
+        unsure = "" if view.answered else f"; Slurm's controller did not answer within {ask_s():g} s"
         raise CellCancelled(
-            f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit)",
+            f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit){unsure}",
             "cancelled",
         )
+    state, why = found
     ending = ENDINGS[state]
     raise CellCancelled(
-        f"received SIGTERM: {ending.meaning} ({why}){_requeue_note()}",
+        f"received SIGTERM: {ending.meaning} ({why}){requeue_note()}",
         ending.status,
         slurm_state=state,
         advice=ending.advice,
     )
-
-
-def _requeue_note() -> str:
-    """Whether Slurm requeues the job now (slurm.max_requeue > 0 gives it --requeue)."""
-    done, allowed = _restarts()
-    if not allowed:
-        return "; not requeued (slurm.max_requeue 0)"
-    if done < allowed:
-        return f"; Slurm requeues it (requeue {done + 1} of slurm.max_requeue {allowed})"
-    return f"; its slurm.max_requeue {allowed} requeue(s) are used up: the requeued run ends at once"
 
 
 def _seconds_to_job_end() -> float | None:
@@ -131,50 +120,6 @@ def _seconds_to_job_end() -> float | None:
         except ValueError:  # unset, or squeue did not answer when the job started
             return None
     return end - time.time()
-
-
-def _slurm_view() -> tuple[str, str]:
-    """squeue's PreemptTime ("" when the job was not preempted) and reason for this process's job
-    ("", "" outside Slurm, or when it does not answer within 4 s: SIGKILL follows SIGTERM after
-    KillWait, 30 s by default, or a preempting partition's GraceTime)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return "", ""
-    try:
-        out = subprocess.run(
-            ["squeue", "--noheader", f"--jobs={job}", "--Format=PreemptTime:40,State:40,Reason:400"],
-            capture_output=True,
-            text=True,
-            timeout=4,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "", ""
-    preempted_at, state, reason = [*out.split(None, 2), "", "", ""][:3]
-    if preempted_at in ("", "N/A", "None", "Unknown"):
-        # Requeued already (preemption clears PreemptTime as it requeues): still preempted, unless
-        # a node failed.
-        preempted_at = "requeue" if state.startswith(("PENDING", "REQUEUE")) and "NodeDown" not in reason else ""
-    return preempted_at, reason.strip()
-
-
-def requeued_too_often() -> str:
-    """Why this run must not train, or "": Slurm requeued the job (preemption, a failed node) more
-    often than slurm.max_requeue allows. Slurm requeues a job with --requeue whenever it is
-    preempted; only the cell can stop that."""
-    done, allowed = _restarts()
-    if allowed and done > allowed:
-        return f"Slurm requeued the job {done} time(s), above slurm.max_requeue {allowed}: not run again"
-    return ""
-
-
-def _restarts() -> tuple[int, int]:
-    """Requeues so far (SLURM_RESTART_COUNT, the same on every rank) and those the sweep allows."""
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0), int(os.environ.get(MAX_REQUEUE_ENV) or 0)
-
-
-def _requeues_left() -> bool:
-    done, allowed = _restarts()
-    return done < allowed
 
 
 def restore_handlers(previous: dict) -> None:

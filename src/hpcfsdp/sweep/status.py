@@ -34,6 +34,7 @@ from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .layout import SLURM_DIR, cell_dir, planned_cell_ids, read_manifest, slurm_folder
 from .matrix import Cell
+from .preemptions import preemption_note, preemptions
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
@@ -64,6 +65,7 @@ class CellStatus:
     reason: str = ""  # why a pending cell waits (squeue %r)
     blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
+    preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
                     jid,
                     ended.states[0] if ended else "",
                     advice=advice if isinstance(advice, str) else "",
+                    preempted=preemptions(cell_dir(sweep_dir, cid)),
                 )
             )
         else:
@@ -263,6 +266,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
                     job.state,
                     job.reason,
                     jid in blocked,
+                    preempted=preemptions(cell_dir(sweep_dir, cid)),
                 )
             )
     return StatusReport(sweep_dir, cells, note, problems)
@@ -364,8 +368,9 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
         print(
             f"{report.sweep_dir}: {len(report.cells)} cell(s): "
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + preemption_note(c.preempted for c in report.cells)
         )
-    rows = [c for c in report.cells if c.state != "ok"]
+    rows = [c for c in report.cells if c.state != "ok" or c.preempted]
     if not rows:
         return
     width = max(4, *(len(c.cell_id) for c in rows))
@@ -373,6 +378,7 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     for c in rows:
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
         slurm += f": {c.advice}" if c.advice else ""
+        slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
         print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
