@@ -4,6 +4,8 @@ from this machine's files: tests/container_image.py): the smoke matrix, a time l
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -177,7 +180,8 @@ def test_a_bad_container_section_is_one_line_naming_its_key(container, message, 
 @pytest.fixture(scope="session")
 def podman_image(tmp_path_factory) -> Iterator[dict[str, str]]:
     """podman installed and configured for this machine, and the image built once per session:
-    the environment that points podman (here and in the jobs) at its configuration."""
+    the environment that points podman (here and in the jobs) at its configuration. Its storage
+    (image, containers) is removed at the end."""
     install_podman()
     env = podman_config(tmp_path_factory.mktemp("podman"))
     build_image(IMAGE, Path(sys.prefix), env)
@@ -187,15 +191,11 @@ def podman_image(tmp_path_factory) -> Iterator[dict[str, str]]:
     )
 
 
-@pytest.fixture
-def podman(podman_image, monkeypatch) -> dict[str, str]:
-    for key, value in podman_image.items():
-        monkeypatch.setenv(key, value)
-    return podman_image
-
-
-def podman_out(*args: str) -> str:
-    return subprocess.run(["podman", *args], check=True, capture_output=True, text=True, timeout=60).stdout
+def podman_out(env: dict[str, str], *args: str) -> str:
+    """podman's output, run with the test's configuration (env)."""
+    return subprocess.run(
+        ["podman", *args], check=True, capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    ).stdout
 
 
 def in_podman(**container) -> dict:
@@ -207,78 +207,114 @@ def in_podman(**container) -> dict:
     return {"runtime": "podman", "image": IMAGE, "mounts": mounts, "gpus": False, **container}
 
 
-def unique(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:8]}"
-
-
 def records(sweep_dir: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in sweep_dir.glob("cells/*/result.json")}
 
 
-def started_containers(since: float) -> list[str]:
+def started_containers(env: dict[str, str], since: float) -> list[str]:
     """The image of every container podman started since then (its events log)."""
-    out = podman_out("events", "--stream=false", f"--since={since:.0f}", "--filter=event=start", "--format={{.Image}}")
+    out = podman_out(
+        env, "events", "--stream=false", f"--since={since:.0f}", "--filter=event=start", "--format={{.Image}}"
+    )
     return out.split()
 
 
-@pytest.mark.slurm
-def test_the_smoke_matrix_runs_in_podman_containers_and_writes_its_records_on_the_host(
-    slurm_cluster, podman, tmp_path, capsys
-):
-    raw = yaml.safe_load((ROOT / "jobs" / "smoke.yaml").read_text())
-    raw["name"] = unique("csmoke")
-    raw["slurm"]["container"] = in_podman(env={"NCCL_DEBUG": "INFO"})
-    jobs = tmp_path / "smoke.yaml"
-    jobs.write_text(yaml.safe_dump(raw))
+# A cell that reaches its training loop and waits there (cell/faults.py) for Slurm's signal, set
+# through container.env: it holds a CPU of the cluster but burns none while the smoke cells run.
+HANGS = {"HPCFSDP_FAULT": "train_step:hang"}
+
+
+@dataclass
+class PodmanRuns:
+    results: Path
+    names: dict[str, str]  # smoke, timeout, cancelled -> sweep name
+    containers: list[str]  # the image of each container started meanwhile
+    podman: dict[str, str]  # the environment of podman's configuration
+
+
+@pytest.fixture(scope="module")
+def podman_runs(local_slurm, podman_image, tmp_path_factory) -> Iterator[PodmanRuns]:
+    """Three sweeps in podman containers on the local cluster: two cells that wait in their
+    training loop for Slurm's signal, one with a time limit of 3 min and SIGUSR2 60 s before it
+    (Slurm sends it 60-120 s into the run), one scancel'd; once both train (their imports done,
+    before the time-limit signal can come), the smoke matrix (with container.env) runs while the
+    time-limited cell waits out its limit. Returns when every job has left the queue."""
+    tmp = tmp_path_factory.mktemp("podman-runs")
+    results = tmp / "results"
+    tag = uuid.uuid4().hex[:8]
+    names = {status: f"c{status}{tag}" for status in ("timeout", "cancelled", "smoke")}
+    smoke = yaml.safe_load((ROOT / "jobs" / "smoke.yaml").read_text())
+    smoke["slurm"]["container"] = in_podman(env={"NCCL_DEBUG": "INFO"})
+    hanging = {"base": {**CPU_CELL, "steps": 1000}}
+    sweeps = {
+        "timeout": {**hanging, "slurm": {"time_min": 3, "signal_delay_s": 60, "container": in_podman(env=HANGS)}},
+        "cancelled": {**hanging, "slurm": {"time_min": 10, "container": in_podman(env=HANGS)}},
+        "smoke": smoke,
+    }
     since = time.time() - 1
-    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 0
-    got = records(tmp_path / "results" / raw["name"])
-    assert len(got) == 8 and {r["status"] for r in got.values()} == {"ok"}, capsys.readouterr()
-    # Each rank (2 per cell) ran in a container of the image, with the variables of container.env.
-    assert started_containers(since).count(IMAGE) == 16
-    assert all(r["environment"].get("NCCL_DEBUG") == "INFO" for r in got.values())
-    assert podman_out("ps", "--all", "--quiet") == ""  # each removed when its task ended
+    jobs: dict[str, str] = {}
+
+    def submit(status: str) -> None:
+        path = tmp / f"{status}.yaml"
+        path.write_text(yaml.safe_dump({**sweeps[status], "name": names[status]}))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["submit", str(path), "--executor", "slurm", "--results-dir", str(results)]) == 0
+        (jobs[status],) = re.findall(r"submitted array (\d+)", out.getvalue())
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**local_slurm, **podman_image}.items():
+            patch.setenv(key, value)
+        try:
+            submit("timeout")
+            submit("cancelled")
+            for status in ("timeout", "cancelled"):
+                log = results / names[status] / "slurm" / jobs[status] / f"{jobs[status]}_0_log.out"
+                deadline = time.monotonic() + 240
+                while not (log.exists() and "training" in log.read_text()):
+                    assert time.monotonic() < deadline, f"the {status} cell never trained"
+                    time.sleep(1)
+            slurm("scancel", jobs["cancelled"])
+            submit("smoke")
+            deadline = time.monotonic() + 420
+            while slurm("squeue", "--noheader", "--format=%i", f"--jobs={','.join(jobs.values())}").strip():
+                assert time.monotonic() < deadline, slurm("squeue")
+                time.sleep(2)
+        finally:
+            for name in names.values():
+                subprocess.run(["scancel", f"--name=hpcfsdp-{name}"], capture_output=True, timeout=60)
+        yield PodmanRuns(results, names, started_containers(podman_image, since), podman_image)
 
 
 @pytest.mark.slurm
-def test_a_cell_in_a_container_records_timeout_at_its_time_limit_and_cancelled_when_scancelled(
-    slurm_cluster, podman, tmp_path, capsys
-):
-    """time_min 2 with the signal 60 s before: Slurm sends SIGUSR2 60-90 s into the run (it checks
-    time limits every 30 s), once the cell trains, and it reaches the cell through podman run's
-    signal proxy; scancel's SIGTERM the same way, well before the time limit."""
-    results = tmp_path / "results"
-    names = {"timeout": unique("ctime"), "cancelled": unique("ccancel")}
-    arrays = {}
-    for status, name in names.items():
-        jobs = tmp_path / f"{status}.yaml"
-        limits = {"time_min": 2, "signal_delay_s": 60} if status == "timeout" else {"time_min": 10}
-        raw = {"name": name, "base": {**CPU_CELL, "steps": 100_000_000}, "slurm": {**limits, "container": in_podman()}}
-        jobs.write_text(yaml.safe_dump(raw))
-        assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]) == 0
-        (arrays[status],) = re.findall(r"submitted array (\d+)", capsys.readouterr().out)
-    try:
-        job = arrays["cancelled"]
-        log = results / names["cancelled"] / "slurm" / job / f"{job}_0_log.out"
-        deadline = time.monotonic() + 240
-        while not (log.exists() and "training" in log.read_text()):
-            assert time.monotonic() < deadline, "the cell to cancel never trained"
-            time.sleep(1)
-        slurm("scancel", job)
-        deadline = time.monotonic() + 240
-        while slurm("squeue", "--noheader", "--format=%i", f"--jobs={','.join(arrays.values())}").strip():
-            assert time.monotonic() < deadline, slurm("squeue")
-            time.sleep(2)
-    finally:
-        for name in names.values():
-            subprocess.run(["scancel", f"--name=hpcfsdp-{name}"], capture_output=True, timeout=60)
-    for status, name in names.items():
-        (record,) = records(results / name).values()  # written in the bound sweep folder
-        assert record["status"] == status and record["stage"] == "train", record.get("error")
-    timed_out, cancelled = (next(iter(records(results / names[s]).values())) for s in ("timeout", "cancelled"))
-    assert "SIGUSR2 (time limit)" in timed_out["error"]
-    assert "received SIGTERM" in cancelled["error"] and "before the time limit" in cancelled["error"]
+def test_the_smoke_matrix_runs_in_podman_containers_and_writes_its_records_on_the_host(podman_runs):
+    got = records(podman_runs.results / podman_runs.names["smoke"])
+    assert len(got) == 8 and {r["status"] for r in got.values()} == {"ok"}, {r.get("error") for r in got.values()}
+    # Each rank ran in a container of the image (2 per smoke cell, 1 for each of the other two),
+    # with the variables of container.env.
+    assert podman_runs.containers.count(IMAGE) == 8 * 2 + 2
+    assert all(r["environment"].get("NCCL_DEBUG") == "INFO" for r in got.values())
+
+
+@pytest.mark.slurm
+def test_a_cell_in_a_container_records_timeout_when_slurms_time_limit_signal_reaches_it(podman_runs):
+    """SIGUSR2 reaches the cell through podman run's signal proxy, and the record is written in the
+    bound sweep folder."""
+    (record,) = records(podman_runs.results / podman_runs.names["timeout"]).values()
+    assert record["status"] == "timeout" and record["stage"] == "train", record.get("error")
+    assert "SIGUSR2 (time limit)" in record["error"]
+
+
+@pytest.mark.slurm
+def test_a_cell_in_a_container_records_cancelled_when_scancelled(podman_runs):
+    (record,) = records(podman_runs.results / podman_runs.names["cancelled"]).values()
+    assert record["status"] == "cancelled" and record["stage"] == "train", record.get("error")
+    assert "received SIGTERM" in record["error"] and "before the time limit" in record["error"]
+
+
+@pytest.mark.slurm
+def test_no_container_is_left_behind_once_the_jobs_ended(podman_runs):
     deadline = time.monotonic() + 60
-    while podman_out("ps", "--all", "--quiet"):
-        assert time.monotonic() < deadline, podman_out("ps", "--all")
+    while podman_out(podman_runs.podman, "ps", "--all", "--quiet"):
+        assert time.monotonic() < deadline, podman_out(podman_runs.podman, "ps", "--all")
         time.sleep(1)
