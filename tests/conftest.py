@@ -16,6 +16,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _own_cluster_per_worker() -> None:
+    """Under pytest-xdist (the README's `-n 2`), each worker's session starts a default cluster of
+    its own: the first keeps HPCFSDP_SLURM_DIR / HPCFSDP_SLURM_PORT, the others take their own
+    folder, a port block 40 above per worker (start.sh uses PORT .. PORT + nodes + 2) and job ids
+    of their own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker in ("", "gw0"):
+        return
+    index = int(worker.removeprefix("gw"))
+    os.environ["HPCFSDP_SLURM_DIR"] = os.environ.get("HPCFSDP_SLURM_DIR", "/tmp/hpcfsdp-slurm") + f"-{worker}"
+    os.environ["HPCFSDP_SLURM_PORT"] = str(int(os.environ.get("HPCFSDP_SLURM_PORT", "6817")) + 40 * index)
+    # submitit derives a job's MASTER_PORT from its job id: two clusters must not share job ids
+    os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + 1)
+
+
+_own_cluster_per_worker()
 TINY_CPU = {"model": "tiny", "device": "cpu", "precision": "fp32", "seq_len": 32, "steps": 4, "warmup_steps": 1}
 
 

@@ -16,6 +16,7 @@ no higher than podman's own (root without CAP_SYS_RESOURCE cannot raise them).
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import re
@@ -39,6 +40,13 @@ def install_podman() -> None:
     """podman and runc from the distribution's packages, unless podman and runc are there."""
     if shutil.which("podman") and shutil.which("runc"):
         return
+    with open("/tmp/hpcfsdp-machine.lock", "w") as lock:  # slurm/local/start.sh installs under it too
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shutil.which("podman") and shutil.which("runc")):
+            _apt_install_podman()
+
+
+def _apt_install_podman() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     apt = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "-q"]
     subprocess.run([*apt, "update"], check=True, capture_output=True, env=env, timeout=600)

@@ -37,6 +37,8 @@
 #   HPCFSDP_SLURM_POWER_SAVE  1: power saving whose ResumeProgram fails (a node that does not boot):
 #                          SuspendProgram/ResumeProgram, ResumeTimeout 10 s, SuspendTime 1 h
 #                          suspend (power a node down with `scontrol update State=POWER_DOWN_FORCE`) [0]
+#   HPCFSDP_SLURM_FIRST_JOB_ID  FirstJobId: clusters side by side with different job ids, so that
+#                          what derives from a job id (submitit's MASTER_PORT) differs too  [1]
 set -euo pipefail
 
 # Everything we (and the tools we call) print goes to stderr; fd 3 keeps the real stdout for the
@@ -66,6 +68,7 @@ CLUSTER=${HPCFSDP_SLURM_CLUSTER_NAME:-hpcfsdp-local}
 PREEMPT=${HPCFSDP_SLURM_PREEMPT:-0}
 MEMORY_LIMIT=${HPCFSDP_SLURM_MEMORY_LIMIT:-0}
 POWER_SAVE=${HPCFSDP_SLURM_POWER_SAVE:-0}
+FIRST_JOB_ID=${HPCFSDP_SLURM_FIRST_JOB_ID:-1}
 # SIGTERM to SIGKILL. With preemption 20 s: a preempted job's ranks ask squeue why, then write a
 # record. (A partition GraceTime would do it too, but a job that ends within its GraceTime ends
 # FAILED and is not requeued.)
@@ -83,10 +86,17 @@ die() { echo "[hpcfsdp-slurm] ERROR: $*"; exit 1; }
 [[ $PREEMPT == [01] ]] || die "HPCFSDP_SLURM_PREEMPT must be 0 or 1, not '$PREEMPT'"
 [[ $MEMORY_LIMIT == [01] ]] || die "HPCFSDP_SLURM_MEMORY_LIMIT must be 0 or 1, not '$MEMORY_LIMIT'"
 [[ $POWER_SAVE == [01] ]] || die "HPCFSDP_SLURM_POWER_SAVE must be 0 or 1, not '$POWER_SAVE'"
+[[ $FIRST_JOB_ID =~ ^[1-9][0-9]*$ ]] || die "HPCFSDP_SLURM_FIRST_JOB_ID must be a positive number, not '$FIRST_JOB_ID'"
 [[ $CLUSTER =~ ^[a-z0-9_-]+$ ]] || die "HPCFSDP_SLURM_CLUSTER_NAME must be lower-case letters, digits, '-' and '_', not '$CLUSTER'"
 [[ -z $SHARED_DBD || ($SHARED_DBD =~ ^[0-9]+$ && $ACCOUNTING == 1) ]] ||
     die "HPCFSDP_SLURM_DBD_PORT must be a port number, with HPCFSDP_SLURM_ACCOUNTING=1, not '$SHARED_DBD'"
 [[ $(id -u) == 0 ]] || die "must run as root (installs packages, starts munged, edits /etc/hosts)"
+
+# Sections 1, 2 and 4 change the machine (packages, /etc/hosts, munged), which every cluster on it
+# shares: one start.sh at a time does them (pytest's parallel workers each start a cluster, and
+# the container tests install podman under the same lock: tests/container_image.py).
+exec {machine_lock}>/tmp/hpcfsdp-machine.lock
+flock "$machine_lock"
 
 # --- 1. packages -------------------------------------------------------------------------------
 packages=()
@@ -232,6 +242,7 @@ GresTypes=gpu
 SlurmdParameters=config_overrides
 ReturnToService=2
 MaxArraySize=$MAX_ARRAY_SIZE
+FirstJobId=$FIRST_JOB_ID
 MaxJobCount=50000
 # Short timeouts for tests; finished jobs stay visible in squeue for MinJobAge seconds.
 MinJobAge=300
@@ -393,11 +404,13 @@ if ! munge_ok; then
     install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
     # Daemons must not inherit our stdout/stderr or fd 3: a caller's `start.sh | tail -1` would
     # otherwise wait for them forever (munged keeps inherited descriptors open).
-    runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&-
+    runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1 3>&- {machine_lock}>&-
     for _ in $(seq 50); do munge_ok && break; sleep 0.2; done
     munge_ok || die "munged does not answer; see /var/log/munge/munged.log"
     touch "$MUNGED_OURS"   # stop.sh stops it once no cluster of ours runs
 fi
+flock -u "$machine_lock"
+exec {machine_lock}>&-
 
 # --- 5. daemons ----------------------------------------------------------------------------------
 # Accounting first: slurmctld registers with slurmdbd as it starts.
