@@ -77,7 +77,10 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_and_cancel_follow_it(
     assert main(["plan", "--sbatch", str(write(tmp_path, "there", "")), "--results-dir", str(results)]) == 0
     assert f"#SBATCH --clusters={SECOND}" in capsys.readouterr().out
 
-    assert main(["submit", str(write(tmp_path, "there", "")), "--results-dir", str(results), "--wait"]) == 0
+    assert (
+        main(["submit", str(write(tmp_path, "there", "")), "--results-dir", str(results), "--wait", "--then-collect"])
+        == 0
+    )
     monkeypatch.delenv("SLURM_CLUSTERS", raising=False)
     entry = next(iter(read_manifest(results / "there").values()))
     assert entry["cluster"] == SECOND
@@ -86,6 +89,13 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_and_cancel_follow_it(
         time.sleep(1)
     assert sacct_states(SECOND, "hpcfsdp-there") == ["COMPLETED"]
     assert sacct_states("hpcfsdp-first", "hpcfsdp-there") == []
+    # The --then-collect job went to the same cluster (its dependency names jobs there).
+    collect_job = "--name=hpcfsdp-there-collect"
+    assert slurm("squeue", f"--clusters={SECOND}", "--noheader", collect_job, "--format=%i") or sacct_states(
+        SECOND, "hpcfsdp-there-collect"
+    )
+    assert slurm("squeue", "--noheader", collect_job, "--format=%i") == ""
+    assert sacct_states("hpcfsdp-first", "hpcfsdp-there-collect") == []
     capsys.readouterr()
     assert main(["status", str(results / "there")]) == 0
     assert "ok" in capsys.readouterr().out
