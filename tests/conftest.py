@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,6 +80,12 @@ def slurm(*args: str) -> str:
 def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     """Run slurm/local/start.sh with these HPCFSDP_SLURM_* knobs: the environment that reaches the
     cluster, and whether start.sh started any Slurm daemon (else it found them all running)."""
+    if knobs and "HPCFSDP_SLURM_FIRST_JOB_ID" not in knobs:
+        # A test's own cluster runs beside the session's (and, under xdist, another worker's):
+        # job ids of its own, so that submitit's MASTER_PORT (derived from the job id) differs.
+        # From its folder, so that starting it again (a slurmd brought back) keeps its configuration.
+        first = zlib.crc32(knobs.get("HPCFSDP_SLURM_DIR", "").encode()) % 59_000 + 1_000
+        knobs = {**knobs, "HPCFSDP_SLURM_FIRST_JOB_ID": str(first * 1_000 + 1)}
     start = subprocess.run(
         ["bash", str(ROOT / "slurm/local/start.sh")],
         capture_output=True,
