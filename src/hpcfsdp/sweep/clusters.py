@@ -18,10 +18,19 @@ from .layout import read_manifest
 CLUSTERS_ENV = "SLURM_CLUSTERS"
 
 
+# What the shell that started this process exported: "" goes back to it, so that one command
+# (a test calling several in one process) never leaves the next at another sweep's cluster.
+_INHERITED = os.environ.get(CLUSTERS_ENV)
+
+
 def use_cluster(name: str) -> None:
-    """Point this process's Slurm commands at cluster `name` ("": leave them at the default one)."""
+    """Point this process's Slurm commands at cluster `name` ("": the one the shell chose)."""
     if name:
         os.environ[CLUSTERS_ENV] = name
+    elif _INHERITED is None:
+        os.environ.pop(CLUSTERS_ENV, None)
+    else:
+        os.environ[CLUSTERS_ENV] = _INHERITED
 
 
 def sacct_cluster_args() -> list[str]:
