@@ -37,26 +37,10 @@ def _load_sweep(args: argparse.Namespace) -> Sweep:
     return sweep
 
 
-def _use_cluster(name: str | None, sweep_dir: Path | None = None) -> None:
-    """Point Slurm commands at the sweep's cluster: `name` (slurm.clusters), else the one its
-    manifest names; a submit to another cluster than the sweep's jobs went to is refused."""
-    from .sweep.clusters import manifest_cluster, use_cluster
-
-    queued_on = manifest_cluster(sweep_dir) if sweep_dir else None
-    if name is not None and queued_on is not None and queued_on != name:
-        raise SpecError(
-            f"{sweep_dir}: its jobs were queued on cluster {queued_on!r}, not {name or 'the default one'!r}: "
-            f"{f'set slurm.clusters: {queued_on}' if queued_on else 'remove slurm.clusters'}, "
-            "or submit to another --results-dir"
-        )
-    use_cluster(name if name is not None else queued_on or "")
-
-
 def plan(args: argparse.Namespace) -> int:
     from .sweep.plan import print_plan, print_sbatch_scripts
 
     sweep = _load_sweep(args)
-    _use_cluster(sweep.resources.clusters)
     if args.sbatch:
         return print_sbatch_scripts(sweep, Path(args.results_dir))
     return print_plan(sweep, memory=args.memory)
@@ -70,7 +54,6 @@ def submit(args: argparse.Namespace) -> int:
     from .sweep.submit import default_executor, still_queued, submit, wait_for
 
     sweep = _load_sweep(args)
-    _use_cluster(sweep.resources.clusters, Path(args.results_dir) / sweep.name)
     misses = cache_misses(sweep, sweep.resources.cache_dir or None)
     if misses:
         more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
@@ -178,7 +161,6 @@ def status(args: argparse.Namespace) -> int:
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
-    _use_cluster(None, sweep_dir)
     if args.watch is not None and args.watch <= 0:
         raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
@@ -215,7 +197,6 @@ def cancel(args: argparse.Namespace) -> int:
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
-    _use_cluster(None, sweep_dir)
     done = cancel_sweep(sweep_dir, args.cells, args.pending_only)
     for what, cells in (("pending", done.pending), ("running", done.running)):
         for cid, jid in cells.items():
@@ -238,7 +219,6 @@ def collect(args: argparse.Namespace) -> int:
     if args.references and not Path(args.references).is_file():
         raise SpecError(f"collect: --references: {args.references}: no such file")
     sweep_dir = Path(args.sweep_dir)
-    _use_cluster(None, sweep_dir)
     options = over_time_options(
         sweep_dir,
         Path(args.history) if args.history else None,

@@ -18,7 +18,6 @@ from typing import Any
 
 from ..endings import ENDINGS, ending_fields
 from ..record import ACCOUNTING_KEY, RECORD_NAME, RecordError, read_record, slurm_job_of, write_record
-from .clusters import sacct_cluster_args
 from .layout import cell_dir
 
 SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw"
@@ -64,7 +63,6 @@ def sacct(job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     for first in range(0, len(ids), IDS_PER_CALL):
         command = [
             "sacct",
-            *sacct_cluster_args(),
             "--noheader",
             "--parsable2",
             "--allocations",

@@ -63,8 +63,6 @@ def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
     for key in ("account", "qos", "mail_user", "mail_type"):
         if getattr(res, key):
             params[key] = getattr(res, key)
-    if res.clusters:  # the cluster of the arrays it waits for (sbatch's dependencies are per cluster)
-        params["additional_parameters"] = {"clusters": res.clusters}
     return params
 
 

@@ -27,7 +27,6 @@ class Resources:
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("mem_gb", "mem_auto")  # `mem_gb: auto` sets mem_auto
 
     partition: str = "gpu"
-    clusters: str = ""  # sbatch -M: the cluster the sweep runs on; squeue, sacct, scancel ask it too (clusters.py)
     time_min: int = 30
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: the partition's default
@@ -94,13 +93,10 @@ class Resources:
 
 def _check_names(where: str, res: Resources) -> None:
     """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
-    for name in ("clusters", "partition", "account", "qos", "constraint", "collect_partition"):
+    for name in ("partition", "account", "qos", "constraint", "collect_partition"):
         problem = slurm_name_problem(getattr(res, name))
         if problem:
             raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
-    if "," in res.clusters:
-        # sbatch -M a,b queues on whichever starts it first; status would then have to ask each.
-        raise SpecError(where, "clusters", f"expected one cluster name, got {shown(res.clusters)}")
     if res.cache_dir:
         problem = name_problem(res.cache_dir)
         path = Path(res.cache_dir).expanduser()
@@ -114,7 +110,6 @@ def _check_names(where: str, res: Resources) -> None:
 # must not repeat them.
 SBATCH_SET_BY = {
     "partition": "slurm.partition",
-    "clusters": "slurm.clusters",
     "time": "slurm.time_min",
     "cpus-per-task": "slurm.cpus_per_task",
     "mem": "slurm.mem_gb",

@@ -40,8 +40,6 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
     # Clusters with JobRequeue=0 refuse `scontrol requeue` without --requeue; with JobRequeue=1 (the
     # default) Slurm would requeue a preempted job, or one whose node failed, without end.
     additional["requeue" if res.max_requeue else "no_requeue"] = True
-    if res.clusters:
-        additional["clusters"] = res.clusters  # shown in the script; SLURM_CLUSTERS (clusters.py) does the same
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}",
         partition=res.partition or None,
@@ -176,15 +174,7 @@ def _submit_array(
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
         update_manifest(
             sweep_dir,
-            {
-                cid: {
-                    "executor": "slurm",
-                    "job_id": jid,
-                    "cluster": sweep.resources.clusters,
-                    "submitted_at": time.time(),
-                }
-                for cid, jid in job_ids.items()
-            },
+            {cid: {"executor": "slurm", "job_id": jid, "submitted_at": time.time()} for cid, jid in job_ids.items()},
         )
     log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
     return job_ids

@@ -32,7 +32,6 @@ from ..record import (
 )
 from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, read_partitions, waits_for_nodes
-from .clusters import sacct_cluster_args
 from .layout import SLURM_DIR, cell_dir, planned_cell_ids, read_manifest, slurm_folder
 from .matrix import Cell
 from .preemptions import preemption_note, preemptions
@@ -178,14 +177,7 @@ def finished_jobs(job_ids: Iterable[str]) -> dict[str, FinishedJob]:
     ids = sorted(set(job_ids))
     if not ids or not shutil.which("sacct"):
         return {}
-    command = [
-        "sacct",
-        *sacct_cluster_args(),
-        "--noheader",
-        "--parsable2",
-        "--format=JobID,State,MaxRSS",
-        f"--jobs={','.join(ids)}",
-    ]
+    command = ["sacct", "--noheader", "--parsable2", "--format=JobID,State,MaxRSS", f"--jobs={','.join(ids)}"]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
