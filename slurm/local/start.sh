@@ -94,7 +94,7 @@ die() { echo "[hpcfsdp-slurm] ERROR: $*"; exit 1; }
 
 # Sections 1, 2 and 4 change the machine (packages, /etc/hosts, munged), which every cluster on it
 # shares: one start.sh at a time does them (pytest's parallel workers each start a cluster, and
-# the container tests install podman under the same lock: tests/container_image.py).
+# a test that installs another package takes the same lock).
 exec {machine_lock}>/tmp/hpcfsdp-machine.lock
 flock "$machine_lock"
 
