@@ -274,7 +274,7 @@ def test_mem_gb_auto_is_read_once_and_asks_for_the_prediction_plus_its_margin(tm
 
     for gpus in (1, 2):
         expected = auto_mem_gb(node_gib(**{**TINY_2, "gpus_per_node": gpus}))
-        assert slurm_parameters(sweep, 1, gpus)["mem"] == f"{expected}G"
+        assert slurm_parameters(sweep, 1, gpus, tmp_path)["mem"] == f"{expected}G"
 
 
 def test_what_a_job_gets_without_mem_gb_is_extra_sbatch_memory_else_the_partitions_default(tmp_path):

@@ -75,6 +75,8 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
     again. A cell that ended without a record gets one (timeout or error) with its log's tail."""
     env = without_secrets(os.environ) | job_environment(sweep)
     limit_s = sweep.resources.time_min * 60
+    if sweep.resources.container:
+        log("note: slurm.container is for Slurm jobs; the local executor runs the cells here, outside it")
     outcomes: dict[str, str] = {}
     for index, cell in enumerate(cells, 1):
         directory = cell_dir(sweep_dir, cell)

@@ -15,6 +15,7 @@ from ..fields import SpecError, coerce_fields, require_choices, require_no_contr
 from ..gpus import gpu_memory_gib, known_memory_sizes
 from ..names import name_problem, slurm_name_problem
 from ..sources import path_exists
+from .container import Container
 
 GpuRequest = Literal["gres", "gpus_per_node", "none"]
 
@@ -48,10 +49,15 @@ class Resources:
     collect_partition: str = ""  # default: partition
     mail_user: str = ""  # sbatch --mail-user of the collect job
     mail_type: str = ""  # sbatch --mail-type of the collect job: END, FAIL, ALL, ... (comma-separated)
+    container: Container | None = None  # run each cell inside this image (sweep/container.py)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> Resources:
+        values = dict(values)
+        container = values.pop("container", None)
         res = cls(**coerce_fields(cls, values, where))
+        if container is not None:
+            res = dataclasses.replace(res, container=Container.from_dict(container, where))
         require_choices(where, res)
         for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UserError
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
+from . import container
 from .cluster import array_size_limit, jobs_in_queue
 from .environment import HF_TOKEN_ENV, job_environment, secrets_removed
 from .interrupts import interrupts_deferred
@@ -31,8 +31,9 @@ class SubmitError(UserError, RuntimeError):
     """sbatch refused an array; the cells not queued keep the records they had."""
 
 
-def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
-    """submitit SlurmExecutor parameters for one array: resources, setup lines, offline switches."""
+def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path) -> dict:
+    """submitit SlurmExecutor parameters for one array: resources, setup lines, offline switches,
+    and pyxis's srun flags (the other container runtimes wrap the job's Python: job_python)."""
     res: Resources = sweep.resources
     env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
     additional = dict(res.extra_sbatch)
@@ -54,9 +55,10 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int) -> dict:
             f"unset {' '.join(HF_TOKEN_ENV)}",
             JOB_END_SETUP,
             *sweep.setup,
+            *container.env_lines(sweep),
         ],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
-        srun_args=["--kill-on-bad-exit=1"],
+        srun_args=["--kill-on-bad-exit=1", *container.srun_args(sweep, sweep_dir)],
         additional_parameters=additional,
     )
     if res.gpu_request == "gres":
@@ -81,12 +83,13 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
     from submitit.slurm.slurm import _make_sbatch_string
 
     folder = slurm_folder(sweep_dir)
-    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    python = container.job_python(sweep, sweep_dir)
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(
         command=command,
         folder=folder,
         map_count=count if count > 1 else None,
-        **slurm_parameters(sweep, nodes, gpus_per_node),
+        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir),
     )
 
 
@@ -149,8 +152,12 @@ def _submit_array(
 
     from .job import CellJob
 
-    executor = submitit.SlurmExecutor(folder=slurm_folder(sweep_dir), max_num_timeout=sweep.resources.max_requeue)
-    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus))
+    executor = submitit.SlurmExecutor(
+        folder=slurm_folder(sweep_dir),
+        max_num_timeout=sweep.resources.max_requeue,
+        python=container.job_python(sweep, sweep_dir),
+    )
+    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir))
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
     # sbatch queues the array and the manifest names it, or neither happens: signals wait until
     # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
@@ -158,7 +165,7 @@ def _submit_array(
     with interrupts_deferred(), records_set_aside(sweep_dir, cells), secrets_removed():
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c))) for c in cells])
+                jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
         except FailedJobError as exc:
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(
