@@ -25,6 +25,7 @@ import yaml
 from conftest import ROOT, slurm
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
+from hpcfsdp.sweep.container import PODMAN_TASK
 
 IMAGE = "localhost/hpcfsdp-test:latest"
 CPU_CELL = {
@@ -89,14 +90,15 @@ def test_plan_sbatch_shows_apptainer_exec_with_nv_binds_and_env_around_the_pytho
     )
 
 
-def test_plan_sbatch_shows_podman_run_with_the_hosts_network_ipc_pids_and_environment(tmp_path, capsys):
+def test_plan_sbatch_shows_podman_run_in_a_named_shell_with_the_hosts_network_ipc_and_pids(tmp_path, capsys):
     script, sweep = plan_sbatch(
         tmp_path, capsys, "{runtime: podman, image: 'localhost/train:1', mounts: [/scratch], gpus: true}"
     )
     assert srun_line(script) == " ".join(
         [
             SRUN.format(sweep=sweep),
-            "podman run --rm --network=host --ipc=host --pid=host --uts=host --env-host",
+            f"sh -c {shlex.quote(PODMAN_TASK)} hpcfsdp-podman",
+            "--rm --network=host --ipc=host --pid=host --uts=host --env-host",
             f"--workdir={os.getcwd()} --volume={sweep}:{sweep} --volume=/shared/hf-cache:/shared/hf-cache",
             "--volume=/scratch:/scratch",
             f"--device=nvidia.com/gpu=all localhost/train:1 {shlex.quote(sys.executable)}",

@@ -10,8 +10,12 @@ task, with the task's environment. pyxis is an srun plugin instead: `srun --cont
 Signals: srun passes Slurm's signals (the time limit's SIGUSR2, scancel's SIGTERM) to the task,
 which is the runtime's own process: Apptainer's starter passes them to the contained Python,
 podman run proxies them to the container (--sig-proxy, its default), and under pyxis the task is
-the contained process itself. Records are written into the sweep folder, bound at its own path,
-so they land on the host.
+the contained process itself. podman's proxy alone loses scancel's SIGTERM: Slurm sends SIGCONT
+and then SIGTERM to every process of the step, the SIGTERM kills the `runc kill` that forwards the
+SIGCONT, and podman then stops proxying and dies of the SIGTERM itself, leaving the container
+running (its parent, conmon, is outside the step). So a small shell (PODMAN_TASK) names the
+container and sends it SIGTERM with `podman kill` as well (the cell ignores a second SIGTERM).
+Records are written into the sweep folder, bound at its own path, so they land on the host.
 """
 
 from __future__ import annotations
@@ -126,7 +130,17 @@ def parse_mount(text: str) -> tuple[str, str, str]:
 # What podman needs beside the binds: the host's network (the rendezvous across nodes), IPC
 # (NCCL's shared memory) and PIDs (the contained Python is no PID 1, which would ignore the signals
 # it has no handler for), the job's environment (SLURM_*, the setup lines' exports), removal on exit.
-PODMAN_RUN = ("podman", "run", "--rm", "--network=host", "--ipc=host", "--pid=host", "--uts=host", "--env-host")
+PODMAN_RUN_FLAGS = ("--rm", "--network=host", "--ipc=host", "--pid=host", "--uts=host", "--env-host")
+# The task of a podman container: `sh -c PODMAN_TASK hpcfsdp-podman <podman run's arguments>`. The
+# container is named per job, run and rank; a SIGTERM to the shell (scancel's) is passed on with
+# `podman kill`, which starts after Slurm's signals went out, and the shell waits for podman run
+# (the trap interrupts `wait`) and ends with its status.
+PODMAN_TASK = (
+    "n=hpcfsdp-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}-$SLURM_PROCID; "
+    'trap "podman kill --signal=TERM $n >/dev/null 2>&1" TERM; '
+    'podman run --name=$n "$@" & p=$!; '
+    "while wait $p; r=$?; kill -0 $p 2>/dev/null; do :; done; exit $r"
+)
 GPU_FLAGS: dict[str, tuple[str, ...]] = {
     "apptainer": ("--nv",),
     "singularity": ("--nv",),
@@ -168,9 +182,10 @@ def job_python(sweep: Sweep, sweep_dir: Path) -> str:
 
 
 def runtime_command(container: Container, mounts: list[tuple[str, str, str]]) -> list[str]:
-    """`apptainer exec` / `singularity exec` / `podman run` with its flags, up to the image."""
+    """`apptainer exec` / `singularity exec` / `podman run` (in PODMAN_TASK's shell) with its flags,
+    up to the image."""
     if container.runtime == "podman":
-        command = [*PODMAN_RUN, f"--workdir={os.getcwd()}"]
+        command = ["sh", "-c", PODMAN_TASK, "hpcfsdp-podman", *PODMAN_RUN_FLAGS, f"--workdir={os.getcwd()}"]
         command += [f"--volume={mount_text(*mount, short=False)}" for mount in mounts]  # -v /x alone: a volume
     else:
         command = [container.runtime, "exec"]
