@@ -13,6 +13,10 @@
 #                                    # (not in the table) and bench/trace_summary.py over the traces
 #   SMOKE=1 bash bench/versus_torchtitan.sh    # tiny model, 2 CPU processes, the suite's side only (torchtitan
 #                                              # needs a GPU): tests the script and its table
+#   VERSUS_CASES="titan-b4 titan 4;titan-w-b4 titan 4 --checkpoint.initial_load_path=@WEIGHTS@ ..."
+#       # cases of your own, ';'-separated; a titan case's fields are torchtitan flags. @WEIGHTS@ in
+#       # any case makes bench/hf_checkpoint.py save the suite's own initial weights first (seed 0,
+#       # the model of the cases) and stands for that folder: both sides start from the same weights
 #
 # torchtitan: a source checkout of v0.2.2 (commit 73a0e69, the last release before its config
 # rewrite), never copied into this repository (docs/levers.md: how to get it and the wheels it
@@ -81,11 +85,17 @@ write_machine_info "$work/machine.txt"
 printf '%s\n' "SUITE: strategy=$strategy ${SUITE[*]}" "CASES: ${CASES[*]}" "TORCHTITAN_DIR: $TORCHTITAN_DIR" \
   "NGPU=$NGPU RESHARD=$RESHARD SEQ=$SEQ WARMUP=$WARMUP TIMED=$TIMED REPEATS=$REPEATS LANES=$LANES" >> "$work/machine.txt"
 [[ -n $TORCHTITAN_DIR ]] && git -C "$TORCHTITAN_DIR" rev-parse HEAD >> "$work/machine.txt" 2>/dev/null
+weights="$work/weights"  # the suite's initial weights as an HF checkpoint, where a case names @WEIGHTS@
+if [[ "${CASES[*]}" == *@WEIGHTS@* ]]; then
+  model=$(printf '%s\n' "${SUITE[@]}" | sed -n 's/^model=//p')
+  python3 bench/hf_checkpoint.py "$model" "$weights" 2>&1 | tail -3 | tee -a "$work/machine.txt"
+fi
 
 run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged to logs/NAME-rREPEAT.log
   # With repeat "prof": the run is profiled (two steps before the last), and kept out of the table
   # under profile/.
   local lane=$1 repeat=$2 name=$3 side=$4 batch=$5; shift 5
+  set -- "${@//@WEIGHTS@/$weights}"
   local base="$work" titan_profile=() suite_profile=()
   if [[ $repeat == prof ]]; then
     base="$work/profile" suite_profile=(profile=true)
@@ -114,7 +124,7 @@ run_case() {  # run_case LANE REPEAT NAME SIDE BATCH FIELDS...: one run, logged 
       --job.dump_folder "$base/titan/$name-r$repeat" --model.name qwen3_random --model.flavor 1.7B \
       --model.converters quantize.linear.float8 --compile.enable --activation_checkpoint.mode none \
       --training.seq_len "$SEQ" --training.local_batch_size "$batch" --training.steps $(( WARMUP + TIMED )) \
-      --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 --metrics.disable_color_printing "${titan_parallel[@]}" "${titan_profile[@]}" \
+      --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 --metrics.disable_color_printing "${titan_parallel[@]}" "${titan_profile[@]}" "$@" \
       > "$log" 2>&1
   else
     local fields=(strategy="$strategy" "${SUITE[@]}" "$@")  # a case's own strategy= replaces the default
@@ -133,7 +143,7 @@ write_table() {  # the table so far and every log, under $OUT
   python3 bench/versus_torchtitan_table.py "$work" "$WARMUP" "strategy=$strategy ${SUITE[*]}" "${CASES[@]}" \
     > "$work/versus_torchtitan.md.tmp" && mv "$work/versus_torchtitan.md.tmp" "$work/versus_torchtitan.md"
   cp "$work/versus_torchtitan.md" "$out/"
-  tar -czf "$out/versus_torchtitan.tar.gz" --exclude='*.pt' -C "$work" .
+  tar -czf "$out/versus_torchtitan.tar.gz" --exclude='*.pt' --exclude=weights -C "$work" .
 }
 
 run_lane() {  # run_lane LANE FIRST_REPEAT STEP: the repeats of one lane, cases alternating
@@ -169,7 +179,7 @@ if [[ -n $PROFILE ]]; then  # after the table, so that they never cost a timed r
     python3 bench/trace_summary.py "${traces[@]}" > "$out/trace_summary.md" 2> "$out/trace_summary.err"
     cp "$out/trace_summary.md" "$work/"
     gzip -k "${traces[@]#*=}" 2>/dev/null
-    tar -czf "$out/versus_torchtitan.tar.gz" --exclude='*.pt' --exclude='*trace.json' -C "$work" .
+    tar -czf "$out/versus_torchtitan.tar.gz" --exclude='*.pt' --exclude='*trace.json' --exclude=weights -C "$work" .
     cat "$out/trace_summary.md"
   fi
 fi
