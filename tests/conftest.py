@@ -30,7 +30,7 @@ def _own_cluster_per_worker() -> None:
     index = int(worker.removeprefix("gw"))
     os.environ["HPCFSDP_SLURM_DIR"] = os.environ.get("HPCFSDP_SLURM_DIR", "/tmp/hpcfsdp-slurm") + f"-{worker}"
     os.environ["HPCFSDP_SLURM_PORT"] = str(int(os.environ.get("HPCFSDP_SLURM_PORT", "6817")) + 40 * index)
-    # submitit derives a job's MASTER_PORT from its job id: two clusters must not share job ids
+    # a cell derives its MASTER_PORT from its job id (cell/distributed.py): two clusters must not share job ids
     os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + 1)
 
 
@@ -82,10 +82,12 @@ def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     cluster, and whether start.sh started any Slurm daemon (else it found them all running)."""
     if knobs and "HPCFSDP_SLURM_FIRST_JOB_ID" not in knobs:
         # A test's own cluster runs beside the session's (and, under xdist, another worker's):
-        # job ids of its own, so that submitit's MASTER_PORT (derived from the job id) differs.
-        # From its folder, so that starting it again (a slurmd brought back) keeps its configuration.
-        first = zlib.crc32(knobs.get("HPCFSDP_SLURM_DIR", "").encode()) % 59_000 + 1_000
-        knobs = {**knobs, "HPCFSDP_SLURM_FIRST_JOB_ID": str(first * 1_000 + 1)}
+        # job ids of its own, so that the cells' MASTER_PORT (20000 + job id % 12000) differs.
+        # The session's clusters' jobs take ports 20001-20500 and 24001-24500 (two workers); a
+        # test's own, x501-x999 of one thousand in 21000-31999, chosen from its folder so that
+        # starting it again (a slurmd brought back) keeps its configuration.
+        block = zlib.crc32(knobs.get("HPCFSDP_SLURM_DIR", "").encode()) % 11 + 1
+        knobs = {**knobs, "HPCFSDP_SLURM_FIRST_JOB_ID": str(1_200_000 + block * 1_000 + 501)}
     start = subprocess.run(
         ["bash", str(ROOT / "slurm/local/start.sh")],
         capture_output=True,
@@ -108,7 +110,7 @@ def free_port_block(size: int) -> int:
     """A port p with p .. p+size-1 all free (slurmctld on p, the slurmd of node i on p+i, ...), for
     a cluster of a test module's own beside the session's. The search starts at a random block, so
     that test runs beside each other (other checkouts) seldom race for the same one."""
-    blocks = list(range(17817, 29817, 97))
+    blocks = list(range(10017, 19817, 97))  # below the cells' rendezvous ports (cell/distributed.py)
     start = random.randrange(len(blocks))
     for base in blocks[start:] + blocks[:start]:
         try:

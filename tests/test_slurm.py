@@ -100,6 +100,12 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     two_node = sorted((r for r in got.values() if r["nodes"] == 2), key=lambda r: r["world_size"])
     assert [r["world_size"] for r in two_node] == [2, 4]
     assert all(r["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"] for r in two_node)
+    # The rendezvous port comes from the job id, below the kernel's ports for outgoing connections.
+    for record in two_node:
+        port = 20_000 + int(record["slurm"]["job_id"]) % 12_000
+        assert any(
+            f"training 3 steps on {record['world_size']} x cpu (rendezvous hpcfsdp-n1:{port})" in log for log in logs
+        )
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     assert set(manifest) == set(got) and all(entry["job_id"] for entry in manifest.values())
     # Where it ran, for the history: the cluster's name and partition from the job's environment.

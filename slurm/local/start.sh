@@ -38,7 +38,7 @@
 #                          SuspendProgram/ResumeProgram, ResumeTimeout 10 s, SuspendTime 1 h
 #                          suspend (power a node down with `scontrol update State=POWER_DOWN_FORCE`) [0]
 #   HPCFSDP_SLURM_FIRST_JOB_ID  FirstJobId: clusters side by side with different job ids, so that
-#                          what derives from a job id (submitit's MASTER_PORT) differs too  [1]
+#                          what derives from a job id (a cell's MASTER_PORT) differs too  [1]
 set -euo pipefail
 
 # Everything we (and the tools we call) print goes to stderr; fd 3 keeps the real stdout for the

@@ -11,6 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# A Slurm job's rendezvous port, from its id: below Linux's default range of ports for outgoing
+# connections (32768-60999), which submitit's own choice (20000-60000 from the job id) overlaps; a
+# cell once could not listen on its port (EADDRINUSE) because an outgoing connection held it.
+# Consecutive job ids (an array's tasks) get consecutive ports.
+SLURM_MASTER_PORTS = (20_000, 32_000)
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -33,6 +39,8 @@ def export_launcher_env() -> str:
     if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
 
+        low, high = SLURM_MASTER_PORTS
+        os.environ.setdefault("MASTER_PORT", str(low + int(os.environ["SLURM_JOB_ID"]) % (high - low)))
         # Slurm already narrows CUDA_VISIBLE_DEVICES to the allocation; we pick cuda:LOCAL_RANK inside it.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return "slurm"

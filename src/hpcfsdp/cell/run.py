@@ -178,7 +178,15 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
         blocks, built.vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.world_size, env.device
     )
     if env.is_main:
-        print(f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}", flush=True)
+        where = (
+            f" (rendezvous {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')})"
+            if env.world_size > 1
+            else ""
+        )
+        print(
+            f"[hpcfsdp] {cell_id}: training {spec.steps} steps on {env.world_size} x {env.device.type}{where}",
+            flush=True,
+        )
 
     sampler = NvmlSampler(env.device) if spec.nvml else None
 
