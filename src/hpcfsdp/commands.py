@@ -58,7 +58,7 @@ def submit(args: argparse.Namespace) -> int:
     if misses:
         more = f" (and {len(misses) - 1} more: `hpcfsdp plan` lists them)" if len(misses) > 1 else ""
         raise SpecError(f"{sweep.source}: {misses[0]}{more}")
-    executor, why = (args.executor, "") if args.executor else default_executor()
+    executor, why = (args.executor, "") if args.executor else default_executor(sweep.resources.clusters)
     if args.then_collect and executor != "slurm":
         raise SpecError(f"submit: --then-collect queues a Slurm job: it needs the slurm executor, not {executor}")
     # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
@@ -96,7 +96,7 @@ def submit(args: argparse.Namespace) -> int:
         if report.stuck:  # every cell left waits on a reason that cannot clear
             if not all(c.blocked for c in report.cells):  # some cells finished: their table
                 collect(sub.sweep_dir)
-            raise UserError(blocked_message(report.blocked))
+            raise UserError(blocked_message(report.blocked, report.cluster))
         failed = sum(c.state != "ok" for c in report.cells)
     elif executor == "local":
         failed = sum(status != "ok" for status in sub.outcomes.values())
@@ -171,9 +171,9 @@ def status(args: argparse.Namespace) -> int:
     if line := collect_line(sweep_dir):
         print(line)
     if report.stuck and args.watch:  # the watch ended with cells still queued
-        raise UserError(blocked_message(report.blocked))
+        raise UserError(blocked_message(report.blocked, report.cluster))
     if report.blocked:
-        print(f"warning: {blocked_message(report.blocked)}", file=sys.stderr)
+        print(f"warning: {blocked_message(report.blocked, report.cluster)}", file=sys.stderr)
     return 0
 
 

@@ -99,7 +99,8 @@ def collect(
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from ..sweep.status import slurm_job_ids, sweep_status
+    from ..sweep.layout import slurm_job_ids
+    from ..sweep.status import sweep_status
 
     recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
     try:

@@ -18,7 +18,8 @@ from typing import Any
 
 from ..endings import ENDINGS, ending_fields
 from ..record import ACCOUNTING_KEY, RECORD_NAME, RecordError, read_record, slurm_job_of, write_record
-from .layout import cell_dir
+from .cluster import on_cluster
+from .layout import cell_dir, manifest_cluster
 
 SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw"
 IDS_PER_CALL = 500  # a command line has a length limit
@@ -54,7 +55,7 @@ def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def sacct(job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+def sacct(job_ids: Iterable[str], cluster: str = "") -> dict[str, dict[str, Any]]:
     """Accounting of the jobs that have ended, by job id; AccountingUnavailable when sacct cannot tell."""
     ids = sorted(set(job_ids))
     if not shutil.which("sacct"):
@@ -63,6 +64,7 @@ def sacct(job_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     for first in range(0, len(ids), IDS_PER_CALL):
         command = [
             "sacct",
+            *on_cluster(cluster),
             "--noheader",
             "--parsable2",
             "--allocations",
@@ -88,7 +90,7 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
     if not jobs:
         return {}, ""
     try:
-        answers = sacct(jobs.values())
+        answers = sacct(jobs.values(), manifest_cluster(sweep_dir) or "")
     except AccountingUnavailable as exc:
         return {}, (
             f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to {len(jobs)} record(s)"

@@ -13,7 +13,6 @@ without a record (killed before it could write one), cancel writes it after wait
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,16 +20,10 @@ from pathlib import Path
 
 from ..record import MISSING, SPEC_NAME, read_json_object
 from ..spec import SpecError
-from .layout import cell_dir, read_manifest
-from .status import (
-    SchedulerError,
-    cell_status,
-    log_tails,
-    queued_states,
-    record_launch_failure,
-    slurm_job_ids,
-    slurm_logs,
-)
+from .layout import cell_dir, manifest_cluster, read_manifest, slurm_job_ids
+from .lost import log_tails, record_launch_failure, slurm_logs
+from .scheduler import QueuedJob, queued_states, scancel
+from .status import cell_status
 
 LEAVE_QUEUE_S = 120.0  # how long cancel waits for its running jobs to leave the queue
 POLL_S = 1.0
@@ -63,11 +56,11 @@ def cancel_sweep(
     sweep_dir = Path(sweep_dir)
     chosen = _chosen_cells(sweep_dir, list(cell_ids))
     jobs = slurm_job_ids(sweep_dir, chosen)
-    queued = queued_states(jobs.values())
-    ours = _jobs_named(queued, job_name(sweep_dir))
-    done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in ours])
+    cluster = manifest_cluster(sweep_dir) or ""  # where they were queued: asked and cancelled there
+    queued = _named(queued_states(jobs.values(), cluster), job_name(sweep_dir))
+    done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in queued])
     for cid, jid in jobs.items():
-        if jid not in ours:
+        if jid not in queued:
             continue
         pending = queued[jid].state.startswith("PENDING")
         target = done.pending if pending else done.left_running if pending_only else done.running
@@ -75,11 +68,11 @@ def cancel_sweep(
     to_cancel = {**done.pending, **done.running}
     if not to_cancel:
         return done
-    _scancel(sorted(to_cancel.values()))
+    scancel(sorted(to_cancel.values()), cluster)
     for cid, jid in done.pending.items():
         if cell_status(sweep_dir, cid) == MISSING:
             _record_cancelled(sweep_dir, cid, jid, "while pending")
-    done.still_queued = _wait_until_gone(done.running, leave_queue_s)
+    done.still_queued = _wait_until_gone(done.running, cluster, leave_queue_s)
     for cid, jid in done.running.items():
         if cid not in done.still_queued and cell_status(sweep_dir, cid) == MISSING:
             _record_cancelled(sweep_dir, cid, jid, "while running; it left no record of its own")
@@ -99,39 +92,18 @@ def _chosen_cells(sweep_dir: Path, cell_ids: list[str]) -> list[str]:
     return list(dict.fromkeys(cell_ids))
 
 
-def _jobs_named(queued: dict, name: str) -> set[str]:
-    """Of these queued job ids, those whose Slurm job name is `name`."""
-    if not queued:
-        return set()
-    arrays = sorted({jid.split("_")[0] for jid in queued})
-    command = ["squeue", "--noheader", "--array", "--format=%i|%j", f"--jobs={','.join(arrays)}"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"squeue: {exc}") from None
-    if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
-        raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    names = dict(line.split("|", 1) for line in proc.stdout.splitlines() if "|" in line)
-    return {jid for jid in queued if names.get(jid) == name}
+def _named(queued: dict[str, QueuedJob], name: str) -> dict[str, QueuedJob]:
+    """Of these queued jobs, those whose Slurm job name is `name`: a job id that Slurm has since
+    given to someone else's job is never the sweep's."""
+    return {jid: job for jid, job in queued.items() if job.name == name}
 
 
-def _scancel(job_ids: list[str]) -> None:
-    try:
-        proc = subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"scancel: {exc}") from None
-    # A job that ended between squeue and scancel is not an error: it is no longer queued either way.
-    errors = [line for line in proc.stderr.splitlines() if line.strip() and "already completing" not in line]
-    if proc.returncode != 0 and not all("Invalid job id" in line or "Job/step already" in line for line in errors):
-        raise SchedulerError(f"scancel: {' '.join(errors) or f'exit status {proc.returncode}'}")
-
-
-def _wait_until_gone(jobs: dict[str, str], timeout_s: float) -> dict[str, str]:
+def _wait_until_gone(jobs: dict[str, str], cluster: str, timeout_s: float) -> dict[str, str]:
     """Wait for these jobs to leave the queue; those still in it after timeout_s."""
     deadline = time.monotonic() + timeout_s
     left = dict(jobs)
     while left:
-        queued = queued_states(left.values())
+        queued = queued_states(left.values(), cluster)
         left = {cid: jid for cid, jid in left.items() if jid in queued}
         if not left or time.monotonic() > deadline:
             break

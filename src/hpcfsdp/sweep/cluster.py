@@ -8,8 +8,10 @@
 - `never_clears`: whether a pending job's reason (squeue %r) waits on a change that no amount of
   waiting brings.
 
-Each reader returns None when no Slurm answers here (not installed, no controller, no answer within
-ANSWER_TIMEOUT_S): its callers then skip what they would check, as a plan on a laptop must.
+Each reader asks the cluster it is given (`slurm.clusters`, sbatch -M: `on_cluster`; "" the one
+this login node's configuration names), and returns None when no Slurm answers here (not
+installed, no controller, no answer within ANSWER_TIMEOUT_S): its callers then skip what they
+would check, as a plan on a laptop must.
 """
 
 from __future__ import annotations
@@ -93,8 +95,16 @@ class Qos:
     max_tres_per_node: dict[str, int]
 
 
-def read_limits() -> Limits | None:
-    out = _ask("scontrol", "show", "config")
+def on_cluster(cluster: str) -> list[str]:
+    """The -M option that points a Slurm command (sbatch, squeue, sacct, scancel, scontrol, sinfo)
+    at `cluster`; none for "" (the default cluster). Every command that tracks a sweep's jobs is
+    given it explicitly: sacct ignores SLURM_CLUSTERS, and an exported variable would reach the
+    commands of every other sweep this process handles."""
+    return [f"--clusters={cluster}"] if cluster else []
+
+
+def read_limits(cluster: str = "") -> Limits | None:
+    out = _ask("scontrol", "show", "config", cluster=cluster)
     if out is None:
         return None
     values = dict(re.findall(r"^(\w+)\s*=\s*(\S*)", out, flags=re.M))
@@ -104,10 +114,10 @@ def read_limits() -> Limits | None:
     )
 
 
-def read_partitions() -> dict[str, Partition] | None:
+def read_partitions(cluster: str = "") -> dict[str, Partition] | None:
     """Partition name -> its limits and nodes; None when Slurm does not answer."""
-    listing = _ask("scontrol", "show", "partition", "--oneliner")
-    rows = _ask("sinfo", "--Node", "--noheader", "--format=%N|%c|%m|%G|%t|%R")
+    listing = _ask("scontrol", "show", "partition", "--oneliner", cluster=cluster)
+    rows = _ask("sinfo", "--Node", "--noheader", "--format=%N|%c|%m|%G|%t|%R", cluster=cluster)
     if listing is None or rows is None:
         return None
     nodes: dict[str, list[Node]] = {}
@@ -121,7 +131,11 @@ def read_partitions() -> dict[str, Partition] | None:
         )
     # A partition without DefMemPerCPU / DefMemPerNode of its own takes slurm.conf's.
     config: dict[str, str] = dict(
-        re.findall(r"^(DefMemPer(?:CPU|Node))\s*=\s*(\S*)", _ask("scontrol", "show", "config") or "", flags=re.M)
+        re.findall(
+            r"^(DefMemPer(?:CPU|Node))\s*=\s*(\S*)",
+            _ask("scontrol", "show", "config", cluster=cluster) or "",
+            flags=re.M,
+        )
     )
     partitions = {}
     for line in listing.splitlines():
@@ -170,9 +184,9 @@ def tres_counts(text: str) -> dict[str, int]:
     return out
 
 
-def jobs_in_queue() -> int | None:
+def jobs_in_queue(cluster: str = "") -> int | None:
     """Your jobs that Slurm holds pending or running, each array task one (as MaxSubmitJobs counts)."""
-    out = _ask("squeue", f"--user={getpass.getuser()}", "--noheader", "--array", "--format=%i")
+    out = _ask("squeue", f"--user={getpass.getuser()}", "--noheader", "--array", "--format=%i", cluster=cluster)
     return None if out is None else sum(1 for line in out.splitlines() if line.strip())
 
 
@@ -214,18 +228,20 @@ def _number(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def _ask(*command: str) -> str | None:
-    """stdout of a Slurm client, or None when it is not installed, fails or does not answer."""
+def _ask(program: str, *args: str, cluster: str = "") -> str | None:
+    """stdout of a Slurm client asked of `cluster`, or None when it is not installed, fails or does
+    not answer."""
+    command = [program, *on_cluster(cluster), *args]
     try:
-        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=ANSWER_TIMEOUT_S)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=ANSWER_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None
 
 
-def array_size_limit(override: int) -> int | None:
+def array_size_limit(override: int, cluster: str = "") -> int | None:
     """Cells one array may hold: the smallest of slurm.max_array_size (`override`; 0: none) and the
     cluster's MaxArraySize and MaxJobCount; None when none of them is known (no Slurm here)."""
-    limits = read_limits()
+    limits = read_limits(cluster)
     caps = [override] + ([limits.max_array_size, limits.max_job_count] if limits else [])
     return min((cap for cap in caps if cap > 0), default=None)

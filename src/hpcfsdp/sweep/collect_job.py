@@ -5,7 +5,8 @@ so no login-node process has to wait. It runs `hpcfsdp collect SWEEP --fail-on-r
 report in report/, the history appended to, each cell checked against its references), then writes
 collect's exit status into the sweep folder's collect_job.json: 0 all well, 1 a regression, else
 collect failed. A status other than 0 also fails the Slurm job, so that `slurm.mail_type: FAIL`
-mails about it. `hpcfsdp status` shows the job (collect_line).
+mails about it. `hpcfsdp status` shows the job (collect_line). With `slurm.clusters` it goes to
+that cluster too: a dependency names jobs of its own cluster only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from ..record import RecordError, read_json_object, write_json
 from .layout import slurm_folder
 from .matrix import Sweep
-from .status import SchedulerError, finished_states, queued_states
+from .scheduler import SchedulerError, finished_states, queued_states
 
 COLLECT_JOB_NAME = "collect_job.json"  # in the sweep folder: the job, then collect's exit status
 COLLECT_TIME_MIN = 30  # collect of 10,000 records with plots takes minutes, not half an hour
@@ -60,6 +61,8 @@ def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
     )
     if arrays:
         params["dependency"] = "afterany:" + ":".join(arrays)
+    if res.clusters:
+        params["additional_parameters"] = {"clusters": res.clusters}
     for key in ("account", "qos", "mail_user", "mail_type"):
         if getattr(res, key):
             params[key] = getattr(res, key)
@@ -77,10 +80,8 @@ def queue_collect(sweep: Sweep, sweep_dir: Path, job_ids: list[str], log=print) 
     executor.update_parameters(**collect_parameters(sweep, arrays))
     with secrets_removed():
         job = executor.submit(CollectJob(str(Path(sweep_dir).absolute())))
-    write_json(
-        Path(sweep_dir) / COLLECT_JOB_NAME,
-        {"job_id": job.job_id, "after": arrays, "submitted_at": time.time(), "exit_status": None, "ended_at": None},
-    )
+    entry = {"job_id": job.job_id, "cluster": sweep.resources.clusters, "after": arrays, "submitted_at": time.time()}
+    write_json(Path(sweep_dir) / COLLECT_JOB_NAME, {**entry, "exit_status": None, "ended_at": None})
     after = f" after array(s) {', '.join(arrays)}" if arrays else " (no array in flight: it runs now)"
     log(f"submitted collect job {job.job_id}{after}: report and exit status in {sweep_dir}")
     return job.job_id
@@ -93,18 +94,19 @@ def collect_line(sweep_dir: Path) -> str | None:
     if entry is None:
         return None
     job = str(entry.get("job_id", "?"))
+    cluster = str(entry.get("cluster") or "")
     code = entry.get("exit_status")
     if isinstance(code, int):
         what = {0: "report written", 1: "report written; a cell regressed"}.get(code, "collect failed")
         return f"collect job {job}: exit status {code} ({what}): {Path(sweep_dir) / 'report' / 'summary.md'}"
     try:
-        queued = queued_states([job]).get(job)
+        queued = queued_states([job], cluster).get(job)
     except SchedulerError as exc:
         return f"collect job {job}: unknown ({exc})"
     if queued is not None:
         reason = f" ({queued.reason})" if queued.reason else ""
         return f"collect job {job}: {queued.state}{reason}"
-    final = finished_states([job]).get(job, "")
+    final = finished_states([job], cluster).get(job, "")
     return (
         f"collect job {job}: left the queue{f' ({final})' if final else ''} without an exit status; "
         f"logs in {slurm_folder(sweep_dir).parent / job}"

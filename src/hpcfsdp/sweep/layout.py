@@ -1,7 +1,7 @@
 """The layout of a sweep folder (results/<sweep>/), in one place:
 
     matrix.yaml                    the matrix as submitted
-    manifest.json                  cell id -> executor, job id, submit time
+    manifest.json                  cell id -> executor, job id, cluster, submit time
     cells/<id>/spec.json           the resolved spec of the cell (job.write_cell_spec)
     cells/<id>/result.json         written by the cell (record.py): its current record
     cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING
 import yaml
 
 from ..fields import SpecError
-from ..record import SPEC_NAME, RecordError, keep_as_attempt, read_json_object, restore_attempt, write_json, write_text
+from ..record import (
+    SPEC_NAME,
+    RecordError,
+    is_job_id,
+    keep_as_attempt,
+    read_json_object,
+    restore_attempt,
+    write_json,
+    write_text,
+)
 
 if TYPE_CHECKING:
     from .matrix import Cell, Sweep
@@ -60,7 +69,7 @@ def slurm_folder(sweep_dir: Path) -> Path:
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, dict]:
-    """cell id -> {executor, job_id, submitted_at}; {} before the first submit; RecordError (one
+    """cell id -> {executor, job_id, cluster, submitted_at}; {} before the first submit; RecordError (one
     line) when the file cannot be read."""
     path = Path(sweep_dir) / MANIFEST_NAME
     try:
@@ -76,6 +85,30 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
                 f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
             )
     return manifest
+
+
+def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
+    """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
+    manifest = read_manifest(sweep_dir)
+    entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
+    return {
+        cid: str(e["job_id"])
+        for cid, e in entries.items()
+        if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
+    }
+
+
+def manifest_cluster(sweep_dir: Path) -> str | None:
+    """The cluster the sweep's Slurm jobs were queued on (slurm.clusters; "" the default one), from
+    the manifest: its latest Slurm entry's (submit never queues one folder's cells on two); None
+    before any cell was queued."""
+    entries = [e for e in read_manifest(sweep_dir).values() if e.get("executor") == "slurm"]
+    if not entries:
+        return None
+    latest = max(
+        entries, key=lambda e: float(e["submitted_at"]) if isinstance(e.get("submitted_at"), (int, float)) else 0.0
+    )
+    return str(latest.get("cluster") or "")
 
 
 def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:

@@ -19,8 +19,9 @@ from typing import Literal, TextIO
 
 from ..record import ATTEMPTS_DIR, RECORD_NAME, SPEC_NAME, RecordError, read_json_object, slurm_job_of
 from ..spec import SpecError
-from .layout import cell_dir, planned_cell_ids, read_manifest, slurm_folder
-from .status import cell_state, queued_states
+from .layout import cell_dir, manifest_cluster, planned_cell_ids, read_manifest, slurm_folder
+from .scheduler import queued_states
+from .status import cell_state
 
 Stream = Literal["stdout", "stderr"]
 # Lines of a failed rank's log that say why: Python's exceptions, Slurm's and srun's own words.
@@ -138,10 +139,11 @@ def follow(
         print(f"{cell_id}: no Slurm job to follow", file=out)
         return 1
     job_id = jobs[0]
+    cluster = manifest_cluster(sweep_dir) or ""
     offsets: dict[Path, int] = {}
     last: Path | None = None
     while True:
-        queued = job_id in queued_states([job_id])
+        queued = job_id in queued_states([job_id], cluster)
         for log, chunk in _new_output(rank_logs(sweep_dir, cell_id, job_id, stream), offsets):
             if log.path != last:
                 print(f"==> job {job_id}, rank {log.rank} <==", file=out)

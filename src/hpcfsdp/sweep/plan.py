@@ -24,9 +24,10 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
     from .preflight import cluster_problems
 
     res = sweep.resources
-    size = array_size_limit(res.max_array_size)
+    size = array_size_limit(res.max_array_size, res.clusters)
     planned = arrays(sweep.cells, size)
-    print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s)")
+    where = f" on cluster {res.clusters}" if res.clusters else ""
+    print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s){where}")
     sys.stdout.write("\n".join(memory_table(sweep) if memory else plan_table(sweep, planned)) + "\n")
     for index, ((nodes, gpus), cells) in enumerate(planned):
         print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
@@ -48,7 +49,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     from .sbatch import sbatch_script
 
     for index, ((nodes, gpus), cells) in enumerate(
-        arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size))
+        arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     ):
         print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
         print(sbatch_script(sweep, results_dir / sweep.name, nodes, gpus, len(cells)))

@@ -27,7 +27,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .cluster import ANSWER_TIMEOUT_S, Partition, array_size_limit, read_partitions, read_qos, tres_counts
+from .cluster import (
+    ANSWER_TIMEOUT_S,
+    Partition,
+    array_size_limit,
+    on_cluster,
+    read_partitions,
+    read_qos,
+    tres_counts,
+)
 from .hostmemory import auto_mem_gb, predict_host_cells
 from .matrix import Cell, Sweep, by_shape
 
@@ -36,17 +44,23 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     """One line per shape of `cells` (default: every cell) that the sweep's partition can never run;
     when every shape can, one per shape beyond its host memory, the QOS's limits, or refused by
     sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here."""
-    partitions = read_partitions()
-    if partitions is None:
-        return []
     res = sweep.resources
+    partitions = read_partitions(res.clusters)
+    if partitions is None:
+        if res.clusters and read_partitions() is not None:  # this login node's cluster answers
+            return [
+                f"{place(sweep, 'slurm.clusters')}: no cluster {res.clusters!r} answers here "
+                "(`sacctmgr show clusters` lists those its slurmdbd knows)"
+            ]
+        return []
     # sbatch takes a list of partitions (the job runs in the first that can run it); "": the default.
     names = [n.strip() for n in res.partition.split(",") if n.strip()]
     names = names or [p.name for p in partitions.values() if p.default]
     unknown = [name for name in names if name not in partitions] if names else [""]  # "": no default partition
     if unknown:
         known = ", ".join(sorted(partitions)) or "none"
-        return [f"{place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on this cluster (partitions: {known})"]
+        cluster = f"cluster {res.clusters}" if res.clusters else "this cluster"
+        return [f"{place(sweep, 'slurm.partition')}: no partition {unknown[0]!r} on {cluster} (partitions: {known})"]
     where = f"partition {names[0]}" if len(names) == 1 else f"any of the partitions {', '.join(names)}"
     problems = []
     limits = [limit for name in names if (limit := partitions[name].max_time_min) is not None]
@@ -197,6 +211,7 @@ REFUSAL_KEYS = (
     ("feature", "slurm.constraint"),
     ("reservation", "slurm.extra_sbatch"),
     ("partition", "slurm.partition"),
+    ("cluster", "slurm.clusters"),
 )
 
 
@@ -206,7 +221,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
     from .environment import is_secret
     from .sbatch import sbatch_script  # submitit's script text
 
-    size = array_size_limit(sweep.resources.max_array_size)
+    size = array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters)
     folder = Path(tempfile.gettempdir()) / "hpcfsdp-test-only" / sweep.name  # named in the script only
     env = {name: value for name, value in os.environ.items() if not is_secret(name)}
     problems = []
@@ -215,7 +230,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
         script = sbatch_script(sweep, folder, nodes, gpus, count)
         try:
             proc = subprocess.run(
-                ["sbatch", "--test-only"],
+                ["sbatch", *on_cluster(sweep.resources.clusters), "--test-only"],
                 input=script,
                 capture_output=True,
                 text=True,

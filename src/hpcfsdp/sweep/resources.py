@@ -27,6 +27,9 @@ class Resources:
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("mem_gb", "mem_auto")  # `mem_gb: auto` sets mem_auto
 
     partition: str = "gpu"
+    # sbatch -M: the one cluster the sweep runs on (its name in slurmdbd); "" the login node's own.
+    # status, cancel, collect and the preflight ask the same cluster (sweep/cluster.on_cluster).
+    clusters: str = ""
     time_min: int = 30
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: the partition's default
@@ -93,10 +96,14 @@ class Resources:
 
 def _check_names(where: str, res: Resources) -> None:
     """The sbatch arguments that name something (names.py), and a cache_dir that can be a folder."""
-    for name in ("partition", "account", "qos", "constraint", "collect_partition"):
+    for name in ("clusters", "partition", "account", "qos", "constraint", "collect_partition"):
         problem = slurm_name_problem(getattr(res, name))
         if problem:
             raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
+    if "," in res.clusters:
+        # sbatch -M a,b queues a job on whichever cluster starts it first; the sweep's jobs would
+        # then have to be looked for on each.
+        raise SpecError(where, "clusters", f"expected one cluster name, got {shown(res.clusters)}")
     if res.cache_dir:
         problem = name_problem(res.cache_dir)
         path = Path(res.cache_dir).expanduser()
@@ -110,6 +117,7 @@ def _check_names(where: str, res: Resources) -> None:
 # must not repeat them.
 SBATCH_SET_BY = {
     "partition": "slurm.partition",
+    "clusters": "slurm.clusters",
     "time": "slurm.time_min",
     "cpus-per-task": "slurm.cpus_per_task",
     "mem": "slurm.mem_gb",

@@ -40,6 +40,8 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
     # Clusters with JobRequeue=0 refuse `scontrol requeue` without --requeue; with JobRequeue=1 (the
     # default) Slurm would requeue a preempted job, or one whose node failed, without end.
     additional["requeue" if res.max_requeue else "no_requeue"] = True
+    if res.clusters:  # sbatch -M; status, cancel and collect ask the cluster the manifest names
+        additional["clusters"] = res.clusters
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}",
         partition=res.partition or None,
@@ -101,12 +103,12 @@ def submit_arrays(
     as many cells go out as there is room for: the rest wait for room (room_poll_s seconds between
     looks) or, without room_poll_s, stay out."""
     cap = sweep.resources.max_jobs_in_queue
-    todo = arrays(cells, array_size_limit(sweep.resources.max_array_size))
+    todo = arrays(cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     job_ids: dict[str, str] = {}
     last_note = ""
     while todo:
         (nodes, gpus), shape_cells = todo[0]
-        room = _queue_room(cap)
+        room = _queue_room(cap, sweep.resources.clusters)
         if room is not None and room < 1:
             if room_poll_s is None:
                 break
@@ -132,11 +134,11 @@ def submit_arrays(
     return job_ids, not_queued
 
 
-def _queue_room(cap: int) -> int | None:
+def _queue_room(cap: int, cluster: str) -> int | None:
     """How many more cells slurm.max_jobs_in_queue lets into the queue now; None: no cap."""
     if not cap:
         return None
-    queued = jobs_in_queue()
+    queued = jobs_in_queue(cluster)
     if queued is None:
         raise SubmitError(
             f"squeue did not answer, so your queued jobs cannot be counted against slurm.max_jobs_in_queue {cap}"
@@ -174,7 +176,19 @@ def _submit_array(
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
         update_manifest(
             sweep_dir,
-            {cid: {"executor": "slurm", "job_id": jid, "submitted_at": time.time()} for cid, jid in job_ids.items()},
+            {
+                cid: {
+                    "executor": "slurm",
+                    "job_id": jid,
+                    "cluster": sweep.resources.clusters,
+                    "submitted_at": time.time(),
+                }
+                for cid, jid in job_ids.items()
+            },
         )
-    log(f"submitted array {jobs[0].job_id.split('_')[0]}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+    where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
+    log(
+        f"submitted array {jobs[0].job_id.split('_')[0]}{where}: "
+        f"{len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)"
+    )
     return job_ids

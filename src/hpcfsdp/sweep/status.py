@@ -1,12 +1,10 @@
 """The state of a sweep's cells: their records (record.py's one reader), the manifest of queued
-jobs, and what Slurm says of those jobs (squeue while queued, sacct once they left). `hpcfsdp
+jobs, and what Slurm says of those jobs on the cluster they were queued on (scheduler.py). `hpcfsdp
 status`, `submit` (what to run, --wait) and `collect` (missing cells) read cells through here.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -15,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ..endings import ended_by, ending_fields, memory_to_ask
-from ..errors import UserError
 from ..record import (
     MISSING,
     RECORD_NAME,
@@ -24,35 +20,20 @@ from ..record import (
     CellState,
     RecordError,
     RecordState,
-    failure_record,
-    is_job_id,
     read_json_object,
     record_state,
-    write_record,
 )
 from ..spec import SEARCHED_FIELDS
-from .cluster import never_clears, read_partitions, waits_for_nodes
-from .layout import SLURM_DIR, cell_dir, planned_cell_ids, read_manifest, slurm_folder
+from .cluster import never_clears, on_cluster, read_partitions, waits_for_nodes
+from .layout import SLURM_DIR, cell_dir, manifest_cluster, planned_cell_ids, slurm_job_ids
+from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .matrix import Cell
 from .preemptions import preemption_note, preemptions
+from .scheduler import QueuedJob, SchedulerError, finished_jobs, queued_states
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
-
-
-class SchedulerError(UserError, RuntimeError):
-    """squeue did not answer, so whether a cell is still queued cannot be known."""
-
-
-@dataclass(frozen=True)
-class QueuedJob:
-    """A job (array task) as squeue shows it."""
-
-    state: str  # PENDING, RUNNING, COMPLETING, ...
-    reason: str = ""  # why it is pending (squeue %r): Priority, Resources, PartitionNodeLimit, ...
-    nodes: int = 1
-    partition: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +55,7 @@ class StatusReport:
     cells: list[CellStatus]
     note: str = ""  # why the scheduler could not be asked, if it could not
     problems: list[str] = field(default_factory=list)  # one line per corrupt record or manifest
+    cluster: str = ""  # the cluster its jobs were queued on (slurm.clusters); "" the default one
 
     def counts(self) -> Counter:
         return Counter(c.state for c in self.cells)
@@ -125,94 +107,6 @@ def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
     return problems[:limit] + more
 
 
-def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
-    """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
-    manifest = read_manifest(sweep_dir)
-    entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
-    return {
-        cid: str(e["job_id"])
-        for cid, e in entries.items()
-        if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
-    }
-
-
-def queued_states(job_ids: Iterable[str]) -> dict[str, QueuedJob]:
-    """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running, completing)."""
-    arrays = sorted({jid.split("_")[0] for jid in job_ids})
-    if not arrays:
-        return {}
-    command = ["squeue", "--noheader", "--array", "--format=%i %T %D %P %r", f"--jobs={','.join(arrays)}"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"squeue: {exc}") from None
-    if proc.returncode != 0:
-        if "Invalid job id" in proc.stderr:  # every one of them has left the queue
-            return {}
-        raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    return dict(_queued_job(line) for line in proc.stdout.splitlines() if line.strip())
-
-
-def _queued_job(line: str) -> tuple[str, QueuedJob]:
-    """One squeue line, '%i %T %D %P %r' (the reason last: it may hold spaces)."""
-    job_id, state, *rest = line.split(None, 4)
-    nodes, partition, reason = [*rest, "", "", ""][:3]
-    pending = state.startswith("PENDING")
-    return job_id, QueuedJob(
-        state, reason if pending and reason != "None" else "", int(nodes) if nodes.isdigit() else 1, partition
-    )
-
-
-@dataclass(frozen=True)
-class FinishedJob:
-    """What sacct says of a job that left the queue: its state, then its steps' (CANCELLED for
-    "CANCELLED by 0"), and the most memory a step of it used on one node (MaxRSS; 0 unknown)."""
-
-    states: list[str]
-    max_rss_bytes: int = 0
-
-
-def finished_jobs(job_ids: Iterable[str]) -> dict[str, FinishedJob]:
-    """job id -> what sacct says of it; empty where there is no accounting (sacct fails)."""
-    ids = sorted(set(job_ids))
-    if not ids or not shutil.which("sacct"):
-        return {}
-    command = ["sacct", "--noheader", "--parsable2", "--format=JobID,State,MaxRSS", f"--jobs={','.join(ids)}"]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    if proc.returncode != 0:
-        return {}
-    found: dict[str, FinishedJob] = {}
-    for line in proc.stdout.splitlines():
-        row = line.split("|")
-        if len(row) != 3 or not row[1]:
-            continue
-        job = row[0].split(".")[0]  # 12_3.batch -> 12_3
-        if job not in ids:
-            continue
-        known = found.get(job, FinishedJob([]))
-        state = row[1].split()[0]
-        states = [state, *known.states] if row[0] == job else [*known.states, state]
-        found[job] = FinishedJob(states, max(known.max_rss_bytes, _bytes(row[2])))
-    return {job: finished for job, finished in found.items() if finished.states}
-
-
-def finished_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """job id -> final Slurm state from sacct; empty where there is no accounting (sacct fails)."""
-    return {job: finished.states[0] for job, finished in finished_jobs(job_ids).items()}
-
-
-def _bytes(size: str) -> int:
-    """sacct's MaxRSS ("269040K", "1.50G", "0") in bytes; 0 when empty."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        return int(float(size[:-1]) * units[size[-1]]) if size and size[-1] in units else int(size or 0)
-    except ValueError:
-        return 0
-
-
 def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> StatusReport:
     """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
     sweep_dir = Path(sweep_dir)
@@ -222,19 +116,20 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     problems = []
     try:
         jobs = slurm_job_ids(sweep_dir, cell_ids)
+        cluster = manifest_cluster(sweep_dir) or ""
     except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
-        jobs = {}
+        jobs, cluster = {}, ""
         problems.append(f"{exc}; queued cells show as missing")
     note = ""
     try:
-        queued = queued_states(jobs.values())
+        queued = queued_states(jobs.values(), cluster)
     except SchedulerError as exc:
         queued, note = {}, f"{exc}; cells still queued show as missing"
     states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
-    finished = finished_jobs(unrecorded)
-    blocked = _blocked_jobs(queued)
+    finished = finished_jobs(unrecorded, cluster)
+    blocked = _blocked_jobs(queued, cluster)
     cells = []
     for cid in cell_ids:
         jid = jobs.get(cid, "")
@@ -242,9 +137,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
         if job is None:
             ended = finished.get(jid)
             record = states[cid].record or {}
-            advice = record.get("advice") or (
-                _lost_ending(sweep_dir, cid, jid, ended)[2].get("advice") if ended else ""
-            )
+            advice = record.get("advice") or (lost_ending(sweep_dir, cid, jid, ended)[2].get("advice") if ended else "")
             cells.append(
                 CellStatus(
                     cid,
@@ -269,18 +162,18 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                 )
             )
-    return StatusReport(sweep_dir, cells, note, problems)
+    return StatusReport(sweep_dir, cells, note, problems, cluster)
 
 
 def _scheduler_state(slurm_state: str) -> str:
     return CellState.PENDING if slurm_state.startswith(("PENDING", "REQUEUE")) else CellState.RUNNING
 
 
-def _blocked_jobs(queued: dict[str, QueuedJob]) -> set[str]:
+def _blocked_jobs(queued: dict[str, QueuedJob], cluster: str) -> set[str]:
     """The pending jobs whose reason cannot clear as the cluster stands; the partitions are read
     only when a reason depends on which nodes are up."""
     waiting = {jid: job for jid, job in queued.items() if job.reason}
-    partitions = read_partitions() if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
+    partitions = read_partitions(cluster) if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
     return {
         jid
         for jid, job in waiting.items()
@@ -385,7 +278,7 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
         print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
 
 
-def blocked_message(cells: list[CellStatus]) -> str:
+def blocked_message(cells: list[CellStatus], cluster: str = "") -> str:
     """One line for cells Slurm holds with a reason that cannot clear: which, why, how to cancel."""
     by_reason: dict[str, list[str]] = {}
     for cell in cells:
@@ -397,7 +290,7 @@ def blocked_message(cells: list[CellStatus]) -> str:
     jobs = " ".join(sorted({c.job_id.split("_")[0] for c in cells}, key=lambda j: (len(j), j)))
     return (
         f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
-        f"their jobs stay queued: `scancel {jobs}` removes them"
+        f"their jobs stay queued: `{' '.join(['scancel', *on_cluster(cluster), jobs])}` removes them"
     )
 
 
@@ -414,59 +307,11 @@ def record_lost_cells(report: StatusReport) -> list[CellStatus]:
     lost = [c for c in report.cells if c.state == MISSING and c.job_id]
     if not lost:
         return lost
-    finished = finished_jobs(c.job_id for c in lost)
+    finished = finished_jobs((c.job_id for c in lost), report.cluster)
     for cell in lost:
-        status, error, fields = _lost_ending(report.sweep_dir, cell.cell_id, cell.job_id, finished.get(cell.job_id))
+        status, error, fields = lost_ending(report.sweep_dir, cell.cell_id, cell.job_id, finished.get(cell.job_id))
         directory = cell_dir(report.sweep_dir, cell.cell_id)
         record_launch_failure(
-            directory, error, log_tails(_cell_logs(report.sweep_dir, cell.cell_id, cell.job_id)), status, **fields
+            directory, error, log_tails(cell_logs(report.sweep_dir, cell.cell_id, cell.job_id)), status, **fields
         )
     return lost
-
-
-def _lost_ending(
-    sweep_dir: Path, cell_id: str, job_id: str, finished: FinishedJob | None
-) -> tuple[str, str, dict[str, str]]:
-    """status, error line and the record's ending fields (endings.py) of a job that left no record."""
-    states = finished.states if finished else []
-    logs = "\n".join(path.read_text(errors="replace") for path in _cell_logs(sweep_dir, cell_id, job_id))
-    known = ended_by(states, logs)
-    shown = f" ({states[0]})" if states else ""
-    if known is None:
-        return "error", f"Slurm job {job_id} ended{shown} without a record", {}
-    state, ending = known
-    mem_gb = memory_to_ask(logs, 0, finished.max_rss_bytes if finished else 0) if ending.status == "host_oom" else 0
-    fields = ending_fields(state, ending, mem_gb)
-    return (
-        ending.status,
-        f"Slurm job {job_id} ended ({state}) without a record: {ending.meaning}; {fields['advice']}",
-        fields,
-    )
-
-
-def _cell_logs(sweep_dir: Path, cell_id: str, job_id: str) -> list[Path]:
-    """Every rank's stderr log of the cell's job (slurm_logs), as many ranks as its spec has."""
-    try:
-        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, kind="cell spec")["spec"]
-    except (FileNotFoundError, RecordError):
-        return []
-    return slurm_logs(sweep_dir, job_id, spec.get("nodes", 1) * spec.get("gpus_per_node", 1))
-
-
-def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
-    """submitit's stderr logs of one job, one per task (rank), in rank order: those that exist."""
-    from submitit.core.utils import JobPaths
-
-    paths = (JobPaths(slurm_folder(sweep_dir), job_id=job_id, task_id=task).stderr for task in range(tasks))
-    return [path for path in paths if path.exists()]
-
-
-def log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
-    """The last `chars` of each log, under a line naming it: what a launch-failure record keeps."""
-    return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
-
-
-def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error", **fields: str) -> None:
-    """A cell that ended before it could write its record still gets one, with its log's tail."""
-    meta = read_json_object(directory / SPEC_NAME, kind="cell spec")
-    write_record(directory / RECORD_NAME, failure_record(status, "launch", error, log_tail, cell=meta, **fields))

@@ -19,24 +19,23 @@ from ..errors import Stopped, UserError
 from ..fields import SpecError
 from ..names import sbatch_word_problem
 from ..record import MISSING, RecordError
+from .cluster import on_cluster
 from .interrupts import Interrupted, interrupts_raise
-from .layout import MANIFEST_NAME, SLURM_DIR, write_sweep_files
+from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_job_ids, write_sweep_files
 from .local import print_command, run_local
 from .lock import sweep_lock
 from .matrix import Cell, Sweep
-from .preflight import cluster_problems
+from .preflight import cluster_problems, place
 from .sbatch import SubmitError, submit_arrays
+from .scheduler import SchedulerError, queued_states
 from .status import (
     IN_FLIGHT,
     STALE,
-    SchedulerError,
     StatusReport,
     cell_state,
     cell_status,
     problem_lines,
-    queued_states,
     record_lost_cells,
-    slurm_job_ids,
     sweep_status,
     watch,
 )
@@ -62,14 +61,16 @@ class NoController(UserError):
     or unreachable, where training the cells here instead is the worst thing to do."""
 
 
-def default_executor() -> tuple[str, str]:
-    """slurm when a Slurm controller answers here, local where Slurm is not installed (a laptop, a
-    workstation), and why; NoController where sbatch is installed but no controller answers
-    (`--executor local` is then the user's explicit choice, never a fallback)."""
+def default_executor(cluster: str = "") -> tuple[str, str]:
+    """slurm when a Slurm controller answers here (that of `cluster`, slurm.clusters), local where
+    Slurm is not installed (a laptop, a workstation), and why; NoController where sbatch is
+    installed but no controller answers (`--executor local` is then the user's explicit choice,
+    never a fallback)."""
     if not shutil.which("sbatch") or not shutil.which("sinfo"):
         return "local", "no Slurm here (sbatch is not on PATH)"
+    command = ["sinfo", *on_cluster(cluster), "--noheader", "--format=%P"]
     try:
-        probe = subprocess.run(["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=15)
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=15)
     except subprocess.TimeoutExpired:
         raise NoController(_no_controller("sbatch is installed but sinfo did not answer within 15 s")) from None
     if probe.returncode != 0:
@@ -78,6 +79,22 @@ def default_executor() -> tuple[str, str]:
             _no_controller(f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)")
         )
     return "slurm", ""
+
+
+def _check_same_cluster(sweep: Sweep, sweep_dir: Path) -> None:
+    """One sweep folder's jobs stay on one cluster: status, cancel and collect ask the one its
+    manifest names. SpecError when slurm.clusters names another than earlier cells went to."""
+    queued_on = manifest_cluster(sweep_dir)
+    wanted = sweep.resources.clusters
+    if queued_on is None or queued_on == wanted:
+        return
+    shown = {queued_on: f"cluster {queued_on!r}" if queued_on else "the default cluster"}
+    raise SpecError(
+        f"{place(sweep, 'slurm.clusters')}: {sweep_dir}'s cells were queued on {shown[queued_on]}, "
+        f"not {f'cluster {wanted!r}' if wanted else 'the default cluster'}: "
+        f"{f'set slurm.clusters: {queued_on}' if queued_on else 'remove slurm.clusters'}, "
+        "or submit to another --results-dir"
+    )
 
 
 def _no_controller(why: str) -> str:
@@ -116,7 +133,7 @@ def select_cells(
     if corrupt and not (force or retry_failed):
         log(f"{len(corrupt)} cell(s) with a corrupt record are left as they are (--retry-failed reruns them)")
     jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
-    queued = queued_states(jobs.values())
+    queued = queued_states(jobs.values(), manifest_cluster(sweep_dir) or "")
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
     return [c for c in chosen if c.id not in flying], done, flying
 
@@ -135,7 +152,7 @@ def submit(
 
     What stops it is a UserError that says what was and was not queued: squeue not answering, sbatch
     refusing an array, an unreadable manifest, or an interrupt (Stopped)."""
-    executor = executor or default_executor()[0]
+    executor = executor or default_executor(sweep.resources.clusters)[0]
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
@@ -180,6 +197,8 @@ def _submit_locked(
     room_poll_s: float | None,
 ) -> Submission:
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
+    if executor == "slurm" and cells:
+        _check_same_cluster(sweep, sweep_dir)
     problems = cluster_problems(sweep, cells) if executor == "slurm" and cells else []
     if problems:  # before anything is written or queued
         more = f" (and {len(problems) - 1} more: `hpcfsdp plan` lists them)" if len(problems) > 1 else ""
