@@ -122,7 +122,7 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_cancel_and_collect_fo
     decoy(entry["job_id"])  # the first cluster now holds a pending job of the sweep's job id
     assert main(["status", str(results / "there")]) == 0
     out = capsys.readouterr().out
-    assert "1 cell(s): ok 1" in out and "pending" not in out, out
+    assert f"1 cell(s) on cluster {SECOND}: ok 1" in out and "pending" not in out, out
     # collect adds sacct's accounting of the job on the second cluster to its record.
     assert main(["collect", str(results / "there")]) == 0
     record = json.loads(next((results / "there" / "cells").glob("*/result.json")).read_text())
@@ -142,7 +142,7 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_cancel_and_collect_fo
     decoy(job)
     capsys.readouterr()
     assert main(["status", str(results / "later")]) == 0
-    assert "1 cell(s): pending 1" in capsys.readouterr().out
+    assert f"1 cell(s) on cluster {SECOND}: pending 1" in capsys.readouterr().out
     assert main(["cancel", str(results / "later")]) == 0
     assert "1 cell(s) cancelled" in capsys.readouterr().out
     assert slurm("squeue", f"--clusters={SECOND}", "--noheader", "--name=hpcfsdp-later", "--format=%T").strip() in (

@@ -70,7 +70,7 @@ class JobView:
     reason: str = ""  # Reason: NodeDown, BeginTime, None, ...
     restarts: int = 0  # Restarts: Slurm counts a requeue before it signals the job's steps
     preempt_time: str = ""  # PreemptTime ("" when not preempted)
-    answered: bool = True  # False: outside Slurm, or the controller did not answer in time
+    unanswered: bool = False  # under Slurm, the controller did not answer within ask_s()
 
     def ending(self) -> tuple[str, str] | None:
         """(Slurm's state, why) for a preemption or a failed node; None for a cancel.
@@ -93,20 +93,20 @@ def job_view() -> JobView:
     not answer within ask_s()."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
-        return JobView(answered=False)
+        return JobView()
     try:
         out = subprocess.run(
             ["scontrol", "--oneliner", "show", "job", job], capture_output=True, text=True, timeout=ask_s()
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return JobView(answered=False)
+        return JobView(unanswered=True)
     fields = dict(re.findall(r"\b(Reason|Restarts|PreemptTime)=(\S*)", out))
     preempt_time = fields.get("PreemptTime", "")
     return JobView(
         fields.get("Reason", ""),
         int(fields["Restarts"]) if fields.get("Restarts", "").isdigit() else 0,
         "" if preempt_time in ("", "None", "Unknown", "N/A") else preempt_time,
-        "JobState=" in out,
+        "JobState=" not in out,
     )
 
 

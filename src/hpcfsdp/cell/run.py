@@ -94,28 +94,23 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     env = init_distributed(spec.device)
     progress = _Progress()
+    # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
+    # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
+    # pass, where the default action would end the rank between its failure and its record.
     previous_handlers = handle_time_limit()
     try:
-        record = _train_cell(spec, env, cell_dir, cell_id, progress)
-    except Exception as exc:  # every failure must become a record
-        record = _record_exception(exc, progress.stage, env)
-        if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
-            record.update(memory_snapshot(spec, env, cell_dir))
-        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
+        record, spec = _trained_record(spec, env, cell_dir, cell_id, progress)
+        status = record["status"]
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        hosts = all_gather_objects(node) if status == "ok" else [node]
+        path = cell_dir / RECORD_NAME
+        if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
+            record.update(_context(spec, env, cell_id, sweep, hosts, started))
+            write_record(path, record)
+        elif env.is_main:  # another rank failed first, and its record says why
+            record = _read_or(path, record)
     finally:
         restore_handlers(previous_handlers)
-    if progress.batch_search is not None:
-        record["batch_search"] = progress.batch_search.record()
-        spec = progress.measured or spec  # the record holds the batch the search chose
-    status = record["status"]
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    hosts = all_gather_objects(node) if status == "ok" else [node]
-    path = cell_dir / RECORD_NAME
-    if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
-        record.update(_context(spec, env, cell_id, sweep, hosts, started))
-        write_record(path, record)
-    elif env.is_main:  # another rank failed first, and its record says why
-        record = _read_or(path, record)
     if env.is_main:
         print(summary_line(record, path), flush=True)
     shutdown()
@@ -123,6 +118,24 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         # Leave no rank waiting in a collective: a non-zero exit makes torchrun / srun end the others.
         raise SystemExit(f"cell {cell_id} failed: {record['error']}")
     return status
+
+
+def _trained_record(
+    spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
+) -> tuple[dict[str, Any], RunSpec]:
+    """The cell trained (or its failure as a record), and the spec it measured: with batch_size:
+    auto, the batch the search chose."""
+    try:
+        record = _train_cell(spec, env, cell_dir, cell_id, progress)
+    except Exception as exc:  # every failure must become a record
+        record = _record_exception(exc, progress.stage, env)
+        if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
+            record.update(memory_snapshot(spec, env, cell_dir))
+        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
+    if progress.batch_search is not None:
+        record["batch_search"] = progress.batch_search.record()
+        spec = progress.measured or spec  # the record holds the batch the search chose
+    return record, spec
 
 
 @dataclass

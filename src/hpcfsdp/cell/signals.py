@@ -95,7 +95,7 @@ def _raise_if_not_time_limit() -> None:
     view = job_view()
     found = view.ending()
     if found is None:
-        unsure = "" if view.answered else f"; Slurm's controller did not answer within {ask_s():g} s"
+        unsure = f"; Slurm's controller did not answer within {ask_s():g} s" if view.unanswered else ""
         raise CellCancelled(
             f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit){unsure}",
             "cancelled",

@@ -259,7 +259,9 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     if summary:
         counts = report.counts()
         print(
-            f"{report.sweep_dir}: {len(report.cells)} cell(s): "
+            f"{report.sweep_dir}: {len(report.cells)} cell(s)"
+            + (f" on cluster {report.cluster}" if report.cluster else "")
+            + ": "
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             + preemption_note(c.preempted for c in report.cells)
         )
