@@ -53,7 +53,7 @@ def collect(
     fail_on_regression, against its reference or history), or when the history could not be
     updated and checked."""
     from .compare import write_comparison
-    from .history import accounting_jobs, merge_accounting
+    from .history_rows import accounting_jobs, merge_accounting
     from .read import load_records
     from .regressions import over_time as check_over_time
     from .report import write_report
