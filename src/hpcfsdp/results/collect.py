@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from ..fields import SpecError
-from ..record import RECORD_NAME, RecordError
+from ..files import RecordError
+from ..record import RECORD_NAME
 from ..sweep.accounting import note_accounting
 from ..sweep.layout import cell_files, read_manifest
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
