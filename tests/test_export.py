@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
-from hpcfsdp.results.history import setup_key
+from hpcfsdp.results.history_rows import setup_key
 
 SETTINGS = {"NCCL_DEBUG": "WARN", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTORCH_JIT": "1"}
 SECRETS = {

@@ -20,7 +20,7 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.results import defaults, references, regressions
-from hpcfsdp.results.history import setup_key
+from hpcfsdp.results.history_rows import setup_key
 from hpcfsdp.sweep.accounting import parse_sacct
 from hpcfsdp.sweep.matrix import cell_id
 from test_collect import GPU_BASE, H100, failed_record, ok_record, spec_of

@@ -20,7 +20,8 @@ import pytest
 from hpcfsdp.cache.hub import CacheMissError, lookup_model, read_cache_manifest
 from hpcfsdp.cache.verify import verify_cache
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_json, write_record
+from hpcfsdp.files import write_json
+from hpcfsdp.record import write_record
 from hpcfsdp.results import history
 from hpcfsdp.sweep.matrix import load_sweep
 from test_history import EARLIER, write_sweep

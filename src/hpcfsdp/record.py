@@ -1,9 +1,10 @@
 """The result record: the contract between `hpcfsdp run` and the collector.
 
-One JSON file per cell, written atomically (temp file + rename) so a reader never sees half a
-record. This module is also the one reader of a sweep folder's JSON files (records, spec.json,
-manifest.json): `status`, `submit` and `collect` all read through `read_record` / `record_state`,
-so a file one of them calls corrupt is corrupt to all three, named in one line, never a traceback.
+One JSON file per cell, written atomically (files.py) so a reader never sees half a record. Its
+shape is typed here (Record, OkRecord, FailedRecord and the mappings they hold), once: the fields
+read_record checks are those the TypedDicts mark Checked. `status`, `submit` and `collect` all read
+through `read_record` / `record_state`, so a file one of them calls corrupt is corrupt to all three,
+named in one line, never a traceback.
 
 A rerun never destroys a record: the current one moves to `attempts/<n>.json` first
 (`keep_as_attempt`), so `result.json` is always the latest attempt and every earlier one is kept.
@@ -12,24 +13,17 @@ A rerun never destroys a record: the current one moves to `attempts/<n>.json` fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, TypedDict, cast
 
-from .errors import UserError
 from .fields import choices
+from .files import RecordError, read_json_object, write_json
+from .jsontypes import SCALAR_TYPES, TYPE_WORDS, Checked, checked_fields, shown, value_problem
 from .spec import RunSpec
-
-try:
-    import orjson
-except ImportError:  # a dependency; without it records are parsed by the standard library, slower
-    orjson = None  # type: ignore[assignment]
 
 SCHEMA_VERSION = 1
 
@@ -90,69 +84,161 @@ RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
 
-# Fields the tables and plots compute with: a number (or null) each, lists of numbers.
-NUMBER_FIELDS = (
-    "tokens_per_s_per_gpu",
-    "mfu",
-    "peak_memory_gib",
-    "data_time_fraction",
-    "comm_exposed_fraction",
-    "gpu_util_mean",
-    "step_time_s",
-    "final_loss",
-    "gpu_hours_per_billion_tokens",
-    "joules_per_token",
-    "memory_capacity_gib",
-)
-NUMBER_LIST_FIELDS = ("losses", "step_times_s")
-# The other fields that collect, the history, status and export read (docs/record.md), and the JSON
-# types each may hold besides null: a record that holds another type is corrupt, so that the
-# history only ever receives typed rows. A mapping's keys are checked the same way ("*": any key).
-TEXT, INTEGER, NUMBER = (str,), (int,), (int, float)
-FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "cell_id": TEXT,
-    "sweep": TEXT,
-    "stage": TEXT,
-    "error": TEXT,
-    "launch_id": TEXT,
-    "git_commit": TEXT,
-    "device_name": TEXT,
-    "world_size": INTEGER,
-    "nodes": INTEGER,
-    "started_at": NUMBER,
-    "duration_s": NUMBER,
-}
-MAPPING_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
-    "slurm": {
-        "job_id": (str, int),
-        "array_job_id": (str, int),
-        "array_task_id": (str, int),
-        "job_nodelist": TEXT,
-        "cluster_name": TEXT,
-        "job_partition": TEXT,
-    },
-    "versions": {"*": TEXT},
-    ACCOUNTING_KEY: {
-        "state": TEXT,
-        "submit": TEXT,
-        "start": TEXT,
-        "end": TEXT,
-        "elapsed_s": INTEGER,
-        "queue_wait_s": NUMBER,
-        "consumed_energy_j": INTEGER,
-    },
-}
-TEXT_LIST_FIELDS = ("hostnames",)
-# Exact types, as json.loads gives them: true is a bool, not the number 1.
-NUMBER_TYPES = frozenset({int, float})
-SCALAR_TYPES = frozenset({str, int, float, bool})
-TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+# ---------------------------------------------------------------------------------------------
+# The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
+# status or export reads: a record whose value has another type than the annotation's, null aside,
+# is corrupt (read_record), so that the history only ever receives typed rows. The other fields are
+# carried to results.csv as they are. A checked mapping checks each key it declares, and takes any
+# other key (a newer hpcfsdp's) as a single value.
+
+
+class SlurmJob(TypedDict, total=False):
+    """`slurm`: the job's SLURM_* variables (each null outside Slurm)."""
+
+    job_id: str | int | None
+    array_job_id: str | int | None
+    array_task_id: str | int | None
+    job_nodelist: str | None
+    cluster_name: str | None
+    job_partition: str | None
+
+
+class SlurmAccounting(TypedDict, total=False):
+    """`slurm_accounting`: sacct's answer for the job, added by collect or status once it ended."""
+
+    state: str | None
+    submit: str | None  # the cluster's local time, as sacct prints it; start and end too
+    start: str | None
+    end: str | None
+    elapsed_s: int | None
+    queue_wait_s: float | None
+    consumed_energy_j: int | None  # null where the cluster gathers no energy
+
+
+class BatchProbe(TypedDict, total=False):
+    """One batch the search tried (figures: the max over ranks)."""
+
+    batch_size: int
+    status: Literal["ok", "oom", "over_margin"]
+    peak_memory_gib: float
+    peak_reserved_gib: float | None  # CUDA only
+    tokens_per_s_per_gpu: float | None  # null for an OOM
+    wall_s: float
+    error: str  # an OOM's first line
+
+
+class BatchSearchRecord(TypedDict, total=False):
+    """`batch_search`: what a `batch_size: auto` cell's search tried and found (cell/batch_search.py)."""
+
+    probes: list[BatchProbe]
+    largest_fitting_batch: int | None
+    smallest_failing_batch: int | None
+    chosen_batch_size: int | None
+    capped: bool
+    first_batch: int
+    cap: int
+    margin: float
+    capacity_gib: float | None
+    limit_gib: float | None
+    probe_steps: int
+    wall_s: float
+
+
+class Record(TypedDict, total=False):
+    """The fields every record has (a `launch` record, written by the submitter, lacks those of the
+    run: its ranks, devices and versions)."""
+
+    status: str  # one of STATUSES: write_record and read_record insist on it
+    schema_version: int
+    cell_id: Checked[str | None]
+    sweep: Checked[str | None]
+    spec: dict[str, Any]  # the resolved RunSpec; checked against RunSpec's fields (spec_problem)
+    world_size: Checked[int | None]
+    nodes: Checked[int | None]
+    device_type: str
+    device_name: Checked[str | None]
+    gpu_count: int
+    backend: str
+    hostnames: Checked[list[str] | None]
+    slurm: Checked[SlurmJob | None]
+    versions: Checked[dict[str, str | None] | None]
+    environment: dict[str, str]
+    git_commit: Checked[str | None]
+    launch_id: Checked[str | None]
+    started_at: Checked[float | None]
+    duration_s: Checked[float | None]
+    slurm_accounting: Checked[SlurmAccounting | None]
+    batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
+
+
+class OkRecord(Record, total=False):
+    """An `ok` record: the measurements (docs/metrics.md); some only where enabled."""
+
+    tokens_per_s: float
+    tokens_per_s_per_gpu: Checked[float | None]
+    samples_per_s: float
+    tokens_per_step: int
+    step_time_s: Checked[float | None]
+    step_time_p90_s: float
+    step_times_s: Checked[list[float] | None]
+    window_step_time_s: float
+    warmup_steps: int
+    timed_steps: int
+    data_time_fraction: Checked[float | None]
+    flops_per_token: float
+    non_embedding_params: int
+    flops_tied_lm_head: bool
+    tflops_per_gpu: float
+    peak_tflops: float | None
+    mfu: Checked[float | None]
+    memory: dict[str, dict[str, float]]  # per stage, max over ranks
+    peak_memory_gib: Checked[float | None]
+    peak_memory_kind: str
+    memory_capacity_gib: Checked[float | None]
+    gpu_hours_per_billion_tokens: Checked[float | None]
+    energy_j: float | None
+    joules_per_token: Checked[float | None]
+    energy_per_rank_j: list[float] | None
+    losses: Checked[list[float] | None]
+    final_loss: Checked[float | None]
+    optimizer_tracks_model: bool
+    model_source: dict[str, Any]
+    data_source: dict[str, Any]
+    float8_linears: int
+    comm_s_per_step: float
+    comm_exposed_s_per_step: float
+    comm_profile_step_time_s: float
+    comm_profile_steps: int
+    comm_fraction: float
+    comm_exposed_fraction: Checked[float | None]
+    gpu_util_mean: Checked[float | None]
+    gpu_util_min: float
+    sm_clock_mhz_mean: float
+    power_w_mean: float
+    gpu_utilisation_per_rank: list[dict[str, Any]]
+    profile_trace_dir: str
+    memory_snapshot: str
+    final_param_norm: float
+
+
+class FailedRecord(Record, total=False):
+    """A record of any other status: where and why the cell failed."""
+
+    stage: Checked[str | None]  # setup, data, batch_search, model, shard, train, comm_profile, profile, launch
+    error: Checked[str | None]  # one line
+    traceback: str  # or, for a `launch` record, the tail of the cell's logs
+    failed_rank: int
+    memory_at_failure: dict[str, float]
+    memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
+    diverged_step: int
+    losses: Checked[list[float] | None]  # a `diverged` record's: every loss known
+    slurm_state: str  # one of Slurm's endings: its word, and what to change
+    advice: str
+
+
+CHECKED_FIELDS = checked_fields(OkRecord, FailedRecord)  # name -> annotation: what read_record checks
 # Every record has these spec fields (the cell id and every table group by them).
 REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
-
-
-class RecordError(UserError, ValueError):
-    """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 
 class RecordState(NamedTuple):
@@ -163,126 +249,50 @@ class RecordState(NamedTuple):
     problem: str = ""
 
 
-def write_record(path: str | Path, record: dict[str, Any]) -> Path:
+def write_record(path: str | Path, record: Mapping[str, Any]) -> Path:
+    """Write a record built here (OkRecord, FailedRecord) or read and amended (accounting added)."""
     if record.get("status") not in STATUSES:
         raise ValueError(f"record status must be one of {STATUSES}, got {record.get('status')!r}")
     return write_json(path, {"schema_version": SCHEMA_VERSION, **record}, sort_keys=True)
 
 
 def failure_record(
-    status: str, stage: str, error: str, trace: str | None = None, cell: dict[str, Any] | None = None, **fields: Any
-) -> dict[str, Any]:
+    status: str, stage: str, error: str, trace: str | None = None, /, cell: dict[str, Any] | None = None, **fields: Any
+) -> FailedRecord:
     """The fields every failed cell's record has: its status, the stage it failed at, the error on
     one line and, where there is one, the traceback (or a log's tail). `cell`: the cell's spec.json
     ({cell_id, sweep, spec}), for a record written where the run's own context is not known (a
     spec the compute node rejects, a launch that never ran): its identity and size. The callers
     add their own fields."""
-    record: dict[str, Any] = {"status": status, "stage": stage, "error": error}
+    record: FailedRecord = {"status": status, "stage": stage, "error": error}
     if trace is not None:
         record["traceback"] = trace
     if cell is not None:
         spec = cell["spec"]
         nodes, per_node = spec.get("nodes", 1), spec.get("gpus_per_node", 1)
-        record.update(cell_id=cell["cell_id"], sweep=cell["sweep"], spec=spec, world_size=nodes * per_node, nodes=nodes)
-    return {**record, **fields}
-
-
-def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
-    """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
-    atomic_output. Values JSON does not know are written as text."""
-    text = json.dumps(value, indent=2, sort_keys=sort_keys, default=str) + "\n"
-    return write_text(path, text)
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """Write a text file atomically (atomic_output)."""
-    with atomic_output(path) as tmp:
-        tmp.write_text(text)
-    return Path(path)
-
-
-@contextmanager
-def atomic_output(path: str | Path) -> Iterator[Path]:
-    """A temporary file of a unique name beside path for the block to write (a table, a plot, a
-    YAML file), then fsync and rename over path: a reader sees the old file or the new one, never
-    half of one, and a write that fails (a full disk) leaves the old file, or none, and no
-    temporary file. Its OSError names path, not the temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    tmp = Path(name)
-    try:
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
-        finally:
-            os.close(fd)
-        yield tmp
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno is None:
-            raise
-        raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def parse_json(data: bytes) -> Any:
-    """JSON text to a value: orjson (several times faster: collect parses every record of a sweep)
-    where it is installed and the text is within what it reads (64-bit integers, no NaN, 1,024
-    levels); the standard library otherwise, so values and error messages stay those of `json`."""
-    if orjson is not None:
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(data.decode("utf-8"))
-
-
-def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
-    """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
-    unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
-    limit (ValueError), not an object, or (with root) a link that leads out of the folder root.
-    FileNotFoundError when there is no file."""
-    path = Path(path)
-    if root is not None and not _inside(path, root):
-        raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
-    try:
-        value = parse_json(path.read_bytes())
-    except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
-        raise FileNotFoundError(path) from None
-    except OSError as exc:
-        raise RecordError(f"{path}: unreadable {kind} ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise RecordError(f"{path}: unreadable {kind} (not UTF-8 text)") from None
-    except RecursionError:
-        raise RecordError(f"{path}: unreadable {kind} (JSON nested too deeply)") from None
-    except ValueError as exc:  # json.JSONDecodeError, or an integer of more digits than Python converts
-        raise RecordError(f"{path}: unreadable {kind} ({_one_line(exc)})") from None
-    if not isinstance(value, dict):
-        raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+        record.update(
+            {
+                "cell_id": cell["cell_id"],
+                "sweep": cell["sweep"],
+                "spec": spec,
+                "world_size": nodes * per_node,
+                "nodes": nodes,
+            }
+        )
+    return cast(FailedRecord, {**record, **fields})  # the callers' fields: the run's context, Slurm's ending
 
 
 def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, Any]:
     """The record at path, checked: RecordError (one line) when it cannot be used; FileNotFoundError
-    when there is none."""
+    when there is none. A plain dict, not a Record: only its Checked fields are known to hold
+    their declared types."""
     path = Path(path)
     record = read_json_object(path, root)
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise RecordError(f"{path}: schema_version {_shown(version)} is not supported (expected {SCHEMA_VERSION})")
+        raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {SCHEMA_VERSION})")
     if record.get("status") not in STATUSES:
-        raise RecordError(f"{path}: status {_shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
+        raise RecordError(f"{path}: status {shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
     problem = _record_problem(record)
     if problem:
         raise RecordError(f"{path}: {problem}")
@@ -302,50 +312,16 @@ def record_state(path: str | Path, root: str | Path | None = None) -> RecordStat
 
 def _record_problem(record: dict[str, Any]) -> str | None:
     """What makes a parsed record unusable ("tokens_per_s_per_gpu: expected a number or null, got
-    "fast""), or None: its spec, and the fields the collector computes with. A wrong value
-    elsewhere is carried to results.csv as it is."""
+    "fast""), or None: its spec, and the fields marked Checked. A wrong value elsewhere is carried
+    to results.csv as it is."""
     problem = spec_problem(record.get("spec"))
     if problem:
         return problem
-    for name in NUMBER_FIELDS:
-        if record.get(name) is not None and type(record[name]) not in NUMBER_TYPES:
-            return f"{name}: expected a number or null, got {_shown(record[name])}"
-    for name in NUMBER_LIST_FIELDS:
-        values = record.get(name)
-        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= NUMBER_TYPES):
-            return f"{name}: expected a list of numbers, got {_shown(values)}"
-    for name in TEXT_LIST_FIELDS:
-        values = record.get(name)
-        if values is not None and not (isinstance(values, list) and set(map(type, values)) <= {str}):
-            return f"{name}: expected a list of text, got {_shown(values)}"
-    for name, allowed in FIELD_TYPES.items():
-        problem = _type_problem(name, record.get(name), allowed)
+    for name, hint in CHECKED_FIELDS.items():
+        problem = value_problem(name, record.get(name), hint)
         if problem:
             return problem
-    for name, keys in MAPPING_TYPES.items():
-        mapping = record.get(name)
-        if mapping is None:
-            continue
-        if not isinstance(mapping, dict):
-            return f"{name}: expected an object, got {_shown(mapping)}"
-        for key, value in mapping.items():
-            problem = _type_problem(f"{name}.{key}", value, keys.get(key, keys.get("*", ())))
-            if problem:
-                return problem
     return None
-
-
-def _type_problem(name: str, value: Any, allowed: tuple[type, ...]) -> str | None:
-    """Whether value (null aside) has one of the allowed types (exactly: true is no integer);
-    an empty `allowed` lets any single value through (a field of a newer hpcfsdp)."""
-    if value is None:
-        return None
-    if not allowed:
-        return None if type(value) in SCALAR_TYPES else f"{name}: expected a single value, got {_shown(value)}"
-    if type(value) in allowed:
-        return None
-    words = "a number" if float in allowed else " or ".join(TYPE_WORDS[kind] for kind in allowed)
-    return f"{name}: expected {words} or null, got {_shown(value)}"
 
 
 def spec_problem(spec: Any) -> str | None:
@@ -353,7 +329,7 @@ def spec_problem(spec: Any) -> str | None:
     be one of its choices); a field it lacks (written by a newer hpcfsdp) must be a single value.
     A field the spec lacks is newer than the record: its default is what the record was made with."""
     if not isinstance(spec, dict):
-        return f"spec: expected an object (the run's RunSpec), got {_shown(spec)}"
+        return f"spec: expected an object (the run's RunSpec), got {shown(spec)}"
     for name in REQUIRED_SPEC_FIELDS:
         if name not in spec:
             return f"spec.{name}: missing"
@@ -362,35 +338,16 @@ def spec_problem(spec: Any) -> str | None:
         expected = types.get(name)
         if expected is None:
             if value is not None and type(value) not in SCALAR_TYPES:
-                return f"spec.{name}: expected text, a number or true/false, got {_shown(value)}"
+                return f"spec.{name}: expected text, a number or true/false, got {shown(value)}"
         elif not (type(value) is expected or (expected is float and type(value) is int)):
-            return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {_shown(value)}"
+            return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {shown(value)}"
         elif name in allowed and value not in allowed[name]:
-            return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {_shown(value)}"
+            return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {shown(value)}"
     return None
 
 
 def _spec_types() -> dict[str, type]:
     return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
-
-
-def _shown(value: Any, limit: int = 40) -> str:
-    """A value as it reads in the JSON file, cut short: "fast", [1, "x"]; None is a key null or absent."""
-    if value is None:
-        return "null or missing"
-    try:
-        text = json.dumps(value)
-    except (ValueError, RecursionError):  # an integer past the digit limit, or deep nesting
-        text = f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:200]
-
-
-def _inside(path: Path, root: str | Path) -> bool:
-    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -428,7 +428,7 @@ FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {family: fields_in(family) for fam
 STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + fields_in("hybrid")
 # RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
 # what it runs: cells that differ only in these are the same *setup* to the history and its
-# regression checks (results/history.py). Not among them: sync_each_step (it changes what the step
+# regression checks (results/history_rows.py). Not among them: sync_each_step (it changes what the step
 # time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
 MEASUREMENT_FIELDS = fields_in("measurement")
 # The fields whose values a `batch_size: auto` cell's record holds as the search chose them.

@@ -27,12 +27,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..record import BatchProbe, BatchSearchRecord
 from ..spec import RunSpec
 from .data import training_batches
 from .distributed import DistEnv
@@ -99,9 +100,9 @@ class BatchSearch:
     def smallest_failing_batch(self) -> int | None:
         return min((p.batch_size for p in self.probes if not p.fits), default=None)
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> BatchSearchRecord:
         return {
-            "probes": [asdict(p) for p in self.probes],
+            "probes": [cast(BatchProbe, asdict(p)) for p in self.probes],
             "largest_fitting_batch": self.largest_fitting_batch,
             "smallest_failing_batch": self.smallest_failing_batch,
             "chosen_batch_size": self.chosen_batch_size,

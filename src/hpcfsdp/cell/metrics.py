@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..gpus import gpu_named
+from ..record import OkRecord
 from ..spec import RunSpec
 from .distributed import DistEnv, all_gather_objects, all_reduce_max
 
@@ -245,7 +246,7 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
-def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> dict[str, Any]:
+def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> OkRecord:
     step_times, data_times = log.timed(spec.warmup_steps)
     slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends
     window_step_time = all_reduce_max(log.window_s, env) / len(step_times)
@@ -282,12 +283,13 @@ def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: 
     }
 
 
-def gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str, Any]:
-    """Per-GPU NVML summaries from every rank, and their mean / min over the job."""
+def gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> OkRecord:
+    """The record's fields of the per-GPU NVML summaries from every rank: energy per rank, and their
+    mean / min over the job."""
     gathered: list[dict[str, Any]] = all_gather_objects(summary)  # type: ignore[assignment]
     per_gpu = [s for s in gathered if s.get("nvml_samples")]
-    energy = [s.get("energy_j") for s in gathered]
-    out: dict[str, Any] = {"energy_per_rank_j": energy if all(e is not None for e in energy) else None}
+    energy = [s["energy_j"] for s in gathered if s.get("energy_j") is not None]
+    out: OkRecord = {"energy_per_rank_j": energy if len(energy) == len(gathered) else None}
     if not per_gpu:
         return out
     return {
@@ -300,7 +302,7 @@ def gpu_utilisation(summary: dict[str, float | None], env: DistEnv) -> dict[str,
     }
 
 
-def energy(per_rank_j: list[float] | None, record: dict[str, Any]) -> dict[str, Any]:
+def energy(per_rank_j: list[float] | None, record: OkRecord) -> OkRecord:
     """Energy of the timed steps (NVML's counter, summed over ranks) and what a token costs.
 
     GPU-hours per billion tokens = 1e9 / (3600 x tokens/s per GPU): devices x hours, for every

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..record import OkRecord
 from ..spec import RunSpec
 from .distributed import DistEnv, all_reduce_max
 from .metrics import (
@@ -17,7 +18,7 @@ from .metrics import (
 from .train import train
 
 
-def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv) -> dict:
+def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv) -> OkRecord:
     """A few extra steps under torch.profiler: collective time per step and its exposed part.
 
     One step runs under the profiler before the measured ones, so that the profiler's start-up
@@ -35,10 +36,14 @@ def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv
     comm = communication_breakdown(prof.events(), steps)
     comm["comm_profile_step_time_s"] = log.window_s / steps
     comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
-    comm["comm_fraction"] = comm["comm_s_per_step"] / comm["comm_profile_step_time_s"]
-    comm["comm_exposed_fraction"] = comm["comm_exposed_s_per_step"] / comm["comm_profile_step_time_s"]
-    comm["comm_profile_steps"] = steps
-    return comm
+    return {
+        "comm_s_per_step": comm["comm_s_per_step"],
+        "comm_exposed_s_per_step": comm["comm_exposed_s_per_step"],
+        "comm_profile_step_time_s": comm["comm_profile_step_time_s"],
+        "comm_fraction": comm["comm_s_per_step"] / comm["comm_profile_step_time_s"],
+        "comm_exposed_fraction": comm["comm_exposed_s_per_step"] / comm["comm_profile_step_time_s"],
+        "comm_profile_steps": steps,
+    }
 
 
 def write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir: Path) -> str:
@@ -59,11 +64,12 @@ def write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir
     return str(trace_dir)
 
 
-def memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, str]:
+def memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> str | None:
     """With memory_snapshot on a GPU: this rank's allocator history (pytorch.org/memory_viz), after
-    the run or at the out-of-memory error; {"memory_snapshot": path}, else nothing."""
+    the run or at the out-of-memory error; the path it was written to (the record's
+    `memory_snapshot`), else None."""
     if not (spec.memory_snapshot and env.device.type == "cuda"):
-        return {}
+        return None
     path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
     try:
         cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
@@ -71,5 +77,5 @@ def memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> dict[str, st
         torch.cuda.memory._record_memory_history(enabled=None)
     except Exception as exc:  # the record matters more than the snapshot
         print(f"[hpcfsdp] rank {env.rank}: no memory snapshot: {type(exc).__name__}: {exc}", flush=True)
-        return {}
-    return {"memory_snapshot": str(path)}
+        return None
+    return str(path)

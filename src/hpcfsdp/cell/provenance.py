@@ -7,7 +7,9 @@ import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
+
+from ..record import Record, SlurmJob
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../hpcfsdp
 UNKNOWN = "unknown"
@@ -81,10 +83,10 @@ def launch_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
 
 
-SLURM_FIELDS = ("job_id", "array_job_id", "array_task_id", "job_nodelist", "cluster_name", "job_partition")
+SLURM_FIELDS = tuple(SlurmJob.__annotations__)  # each from its SLURM_* variable
 
 
-def provenance() -> dict[str, Any]:
+def provenance() -> Record:
     """What every record carries about where and with what it ran, whatever stage it ended in.
     (torch and transformers are imported here: the helpers above stay light.)"""
     import torch
@@ -94,7 +96,7 @@ def provenance() -> dict[str, Any]:
 
     gpu = torch.cuda.is_available()
     return {
-        "slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in SLURM_FIELDS},
+        "slurm": cast(SlurmJob, {k: os.environ.get(f"SLURM_{k.upper()}") for k in SLURM_FIELDS}),
         "versions": {
             "hpcfsdp": __version__,
             "torch": torch.__version__,

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..endings import ENDINGS, ending_fields
-from ..record import RECORD_NAME, RecordError, read_record, write_record
+from ..files import RecordError
+from ..record import RECORD_NAME, read_record, write_record
 from ..spec import MAX_REQUEUE_ENV
 
 SLURM_ASK_S = 4.0  # one question to the controller at a SIGTERM (SIGKILL follows after KillWait)

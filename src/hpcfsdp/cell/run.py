@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,15 @@ from typing import Any
 import torch
 
 from ..fields import SpecError
+from ..files import RecordError, read_json_object
 from ..record import (
     RECORD_NAME,
     SPEC_NAME,
-    RecordError,
+    FailedRecord,
+    OkRecord,
+    Record,
     failure_record,
     keep_as_attempt,
-    read_json_object,
     read_record,
     write_record,
 )
@@ -104,34 +107,37 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         hosts = all_gather_objects(node) if status == "ok" else [node]
         path = cell_dir / RECORD_NAME
+        final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
             record.update(_context(spec, env, cell_id, sweep, hosts, started))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
-            record = _read_or(path, record)
+            final = _read_or(path, record)
     finally:
         restore_handlers(previous_handlers)
     if env.is_main:
-        print(summary_line(record, path), flush=True)
+        print(summary_line(final, path), flush=True)
     shutdown()
     if status != "ok":
         # Leave no rank waiting in a collective: a non-zero exit makes torchrun / srun end the others.
-        raise SystemExit(f"cell {cell_id} failed: {record['error']}")
+        raise SystemExit(f"cell {cell_id} failed: {final['error']}")
     return status
 
 
 def _trained_record(
     spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
-) -> tuple[dict[str, Any], RunSpec]:
+) -> tuple[OkRecord | FailedRecord, RunSpec]:
     """The cell trained (or its failure as a record), and the spec it measured: with batch_size:
     auto, the batch the search chose."""
+    record: OkRecord | FailedRecord
     try:
         record = _train_cell(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # every failure must become a record
-        record = _record_exception(exc, progress.stage, env)
-        if record["status"] == "oom":  # while the exception still holds the tensors of the failing step
-            record.update(memory_snapshot(spec, env, cell_dir))
-        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {record['error']}", flush=True)
+        failure = _record_exception(exc, progress.stage, env)
+        if failure["status"] == "oom" and (snapshot := memory_snapshot(spec, env, cell_dir)):
+            failure["memory_snapshot"] = snapshot  # taken while the exception still holds the failing step's tensors
+        print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {failure['error']}", flush=True)
+        record = failure
     if progress.batch_search is not None:
         record["batch_search"] = progress.batch_search.record()
         spec = progress.measured or spec  # the record holds the batch the search chose
@@ -145,7 +151,7 @@ class _Progress:
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
 
 
-def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> dict[str, Any]:
+def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> OkRecord:
     """The whole cell on this rank, stage by stage (set-up, data, batch search, model, shard, train,
     then the optional profiles): the ok record's fields. Memory is read after each stage (max over
     ranks later); `progress` says which stage a failure happened at."""
@@ -222,11 +228,13 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
     memory["end"] = memory_reading(env.device)
     record = ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(
-        flops_tied_lm_head=flops.tied_lm_head,
-        non_embedding_params=flops.non_embedding_params,
-        optimizer_tracks_model=built.optimizer_tracks_model,
-        model_source=built.source.provenance,
-        data_source=blocks.provenance if blocks else {"kind": "synthetic"},
+        {
+            "flops_tied_lm_head": flops.tied_lm_head,
+            "non_embedding_params": flops.non_embedding_params,
+            "optimizer_tracks_model": built.optimizer_tracks_model,
+            "model_source": built.source.provenance,
+            "data_source": blocks.provenance if blocks else {"kind": "synthetic"},
+        }
     )
     if spec.float8 != "none":
         record["float8_linears"] = float8_linear_count(model)
@@ -239,13 +247,14 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
     if spec.profile:
         enter("profile")
         record["profile_trace_dir"] = write_trace(model, optimizer, batches, spec, env, cell_dir)
-    record.update(memory_snapshot(spec, env, cell_dir))
+    if snapshot := memory_snapshot(spec, env, cell_dir):
+        record["memory_snapshot"] = snapshot
     if spec.record_param_norm:
         record["final_param_norm"] = full_param_norm(model)
     return record
 
 
-def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str, Any]:
+def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRecord:
     exc = signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
@@ -266,13 +275,13 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> dict[str,
         memory_at_failure=memory_reading(env.device),
     )
     if isinstance(exc, Diverged):
-        record.update(diverged_step=exc.step, losses=exc.losses)
+        record.update({"diverged_step": exc.step, "losses": exc.losses})
     if isinstance(exc, CellCancelled):
         record.update(exc.fields)
     return record
 
 
-def _read_or(path: Path, fallback: dict[str, Any]) -> dict[str, Any]:
+def _read_or(path: Path, fallback: Mapping[str, Any]) -> Mapping[str, Any]:
     try:
         return read_record(path)
     except RecordError:
@@ -296,7 +305,7 @@ def _print_progress(env: DistEnv, spec: RunSpec, step: int) -> None:
         print(f"[hpcfsdp]   step {step + 1}/{spec.steps}", flush=True)
 
 
-def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> dict[str, Any]:
+def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> Record:
     return {
         "cell_id": cell_id,
         "sweep": sweep,

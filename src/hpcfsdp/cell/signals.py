@@ -11,6 +11,7 @@ import time
 from datetime import datetime
 
 from ..endings import ENDINGS
+from ..record import FailedRecord
 from ..spec import JOB_END_ENV
 from .requeue import ask_s, job_view, requeue_note, requeues_left
 
@@ -22,12 +23,13 @@ class CellTimeout(Exception):
 class CellCancelled(Exception):
     """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
     Slurm ending the job because one of its nodes went down (`node_fail`), or preempting it for a
-    job of a higher priority (`preempted`). `fields`: the record's slurm_state and advice."""
+    job of a higher priority (`preempted`). `fields`: the record's slurm_state and advice, for one
+    of Slurm's endings."""
 
-    def __init__(self, message: str, status: str, **fields: str):
+    def __init__(self, message: str, status: str, slurm_state: str | None = None, advice: str = ""):
         super().__init__(message)
         self.status = status
-        self.fields = fields
+        self.fields: FailedRecord = {} if slurm_state is None else {"slurm_state": slurm_state, "advice": advice}
 
 
 # Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),

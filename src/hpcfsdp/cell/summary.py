@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 
-def summary_line(record: dict[str, Any], path: Path) -> str:
+def summary_line(record: Mapping[str, Any], path: Path) -> str:
     """E.g. `[hpcfsdp] ddp-b1-a1-...: ok | 1,234 tokens/s per GPU | MFU 41.2% | peak memory 3.21 GiB | record ...`.
 
     A failed cell says where it stopped instead (`oom at train`, `diverged at step 2`), with "-"

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from ..fields import SpecError
-from ..record import RECORD_NAME, RecordError
+from ..files import RecordError
+from ..record import RECORD_NAME
 from ..sweep.accounting import note_accounting
 from ..sweep.layout import cell_files, read_manifest
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
@@ -53,7 +54,7 @@ def collect(
     fail_on_regression, against its reference or history), or when the history could not be
     updated and checked."""
     from .compare import write_comparison
-    from .history import accounting_jobs, merge_accounting
+    from .history_rows import accounting_jobs, merge_accounting
     from .read import load_records
     from .regressions import over_time as check_over_time
     from .report import write_report

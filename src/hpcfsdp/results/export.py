@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from ..errors import UserError
-from .history import attempt_of, setup_key, spec_values, system_of
+from .history_rows import attempt_of, setup_key, spec_values, system_of
 from .read import METRICS, load_records
 
 TARGETS = ("tensorboard", "mlflow", "wandb")

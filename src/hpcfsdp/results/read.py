@@ -15,15 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..record import (
-    MISSING,
-    RECORD_NAME,
-    SPEC_NAME,
-    RecordError,
-    read_json_object,
-    record_state,
-    spec_problem,
-)
+from ..files import RecordError, read_json_object
+from ..record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
 from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..sweep.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
 

@@ -31,7 +31,7 @@ import yaml
 
 from ..errors import UserError
 from ..fields import SpecError, coerce_fields, unknown_key
-from ..record import write_text
+from ..files import write_text
 from ..spec import RunSpec
 
 TOP_KEYS = ("tolerance", "references")

@@ -21,7 +21,8 @@ from typing import Any
 import pandas as pd
 
 from .defaults import DEFAULT_TOLERANCE
-from .history import KEY, HistoryError, history_rows, updated_history
+from .history import HistoryError, updated_history
+from .history_rows import KEY, history_rows
 from .read import Collection
 from .references import Reference, References
 from .render import Section

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from ..fields import SpecError
+from ..files import atomic_output, write_text
 from ..gpus import gpu_memory_gib
-from ..record import atomic_output, write_text
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..endings import ENDINGS, ending_fields
-from ..record import ACCOUNTING_KEY, RECORD_NAME, RecordError, read_record, slurm_job_of, write_record
+from ..files import RecordError
+from ..record import ACCOUNTING_KEY, RECORD_NAME, read_record, slurm_job_of, write_record
 from .cluster import on_cluster
 from .layout import cell_dir, manifest_cluster
 

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..record import MISSING, SPEC_NAME, read_json_object
+from ..files import read_json_object
+from ..record import MISSING, SPEC_NAME
 from ..spec import SpecError
 from .layout import cell_dir, manifest_cluster, read_manifest, slurm_job_ids
 from .lost import log_tails, record_launch_failure, slurm_logs

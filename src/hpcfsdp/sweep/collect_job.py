@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..record import RecordError, read_json_object, write_json
+from ..files import RecordError, read_json_object, write_json
 from .layout import slurm_folder
 from .matrix import Sweep
 from .scheduler import SchedulerError, finished_states, queued_states

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import submitit
 
-from ..record import SPEC_NAME, write_text
+from ..files import write_text
+from ..record import SPEC_NAME
 from ..spec import RunSpec
 
 

@@ -22,16 +22,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from ..fields import SpecError
-from ..record import (
-    SPEC_NAME,
-    RecordError,
-    is_job_id,
-    keep_as_attempt,
-    read_json_object,
-    restore_attempt,
-    write_json,
-    write_text,
-)
+from ..files import RecordError, read_json_object, write_json, write_text
+from ..record import SPEC_NAME, is_job_id, keep_as_attempt, restore_attempt
 
 if TYPE_CHECKING:
     from .matrix import Cell, Sweep

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO
 
-from ..record import ATTEMPTS_DIR, RECORD_NAME, SPEC_NAME, RecordError, read_json_object, slurm_job_of
+from ..files import RecordError, read_json_object
+from ..record import ATTEMPTS_DIR, RECORD_NAME, SPEC_NAME, slurm_job_of
 from ..spec import SpecError
 from .layout import cell_dir, manifest_cluster, planned_cell_ids, read_manifest, slurm_folder
 from .scheduler import queued_states

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..endings import ended_by, ending_fields, memory_to_ask
-from ..record import RECORD_NAME, SPEC_NAME, RecordError, failure_record, read_json_object, write_record
+from ..files import RecordError, read_json_object
+from ..record import RECORD_NAME, SPEC_NAME, failure_record, write_record
 from .layout import cell_dir, slurm_folder
 from .scheduler import FinishedJob
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..record import ATTEMPTS_DIR, RECORD_NAME, RecordError, read_json_object
+from ..files import RecordError, read_json_object
+from ..record import ATTEMPTS_DIR, RECORD_NAME
 
 PREEMPTED = "preempted"
 

@@ -13,16 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ..record import (
-    MISSING,
-    RECORD_NAME,
-    SPEC_NAME,
-    CellState,
-    RecordError,
-    RecordState,
-    read_json_object,
-    record_state,
-)
+from ..files import RecordError, read_json_object
+from ..record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, on_cluster, read_partitions, waits_for_nodes
 from .layout import SLURM_DIR, cell_dir, manifest_cluster, planned_cell_ids, slurm_job_ids

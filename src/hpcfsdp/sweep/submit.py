@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ..errors import Stopped, UserError
 from ..fields import SpecError
+from ..files import RecordError
 from ..names import sbatch_word_problem
-from ..record import MISSING, RecordError
+from ..record import MISSING
 from .cluster import on_cluster
 from .interrupts import Interrupted, interrupts_raise
 from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_job_ids, write_sweep_files

@@ -1,0 +1,122 @@
+"""The suite's files written whole or not at all, and its JSON files read with one line of error.
+
+Every file a command writes (records, manifests, tables, plots, YAML) goes through atomic_output:
+a reader sees the old file or the new one, never half of one. Every JSON object a command reads
+(records, spec.json, manifest.json, the cache's manifest) goes through read_json_object: a file
+that cannot be used is a RecordError naming it in one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+
+try:
+    import orjson
+except ImportError:  # a dependency; without it JSON is parsed by the standard library, slower
+    orjson = None  # type: ignore[assignment]
+
+
+class RecordError(UserError, ValueError):
+    """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
+
+
+def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
+    """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
+    atomic_output. Values JSON does not know are written as text."""
+    text = json.dumps(value, indent=2, sort_keys=sort_keys, default=str) + "\n"
+    return write_text(path, text)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write a text file atomically (atomic_output)."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+@contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """A temporary file of a unique name beside path for the block to write (a table, a plot, a
+    YAML file), then fsync and rename over path: a reader sees the old file or the new one, never
+    half of one, and a write that fails (a full disk) leaves the old file, or none, and no
+    temporary file. Its OSError names path, not the temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = Path(name)
+    try:
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
+        finally:
+            os.close(fd)
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno is None:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def parse_json(data: bytes) -> Any:
+    """JSON text to a value: orjson (several times faster: collect parses every record of a sweep)
+    where it is installed and the text is within what it reads (64-bit integers, no NaN, 1,024
+    levels); the standard library otherwise, so values and error messages stay those of `json`."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data.decode("utf-8"))
+
+
+def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
+    """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
+    unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
+    limit (ValueError), not an object, or (with root) a link that leads out of the folder root.
+    FileNotFoundError when there is no file."""
+    path = Path(path)
+    if root is not None and not _inside(path, root):
+        raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
+    try:
+        value = parse_json(path.read_bytes())
+    except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
+        raise FileNotFoundError(path) from None
+    except OSError as exc:
+        raise RecordError(f"{path}: unreadable {kind} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: unreadable {kind} (not UTF-8 text)") from None
+    except RecursionError:
+        raise RecordError(f"{path}: unreadable {kind} (JSON nested too deeply)") from None
+    except ValueError as exc:  # json.JSONDecodeError, or an integer of more digits than Python converts
+        raise RecordError(f"{path}: unreadable {kind} ({_one_line(exc)})") from None
+    if not isinstance(value, dict):
+        raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
+def _inside(path: Path, root: str | Path) -> bool:
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))

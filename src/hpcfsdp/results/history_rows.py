@@ -1,0 +1,251 @@
+"""The rows a sweep adds to the history (results/history.py): one per cell record, in the history's
+columns, keyed by its attempt and naming its setup and system; and the Slurm accounting that
+collect adds to the records before their rows are made.
+
+- A row is keyed by the sweep folder, the cell id and the record's *attempt* (its launch id and
+  start time): collecting a sweep again replaces its rows instead of adding them, and a cell rerun
+  in the same folder adds a row for the new attempt, keeping the old one.
+- The *setup* is a hash of the spec's fields that differ from their defaults, leaving out the
+  measurement-only ones (spec.MEASUREMENT_FIELDS): cells that differ in steps or seed are one setup.
+- The *system* is the Slurm cluster name (else the first host name) and the GPU name.
+
+Login side: pandas only, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..record import ACCOUNTING_KEY, slurm_job_of
+from ..spec import MEASUREMENT_FIELDS, RunSpec
+from .read import Collection
+
+KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder
+# name -> DuckDB type, in table order. A later hpcfsdp may add columns: History adds them to an older file.
+COLUMNS: dict[str, str] = {
+    "sweep_dir": "VARCHAR",  # the sweep folder, absolute
+    "cell_id": "VARCHAR",
+    "attempt": "VARCHAR",  # launch id @ start time: one per run of the cell
+    "sweep": "VARCHAR",
+    "setup": "VARCHAR",
+    "setup_fields": "VARCHAR",  # JSON: the fields the setup hashes
+    "spec": "VARCHAR",  # JSON: the full spec
+    "cluster": "VARCHAR",
+    "gpu": "VARCHAR",
+    "partition": "VARCHAR",
+    "hostnames": "VARCHAR",
+    "started_at": "TIMESTAMP",  # UTC
+    "collected_at": "TIMESTAMP",  # UTC
+    "duration_s": "DOUBLE",
+    "model": "VARCHAR",
+    "strategy": "VARCHAR",
+    "batch_size": "BIGINT",
+    "grad_accum": "BIGINT",
+    "seq_len": "BIGINT",
+    "activation_checkpointing": "VARCHAR",
+    "precision": "VARCHAR",
+    "nodes": "BIGINT",
+    "world_size": "BIGINT",
+    "status": "VARCHAR",
+    "stage": "VARCHAR",
+    "error": "VARCHAR",
+    "tokens_per_s_per_gpu": "DOUBLE",
+    "mfu": "DOUBLE",
+    "peak_memory_gib": "DOUBLE",
+    "step_time_s": "DOUBLE",
+    "final_loss": "DOUBLE",
+    "hpcfsdp_version": "VARCHAR",
+    "torch_version": "VARCHAR",
+    "transformers_version": "VARCHAR",
+    "cuda_version": "VARCHAR",
+    "nccl_version": "VARCHAR",
+    "driver_version": "VARCHAR",
+    "git_commit": "VARCHAR",
+    "slurm_job_id": "VARCHAR",
+    "elapsed_s": "DOUBLE",
+    "queue_wait_s": "DOUBLE",
+    "energy_j": "DOUBLE",
+}
+# Record field (flattened, as collect's frame has it) -> history column, where the names differ.
+RECORD_COLUMNS = {
+    "slurm.job_partition": "partition",
+    "versions.hpcfsdp": "hpcfsdp_version",
+    "versions.torch": "torch_version",
+    "versions.transformers": "transformers_version",
+    "versions.cuda": "cuda_version",
+    "versions.nccl": "nccl_version",
+    "versions.driver": "driver_version",
+    "slurm_accounting.elapsed_s": "elapsed_s",
+    "slurm_accounting.queue_wait_s": "queue_wait_s",
+    "slurm_accounting.consumed_energy_j": "energy_j",
+}
+_DEFAULTS = RunSpec().to_dict()
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Setups
+
+
+def spec_values(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A spec as plain values: absent (None, NaN) fields dropped, and integers that a DataFrame
+    column turned into floats (4096.0 beside an older record without the field) made integers again."""
+    out = {}
+    for name, value in spec.items():
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if hasattr(value, "item"):  # a numpy scalar
+            value = value.item()
+        default = _DEFAULTS.get(name)
+        if type(default) is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        out[name] = value
+    return out
+
+
+def setup_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields that make the setup: those that differ from RunSpec's defaults (so a field added
+    by a later hpcfsdp, at its default, keeps every setup as it was), less the measurement-only ones."""
+    return _setup_fields(spec_values(spec))
+
+
+def setup_key(spec: Mapping[str, Any]) -> str:
+    return _setup_key(_canonical(setup_fields(spec)))
+
+
+def _setup_fields(values: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in sorted(values.items())
+        if name not in MEASUREMENT_FIELDS and (name not in _DEFAULTS or value != _DEFAULTS[name])
+    }
+
+
+def _canonical(fields: dict[str, Any]) -> str:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+def _setup_key(canonical: str) -> str:
+    return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+
+
+def attempt_of(launch_id: Any, started_at: Any) -> str:
+    """One run of a cell: its launch id (Slurm job and restart, or torchrun's run) and start time."""
+    launch = launch_id if isinstance(launch_id, str) and launch_id else "-"
+    started = f"{started_at:.6f}" if isinstance(started_at, (int, float)) and not math.isnan(started_at) else "-"
+    return f"{launch}@{started}"
+
+
+def system_of(slurm_cluster: Any, hostnames: Any) -> str | None:
+    """The Slurm cluster's name; outside Slurm, the (first) host the cell ran on."""
+    if isinstance(slurm_cluster, str) and slurm_cluster:
+        return slurm_cluster
+    if isinstance(hostnames, list) and hostnames:
+        return str(hostnames[0])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+
+
+SLURM_ID_COLUMNS = ("slurm.job_id", "slurm.array_job_id", "slurm.array_task_id")
+
+
+def _slurm_jobs(frame: pd.DataFrame) -> list[str | None]:
+    """Each row's Slurm job (record.slurm_job_of), from the frame's dotted columns."""
+    ids = frame.reindex(columns=list(SLURM_ID_COLUMNS))
+    keys = ("job_id", "array_job_id", "array_task_id")
+    return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in ids.itertuples(index=False)]
+
+
+def accounting_jobs(frame: pd.DataFrame) -> dict[str, str]:
+    """cell id -> Slurm job, of the records that ran under Slurm and have no accounting yet."""
+    if frame.empty:
+        return {}
+    known = frame.reindex(columns=[f"{ACCOUNTING_KEY}.state"]).iloc[:, 0].map(pd.notna)
+    return {
+        cell_id: job
+        for cell_id, job, has in zip(frame["cell_id"], _slurm_jobs(frame), known, strict=True)
+        if job and not has
+    }
+
+
+def merge_accounting(frame: pd.DataFrame, added: dict[str, dict[str, Any]]) -> None:
+    """Put accounting just added to records (cell id -> fields) into the collection's frame too."""
+    if not added:
+        return
+    extra = pd.DataFrame.from_dict(added, orient="index").add_prefix(f"{ACCOUNTING_KEY}.")
+    for column in extra:
+        values = frame["cell_id"].map(extra[column])
+        frame[column] = values.combine_first(frame[column]) if column in frame else values
+
+
+def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
+    """One row per readable record of the collection, in the history's columns."""
+    frame = collection.frame
+    if frame.empty:
+        return pd.DataFrame({name: pd.Series(dtype=object) for name in COLUMNS})
+
+    def column(name: str) -> pd.Series:
+        return frame[name] if name in frame else pd.Series([None] * len(frame), index=frame.index, dtype=object)
+
+    names = list(collection.spec_fields)
+    columns = [frame[name].tolist() for name in names]  # column-wise: far faster than row dicts of a wide frame
+    specs = [spec_values(dict(zip(names, values, strict=True))) for values in zip(*columns, strict=True)]
+    rows = pd.DataFrame(index=frame.index)
+    rows["sweep_dir"] = str(Path(sweep_dir).resolve())
+    rows["cell_id"] = frame["cell_id"]
+    rows["attempt"] = [
+        attempt_of(launch, started) for launch, started in zip(column("launch_id"), column("started_at"), strict=True)
+    ]
+    rows["sweep"] = column("sweep")
+    fields = [_canonical(_setup_fields(spec)) for spec in specs]
+    rows["setup"] = [_setup_key(canonical) for canonical in fields]
+    rows["setup_fields"] = fields
+    rows["spec"] = [_canonical(spec) for spec in specs]
+    rows["cluster"] = [system_of(c, h) for c, h in zip(column("slurm.cluster_name"), column("hostnames"), strict=True)]
+    rows["gpu"] = column("device_name")
+    rows["hostnames"] = column("hostnames").map(lambda hs: ",".join(map(str, hs)) if isinstance(hs, list) else None)
+    rows["started_at"] = pd.to_datetime(pd.to_numeric(column("started_at"), errors="coerce"), unit="s")
+    rows["collected_at"] = pd.Timestamp(utc_now())
+    rows["slurm_job_id"] = _slurm_jobs(frame)
+    rows["error"] = column("error").map(lambda e: str(e).splitlines()[0][:500] if isinstance(e, str) and e else None)
+    for name in (
+        "model",
+        "strategy",
+        "batch_size",
+        "grad_accum",
+        "seq_len",
+        "activation_checkpointing",
+        "precision",
+        "nodes",
+    ):
+        rows[name] = [spec.get(name) for spec in specs]
+    for name in (
+        "duration_s",
+        "world_size",
+        "status",
+        "stage",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "peak_memory_gib",
+        "step_time_s",
+        "final_loss",
+        "git_commit",
+    ):
+        rows[name] = column(name)
+    for field, name in RECORD_COLUMNS.items():
+        rows[name] = column(field)
+    return rows[list(COLUMNS)].reset_index(drop=True)
