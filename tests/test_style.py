@@ -26,3 +26,12 @@ def test_ruff_finds_nothing_to_change(check):
 def test_mypy_finds_no_type_error_in_the_package():
     proc = run(str(BIN / "mypy"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+MAX_MODULE_LINES = 450  # docs/design.md: a module that outgrows this holds more than one job
+
+
+def test_no_module_of_the_package_is_over_450_lines():
+    lengths = {path: len(path.read_text().splitlines()) for path in (ROOT / "src" / "hpcfsdp").rglob("*.py")}
+    assert lengths and max(lengths.values()) > 100  # the walk found the package
+    assert {str(path.relative_to(ROOT)): n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}
