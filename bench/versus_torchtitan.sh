@@ -3,8 +3,8 @@
 # architecture on both sides (torchtitan's qwen3 flavor "1.7B"; hpcfsdp's preset qwen3-1.7b holds
 # the same numbers in an HF Qwen3Config), seq 8192, random tokens, torch.compile, float8 tensorwise
 # linears (output layer excluded), bf16 compute with fp32 master weights, fused AdamW at
-# torchtitan's learning rate and weight decay (its qwen3_1.7b.toml: lr 8e-4, weight decay 0.1),
-# no activation checkpointing. The cases alternate, REPEATS times; then one table of medians, ratios
+# torchtitan's learning rate, weight decay and gradient clipping (its qwen3_1.7b.toml: lr 8e-4,
+# weight decay 0.1, max_norm 1.0), no activation checkpointing. The cases alternate, REPEATS times; then one table of medians, ratios
 # and peak reserved memory, and the SM clock and power the GPU ran at (nvidia-smi, sampled).
 #
 #   TORCHTITAN_DIR=.peer/torchtitan bash bench/versus_torchtitan.sh            # 1 GPU
@@ -44,12 +44,13 @@ CASES=(
   "suite-b4 suite 4 loss=compiled"
   "suite-best suite 8 loss=liger attention=cudnn"
 )
-# lr and weight_decay are torchtitan's (qwen3_1.7b.toml), not the suite's defaults (1e-4, 0): at the
-# GPU's power limit the SM clock follows the values multiplied, and so the learning rate sets the
-# speed by 2-3% (docs/levers.md). torchtitan's warm-up, decay and clipping have no hpcfsdp field.
+# lr, weight_decay and max_grad_norm are torchtitan's (qwen3_1.7b.toml), not the suite's defaults
+# (1e-4, 0, no clipping): at the GPU's power limit the SM clock follows the values multiplied, and
+# so the learning rate sets the speed by 2-3% (docs/levers.md). torchtitan's lr warm-up and decay
+# have no hpcfsdp field.
 SUITE=(model=qwen3-1.7b device=cuda precision=bf16_mixed compile=true float8=tensorwise adamw_impl=fused
-       lr=8e-4 weight_decay=0.1 activation_checkpointing=none expandable_segments=true nvml=false
-       comm_profile_steps=0)
+       lr=8e-4 weight_decay=0.1 max_grad_norm=1.0 activation_checkpointing=none expandable_segments=true
+       nvml=false comm_profile_steps=0)
 WARMUP=${WARMUP:-4}
 TIMED=${TIMED:-8}
 REPEATS=${REPEATS:-2}

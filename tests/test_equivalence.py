@@ -101,3 +101,18 @@ def test_single_trains_as_ddp_on_one_process_with_gradient_accumulation(tmp_path
     assert single["spec"]["strategy"] == "single" and single["world_size"] == 1
     assert_same_training(ddp, single)
     assert single["losses"][0] != single["losses"][-1]
+
+
+def test_gradient_clipping_scales_by_the_whole_models_norm_under_fsdp2_as_under_ddp(tmp_path):
+    """max_grad_norm scales every gradient by one factor, from the norm over every rank's shards:
+    FSDP2 (partial norms reduced over the mesh) trains as DDP (whole gradients) does. A norm this
+    small makes the gradients smaller than AdamW's eps, so that the factor shows in the update
+    (AdamW barely notices a gradient rescaled by a moderate factor): a rank that clipped by its own
+    shard's norm would train differently, and so would no clipping at all."""
+    fields = {"lr": 1e-2, "record_param_norm": True}
+    ddp = run_torchrun_cell(tmp_path / "ddp", 2, strategy="ddp", max_grad_norm=1e-6, **fields)
+    fsdp = run_torchrun_cell(tmp_path / "fsdp", 2, strategy="fsdp2_zero3", max_grad_norm=1e-6, **fields)
+    assert_same_training(ddp, fsdp)
+    unclipped = run_torchrun_cell(tmp_path / "unclipped", 2, strategy="ddp", **fields)
+    assert abs(ddp["losses"][-1] - unclipped["losses"][-1]) > 100 * TOL, (ddp["losses"], unclipped["losses"])
+    assert ddp["spec"]["max_grad_norm"] == 1e-6

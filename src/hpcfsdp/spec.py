@@ -160,6 +160,7 @@ class RunSpec:
     adamw_impl: AdamWImpl = "foreach"
     lr: float = 1e-4
     weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # clip the gradients' total norm (over every rank) to this before each step; 0: off
     device: Device = "auto"
     # measurement
     steps: int = grouped(10, "measurement")
@@ -247,7 +248,7 @@ class RunSpec:
         if self.lr <= 0:
             raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
         self._check_overflow(where)
-        for name in ("weight_decay", "peak_tflops"):
+        for name in ("weight_decay", "max_grad_norm", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
         self._check_batch_search(where)

@@ -15,6 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import Family, RunSpec
@@ -150,6 +151,28 @@ def gradient_sync(model: nn.Module, spec: RunSpec, enabled: bool) -> AbstractCon
     if spec.family == "single":
         return contextlib.nullcontext()  # nothing to synchronise: gradients accumulate in .grad
     return model.no_sync()
+
+
+def clip_gradients(model: nn.Module, spec: RunSpec) -> None:
+    """Scale the gradients so that their total norm, over the whole model, is at most
+    spec.max_grad_norm, as torchtitan and most LM trainers do before each step (0: no clipping).
+
+    FSDP1 sums its flat shards' norms itself. Under FSDP2 the gradients are sharded DTensors, and
+    DTensor reduces their norm over the mesh: the total is the whole model's on every rank (taken
+    out of the DTensor before it scales them, as torchtitan does). DDP's and single's gradients are
+    whole on every rank."""
+    if not spec.max_grad_norm:
+        return
+    if spec.family == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        cast(FullyShardedDataParallel, model).clip_grad_norm_(spec.max_grad_norm)
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), spec.max_grad_norm, total, foreach=True)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from torch import nn
 from ..spec import RunSpec
 from .distributed import DistEnv
 from .levers import add_float8_scale_hook, attention_backend
-from .strategies import autocast, gradient_sync
+from .strategies import autocast, clip_gradients, gradient_sync
 
 
 @dataclass
@@ -94,6 +94,7 @@ def train(
                 loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()
+        clip_gradients(model, spec)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
