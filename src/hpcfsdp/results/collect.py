@@ -14,7 +14,7 @@ from ..fields import SpecError
 from ..files import RecordError
 from ..record import RECORD_NAME
 from ..sweep.accounting import note_accounting
-from ..sweep.layout import cell_files, read_manifest
+from ..sweep.layout import cell_files, read_manifest, slurm_jobs
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 
@@ -100,7 +100,6 @@ def collect(
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from ..sweep.layout import slurm_job_ids
     from ..sweep.status import sweep_status
 
     recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
@@ -108,7 +107,7 @@ def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
         cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
     except RecordError:  # collect names the broken manifest itself
         return {}
-    if not slurm_job_ids(sweep_dir, cell_ids):
+    if not slurm_jobs(sweep_dir, cell_ids).ids:
         return {}
     report = sweep_status(sweep_dir, cell_ids)
     return (

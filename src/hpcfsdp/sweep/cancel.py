@@ -21,7 +21,7 @@ from pathlib import Path
 from ..files import read_json_object
 from ..record import MISSING, SPEC_NAME
 from ..spec import SpecError
-from .layout import cell_dir, manifest_cluster, read_manifest, slurm_job_ids
+from .layout import cell_dir, read_manifest, slurm_jobs
 from .lost import log_tails, record_launch_failure, slurm_logs
 from .scheduler import QueuedJob, queued_states, scancel
 from .status import cell_status
@@ -56,8 +56,7 @@ def cancel_sweep(
     pending_only; each cancelled cell ends with a `cancelled` record (or the one it wrote itself)."""
     sweep_dir = Path(sweep_dir)
     chosen = _chosen_cells(sweep_dir, list(cell_ids))
-    jobs = slurm_job_ids(sweep_dir, chosen)
-    cluster = manifest_cluster(sweep_dir) or ""  # where they were queued: asked and cancelled there
+    jobs, cluster = slurm_jobs(sweep_dir, chosen)  # asked and cancelled on the cluster they were queued on
     queued = _named(queued_states(jobs.values(), cluster), job_name(sweep_dir))
     done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in queued])
     for cid, jid in jobs.items():

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
@@ -79,22 +79,34 @@ def read_manifest(sweep_dir: Path) -> dict[str, dict]:
     return manifest
 
 
-def slurm_job_ids(sweep_dir: Path, cell_ids: Iterable[str]) -> dict[str, str]:
-    """cell id -> its latest Slurm job id (ARRAY_TASK, or JOB for a one-cell array), from the manifest."""
+class SlurmJobs(NamedTuple):
+    """A sweep's Slurm jobs, from one read of its manifest."""
+
+    ids: dict[str, str]  # cell id -> its latest job id (ARRAY_TASK, or JOB for a one-cell array)
+    cluster: str  # the cluster they were queued on (slurm.clusters); "" the default one
+
+
+def slurm_jobs(sweep_dir: Path, cell_ids: Iterable[str]) -> SlurmJobs:
+    """The latest Slurm job of each of these cells that has one, and the sweep's cluster."""
     manifest = read_manifest(sweep_dir)
     entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
-    return {
+    ids = {
         cid: str(e["job_id"])
         for cid, e in entries.items()
         if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
     }
+    return SlurmJobs(ids, _queued_on(manifest) or "")
 
 
 def manifest_cluster(sweep_dir: Path) -> str | None:
     """The cluster the sweep's Slurm jobs were queued on (slurm.clusters; "" the default one), from
-    the manifest: its latest Slurm entry's (submit never queues one folder's cells on two); None
-    before any cell was queued."""
-    entries = [e for e in read_manifest(sweep_dir).values() if e.get("executor") == "slurm"]
+    the manifest; None before any cell was queued."""
+    return _queued_on(read_manifest(sweep_dir))
+
+
+def _queued_on(manifest: dict[str, dict]) -> str | None:
+    """The latest Slurm entry's cluster (submit never queues one folder's cells on two clusters)."""
+    entries = [e for e in manifest.values() if e.get("executor") == "slurm"]
     if not entries:
         return None
     latest = max(

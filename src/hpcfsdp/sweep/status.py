@@ -17,7 +17,7 @@ from ..files import RecordError, read_json_object
 from ..record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, on_cluster, read_partitions, waits_for_nodes
-from .layout import SLURM_DIR, cell_dir, manifest_cluster, planned_cell_ids, slurm_job_ids
+from .layout import SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .matrix import Cell
 from .preemptions import preemption_note, preemptions
@@ -107,8 +107,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     cell_ids = list(cell_ids)
     problems = []
     try:
-        jobs = slurm_job_ids(sweep_dir, cell_ids)
-        cluster = manifest_cluster(sweep_dir) or ""
+        jobs, cluster = slurm_jobs(sweep_dir, cell_ids)
     except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
         jobs, cluster = {}, ""
         problems.append(f"{exc}; queued cells show as missing")

@@ -22,7 +22,7 @@ from ..names import sbatch_word_problem
 from ..record import MISSING
 from .cluster import on_cluster
 from .interrupts import Interrupted, interrupts_raise
-from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_job_ids, write_sweep_files
+from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, write_sweep_files
 from .local import print_command, run_local
 from .lock import sweep_lock
 from .matrix import Cell, Sweep
@@ -133,8 +133,8 @@ def select_cells(
         log(f"corrupt record: {line}")
     if corrupt and not (force or retry_failed):
         log(f"{len(corrupt)} cell(s) with a corrupt record are left as they are (--retry-failed reruns them)")
-    jobs = slurm_job_ids(sweep_dir, [c.id for c in chosen])
-    queued = queued_states(jobs.values(), manifest_cluster(sweep_dir) or "")
+    jobs, cluster = slurm_jobs(sweep_dir, [c.id for c in chosen])
+    queued = queued_states(jobs.values(), cluster)
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
     return [c for c in chosen if c.id not in flying], done, flying
 
