@@ -2,7 +2,8 @@
 #   - keeps NVLink multicast off in every process they start (never use it on shared machines);
 #   - installs the wheels carried in .whl/ into /tmp/site (the GPU machine has no network;
 #     docs/levers.md says which), and puts /tmp/site and src/ on PYTHONPATH;
-#   - defines write_machine_info FILE: the GPUs, package versions, commit, tree state and date,
+#   - defines write_machine_info FILE: the GPUs, package versions, commit (BENCH_COMMIT where the
+#     caller names it), tree state and date,
 #     the header of every raw log in bench/results/.
 # shellcheck shell=bash
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -11,14 +12,29 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # machine (64 workers importing torch) preceded a machine that stopped answering (2026-11-23):
 # fewer workers per process.
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-8}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+# Only the wheels this Python can install (a cp312 wheel carried for the GPU image is skipped by a
+# CPU smoke run on another Python, which pip would otherwise refuse as a whole).
+mapfile -t wheels < <(python3 - <<'EOF'
+import glob, os
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+supported = set(sys_tags())
+for wheel in sorted(glob.glob(".whl/*.whl")):
+    if supported & set(parse_wheel_filename(os.path.basename(wheel))[3]):
+        print(wheel)
+EOF
+)
+if (( ${#wheels[@]} )); then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "${wheels[@]}" 2>&1 | tail -2
 fi
 export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 write_machine_info() {  # write_machine_info FILE
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
     python3 bench/versions.py
-    git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; date -u
+    # The device gets a copy of the working tree whose .git may be stale: the caller names the commit.
+    if [[ -n ${BENCH_COMMIT:-} ]]; then echo "commit (given by the caller): $BENCH_COMMIT"
+    else git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; fi
+    date -u
   } > "$1"
 }

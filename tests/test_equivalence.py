@@ -116,3 +116,51 @@ def test_gradient_clipping_scales_by_the_whole_models_norm_under_fsdp2_as_under_
     unclipped = run_torchrun_cell(tmp_path / "unclipped", 2, strategy="ddp", **fields)
     assert abs(ddp["losses"][-1] - unclipped["losses"][-1]) > 100 * TOL, (ddp["losses"], unclipped["losses"])
     assert ddp["spec"]["max_grad_norm"] == 1e-6
+
+
+@pytest.mark.parametrize(
+    "fields, factors",
+    [
+        # torchtitan's qwen3 comparison: warm-up 2, then linear decay over the other 10 steps
+        (
+            {"steps": 12, "lr_warmup_steps": 2, "lr_decay": "linear"},
+            [0.5, 1, 1, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1],
+        ),
+        # cos(0), cos(pi/5), ... scaled into [0.1, 1]
+        (
+            {"steps": 6, "lr_warmup_steps": 1, "lr_decay": "cosine", "lr_min_ratio": 0.1},
+            [1, 1, 0.9140576, 0.6890576, 0.4109424, 0.1859424],
+        ),
+        ({"steps": 4, "lr_warmup_steps": 4}, [0.25, 0.5, 0.75, 1]),
+        ({"steps": 3}, [1, 1, 1]),
+    ],
+    ids=["warm-up-linear", "cosine-to-min", "warm-up-only", "constant"],
+)
+def test_the_optimizer_steps_at_torchtitans_scheduled_learning_rates(fields, factors):
+    """The values are torchtitan's build_lr_schedulers at v0.2.2 (decay_ratio unset: the decay
+    ends at a virtual step after the last), worked out by hand."""
+    import torch
+
+    from hpcfsdp.cell.train import build_optimizer
+    from hpcfsdp.spec import RunSpec
+
+    spec = RunSpec.from_dict({"model": "tiny", "device": "cpu", "warmup_steps": 0, "lr": 8e-4, **fields})
+    layer = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(layer, spec)
+    used = []
+    for _ in range(spec.steps):
+        used.append(optimizer.param_groups[0]["lr"] / spec.lr)
+        layer(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    assert used == pytest.approx(factors, abs=1e-6)
+
+
+def test_a_warm_up_from_twice_the_lr_takes_its_first_step_at_the_lr_under_fsdp2(tmp_path):
+    """The schedule reaches the cell's optimizer over sharded parameters: warming up over 2 steps
+    to twice A's lr, B's first step is A's (same second loss), its second is not (third loss)."""
+    constant = run_torchrun_cell(tmp_path / "constant", 2, strategy="fsdp2_zero3", lr=1e-2)
+    warm = run_torchrun_cell(tmp_path / "warm", 2, strategy="fsdp2_zero3", lr=2e-2, lr_warmup_steps=2)
+    assert constant["status"] == warm["status"] == "ok", (constant.get("error"), warm.get("error"))
+    assert warm["losses"][:2] == pytest.approx(constant["losses"][:2], abs=TOL)
+    assert abs(warm["losses"][2] - constant["losses"][2]) > 100 * TOL, (warm["losses"], constant["losses"])
+    assert warm["spec"]["lr_warmup_steps"] == 2 and warm["spec"]["lr_decay"] == "none"

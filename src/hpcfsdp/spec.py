@@ -40,6 +40,7 @@ Kernels = Literal["none", "liger"]
 Attention = Literal["sdpa", "cudnn", "flash", "efficient"]
 Loss = Literal["default", "compiled", "cce", "cce_kahan_full_c", "cce_exact", "liger"]
 Float8 = Literal["none", "tensorwise", "rowwise"]
+LRDecay = Literal["none", "linear", "cosine"]
 Init = Literal["random", "pretrained"]
 
 # The groups a RunSpec field may belong to, said once, on the field (grouped): a strategy family
@@ -159,6 +160,9 @@ class RunSpec:
     expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
     adamw_impl: AdamWImpl = "foreach"
     lr: float = 1e-4
+    lr_warmup_steps: int = 0  # the lr rises linearly over the first n steps: lr/n, 2 lr/n, ..., lr (torchtitan's)
+    lr_decay: LRDecay = "none"  # after the warm-up: none (constant) | linear | cosine, towards lr x lr_min_ratio
+    lr_min_ratio: float = 0.0  # where the decay ends, as a fraction of lr (reached one step after the last)
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0  # clip the gradients' total norm (over every rank) to this before each step; 0: off
     device: Device = "auto"
@@ -235,6 +239,7 @@ class RunSpec:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
         for name in (
             "warmup_steps",
+            "lr_warmup_steps",
             "global_batch_size",
             "hsdp_shard_size",
             "prefetch_depth",
@@ -245,9 +250,7 @@ class RunSpec:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps >= self.steps:
             raise SpecError(where, "warmup_steps", f"expected fewer than steps ({self.steps}), got {self.warmup_steps}")
-        if self.lr <= 0:
-            raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
-        self._check_overflow(where)
+        self._check_optimizer(where)
         for name in ("weight_decay", "max_grad_norm", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
@@ -259,11 +262,19 @@ class RunSpec:
         check_data(where, spec)
         return spec
 
-    def _check_overflow(self, where: str) -> None:
-        """lr and weight_decay must not overflow the training dtype in the optimizer's first step:
+    def _check_optimizer(self, where: str) -> None:
+        """lr and its schedule; lr and weight_decay must not overflow the training dtype in the optimizer's first step:
         AdamW moves each weight by lr / (1 - beta1) (its bias correction) and scales it by
         1 - lr x weight_decay. Beyond the dtype's largest value the weights become inf, and the
         cell fails at run time instead of here."""
+        if self.lr <= 0:
+            raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
+        if self.lr_warmup_steps > self.steps:
+            raise SpecError(
+                where, "lr_warmup_steps", f"expected at most steps ({self.steps}), got {self.lr_warmup_steps}"
+            )
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise SpecError(where, "lr_min_ratio", f"expected a fraction in [0, 1], got {self.lr_min_ratio}")
         dtype, largest = TRAINING_DTYPE_MAX[self.precision]
         step = self.lr / (1 - ADAMW_BETA1)
         if step > largest:

@@ -50,7 +50,32 @@ def build_optimizer(model: nn.Module, spec: RunSpec) -> torch.optim.Optimizer:
         model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, **impl[spec.adamw_impl]
     )
     add_float8_scale_hook(optimizer, model, spec)
+    add_lr_schedule(optimizer, spec)
     return optimizer
+
+
+def add_lr_schedule(optimizer: torch.optim.Optimizer, spec: RunSpec) -> None:
+    """Set the lr of every optimizer step by lr_factor: a LambdaLR stepped by a post-step hook
+    on the optimizer, as the float8 scales are, so the training loop is unchanged."""
+    if not spec.lr_warmup_steps and spec.lr_decay == "none":
+        return
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(spec, step, spec.steps))
+    optimizer.register_step_post_hook(lambda *_: schedule.step())
+
+
+def lr_factor(spec: RunSpec, step: int, total: int) -> float:
+    """The lr of optimizer step `step` (from 0) of `total`, as a fraction of spec.lr: torchtitan's
+    warm-up, stable, decay schedule with decay_ratio unset (torchtitan/components/lr_scheduler.py
+    at v0.2.2): a linear warm-up to 1 over lr_warmup_steps, then lr_decay over the rest, towards
+    lr_min_ratio at a virtual step after the last, so that the last step's lr is not the minimum."""
+    warmup = min(spec.lr_warmup_steps, total)  # a batch-search probe runs fewer steps than the cell
+    if step < warmup:
+        return (step + 1) / warmup
+    if spec.lr_decay == "none":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    shape = 1 - progress if spec.lr_decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return spec.lr_min_ratio + (1 - spec.lr_min_ratio) * shape
 
 
 def train(
