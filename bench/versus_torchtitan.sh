@@ -91,7 +91,11 @@ source bench/gpu_env.sh
 write_machine_info "$work/machine.txt"
 printf '%s\n' "SUITE: strategy=$strategy ${SUITE[*]}" "CASES: ${CASES[*]}" "TORCHTITAN_DIR: $TORCHTITAN_DIR" \
   "NGPU=$NGPU RESHARD=$RESHARD SEQ=$SEQ WARMUP=$WARMUP TIMED=$TIMED REPEATS=$REPEATS LANES=$LANES" >> "$work/machine.txt"
-[[ -n $TORCHTITAN_DIR ]] && git -C "$TORCHTITAN_DIR" rev-parse HEAD >> "$work/machine.txt" 2>/dev/null
+# torchtitan's commit: from its own .git (a clone), or the COMMIT file beside a source archive; never
+# from a .git further up (the device's copy of this repository).
+if [[ -e $TORCHTITAN_DIR/.git ]]; then echo "torchtitan commit: $(git -C "$TORCHTITAN_DIR" rev-parse HEAD)"
+elif [[ -f $TORCHTITAN_DIR/COMMIT ]]; then echo "torchtitan commit: $(cat "$TORCHTITAN_DIR/COMMIT") (its COMMIT file)"
+fi >> "$work/machine.txt"
 weights="$work/weights"  # the suite's initial weights as an HF checkpoint, where a case names @WEIGHTS@
 if [[ "${CASES[*]}" == *@WEIGHTS@* ]]; then
   model=$(printf '%s\n' "${SUITE[@]}" | sed -n 's/^model=//p')
