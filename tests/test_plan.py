@@ -495,6 +495,8 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         saved = signals.handle_time_limit()
         os.kill(os.getpid(), signal.SIGUSR2)  # a requeue is left: submitit's handler, training goes on
         assert calls == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR2)  # the same signal again (podman's proxy and its shell): once only
+        assert calls == [signal.SIGUSR2]
         with pytest.raises(SystemExit, match="requeued after SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)  # the requeue ends this rank without a record
         signals.restore_handlers(saved)
@@ -503,6 +505,7 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         with pytest.raises(signals.CellTimeout, match="SIGUSR2"):
             os.kill(os.getpid(), signal.SIGUSR2)  # requeues used up: a timeout record
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while that record is written: ignored
+        os.kill(os.getpid(), signal.SIGUSR2)  # and a second SIGUSR2
         signals.restore_handlers(saved)
         assert calls == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is submitit_handler
     finally:

@@ -66,6 +66,8 @@ def handle_time_limit() -> dict:
         nonlocal requeued, ended
         name = signal.Signals(signum).name
         if requeued:
+            if signum == signal.SIGUSR2:  # the same signal again (podman passes it on twice): requeued once
+                return
             raise SystemExit(f"requeued after {name}")
         if ended:  # Slurm may signal twice (preemption does): the record of the first is being written
             return

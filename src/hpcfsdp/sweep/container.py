@@ -10,11 +10,12 @@ task, with the task's environment. pyxis is an srun plugin instead: `srun --cont
 Signals: srun passes Slurm's signals (the time limit's SIGUSR2, scancel's SIGTERM) to the task,
 which is the runtime's own process: Apptainer's starter passes them to the contained Python,
 podman run proxies them to the container (--sig-proxy, its default), and under pyxis the task is
-the contained process itself. podman's proxy alone loses scancel's SIGTERM: Slurm sends SIGCONT
-and then SIGTERM to every process of the step, the SIGTERM kills the `runc kill` that forwards the
-SIGCONT, and podman then stops proxying and dies of the SIGTERM itself, leaving the container
-running (its parent, conmon, is outside the step). So a small shell (PODMAN_TASK) names the
-container and sends it SIGTERM with `podman kill` as well (the cell ignores a second SIGTERM).
+the contained process itself. podman's proxy alone loses Slurm's signals: Slurm sends SIGCONT
+and then the signal (scancel's SIGTERM, the time limit's SIGUSR2) to every process of the step,
+the signal kills the `runc kill` that forwards the SIGCONT, and podman then stops proxying and
+dies of the signal itself, leaving the container running (its parent, conmon, is outside the
+step). So a small shell (PODMAN_TASK) names the container and sends it SIGTERM and SIGUSR2 with
+`podman kill` as well (the cell ignores the second of each: cell/signals.py).
 Records are written into the sweep folder, bound at its own path, so they land on the host.
 """
 
@@ -132,12 +133,12 @@ def parse_mount(text: str) -> tuple[str, str, str]:
 # it has no handler for), the job's environment (SLURM_*, the setup lines' exports), removal on exit.
 PODMAN_RUN_FLAGS = ("--rm", "--network=host", "--ipc=host", "--pid=host", "--uts=host", "--env-host")
 # The task of a podman container: `sh -c PODMAN_TASK hpcfsdp-podman <podman run's arguments>`. The
-# container is named per job, run and rank; a SIGTERM to the shell (scancel's) is passed on with
-# `podman kill`, which starts after Slurm's signals went out, and the shell waits for podman run
-# (the trap interrupts `wait`) and ends with its status.
+# container is named per job, run and rank; a SIGTERM or SIGUSR2 to the shell (scancel's, the time
+# limit's) is passed on with `podman kill`, which starts after Slurm's signals went out, and the
+# shell waits for podman run (the trap interrupts `wait`) and ends with its status.
 PODMAN_TASK = (
     "n=hpcfsdp-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}-$SLURM_PROCID; "
-    'trap "podman kill --signal=TERM $n >/dev/null 2>&1" TERM; '
+    'for s in TERM USR2; do trap "podman kill --signal=$s $n >/dev/null 2>&1" $s; done; '
     'podman run --name=$n "$@" & p=$!; '
     "while wait $p; r=$?; kill -0 $p 2>/dev/null; do :; done; exit $r"
 )
