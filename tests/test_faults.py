@@ -720,3 +720,36 @@ def test_summary_md_shows_strings_from_records_as_text(tmp_path):
     ):
         (row,) = [line for line in summary.splitlines() if escaped in line]
         assert row.startswith("| ") and row.endswith(" |")  # one table row, its cells intact
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether the process has a handler of its own for `sig` (the SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["SIGUSR2", "SIGTERM"])
+def test_a_signal_that_comes_before_torch_is_imported_still_ends_in_a_record(tmp_path, sig):
+    """Sent as soon as `hpcfsdp run` has a handler for it, while libtorch is not yet loaded: the
+    cell holds it until its own handlers are in place and then records it, at stage setup (by
+    default the signal would end the process, and a submitit task's handler would raise in the
+    middle of an import: no record either way). Without JOB_END, SIGTERM counts as the time limit."""
+    fields = [f"{key}={value}" for key, value in {**CPU_CELL, "strategy": "single", "steps": 1000}.items()]
+    command = [sys.executable, "-m", "hpcfsdp", "run", "--results-dir", str(tmp_path), "--sweep", "early", *fields]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    deadline = time.monotonic() + 60
+    while not catches(proc.pid, sig):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1, err[-3000:]
+    (path,) = tmp_path.glob("early/cells/*/result.json")
+    record = json.loads(path.read_text())
+    assert record["status"] == "timeout" and record["stage"] == "setup", record.get("traceback")
+    assert f"received {sig.name} (time limit)" in record["error"]

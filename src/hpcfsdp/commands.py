@@ -113,6 +113,9 @@ def _to_stderr(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
+    from .cell import early_signals
+
+    early_signals.hold()  # before torch is imported: a signal now still ends in a record
     from .cell.distributed import launched_shape
     from .cell.run import run_cell, run_cell_dir
     from .sweep.layout import cell_dir

@@ -28,6 +28,9 @@ class CellJob(submitit.helpers.Checkpointable):
     cell_dir: str
 
     def __call__(self) -> str:
+        from ..cell import early_signals
+
+        early_signals.hold()  # before torch is imported: a signal now still ends in a record
         from ..cell.run import run_cell_dir
 
         return run_cell_dir(Path(self.cell_dir))
