@@ -115,7 +115,12 @@ def _to_stderr(message: str) -> None:
 def run(args: argparse.Namespace) -> NoReturn:
     from .cell import early_signals
 
-    early_signals.hold()  # before torch is imported: a signal now still ends in a record
+    with early_signals.held():  # from before torch is imported: a signal now still ends in a record
+        status = _run_one_cell(args)
+    _exit_worker(0 if status == "ok" else 1)
+
+
+def _run_one_cell(args: argparse.Namespace) -> str:
     from .cell.distributed import launched_shape
     from .cell.run import run_cell, run_cell_dir
     from .sweep.layout import cell_dir
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> NoReturn:
         cell = Cell.of(spec)
         check_folder_name("run", "--sweep", args.sweep)
         status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep)
-    _exit_worker(0 if status == "ok" else 1)
+    return status
 
 
 def _exit_worker(code: int) -> NoReturn:

@@ -263,10 +263,10 @@ class RunSpec:
         return spec
 
     def _check_optimizer(self, where: str) -> None:
-        """lr and its schedule; lr and weight_decay must not overflow the training dtype in the optimizer's first step:
-        AdamW moves each weight by lr / (1 - beta1) (its bias correction) and scales it by
-        1 - lr x weight_decay. Beyond the dtype's largest value the weights become inf, and the
-        cell fails at run time instead of here."""
+        """lr and its schedule. lr and weight_decay must not overflow the training dtype in the first
+        step: AdamW moves each weight by lr / (1 - beta1) (its bias correction) and scales it by
+        1 - lr x weight_decay; beyond the dtype's largest value the weights become inf, and the
+        cell would fail at run time instead of here."""
         if self.lr <= 0:
             raise SpecError(where, "lr", f"expected a positive number, got {self.lr}")
         if self.lr_warmup_steps > self.steps:

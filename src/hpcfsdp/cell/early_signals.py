@@ -4,7 +4,7 @@ those handlers.
 A cell spends its first seconds importing torch and forming its process group. A time limit's
 SIGUSR2 or a cancel's SIGTERM in that window would end it without a record (the default action,
 or submitit's handler raising in the middle of an import), and the sweep would only learn that
-the job failed. So the entry points hold both signals from their first line (`hold`), and once
+the job failed. So the entry points hold both signals from their first line (`held`), and once
 signals.handle_time_limit is installed the cell delivers what was held (`release`, then
 `signal.raise_signal`): it records timeout or cancelled at stage `setup`, or is requeued, as it
 would have been a minute later. Imports nothing heavy: it runs before torch is imported.
@@ -12,7 +12,9 @@ would have been a minute later. Imports nothing heavy: it runs before torch is i
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
@@ -38,3 +40,16 @@ def release() -> list[int]:
     held = list(dict.fromkeys(_held))
     _held.clear()
     return held
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """`hold` for the block. Where the block ends before the cell released them (a bad argument, a
+    cell an earlier run finished), the handlers found are put back and what was held goes to them:
+    nothing stays held in the process, and a signal that came meanwhile still acts."""
+    hold()
+    try:
+        yield
+    finally:
+        for sig in release():
+            signal.raise_signal(sig)

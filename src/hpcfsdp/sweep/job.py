@@ -30,10 +30,10 @@ class CellJob(submitit.helpers.Checkpointable):
     def __call__(self) -> str:
         from ..cell import early_signals
 
-        early_signals.hold()  # before torch is imported: a signal now still ends in a record
-        from ..cell.run import run_cell_dir
+        with early_signals.held():  # from before torch is imported: a signal now still ends in a record
+            from ..cell.run import run_cell_dir
 
-        return run_cell_dir(Path(self.cell_dir))
+            return run_cell_dir(Path(self.cell_dir))
 
 
 def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
