@@ -722,18 +722,18 @@ def test_summary_md_shows_strings_from_records_as_text(tmp_path):
         assert row.startswith("| ") and row.endswith(" |")  # one table row, its cells intact
 
 
-def catches(pid: int, sig: signal.Signals) -> bool:
-    """Whether the process has a handler of its own for `sig` (the SigCgt mask in /proc)."""
+def blocks(pid: int, sig: signal.Signals) -> bool:
+    """Whether the process's main thread blocks `sig` (the SigBlk mask in /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
+        if line.startswith("SigBlk:"):
             return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM], ids=["SIGUSR2", "SIGTERM"])
 def test_a_signal_that_comes_before_torch_is_imported_still_ends_in_a_record(tmp_path, sig):
-    """Sent as soon as `hpcfsdp run` has a handler for it, while libtorch is not yet loaded: the
-    cell holds it until its own handlers are in place and then records it, at stage setup (by
+    """Sent as soon as `hpcfsdp run` blocks it, while libtorch is not yet loaded: the cell holds
+    it until its own handlers are in place and then records it, at stage setup (by
     default the signal would end the process, and a submitit task's handler would raise in the
     middle of an import: no record either way). Without JOB_END, SIGTERM counts as the time limit."""
     fields = [f"{key}={value}" for key, value in {**CPU_CELL, "strategy": "single", "steps": 1000}.items()]
@@ -742,7 +742,7 @@ def test_a_signal_that_comes_before_torch_is_imported_still_ends_in_a_record(tmp
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     deadline = time.monotonic() + 60
-    while not catches(proc.pid, sig):
+    while not blocks(proc.pid, sig):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.002)
     assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()

@@ -534,11 +534,13 @@ def test_plan_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, ca
 )
 def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
     # `run` holds Slurm's signals for its cell (cell/early_signals.py): a refusal holds none after it
     assert handlers == {sig: signal.getsignal(sig) for sig in handlers}
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
 
 
 def test_default_executor_is_local_where_slurm_is_not_installed(tmp_path, monkeypatch):

@@ -9,7 +9,6 @@ profiles and memory snapshot from profiling.py.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 import traceback
@@ -102,10 +101,9 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
-    held = early_signals.release()
     previous_handlers = handle_time_limit()
     try:
-        record, spec = _trained_record(spec, env, cell_dir, cell_id, progress, held)
+        record, spec = _trained_record(spec, env, cell_dir, cell_id, progress)
         status = record["status"]
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         hosts = all_gather_objects(node) if status == "ok" else [node]
@@ -128,14 +126,15 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
 
 
 def _trained_record(
-    spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress, held: list[int]
+    spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
 ) -> tuple[OkRecord | FailedRecord, RunSpec]:
     """The cell trained (or its failure as a record), and the spec it measured: with batch_size:
-    auto, the batch the search chose. `held`: signals that came before the handlers, delivered first."""
+    auto, the batch the search chose."""
     record: OkRecord | FailedRecord
     try:
-        for sig in held:
-            signal.raise_signal(sig)  # handle_time_limit's handler: CellTimeout, CellCancelled or a requeue
+        # A signal held since the entry point reaches handle_time_limit's handler here: CellTimeout,
+        # CellCancelled (recorded at stage setup) or a requeue.
+        early_signals.release()
         record = _train_cell(spec, env, cell_dir, cell_id, progress)
     except Exception as exc:  # every failure must become a record
         failure = _record_exception(exc, progress.stage, env)
