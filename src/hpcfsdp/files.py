@@ -9,6 +9,7 @@ that cannot be used is a RecordError naming it in one line, never a traceback.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -30,9 +31,22 @@ class RecordError(UserError, ValueError):
 
 def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
     """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
-    atomic_output. Values JSON does not know are written as text."""
-    text = json.dumps(value, indent=2, sort_keys=sort_keys, default=str) + "\n"
+    atomic_output. Strict JSON, which every parser reads (jq, JavaScript's JSON.parse, DuckDB's
+    read_json): a float that is not finite, for which JSON has no word (Python's json would write a
+    bare NaN or Infinity), is written as null. Values JSON does not know are written as text."""
+    text = json.dumps(_finite(value), indent=2, sort_keys=sort_keys, default=str, allow_nan=False) + "\n"
     return write_text(path, text)
+
+
+def _finite(value: Any) -> Any:
+    """value with every float that is not finite, at any depth of its dicts and lists, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -35,7 +35,8 @@ def checked_fields(*shapes: type) -> dict[str, Any]:
 
 def value_problem(name: str, value: Any, hint: Any) -> str | None:
     """Whether value (null aside) is what the annotation `hint` says: exactly its JSON type (true is
-    no integer), a list of numbers or of text, or an object whose keys are checked the same way."""
+    no integer), a list of numbers, integers or text (with nulls where the element type allows
+    None), or an object whose keys are checked the same way."""
     if value is None:
         return None
     kinds = tuple(kind for kind in (get_args(hint) if get_origin(hint) in UNIONS else (hint,)) if kind is not NoneType)
@@ -55,10 +56,13 @@ def value_problem(name: str, value: Any, hint: Any) -> str | None:
         return None
     if get_origin(shape) is list:
         (element,) = get_args(shape)
-        allowed = NUMBER_TYPES if element is float else {element}
+        members = get_args(element) if get_origin(element) in UNIONS else (element,)
+        element = next(kind for kind in members if kind is not NoneType)
+        nullable = NoneType in members  # list[float | None]: null stands for a value JSON has no word for
+        allowed = (NUMBER_TYPES if element is float else {element}) | ({NoneType} if nullable else set())
         if isinstance(value, list) and set(map(type, value)) <= allowed:
             return None
-        words = "numbers" if element is float else TYPE_WORDS[element]
+        words = {float: "numbers", int: "integers"}.get(element, TYPE_WORDS[element]) + (" or nulls" if nullable else "")
         return f"{name}: expected a list of {words}, got {shown(value)}"
     return type_problem(name, value, kinds + ((int,) if float in kinds else ()))
 

@@ -13,6 +13,7 @@ A rerun never destroys a record: the current one moves to `attempts/<n>.json` fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -25,7 +26,11 @@ from .files import RecordError, read_json_object, write_json
 from .jsontypes import SCALAR_TYPES, TYPE_WORDS, Checked, checked_fields, shown, value_problem
 from .spec import RunSpec
 
-SCHEMA_VERSION = 1
+# The version write_record writes, and those read_record reads. 2: strict JSON, `losses` holds null
+# for a step whose loss was not finite and `nonfinite_steps` names those steps; 1 wrote a bare NaN
+# there (Python's json reads it, other parsers refuse it) and is read as it was.
+SCHEMA_VERSION = 2
+READ_SCHEMA_VERSIONS = (1, 2)
 
 
 class CellState(str, Enum):
@@ -199,7 +204,8 @@ class OkRecord(Record, total=False):
     energy_j: float | None
     joules_per_token: Checked[float | None]
     energy_per_rank_j: list[float] | None
-    losses: Checked[list[float] | None]
+    losses: Checked[list[float | None] | None]  # null: a loss that was not finite (schema 2; NaN in 1)
+    nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
     model_source: dict[str, Any]
@@ -231,7 +237,8 @@ class FailedRecord(Record, total=False):
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int
-    losses: Checked[list[float] | None]  # a `diverged` record's: every loss known
+    losses: Checked[list[float | None] | None]  # a `diverged` record's: every loss known, null where not finite
+    nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     slurm_state: str  # one of Slurm's endings: its word, and what to change
     advice: str
 
@@ -250,10 +257,28 @@ class RecordState(NamedTuple):
 
 
 def write_record(path: str | Path, record: Mapping[str, Any]) -> Path:
-    """Write a record built here (OkRecord, FailedRecord) or read and amended (accounting added)."""
+    """Write a record built here (OkRecord, FailedRecord) or read and amended (accounting added), as
+    this SCHEMA_VERSION: strict JSON, which every parser reads (write_json); a loss that was not
+    finite becomes null in `losses`, and `nonfinite_steps` names its step."""
     if record.get("status") not in STATUSES:
         raise ValueError(f"record status must be one of {STATUSES}, got {record.get('status')!r}")
-    return write_json(path, {"schema_version": SCHEMA_VERSION, **record}, sort_keys=True)
+    return write_json(path, {**_with_nonfinite_steps(record), "schema_version": SCHEMA_VERSION}, sort_keys=True)
+
+
+def _with_nonfinite_steps(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record with null for each loss that is not a finite number (NaN, inf: JSON has no word
+    for them; or null already, in a record read back), and those steps, counted from 1 as
+    `diverged_step` and the progress lines count them, in `nonfinite_steps` (empty when every loss
+    is finite). A record without a list of losses is as it was."""
+    losses = record.get("losses")
+    if not isinstance(losses, list):
+        return dict(record)
+    kept = [loss if _finite_number(loss) else None for loss in losses]
+    return {**record, "losses": kept, "nonfinite_steps": [step for step, loss in enumerate(kept, 1) if loss is None]}
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def failure_record(
@@ -289,8 +314,9 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
     path = Path(path)
     record = read_json_object(path, root)
     version = record.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {SCHEMA_VERSION})")
+    if version not in READ_SCHEMA_VERSIONS:
+        expected = " or ".join(map(str, READ_SCHEMA_VERSIONS))
+        raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {expected})")
     if record.get("status") not in STATUSES:
         raise RecordError(f"{path}: status {shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
     problem = _record_problem(record)

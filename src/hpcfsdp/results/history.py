@@ -31,6 +31,10 @@ from ..fields import SpecError
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"
+# The DuckDB storage format the history is written in, whatever DuckDB writes it: DuckDB 1.1 and
+# every later one open it (DuckDB 2.0 writes by default a format that 1.5 and older cannot read).
+# The file's header then says storage version 64. docs/history.md; pyproject pins the writers tested.
+STORAGE_VERSION = "v1.1.0"
 
 
 class HistoryError(UserError, RuntimeError):
@@ -107,8 +111,10 @@ class History:
                 f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
                 "--history PATH names another)"
             )
+        # A new file is made in STORAGE_VERSION's format; an existing one keeps its own.
+        config = {} if read_only else {"storage_compatibility_version": STORAGE_VERSION}
         try:
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
+            self.con = duckdb.connect(str(self.path), read_only=read_only, config=config)
         except (OSError, duckdb.Error) as exc:  # no permission, not a DuckDB file
             raise HistoryError(f"{self.path}: cannot open ({str(exc).splitlines()[0]})") from None
         if not read_only:
@@ -228,6 +234,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
         try:
             if path.is_file() and path.stat().st_size:  # 0 bytes: an interrupted write of an older hpcfsdp
                 shutil.copyfile(path, scratch)
+                _rewrite_at_storage_version(scratch)
             with History(scratch) as store:
                 yield store
                 store.checkpoint()
@@ -241,8 +248,35 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
                 reason = str(exc).splitlines()[0].removeprefix(f"{scratch}: ").replace(str(scratch), str(path))
             raise HistoryError(f"{path}: not updated ({reason}); the file is as it was") from None
         finally:
-            for leftover in (scratch, scratch.with_name(scratch.name + ".wal")):
-                leftover.unlink(missing_ok=True)
+            for leftover in (scratch, _rewritten(scratch)):
+                for name in (leftover, leftover.with_name(leftover.name + ".wal")):
+                    name.unlink(missing_ok=True)
+
+
+def _rewrite_at_storage_version(copy: Path) -> None:
+    """Write the history's copy anew in STORAGE_VERSION's format (a file an older hpcfsdp let
+    DuckDB 2.0 write in its own becomes one that DuckDB 1.1 opens): every table, its keys and rows."""
+    import duckdb
+
+    fresh = _rewritten(copy)
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH {_sql_text(copy)} AS hpcfsdp_copy (READ_ONLY)")
+        con.execute(f"ATTACH {_sql_text(fresh)} AS hpcfsdp_fresh (STORAGE_VERSION '{STORAGE_VERSION}')")
+        con.execute("COPY FROM DATABASE hpcfsdp_copy TO hpcfsdp_fresh")
+        con.execute("DETACH hpcfsdp_fresh")
+    finally:
+        con.close()
+    os.replace(fresh, copy)
+
+
+def _rewritten(copy: Path) -> Path:
+    return copy.with_name(copy.name + ".rewritten")
+
+
+def _sql_text(path: Path) -> str:
+    """A path as an SQL string literal (ATTACH takes no parameter)."""
+    return "'" + str(path).replace("'", "''") + "'"
 
 
 LOCK_WAIT_S = 120.0  # how long a collect waits for another one's update of the history
