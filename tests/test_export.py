@@ -4,10 +4,12 @@ history, and its export to TensorBoard, MLflow and W&B (offline), read back with
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import duckdb
@@ -28,18 +30,38 @@ SECRETS = {
 }
 
 
+DIVERGING = {"strategy": "ddp", "lr": 1.0e12, "steps": 6, "comm_profile_steps": 0}
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+SWEEP_UID = "a1b2c3d4e5f60718"
+# The measured cell's step times: the record's step time is their median (0.3), not the last (0.5).
+STEP_TIMES = [0.3, 0.1, 0.5]
+
+
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """A sweep folder with one real ok record, trained with NCCL / TORCH / PYTORCH settings and
-    secrets in its environment, and one failed record written beside it."""
+def sweep(cells) -> tuple[Path, dict, dict]:
+    """The sweep folder, its real ok record (trained with NCCL / TORCH / PYTORCH settings and
+    secrets in its environment) and the failed record written beside it."""
+    sweep_dir, records = cells
+    return sweep_dir, records["ok"], records["broken"]
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The sweep folder `t` and its four records, by role: a real ok cell (2 ranks, fsdp2_zero3); a
+    real diverged one (lr 1e12); a failed one written beside them; and an ok one written as a Slurm
+    array task (job 4242, task 3, sweep id in the manifest) whose step times' median is not the
+    last step's time."""
     tmp = tmp_path_factory.mktemp("export")
     with pytest.MonkeyPatch.context() as env:
         for name, value in {**SETTINGS, **SECRETS}.items():
             env.setenv(name, value)
         record = run_torchrun_cell(tmp, 2, strategy="fsdp2_zero3")
     assert record["status"] == "ok", record.get("error")
+    diverged = run_torchrun_cell(tmp, 2, **DIVERGING)
+    assert diverged["status"] == "diverged", diverged.get("error")
     sweep_dir = tmp / "results" / "t"
-    failed = {key: record[key] for key in ("sweep", "world_size", "nodes", "versions", "slurm", "launch_id")}
+    copied = ("sweep", "world_size", "nodes", "versions", "slurm", "launch_id", "git_commit", "hostnames")
+    failed = {key: record[key] for key in copied}
     failed.update(
         status="error",
         stage="shard",
@@ -50,7 +72,31 @@ def sweep(tmp_path_factory) -> tuple[Path, dict, dict]:
         duration_s=5.0,
     )
     write_record(sweep_dir / "cells" / "broken-cell" / "result.json", failed)
-    return sweep_dir, record, failed
+    measured = {
+        **record,
+        "cell_id": "measured-cell",
+        "spec": {**record["spec"], "batch_size": 2},
+        "step_times_s": STEP_TIMES,
+        "step_time_s": 0.3,
+        "step_time_p90_s": 0.46,
+        "started_at": record["started_at"] + 120,
+        "duration_s": 30.0,
+        "hostnames": ["n1", "n2"],
+        "git_commit": COMMIT,
+        "launch_id": "slurm-4250-0",
+        "slurm": {
+            "job_id": "4250",
+            "array_job_id": "4242",
+            "array_task_id": "3",
+            "job_nodelist": "n[1-2]",
+            "cluster_name": "alps",
+            "job_partition": "gpu",
+        },
+    }
+    write_record(sweep_dir / "cells" / "measured-cell" / "result.json", measured)
+    entry = {"executor": "slurm", "job_id": "4242_3", "cluster": "", "submitted_at": record["started_at"]}
+    (sweep_dir / "manifest.json").write_text(json.dumps({"measured-cell": {**entry, "sweep_uid": SWEEP_UID}}))
+    return sweep_dir, {"ok": record, "diverged": diverged, "broken": failed, "measured": measured}
 
 
 def test_a_record_carries_driver_cuda_nccl_and_the_framework_settings_but_no_secret(sweep):
@@ -67,7 +113,8 @@ def test_a_record_carries_driver_cuda_nccl_and_the_framework_settings_but_no_sec
 def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, capsys):
     sweep_dir, record, _ = sweep
     assert main(["collect", str(sweep_dir), "--no-plots", "--history", str(sweep_dir.parent / "real.duckdb")]) == 0
-    assert "Slurm accounting" not in capsys.readouterr().err  # no cell ran under Slurm: nothing to ask
+    err = capsys.readouterr().err  # only the cell recorded as a Slurm array task is asked about
+    assert "Slurm accounting" not in err or "not added to 1 record(s)" in err
     with duckdb.connect(str(sweep_dir.parent / "real.duckdb"), read_only=True) as con:
         rows = con.execute(
             "SELECT cell_id, status, cluster, gpu, torch_version, setup, tokens_per_s_per_gpu, "
@@ -83,18 +130,84 @@ def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, cap
         pytest.approx(record["tokens_per_s_per_gpu"]),
         pytest.approx(record["peak_memory_gib"]),
     )
-    assert rows[1] == ok and rows[0][:2] == ("broken-cell", "error")
+    by_cell = {row[0]: row for row in rows}
+    assert by_cell[record["cell_id"]] == ok and by_cell["broken-cell"][:2] == ("broken-cell", "error")
 
 
-def test_export_to_tensorboard_writes_one_run_per_cell_that_its_reader_reads_back(sweep, tmp_path, capsys):
+# ---------------------------------------------------------------------------------------------
+# What every export must say of each record, read back from each tool as plain values
+
+
+def expected_runs(sweep_dir: Path, records: dict[str, dict]) -> dict[str, dict]:
+    """cell id -> what its run must hold in every tool: the loss and step-time series at the steps
+    the record counts (the first optimizer step is 1), the record's figures, and its provenance."""
+    runs = {}
+    for role, record in records.items():
+        warmup = record.get("warmup_steps", 0)
+        runs[record["cell_id"]] = {
+            "role": role,
+            "losses": list(enumerate(record.get("losses") or [], 1)),
+            "step_times": [(warmup + i, t) for i, t in enumerate(record.get("step_times_s") or [], 1)],
+            "step_time_s": record.get("step_time_s"),
+            "provenance": {
+                "git_commit": record.get("git_commit"),
+                "sweep_dir": str(sweep_dir.resolve()),
+                **(
+                    {
+                        "slurm_job_id": "4242_3",
+                        "slurm_array_job_id": "4242",
+                        "slurm_array_task_id": "3",
+                        "sweep_uid": SWEEP_UID,
+                    }
+                    if role == "measured"
+                    else {}
+                ),
+            },
+        }
+    return runs
+
+
+def same_losses(got: list[tuple[int, float]], expected: list[tuple[int, float | None]]) -> bool:
+    """Steps equal, values equal (float32 in event files), NaN where the record has null."""
+    if [step for step, _ in got] != [step for step, _ in expected]:
+        return False
+    for (_, value), (_, want) in zip(got, expected):
+        if want is None or not math.isfinite(want):
+            if not math.isnan(value):
+                return False
+        elif value != pytest.approx(want, rel=1e-6):
+            return False
+    return True
+
+
+def test_the_diverged_record_is_strict_json_with_null_at_its_diverged_step(cells):
+    """JSON parsers outside Python (node, jq, DuckDB) refuse a bare NaN: the record holds null at
+    the diverged step and names it in nonfinite_steps; DuckDB's read_json reads the file."""
+    sweep_dir, records = cells
+    diverged = records["diverged"]
+    path = sweep_dir / "cells" / diverged["cell_id"] / "result.json"
+
+    def refuse(constant: str):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    strict = json.loads(path.read_text(), parse_constant=refuse)
+    step = strict["diverged_step"]
+    assert strict["schema_version"] == 2 and strict["nonfinite_steps"] == [step] and step >= 2
+    assert strict["losses"][step - 1] is None and all(isinstance(x, float) for x in strict["losses"][: step - 1])
+    with duckdb.connect() as con:
+        losses, nonfinite = con.execute("SELECT losses, nonfinite_steps FROM read_json(?)", [str(path)]).fetchone()
+    assert losses == strict["losses"] and nonfinite == [step]
+
+
+def test_export_to_tensorboard_writes_plain_scalars_its_reader_reads_back(cells, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import metadata
-    from tensorboard.util import tensor_util
+    from tensorboard.plugins.hparams import api_pb2, metadata
 
-    sweep_dir, record, _ = sweep
+    sweep_dir, records = cells
+    record = records["ok"]
     for _ in range(2):  # a second export replaces the runs, it does not add to them
         assert main(["export", str(sweep_dir), "--to", "tensorboard", str(tmp_path / "tb")]) == 0
-    assert f"exported 2 run(s) of {sweep_dir} to tensorboard" in capsys.readouterr().out
+    assert f"exported 4 run(s) of {sweep_dir} to tensorboard" in capsys.readouterr().out
 
     def read(run: str) -> EventAccumulator:
         assert len(list((tmp_path / "tb" / "t" / run).glob("events.out.tfevents.*"))) == 1
@@ -102,59 +215,89 @@ def test_export_to_tensorboard_writes_one_run_per_cell_that_its_reader_reads_bac
         events.Reload()
         return events
 
-    def series(events: EventAccumulator, tag: str) -> list[tuple[int, float]]:
-        return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
-
     def hparams(events: EventAccumulator) -> dict:
         content = events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
         info = metadata.parse_session_start_info_plugin_data(content)
         return {name: getattr(value, value.WhichOneof("kind")) for name, value in info.hparams.items()}
 
+    def status(events: EventAccumulator) -> int:
+        content = events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_END_INFO_TAG]
+        return metadata.parse_session_end_info_plugin_data(content).status
+
+    for cell_id, want in expected_runs(sweep_dir, records).items():
+        events = read(cell_id)
+        got = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+        assert same_losses(got.get("loss", []), want["losses"]), (cell_id, got.get("loss"))
+        assert got.get("step_times_s", []) == [(s, pytest.approx(t, rel=1e-6)) for s, t in want["step_times"]]
+        provenance = {key: value for key, value in want["provenance"].items() if value}
+        assert hparams(events).items() >= {**provenance, "status": records[want["role"]]["status"]}.items()
+        ok = want["role"] in ("ok", "measured")
+        assert status(events) == (api_pb2.STATUS_SUCCESS if ok else api_pb2.STATUS_FAILURE), cell_id
+        if ok:  # the figure is the record's median, at the last step
+            assert got["final/step_time_s"] == [(want["losses"][-1][0], pytest.approx(want["step_time_s"]))]
+    measured = read("measured-cell")
+    assert measured.Scalars("final/step_time_s")[0].value != pytest.approx(STEP_TIMES[-1])
+
     ok = read(record["cell_id"])
-    steps, warmup = record["spec"]["steps"], record["spec"]["warmup_steps"]
-
-    def near(value: float):  # event files hold float32
-        return pytest.approx(value, rel=1e-6)
-
-    assert series(ok, "loss") == [(step, near(loss)) for step, loss in enumerate(record["losses"])]
-    assert series(ok, "step_time_s") == [(warmup + i, near(t)) for i, t in enumerate(record["step_times_s"])]
-    assert series(ok, "final/tokens_per_s_per_gpu") == [(steps - 1, near(record["tokens_per_s_per_gpu"]))]
-    assert series(ok, "final/peak_memory_gib") == [(steps - 1, near(record["peak_memory_gib"]))]
-    assert "final/mfu" not in ok.Tags()["tensors"]  # a CPU run has no MFU
-    assert hparams(ok) == {**{k: v for k, v in record["spec"].items()}, "status": "ok"}
+    assert hparams(ok).items() >= record["spec"].items()
+    assert "final/mfu" not in ok.Tags()["scalars"]  # a CPU run has no MFU
+    # Each point at the time the record gives its step: the last timed step at the record's end,
+    # each earlier one a step time before; the warm-up steps at the start of the first timed one.
+    end = record["started_at"] + record["duration_s"]
+    walls = {e.step: e.wall_time for e in ok.Scalars("loss")}
+    times = dict(expected_runs(sweep_dir, records)[record["cell_id"]]["step_times"])
+    steps = sorted(walls)
+    assert walls[steps[-1]] == pytest.approx(end)
+    for step in steps[:-1]:  # a step ends where the next one starts; a warm-up step has no time of its own
+        assert walls[step] == pytest.approx(walls[step + 1] - times.get(step + 1, 0.0))
+    assert len(set(walls.values())) == len(times) + 1
 
     broken = read("broken-cell")
-    assert broken.Tags()["tensors"] == [metadata.SESSION_START_INFO_TAG]
-    assert hparams(broken)["status"] == "error" and hparams(broken)["strategy"] == "ddp"
+    assert broken.Tags()["scalars"] == [] and hparams(broken)["strategy"] == "ddp"
     experiment = EventAccumulator(str(tmp_path / "tb" / "t"))
     experiment.Reload()
     assert metadata.EXPERIMENT_TAG in experiment.PluginTagToContent(metadata.PLUGIN_NAME)
 
 
-def test_export_to_mlflow_writes_a_file_store_its_client_reads_back(sweep, tmp_path, capsys):
+@pytest.mark.parametrize("store", ["file", "sqlite"])
+def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, capsys, store):
+    """A file store (a folder) and a database (sqlite:///...), with the mlflow extra: mlflow-skinny,
+    SQLAlchemy and alembic."""
     from mlflow.tracking import MlflowClient
 
-    sweep_dir, record, _ = sweep
-    store = tmp_path / "mlruns"
-    assert main(["export", str(sweep_dir), "--to", "mlflow", str(store)]) == 0
-    assert main(["export", str(sweep_dir), "--to", "mlflow", str(store)]) == 0
+    sweep_dir, records = cells
+    record = records["ok"]
+    target = str(tmp_path / "mlruns") if store == "file" else f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert main(["export", str(sweep_dir), "--to", "mlflow", target]) == 0
+    assert main(["export", str(sweep_dir), "--to", "mlflow", target]) == 0
     assert "exported 0 run(s)" in capsys.readouterr().out.splitlines()[-1]
 
-    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri() if store == "file" else target)
     experiment = client.get_experiment_by_name("t")
     runs = {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
-    assert set(runs) == {record["cell_id"], "broken-cell"}
+    assert set(runs) == {r["cell_id"] for r in records.values()}
+    for cell_id, want in expected_runs(sweep_dir, records).items():
+        run, source = runs[cell_id], records[want["role"]]
+        history = {
+            name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            for name in ("loss", "step_times_s")
+        }
+        assert same_losses(history["loss"], want["losses"]), (cell_id, history["loss"])
+        assert history["step_times_s"] == want["step_times"]
+        assert run.data.metrics.get("step_time_s") == want["step_time_s"]  # the record's median, not the last step's
+        assert run.info.start_time == int(source["started_at"] * 1000)
+        assert run.info.end_time == int((source["started_at"] + source["duration_s"]) * 1000)
+        provenance = {f"hpcfsdp.{key}": value for key, value in want["provenance"].items() if value}
+        assert run.data.tags.items() >= provenance.items()
+        assert run.data.tags["mlflow.source.git.commit"] == source["git_commit"]
+        assert run.data.tags["hpcfsdp.hostnames"] == ",".join(source["hostnames"])
+        assert run.info.status == ("FINISHED" if source["status"] == "ok" else "FAILED")
     ok = runs[record["cell_id"]]
-    assert ok.info.status == "FINISHED" and ok.info.start_time == int(record["started_at"] * 1000)
     assert ok.data.params == {name: str(value) for name, value in record["spec"].items()}
     assert ok.data.tags["hpcfsdp.setup"] == setup_key(record["spec"]) and ok.data.tags["hpcfsdp.status"] == "ok"
     assert ok.data.metrics["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"])
     assert ok.data.metrics["peak_memory_gib"] == pytest.approx(record["peak_memory_gib"])
-    losses = client.get_metric_history(ok.info.run_id, "loss")
-    assert [(m.step, m.value) for m in sorted(losses, key=lambda m: m.step)] == list(enumerate(record["losses"]))
-    times = client.get_metric_history(ok.info.run_id, "step_time_s")
-    warmup = record["spec"]["warmup_steps"]
-    assert sorted((m.step, m.value) for m in times) == [(warmup + i, t) for i, t in enumerate(record["step_times_s"])]
+    assert runs["measured-cell"].data.metrics["step_time_s"] != STEP_TIMES[-1]
     broken = runs["broken-cell"]
     assert broken.info.status == "FAILED" and broken.data.tags["hpcfsdp.error"] == "RuntimeError: injected"
     assert broken.data.metrics == {}
@@ -168,7 +311,8 @@ def wandb_records(path: Path) -> list:
 
     wandb 0.2x moved its reader (the Python `datastore`) into the Go wandb-core, which offers no
     call to read a file: this unframes the log as that datastore did (a 7-byte header `:W&B`,
-    0xBEE1, version; then chunks of checksum, length, type: full, first, middle, last)."""
+    0xBEE1, version; then chunks of checksum, length, type: full, first, middle, last), and checks
+    each chunk's checksum (CRC-32 of its type and data) as that reader did."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -178,19 +322,22 @@ def wandb_records(path: Path) -> list:
         if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block's tail too short for a header is padding
             pos += WANDB_BLOCK - pos % WANDB_BLOCK
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        pending += data[pos + 7 : pos + 7 + length]
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == checksum, f"{path}: bad checksum at {pos}"
+        pending += chunk
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             records.append(record)
             pending = b""
+    assert pos == len(data) and not pending
     return records
 
 
 def read_wandb_run(folder: Path) -> dict:
-    """An offline run: its run record, config, history rows, summary and exit code."""
+    """An offline run: its run record, config, history rows, summary and exit record."""
     (path,) = folder.glob("run-*.wandb")
     run: dict = {"config": {}, "history": [], "summary": {}}
     for record in wandb_records(path):
@@ -209,38 +356,79 @@ def read_wandb_run(folder: Path) -> dict:
                 {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update}
             )
         elif kind == "exit":
-            run["exit_code"] = record.exit.exit_code
+            run["exit"] = record.exit
     return run
 
 
-def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(sweep, tmp_path, capsys):
-    sweep_dir, record, _ = sweep
+def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_path, capsys):
+    sweep_dir, records = cells
+    record = records["ok"]
     out = tmp_path / "wb"
     assert main(["export", str(sweep_dir), "--to", "wandb", str(out)]) == 0
     assert main(["export", str(sweep_dir), "--to", "wandb", str(out)]) == 0  # exported before: skipped
     printed = capsys.readouterr().out.splitlines()
-    assert f"exported 2 run(s) of {sweep_dir} to wandb" in printed[0] and "exported 0 run(s)" in printed[-1]
+    assert f"exported 4 run(s) of {sweep_dir} to wandb" in printed[0] and "exported 0 run(s)" in printed[-1]
 
     runs = {}
     for folder in sorted((out / "wandb").glob("offline-run-*")):
         run = read_wandb_run(folder)
         runs[run["run"].display_name] = run
-    assert set(runs) == {record["cell_id"], "broken-cell"}
+        # nothing of the exporting machine: no requirements.txt, no metadata (OS, program, git)
+        assert [p.name for p in (folder / "files").iterdir()] == []
+    assert set(runs) == {r["cell_id"] for r in records.values()}
+    for cell_id, want in expected_runs(sweep_dir, records).items():
+        run, source = runs[cell_id], records[want["role"]]
+        rows = {row["_step"]: row for row in run["history"]}
+        losses = [(step, row["loss"]) for step, row in sorted(rows.items()) if "loss" in row]
+        assert same_losses(losses, want["losses"]), losses  # wandb writes NaN, which json.loads reads
+        assert [(s, row["step_times_s"]) for s, row in sorted(rows.items()) if "step_times_s" in row] == want[
+            "step_times"
+        ]
+        assert run["summary"].get("step_time_s") == want["step_time_s"]  # the record's median
+        assert run["summary"].items() >= {k: v for k, v in want["provenance"].items() if v}.items()
+        # When and where the run was made, from the record: not when and where it was exported.
+        assert run["run"].start_time.ToNanoseconds() == int(source["started_at"] * 1e9)
+        assert run["summary"]["_runtime"] == pytest.approx(source["duration_s"])
+        assert run["summary"]["_wandb.runtime"] == round(source["duration_s"])
+        assert run["exit"].runtime == round(source["duration_s"])
+        assert run["run"].host == ",".join(source.get("hostnames", []))
+        assert run["run"].git.commit == source["git_commit"] and run["run"].git.remote_url == ""
+        assert run["exit"].exit_code == (0 if source["status"] == "ok" else 1)
+        for row in rows.values():
+            assert row["_runtime"] == pytest.approx(row["_timestamp"] - source["started_at"])
     ok = runs[record["cell_id"]]
-    assert ok["run"].project == "t" and ok["run"].run_group == setup_key(record["spec"]) and ok["exit_code"] == 0
+    assert ok["run"].project == "t" and ok["run"].run_group == setup_key(record["spec"])
     assert {k: v for k, v in ok["config"].items() if not k.startswith("_")} == record["spec"]
-    warmup = record["spec"]["warmup_steps"]
-    steps = {row["_step"]: row for row in ok["history"]}
-    assert [(step, row["loss"]) for step, row in sorted(steps.items())] == list(enumerate(record["losses"]))
-    assert [(step, row["step_time_s"]) for step, row in sorted(steps.items()) if "step_time_s" in row] == [
-        (warmup + i, t) for i, t in enumerate(record["step_times_s"])
-    ]
+    last = max(ok["history"], key=lambda row: row["_step"])
+    assert last["_timestamp"] == pytest.approx(record["started_at"] + record["duration_s"])
     assert ok["summary"]["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"])
     assert ok["summary"]["peak_memory_gib"] == pytest.approx(record["peak_memory_gib"])
     assert ok["summary"]["status"] == "ok" and "mfu" not in ok["summary"]  # a CPU run has no MFU
+    assert runs["measured-cell"]["summary"]["step_time_s"] != STEP_TIMES[-1]
     broken = runs["broken-cell"]
-    assert broken["exit_code"] == 1 and broken["history"] == [] and broken["config"]["strategy"] == "ddp"
+    assert broken["history"] == [] and broken["config"]["strategy"] == "ddp"
     assert broken["summary"]["status"] == "error" and broken["summary"]["error"] == "RuntimeError: injected"
+
+
+def test_a_wandb_log_read_and_written_again_is_the_same_bytes(tmp_path):
+    """The frames export_wandb writes back are wandb's own: a log wandb wrote (one record longer
+    than a 32 KiB block among them) read and written again is byte for byte what wandb wrote."""
+    import wandb
+
+    from hpcfsdp.results.export_wandb import read_log, write_log
+
+    settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True)
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="p", id="frames", settings=settings)
+    run.config.update({"long": "x" * 100_000})
+    for step in range(1, 200):
+        run.log({"loss": 1.0 / step, "text": "y" * (step * 37)}, step=step)
+    run.finish()
+    wandb.teardown()
+    (log,) = (tmp_path / "wandb").glob("offline-run-*-frames/run-frames.wandb")
+    written = log.read_bytes()
+    assert len(written) > 3 * WANDB_BLOCK
+    write_log(log, read_log(log))
+    assert log.read_bytes() == written
 
 
 # Runs one hpcfsdp command in a fresh interpreter, with the named modules made unimportable.

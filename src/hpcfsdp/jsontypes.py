@@ -7,6 +7,7 @@ checks a record through them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
@@ -54,7 +55,7 @@ def value_problem(name: str, value: Any, hint: Any) -> str | None:
             if problem:
                 return problem
         return None
-    if get_origin(shape) is list:
+    if get_origin(shape) in (list, Sequence):  # a Sequence: what a writer gives may be a list of a narrower type
         (element,) = get_args(shape)
         members = get_args(element) if get_origin(element) in UNIONS else (element,)
         element = next(kind for kind in members if kind is not NoneType)
@@ -62,7 +63,8 @@ def value_problem(name: str, value: Any, hint: Any) -> str | None:
         allowed = (NUMBER_TYPES if element is float else {element}) | ({NoneType} if nullable else set())
         if isinstance(value, list) and set(map(type, value)) <= allowed:
             return None
-        words = {float: "numbers", int: "integers"}.get(element, TYPE_WORDS[element]) + (" or nulls" if nullable else "")
+        words = {float: "numbers", int: "integers"}.get(element, TYPE_WORDS[element])
+        words += " or nulls" if nullable else ""
         return f"{name}: expected a list of {words}, got {shown(value)}"
     return type_problem(name, value, kinds + ((int,) if float in kinds else ()))
 

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict, cast
@@ -204,7 +204,8 @@ class OkRecord(Record, total=False):
     energy_j: float | None
     joules_per_token: Checked[float | None]
     energy_per_rank_j: list[float] | None
-    losses: Checked[list[float | None] | None]  # null: a loss that was not finite (schema 2; NaN in 1)
+    # The cell gives floats (NaN where not finite); write_record writes those as null (schema 2).
+    losses: Checked[Sequence[float | None] | None]
     nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
@@ -237,7 +238,7 @@ class FailedRecord(Record, total=False):
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int
-    losses: Checked[list[float | None] | None]  # a `diverged` record's: every loss known, null where not finite
+    losses: Checked[Sequence[float | None] | None]  # a `diverged` record's: every loss known, null where not finite
     nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     slurm_state: str  # one of Slurm's endings: its word, and what to change
     advice: str

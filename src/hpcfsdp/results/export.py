@@ -1,49 +1,102 @@
 """`hpcfsdp export SWEEP --to tensorboard|mlflow|wandb DIR`: one run per cell record, where people
 already look at runs (docs/history.md).
 
-Each run holds the loss per step and the step time as series, the spec as hyperparameters /
-params, and the headline metrics (tokens/s per GPU, MFU, peak memory) as final values. The writers
-are the libraries' own, imported here only: tensorboard, mlflow and wandb are optional extras
+Every tool gets the same run of a record (ExportedRun): the loss and the timed steps' times as
+series, at the steps the record, the report's loss plot and the progress lines count (the first
+optimizer step is 1); the record's own figures (its median step time, tokens/s per GPU, MFU, peak
+memory) as the run's summary, never the last point of a series; the spec as hyperparameters /
+params; when, where and from what the run was made (start, duration, hosts, versions, git commit,
+Slurm job, sweep folder) as the record says, never the exporting machine. The writers are the
+libraries' own, imported here only: tensorboard, mlflow and wandb are optional extras
 (`pip install 'hpcfsdp[tensorboard]'`, `'hpcfsdp[mlflow]'`, `'hpcfsdp[wandb]'`). W&B runs are
-written offline only (nothing leaves the machine): `wandb sync DIR/wandb/offline-run-*` uploads them.
+written offline only (nothing leaves the machine; export_wandb.py).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from ..errors import UserError
+from ..files import RecordError
+from ..record import CellState, slurm_job_of
+from ..sweep.layout import read_manifest
 from .history_rows import attempt_of, setup_key, spec_values, system_of
 from .read import METRICS, load_records
 
 TARGETS = ("tensorboard", "mlflow", "wandb")
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # target -> the pyproject extra
-FINAL_PREFIX = "final/"  # TensorBoard tag of a headline metric
-MLFLOW_METRICS, MLFLOW_PARAMS = 1000, 100  # the most MLflow's log_batch takes in one call
+# The record's figures a run's summary carries (final values): its headline metrics and its step
+# time, which is the median of the timed steps (docs/metrics.md), not the last step's.
+FIGURES = (*METRICS, "step_time_s", "step_time_p90_s")
+FINAL_PREFIX = "final/"  # TensorBoard tag of a figure
+UID_KEY = "sweep_uid"  # the sweep's random id, where the record or its manifest entry has one
+MLFLOW_METRICS, MLFLOW_PARAMS, MLFLOW_TAG_CHARS = 1000, 100, 5000  # what MLflow takes in one call / one tag
 
 
 class ExportError(UserError, RuntimeError):
     """The export cannot run: a missing extra or an unusable target; one line."""
 
 
+@dataclass(frozen=True)
+class ExportedRun:
+    """What one record becomes in every tool. Steps count from 1, as the record's `diverged_step`,
+    the progress lines and the report's loss plot count them."""
+
+    cell_id: str
+    status: str
+    error: str | None  # its first line
+    spec: dict[str, Any]
+    setup: str
+    attempt: str
+    system: str | None
+    gpu: str | None
+    losses: list[tuple[int, float]]  # (step, loss): NaN where the loss was not finite
+    step_times: list[tuple[int, float]]  # (step, seconds) of the timed steps, those after the warm-up
+    wall_times: dict[int, float]  # step -> when it ended (Unix time; wall_times_of)
+    figures: dict[str, float]  # FIGURES the record has
+    provenance: dict[str, str]  # what it was made from and by (_provenance): git commit, Slurm job, sweep
+    hostnames: list[str]
+    versions: dict[str, str]
+    started_at: float | None
+    duration_s: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == CellState.OK
+
+    @property
+    def ended_at(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return self.started_at + (self.duration_s or 0.0)
+
+    @property
+    def last_step(self) -> int:
+        """The step the figures are shown at: the last one trained (0 for a cell that trained none)."""
+        return max((step for step, _ in self.losses + self.step_times), default=0)
+
+
 def export_sweep(sweep_dir: Path, target: str, destination: str) -> tuple[int, int]:
     """Write one run per cell record of the sweep; returns (runs written, runs already there)."""
     if target not in TARGETS:
         raise ExportError(f"export: --to {target}: expected one of {', '.join(TARGETS)}")
-    writer = {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}[target]
+    from . import export_tensorboard, export_wandb
+
+    writer = {"tensorboard": export_tensorboard.write, "mlflow": _mlflow, "wandb": export_wandb.write}[target]
     collection = load_records(sweep_dir)
-    runs = list(_runs(collection.frame, collection.spec_fields))
+    runs = list(exported_runs(Path(sweep_dir), collection.frame, collection.spec_fields))
     return writer(runs, Path(sweep_dir).resolve().name, destination)
 
 
-def _import_extra(target: str) -> None:
+def import_extra(target: str) -> None:
     """Import the target's library (lazily, here only), or say which extra installs it."""
     import importlib
 
@@ -55,101 +108,120 @@ def _import_extra(target: str) -> None:
         ) from None
 
 
-def _runs(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """What a run holds, per record: plain Python values (NaN -> None)."""
+def exported_runs(sweep_dir: Path, frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> Iterator[ExportedRun]:
+    """One ExportedRun per record of the sweep's frame (read.load_records: one row per record)."""
     if frame.empty:
         return
+    manifest = _manifest(sweep_dir)
+    folder = str(sweep_dir.resolve())
     for record in frame.to_dict("records"):
         spec = spec_values({name: record.get(name) for name in spec_fields})
         warmup = int(_number(record.get("warmup_steps")) or 0)
         started, duration = _number(record.get("started_at")), _number(record.get("duration_s"))
-        yield {
-            "cell_id": record["cell_id"],
-            "status": record["status"],
-            "error": record.get("error") if isinstance(record.get("error"), str) else None,
-            "spec": spec,
-            "setup": setup_key(spec),
-            "attempt": attempt_of(record.get("launch_id"), record.get("started_at")),
-            "system": system_of(record.get("slurm.cluster_name"), record.get("hostnames")),
-            "gpu": record.get("device_name") if isinstance(record.get("device_name"), str) else None,
-            "losses": _numbers(record.get("losses")),
-            "step_times": [(warmup + i, t) for i, t in enumerate(_numbers(record.get("step_times_s")))],
-            "metrics": {name: value for name in METRICS if (value := _number(record.get(name))) is not None},
-            "started_at": started,
-            "ended_at": started + duration if started is not None and duration is not None else started,
-            "versions": {
+        losses = [(step, _loss(value)) for step, value in enumerate(_list(record.get("losses")), 1)]
+        step_times = [
+            (warmup + step, float(t))
+            for step, t in enumerate(_list(record.get("step_times_s")), 1)
+            if _number(t) is not None
+        ]
+        entry = manifest.get(record["cell_id"])
+        yield ExportedRun(
+            cell_id=record["cell_id"],
+            status=str(record["status"]),
+            error=record["error"].splitlines()[0] if _text(record.get("error")) else None,
+            spec=spec,
+            setup=setup_key(spec),
+            attempt=attempt_of(record.get("launch_id"), record.get("started_at")),
+            system=system_of(record.get("slurm.cluster_name"), record.get("hostnames")),
+            gpu=_text(record.get("device_name")),
+            losses=losses,
+            step_times=step_times,
+            wall_times=wall_times_of([step for step, _ in losses], step_times, started, duration),
+            figures={name: value for name in FIGURES if (value := _number(record.get(name))) is not None},
+            provenance=_provenance(record, folder, entry if isinstance(entry, dict) else {}),
+            hostnames=[str(h) for h in _list(record.get("hostnames"))],
+            versions={
                 str(key).split(".", 1)[1]: value
                 for key, value in record.items()
                 if str(key).startswith("versions.") and isinstance(value, str)
             },
-        }
+            started_at=started,
+            duration_s=duration,
+        )
+
+
+def wall_times_of(
+    steps: list[int], step_times: list[tuple[int, float]], started: float | None, duration: float | None
+) -> dict[int, float]:
+    """When each step ended, from what the record knows: the last timed step at the record's end
+    (started_at + duration_s), each earlier timed step one step time before the next one ended;
+    a step without a time of its own (a warm-up step) at the start of the first timed step, and
+    every step of a record without step times (a failed cell's) at the record's end."""
+    end = (started or 0.0) + (duration or 0.0)
+    walls, moment = {}, end
+    for step, seconds in reversed(step_times):
+        walls[step] = moment
+        moment -= seconds
+    first_timed = min(walls, default=None)
+    for step in steps:
+        walls.setdefault(step, moment if first_timed is not None and step < first_timed else end)
+    return walls
+
+
+def _provenance(record: Mapping[Any, Any], folder: str, entry: Mapping[str, Any]) -> dict[str, str]:
+    """What the run was made from and by: the record's git commit, its Slurm job (ARRAY_TASK as
+    squeue and sacct print it, and its two parts), the sweep folder and the sweep's random id."""
+    slurm = {key: record.get(f"slurm.{key}") for key in ("job_id", "array_job_id", "array_task_id")}
+    found = {
+        "git_commit": _text(record.get("git_commit")),
+        "slurm_job_id": slurm_job_of(slurm),
+        "slurm_array_job_id": _id_text(slurm["array_job_id"]),
+        "slurm_array_task_id": _id_text(slurm["array_task_id"]),
+        "sweep_dir": folder,
+        UID_KEY: _text(record.get(UID_KEY)) or _text(entry.get(UID_KEY)),
+    }
+    return {key: value for key, value in found.items() if value}
+
+
+def _manifest(sweep_dir: Path) -> dict[str, Any]:
+    """The sweep's manifest (cell id -> entry); {} when it has none or cannot be read (load_records
+    has named it then)."""
+    try:
+        return read_manifest(sweep_dir)
+    except RecordError:
+        return {}
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def _numbers(values: Any) -> list[float]:
-    return [float(v) for v in values] if isinstance(values, list) else []
+def _loss(value: Any) -> float:
+    """A loss as the tools take it: a number, NaN for one that was not finite (null in a record of
+    schema 2, NaN or Infinity in one of schema 1)."""
+    number = _number(value)
+    return math.nan if number is None else number
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _id_text(value: Any) -> str | None:
+    """A Slurm id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return _text(value) or (str(value) if isinstance(value, int) and not isinstance(value, bool) else None)
 
 
 # ---------------------------------------------------------------------------------------------
-# TensorBoard: <DIR>/<sweep>/<cell id>/ event files; the hparams experiment in <DIR>/<sweep>/
-
-
-def _tensorboard(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[int, int]:
-    _import_extra("tensorboard")
-    from tensorboard.compat.proto import event_pb2
-    from tensorboard.plugins.hparams import summary_v2 as hp
-    from tensorboard.plugins.scalar.summary_v2 import scalar_pb
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-    root = Path(destination) / sweep
-    hparam_names: dict[str, None] = {}
-    for run in runs:
-        folder = root / run["cell_id"]  # the cell's folder name (read.load_records): one plain name
-        for old in folder.glob("events.out.tfevents.*"):  # a re-export replaces the run
-            old.unlink()
-        wall = run["ended_at"] or run["started_at"] or 0.0
-        writer = EventFileWriter(str(folder))
-        try:
-            hparams = {**run["spec"], "status": run["status"]}
-            hparam_names.update(dict.fromkeys(hparams))
-            writer.add_event(
-                event_pb2.Event(
-                    wall_time=run["started_at"] or wall,
-                    summary=hp.hparams_pb(hparams, trial_id=run["cell_id"], start_time_secs=run["started_at"]),
-                )
-            )
-            for step, loss in enumerate(run["losses"]):
-                writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=scalar_pb("loss", loss)))
-            for step, seconds in run["step_times"]:
-                writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=scalar_pb("step_time_s", seconds)))
-            last = max(len(run["losses"]) - 1, 0)
-            for name, value in run["metrics"].items():
-                summary = scalar_pb(FINAL_PREFIX + name, value)
-                writer.add_event(event_pb2.Event(wall_time=wall, step=last, summary=summary))
-        finally:
-            writer.close()
-    for old in root.glob("events.out.tfevents.*"):
-        old.unlink()
-    writer = EventFileWriter(str(root))
-    try:  # the experiment: which hparams and metrics the HParams dashboard shows as columns
-        config = hp.hparams_config_pb(
-            hparams=[hp.HParam(name) for name in hparam_names],
-            metrics=[hp.Metric(FINAL_PREFIX + name) for name in METRICS],
-        )
-        first = min((run["started_at"] or 0.0 for run in runs), default=0.0)
-        writer.add_event(event_pb2.Event(wall_time=first, summary=config))
-    finally:
-        writer.close()
-    return len(runs), 0
-
-
-# ---------------------------------------------------------------------------------------------
-# MLflow: experiment = the sweep, one run per record, in a file store (or any tracking URI)
+# MLflow: experiment = the sweep, one run per record, in a file store or a database (any tracking URI)
 
 
 def tracking_uri(destination: str) -> str:
@@ -158,6 +230,21 @@ def tracking_uri(destination: str) -> str:
     if "://" in destination or destination.startswith("file:"):
         return destination
     return Path(destination).resolve().as_uri()
+
+
+def _database_needs(uri: str) -> None:
+    """A database store (sqlite:///x.db, postgresql://...) is MLflow's SQLAlchemy store, which
+    mlflow-skinny alone lacks (it then fails on the model registry, in a 44-line traceback):
+    name what to install in one line."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    scheme = uri.split(":", 1)[0].split("+", 1)[0]
+    missing = [name for name in ("sqlalchemy", "alembic") if importlib.util.find_spec(name) is None]
+    if scheme in DATABASE_ENGINES and missing:
+        raise ExportError(
+            f"export --to mlflow {uri}: a database store needs {' and '.join(missing)}: "
+            f"pip install 'hpcfsdp[{EXTRAS['mlflow']}]'"
+        )
 
 
 def _exported_attempts(client: Any, experiment_id: str) -> set[tuple[str, str]]:
@@ -173,8 +260,28 @@ def _exported_attempts(client: Any, experiment_id: str) -> set[tuple[str, str]]:
             return found
 
 
-def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[int, int]:
-    _import_extra("mlflow")
+def mlflow_tags(run: ExportedRun) -> dict[str, str]:
+    """The run's tags: hpcfsdp.* for what MLflow has no word for, and MLflow's own for the git
+    commit and the host, so that its UI shows them where it shows its own runs'."""
+    tags = {
+        "hpcfsdp.cell_id": run.cell_id,
+        "hpcfsdp.attempt": run.attempt,
+        "hpcfsdp.setup": run.setup,
+        "hpcfsdp.status": run.status,
+        "hpcfsdp.system": run.system,
+        "hpcfsdp.gpu": run.gpu,
+        "hpcfsdp.hostnames": ",".join(run.hostnames),
+        "hpcfsdp.error": run.error,
+        **{f"hpcfsdp.{key}": value for key, value in run.provenance.items()},
+        **{f"hpcfsdp.version.{key}": value for key, value in run.versions.items()},
+    }
+    if run.provenance.get("git_commit", "unknown") != "unknown":
+        tags["mlflow.source.git.commit"] = run.provenance["git_commit"]
+    return {key: value[:MLFLOW_TAG_CHARS] for key, value in tags.items() if value}
+
+
+def _mlflow(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, int]:
+    import_extra("mlflow")
     from mlflow.entities import Metric, Param, RunStatus
     from mlflow.tracking import MlflowClient
 
@@ -182,108 +289,36 @@ def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[i
     if uri.startswith("file:"):
         # MLflow 3 keeps its file store in maintenance mode and refuses it unless this is set.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    _database_needs(uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(sweep)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(sweep)
     exported = _exported_attempts(client, experiment_id)
     written = skipped = 0
     for run in runs:
-        if (run["cell_id"], run["attempt"]) in exported:
+        if (run.cell_id, run.attempt) in exported:
             skipped += 1  # this record was exported before
             continue
-        start_ms = int(run["started_at"] * 1000) if run["started_at"] else None
-        end_ms = int(run["ended_at"] * 1000) if run["ended_at"] else start_ms
-        tags = {
-            "hpcfsdp.cell_id": run["cell_id"],
-            "hpcfsdp.attempt": run["attempt"],
-            "hpcfsdp.setup": run["setup"],
-            "hpcfsdp.status": run["status"],
-            "hpcfsdp.system": run["system"],
-            "hpcfsdp.gpu": run["gpu"],
-            **{f"hpcfsdp.version.{k}": v for k, v in run["versions"].items()},
-        }
-        if run["error"]:
-            tags["hpcfsdp.error"] = run["error"].splitlines()[0][:5000]
-        created = client.create_run(
-            experiment_id,
-            start_time=start_ms,
-            run_name=run["cell_id"],
-            tags={key: value for key, value in tags.items() if value},
-        )
+        start = _ms(run.started_at) if run.started_at else None
+        created = client.create_run(experiment_id, start_time=start, run_name=run.cell_id, tags=mlflow_tags(run))
         run_id = created.info.run_id
-        stamp = end_ms or 0
-        last = max(len(run["losses"]) - 1, 0)
+        end = _ms(run.ended_at)
         metrics = (
-            [Metric("loss", loss, stamp, step) for step, loss in enumerate(run["losses"])]
-            + [Metric("step_time_s", seconds, stamp, step) for step, seconds in run["step_times"]]
-            + [Metric(name, value, stamp, last) for name, value in run["metrics"].items()]
+            [Metric("loss", loss, _ms(run.wall_times[step]), step) for step, loss in run.losses]
+            + [Metric("step_times_s", s, _ms(run.wall_times[step]), step) for step, s in run.step_times]
+            + [Metric(name, value, end, run.last_step) for name, value in run.figures.items()]
         )
-        params = [Param(name, str(value)) for name, value in sorted(run["spec"].items())]
+        params = [Param(name, str(value)) for name, value in sorted(run.spec.items())]
         for first in range(0, len(params), MLFLOW_PARAMS):
             client.log_batch(run_id, params=params[first : first + MLFLOW_PARAMS])
         for first in range(0, len(metrics), MLFLOW_METRICS):
             client.log_batch(run_id, metrics=metrics[first : first + MLFLOW_METRICS])
-        status = RunStatus.FINISHED if run["status"] == "ok" else RunStatus.FAILED
-        client.set_terminated(run_id, RunStatus.to_string(status), end_time=end_ms)
+        status = RunStatus.FINISHED if run.ok else RunStatus.FAILED
+        client.set_terminated(run_id, RunStatus.to_string(status), end_time=end or None)
         written += 1
     return written, skipped
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights & Biases: offline runs in <DIR>/wandb/offline-run-<time>-<id>, project = the sweep
-
-
-def wandb_run_id(sweep: str, run: dict[str, Any]) -> str:
-    """One W&B run id per record (sweep, cell, attempt): a re-export finds the runs it wrote, and
-    `wandb sync` of the same record twice updates one run."""
-    return hashlib.sha256(f"{sweep}/{run['cell_id']}/{run['attempt']}".encode()).hexdigest()[:16]
-
-
-def _wandb(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[int, int]:
-    _import_extra("wandb")
-    import wandb
-
-    root = Path(destination)
-    root.mkdir(parents=True, exist_ok=True)
-    written = skipped = 0
-    for run in runs:
-        run_id = wandb_run_id(sweep, run)
-        if any((root / "wandb").glob(f"offline-run-*-{run_id}")):
-            skipped += 1  # this record was exported before
-            continue
-        started = run["started_at"]
-        writer = wandb.init(
-            mode="offline",
-            dir=str(root),
-            project=sweep,
-            id=run_id,
-            name=run["cell_id"],
-            group=run["setup"],
-            config=run["spec"],
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True),
-            reinit="create_new",
-        )
-        try:
-            rows: dict[int, dict[str, float]] = {}
-            for step, loss in enumerate(run["losses"]):
-                rows.setdefault(step, {})["loss"] = loss
-            for step, seconds in run["step_times"]:
-                rows.setdefault(step, {})["step_time_s"] = seconds
-            for step in sorted(rows):
-                writer.log(rows[step], step=step)
-            writer.summary.update(
-                {
-                    **run["metrics"],
-                    "status": run["status"],
-                    "error": (run["error"] or "").split("\n", 1)[0],
-                    "attempt": run["attempt"],
-                    "system": run["system"] or "",
-                    "gpu": run["gpu"] or "",
-                    "started_at": started,
-                    **{f"version.{k}": v for k, v in run["versions"].items()},
-                }
-            )
-        finally:
-            writer.finish(exit_code=0 if run["status"] == "ok" else 1)
-        written += 1
-    return written, skipped
+def _ms(seconds: float | None) -> int:
+    """A Unix time in milliseconds, as MLflow stamps runs and metrics (0 for none)."""
+    return int(seconds * 1000) if seconds else 0

@@ -112,7 +112,7 @@ class History:
                 "--history PATH names another)"
             )
         # A new file is made in STORAGE_VERSION's format; an existing one keeps its own.
-        config = {} if read_only else {"storage_compatibility_version": STORAGE_VERSION}
+        config: dict[str, Any] = {} if read_only else {"storage_compatibility_version": STORAGE_VERSION}
         try:
             self.con = duckdb.connect(str(self.path), read_only=read_only, config=config)
         except (OSError, duckdb.Error) as exc:  # no permission, not a DuckDB file
