@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from matplotlib.patches import Patch
 from PIL import Image
 
 from hpcfsdp.cli import main
-from hpcfsdp.record import SCHEMA_VERSION, write_record
+from hpcfsdp.record import SCHEMA_VERSION, read_record, write_record
 from hpcfsdp.results import plots
 from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
@@ -146,7 +147,7 @@ def gpu_sweep(root: Path) -> Path:
     fsdp2_zero3  ckpt none          9000, 20      11400, 30      12600, 50      OOM
     fsdp2_zero3  ckpt full                                                      9500, 60        timeout
     plus a planned b32 ckpt full cell with spec.json only, a manifest-only cell, a truncated
-    record and a record of schema_version 2.
+    record and a record of schema_version 3 (newer than this hpcfsdp).
     """
     sweep = root / "gpu"
     extra = {"comm_exposed_fraction": 0.1, "gpu_util_mean": 85.0}
@@ -216,7 +217,7 @@ def gpu_sweep(root: Path) -> Path:
     (sweep / "cells" / "corrupt-cell").mkdir()
     (sweep / "cells" / "corrupt-cell" / "result.json").write_text('{"status": "ok", "tokens_per_s')
     (sweep / "cells" / "future-cell").mkdir()
-    (sweep / "cells" / "future-cell" / "result.json").write_text(json.dumps({"schema_version": 2, "status": "ok"}))
+    (sweep / "cells" / "future-cell" / "result.json").write_text(json.dumps({"schema_version": 3, "status": "ok"}))
     return sweep
 
 
@@ -266,7 +267,7 @@ def test_mixed_statuses_unreadable_and_missing_cells(gpu):
     assert len(collection.unreadable) == 2
     corrupt, future = sorted(collection.unreadable)
     assert str(gpu / "cells" / "corrupt-cell" / "result.json") in corrupt and "unreadable record" in corrupt
-    assert str(gpu / "cells" / "future-cell" / "result.json") in future and "schema_version 2" in future
+    assert str(gpu / "cells" / "future-cell" / "result.json") in future and "schema_version 3" in future
     missing = collection.missing.set_index("cell_id")
     planned_id = cell_id(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=32, activation_checkpointing="full"))
     assert set(missing.index) == {"ghost-cell", planned_id}
@@ -317,8 +318,8 @@ def with_changes(record: dict, **changes) -> dict:
 WRONG_VALUES = {
     "metric-text": ({"tokens_per_s_per_gpu": "fast"}, 'tokens_per_s_per_gpu: expected a number or null, got "fast"'),
     "metric-bool": ({"mfu": True}, "mfu: expected a number or null, got true"),
-    "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers, got "oops"'),
-    "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers, got [11.0, "x"]'),
+    "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers or nulls, got "oops"'),
+    "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers or nulls, got [11.0, "x"]'),
     "spec-text": ({"spec": "ddp"}, 'spec: expected an object (the run\'s RunSpec), got "ddp"'),
     "spec-empty": ({"spec": {}}, "spec.strategy: missing"),
     "batch-text": ({"spec_batch_size": "4"}, 'spec.batch_size: expected an integer, got "4"'),
@@ -375,21 +376,52 @@ def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
 
 
 def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):
-    """read_record accepts its own SCHEMA_VERSION only: what an older record's fields mean is not
-    defined, so it is named and skipped, never guessed at."""
+    """read_record accepts the schema versions it knows (READ_SCHEMA_VERSIONS) only: what the
+    fields of another one mean is not defined, so it is named and skipped, never guessed at."""
     sweep = cpu_sweep(tmp_path)
     record = ok_record(spec_of(CPU_BASE, strategy="ddp", batch_size=4), 9000.0, 0.4, device="cpu")
     paths = {}
-    for folder, version in (("older", {"schema_version": SCHEMA_VERSION - 1}), ("unversioned", {})):
+    for folder, version in (("older", {"schema_version": 0}), ("unversioned", {})):
         paths[folder] = sweep / "cells" / folder / "result.json"
         paths[folder].parent.mkdir()
         paths[folder].write_text(json.dumps({**version, **record}))
     collection = load_records(sweep)
     assert sorted(collection.unreadable) == [
-        f"{paths['older']}: schema_version {SCHEMA_VERSION - 1} is not supported (expected {SCHEMA_VERSION})",
-        f"{paths['unversioned']}: schema_version null or missing is not supported (expected {SCHEMA_VERSION})",
+        f"{paths['older']}: schema_version 0 is not supported (expected 1 or 2)",
+        f"{paths['unversioned']}: schema_version null or missing is not supported (expected 1 or 2)",
     ]
     assert len(collection.frame) == 4 and collection.missing.empty  # the cpu sweep's records; not missing either
+
+
+def test_a_schema_1_record_with_a_bare_nan_reads_as_before_and_is_strict_json_once_written_again(tmp_path):
+    """Schema 1 wrote a loss that was not finite as a bare NaN (Python's json took it, no other
+    parser does): such a record still reads, NaN and all; written again (collect adding Slurm
+    accounting does) it is schema 2: null in `losses`, the step in `nonfinite_steps`."""
+    sweep = cpu_sweep(tmp_path)
+    spec = spec_of(CPU_BASE, strategy="ddp", batch_size=4)
+    old = {
+        **failed_record(spec, "diverged", "train", "Diverged: loss is nan at step 2"),
+        "schema_version": 1,
+        "diverged_step": 2,
+        "losses": [10.5, math.nan],
+    }
+    path = sweep / "cells" / "old-diverged" / "result.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(old))
+    assert "NaN" in path.read_text()
+    read = read_record(path)
+    assert read["schema_version"] == 1 and read["losses"][0] == 10.5 and math.isnan(read["losses"][1])
+    assert "old-diverged" in set(load_records(sweep).frame["cell_id"])
+
+    write_record(path, read)
+
+    def refuse(constant: str):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    again = json.loads(path.read_text(), parse_constant=refuse)
+    assert again["schema_version"] == SCHEMA_VERSION == 2
+    assert again["losses"] == [10.5, None] and again["nonfinite_steps"] == [2]
+    assert read_record(path)["losses"] == [10.5, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +474,7 @@ def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu
     assert error[6:] == ["shard", r"RuntimeError: NCCL error \| unhandled system error"]  # first line, pipe escaped
     assert failures["ghost-cell"][2] == "4242_9" and "Slurm job 4242_9" in failures["ghost-cell"][7]
     unreadable = section(summary, "Unreadable records (skipped)")
-    assert "corrupt-cell/result.json" in unreadable and "schema_version 2" in unreadable
+    assert "corrupt-cell/result.json" in unreadable and "schema_version 3" in unreadable
     assert summary.startswith(
         "# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)"
     )

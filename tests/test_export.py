@@ -462,6 +462,18 @@ def test_an_exporter_without_its_extra_says_which_extra_in_one_line(sweep, tmp_p
         assert err.strip() == f"error: export --to {target} needs the '{target}' extra: pip install 'hpcfsdp[{target}]'"
 
 
+def test_an_mlflow_database_store_without_sqlalchemy_is_one_line_naming_the_extra(sweep, tmp_path):
+    """mlflow-skinny alone has no database store: one line naming what to install, not MLflow's
+    44-line traceback about its model registry."""
+    sweep_dir, _, _ = sweep
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result, err = run_fresh(["export", str(sweep_dir), "--to", "mlflow", uri], ["sqlalchemy"])
+    assert result["code"] == 1
+    needs = "a database store needs sqlalchemy: pip install 'hpcfsdp[mlflow]'"
+    assert err.strip() == f"error: export --to mlflow {uri}: {needs}"
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_export_loads_no_torch(sweep, tmp_path):
     sweep_dir, _, _ = sweep
     for target in ("tensorboard", "mlflow", "wandb"):

@@ -51,9 +51,11 @@ def test_a_diverged_cell_records_diverged_with_its_step_and_counts_as_failed(tmp
     record, proc = torchrun_cell(tmp_path, 2, **DIVERGING)
     assert record["status"] == "diverged" and record["stage"] == "train", record.get("error")
     step, losses = record["diverged_step"], record["losses"]
-    # The cell stopped at the first loss that is not finite (with sync_each_step, at once).
+    # The cell stopped at the first loss that is not finite (with sync_each_step, at once): null
+    # in the record (strict JSON), and its step named.
     assert 2 <= step < DIVERGING["steps"] and len(losses) == step
-    assert all(math.isfinite(loss) for loss in losses[:-1]) and not math.isfinite(losses[-1])
+    assert all(math.isfinite(loss) for loss in losses[:-1]) and losses[-1] is None
+    assert record["nonfinite_steps"] == [step]
     assert f"at step {step}" in record["error"] and "tokens_per_s" not in record
     assert proc.returncode != 0
     assert f"{record['cell_id']}: diverged at step {step} | - tokens/s per GPU | MFU - |" in proc.stdout
@@ -78,7 +80,8 @@ def test_without_a_sync_each_step_divergence_is_found_after_the_last_step(tmp_pa
     assert record["status"] == "diverged"
     step, losses = record["diverged_step"], record["losses"]
     assert len(losses) == DIVERGING["steps"] and 2 <= step < len(losses)  # every step ran; the first bad one is named
-    assert all(math.isfinite(loss) for loss in losses[: step - 1]) and not math.isfinite(losses[step - 1])
+    assert all(math.isfinite(loss) for loss in losses[: step - 1]) and losses[step - 1] is None
+    assert record["nonfinite_steps"][0] == step and all(losses[s - 1] is None for s in record["nonfinite_steps"])
 
 
 def test_measurements_of_an_ok_cell(tmp_path):

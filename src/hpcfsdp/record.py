@@ -267,19 +267,16 @@ def write_record(path: str | Path, record: Mapping[str, Any]) -> Path:
 
 
 def _with_nonfinite_steps(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with null for each loss that is not a finite number (NaN, inf: JSON has no word
-    for them; or null already, in a record read back), and those steps, counted from 1 as
-    `diverged_step` and the progress lines count them, in `nonfinite_steps` (empty when every loss
-    is finite). A record without a list of losses is as it was."""
+    """The record with null for each loss that is a float but not finite (NaN, inf: JSON has no
+    word for them), and the steps whose loss is null, counted from 1 as `diverged_step` and the
+    progress lines count them, in `nonfinite_steps` (empty when every loss is finite). A record
+    without a list of losses is as it was; any other value in the list stays, for the reader to
+    refuse."""
     losses = record.get("losses")
     if not isinstance(losses, list):
         return dict(record)
-    kept = [loss if _finite_number(loss) else None for loss in losses]
+    kept = [None if isinstance(loss, float) and not math.isfinite(loss) else loss for loss in losses]
     return {**record, "losses": kept, "nonfinite_steps": [step for step, loss in enumerate(kept, 1) if loss is None]}
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def failure_record(
