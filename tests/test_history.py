@@ -7,8 +7,10 @@ through the real `hpcfsdp collect` and `hpcfsdp history` commands and a real Duc
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -17,6 +19,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.record import write_record
 from hpcfsdp.results import defaults, references, regressions
@@ -374,3 +377,112 @@ def test_status_without_slurm_accounting_says_so_in_one_line(results, capsys):
     out, err = capsys.readouterr()
     assert "4 cell(s): ok 4" in out
     assert len([line for line in err.splitlines() if line.startswith("note: no Slurm accounting (")]) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------
+# The file every DuckDB of the supported range opens (history.STORAGE_VERSION)
+
+
+def storage_version_number(path: Path) -> int:
+    """The storage version in a DuckDB file's header: 8 bytes of checksum, b"DUCK", then the
+    version as a little-endian 64-bit integer. DuckDB 1.0 to 1.4 write 64 (format v1.0.0, which
+    is also v1.1.0's); DuckDB 1.1 reads 64 only; DuckDB 2.0 writes a newer one by default."""
+    head = path.read_bytes()[:20]
+    assert head[8:12] == b"DUCK", head
+    return struct.unpack("<Q", head[12:20])[0]
+
+
+def test_the_history_is_written_for_duckdb_1_1_also_over_one_duckdb_2_wrote_in_its_own_format(results, capsys):
+    history = results / "history.duckdb"
+    assert storage_version_number(history) == 64
+    # As an older hpcfsdp left it: DuckDB's newest format, which DuckDB 1.5 and older cannot open.
+    newest = results / "newest.duckdb"
+    with duckdb.connect() as con:
+        con.execute(f"ATTACH '{history}' AS old (READ_ONLY)")
+        con.execute(f"ATTACH '{newest}' AS new (STORAGE_VERSION 'latest')")
+        con.execute("COPY FROM DATABASE old TO new")
+    if storage_version_number(newest) == 64:
+        pytest.skip(f"duckdb {duckdb.__version__} writes no newer format than 64")
+    newest.replace(history)
+    assert storage_version_number(history) != 64
+    assert collect(write_sweep(results, "nightly-3", 3, {"a": 1000})) == 0
+    assert storage_version_number(history) == 64
+    with duckdb.connect(str(history), read_only=True) as con:  # every row, and the key that keeps them one per attempt
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (13,)
+        keys = con.execute(
+            "SELECT constraint_column_names FROM duckdb_constraints() WHERE constraint_type = 'PRIMARY KEY'"
+        )
+        assert keys.fetchall() == [(["sweep_dir", "cell_id", "attempt"],)]
+    assert not list(results.glob(".history.duckdb*")) and "History: 1 new row(s)" in capsys.readouterr().out
+
+
+def lowest_pinned_duckdb() -> str:
+    """The lowest duckdb release pyproject.toml takes (`duckdb>=X,<Y`)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.search(r'"duckdb>=([0-9.]+),<[0-9.]+"', text).group(1)
+
+
+def installed_duckdb(version: str, folder: Path) -> Path:
+    """That duckdb release, installed alone into a folder of its own (put first on PYTHONPATH)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(folder), f"duckdb=={version}"],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return folder
+
+
+# What a reader of another duckdb release sees in a history: its version, the file's rows and
+# the storage version it reports in the database's tags (1.5 reports one; 1.1 has no tags).
+READER = """
+import duckdb, json, sys
+con = duckdb.connect(sys.argv[1], read_only=True)
+rows = con.execute("SELECT count(*), count(DISTINCT sweep) FROM runs").fetchone()
+found = con.execute("SELECT * FROM duckdb_databases() WHERE database_name = current_database()")
+database = dict(zip([column[0] for column in found.description], found.fetchone()))
+storage = (database.get("tags") or {}).get("storage_version")
+print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": storage}))
+"""
+
+
+@pytest.mark.network
+def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_installed_duckdb(tmp_path, capsys):
+    """The range the docs promise: a history written by the lowest duckdb pyproject takes, then
+    updated by the one installed here, and one the installed duckdb makes, are opened by DuckDB
+    1.1.0 (the oldest) and 1.5.6 (the newest 1.x, which cannot read DuckDB 2.0's own format)."""
+    results = tmp_path / "results"
+    history = results / "history.duckdb"
+    lowest = lowest_pinned_duckdb()
+    writer = installed_duckdb(lowest, tmp_path / f"duckdb-{lowest}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(writer), str(ROOT / "src")])}
+    sweep = write_sweep(results, "nightly-0", 0, {"a": 1000, "b": 2000})
+    probe = "import duckdb, sys; from hpcfsdp.cli import main; print(duckdb.__version__); sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "collect", str(sweep), "--no-plots"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == lowest, proc.stdout + proc.stderr[-2000:]
+    readers = {version: installed_duckdb(version, tmp_path / f"duckdb-{version}") for version in ("1.1.0", "1.5.6")}
+
+    def read(version: str, history: Path = history) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", READER, str(history)],
+            env={**os.environ, "PYTHONPATH": str(readers[version])},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    assert read("1.1.0") == {"version": "1.1.0", "rows": [2, 1], "storage": None}
+    assert read("1.5.6") == {"version": "1.5.6", "rows": [2, 1], "storage": "v1.0.0+"}
+    assert collect(write_sweep(results, "nightly-1", 1, {"a": 1010})) == 0  # the duckdb installed here
+    assert read("1.1.0")["rows"] == [3, 2] and read("1.5.6")["rows"] == [3, 2]
+    fresh = tmp_path / "fresh.duckdb"  # a history the duckdb installed here makes
+    assert collect(results / "nightly-1", "--history", str(fresh)) == 0
+    assert read("1.1.0", fresh)["rows"] == [1, 1] and read("1.5.6", fresh)["rows"] == [1, 1]
