@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -360,6 +361,18 @@ def read_wandb_run(folder: Path) -> dict:
     return run
 
 
+def wandb_inspect(folder: Path) -> dict:
+    """An offline run as wandb's own reader tells it: `wandb leet inspect --summary --json`."""
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
 def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_path, capsys):
     sweep_dir, records = cells
     record = records["ok"]
@@ -396,6 +409,14 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
         assert run["exit"].exit_code == (0 if source["status"] == "ok" else 1)
         for row in rows.values():
             assert row["_runtime"] == pytest.approx(row["_timestamp"] - source["started_at"])
+    for folder in (out / "wandb").glob("offline-run-*"):  # and wandb's own reader (wandb-core) reads the same
+        seen = wandb_inspect(folder)
+        source = next(r for r in records.values() if r["cell_id"] == seen["name"])
+        started = datetime.fromisoformat(seen["start_time"].replace("Z", "+00:00")).timestamp()
+        assert started == pytest.approx(source["started_at"], abs=1e-3)
+        assert seen["state"] == ("finished" if source["status"] == "ok" else "failed")
+        assert seen["summary"]["_runtime"] == pytest.approx(source["duration_s"])
+        assert seen["summary"].get("step_time_s") == source.get("step_time_s")
     ok = runs[record["cell_id"]]
     assert ok["run"].project == "t" and ok["run"].run_group == setup_key(record["spec"])
     assert {k: v for k, v in ok["config"].items() if not k.startswith("_")} == record["spec"]
