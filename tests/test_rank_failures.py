@@ -236,3 +236,38 @@ def test_the_local_executor_starts_a_cell_once_the_gpus_are_free(tmp_path, monke
     holder.wait()
     assert local.gpus_held(env) == ""
     assert local.gpus_held({**env, "CUDA_VISIBLE_DEVICES": "1"}) == ""
+
+
+TWO_NODE_CELL = """
+name: {name}
+base: {{model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0,
+       strategy: fsdp2_zero3, nodes: 2, gpus_per_node: 1, train_timeout_s: 5}}
+slurm: {{partition: gpu, time_min: 10, cpus_per_task: 1}}
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
+def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
+    slurm_cluster, tmp_path, monkeypatch, fault, status
+):
+    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
+    before the watchdog, the hang ran until the job's 10 min limit."""
+    name = f"twonode{fault}"
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(TWO_NODE_CELL.format(name=name))
+    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
+    started = time.monotonic()
+    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
+    took = time.monotonic() - started
+    assert code != 0
+    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
+    record = json.loads(path.read_text())
+    assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
+    assert record["hostnames"] == ["hpcfsdp-n2"]  # written by the failing rank, on the second node
+    assert took < 180, f"the two-node job took {took:.0f} s"
+    job = record["slurm"]["job_id"]
+    state, elapsed = subprocess.run(
+        ["sacct", "-nPX", "--format=State,ElapsedRaw", f"--jobs={job}"], capture_output=True, text=True, timeout=60
+    ).stdout.split("|")
+    assert state.startswith("FAILED") and int(elapsed) < 120, (state, elapsed)

@@ -117,7 +117,7 @@ class Watchdog:
                     status, message = outcome
                     self._leave_with(status, f"{message}; not ended within {self._grace_s:g} s by the rank itself")
             elif deadline is not None and now > deadline:
-                if _in_collective(self._main_stack()):
+                if _waits_on_peers(self._main_stack()):
                     time.sleep(PEER_DEFER_S)  # the rank that stopped answering names itself first
                 self._leave_with("hang", f"no step ended within {limit_s:.0f} s")
 
@@ -138,9 +138,14 @@ class Watchdog:
             leave(1)
 
 
-def _in_collective(stack: traceback.StackSummary) -> bool:
-    """The main thread waits inside torch.distributed (a collective, or a wait on one)."""
-    return any("/torch/distributed/" in frame.filename for frame in stack)
+def _waits_on_peers(stack: traceback.StackSummary) -> bool:
+    """The main thread waits inside torch.distributed (a collective, or a wait on one), or inside
+    the training step itself, where a device sync waits for the step's collectives (NCCL's run on
+    the GPU): not the rank that stopped answering, which is stuck elsewhere."""
+    if any("/torch/distributed/" in frame.filename for frame in stack):
+        return True
+    ours = next((f for f in reversed(stack) if "/hpcfsdp/" in f.filename), None)
+    return ours is not None and ours.filename.endswith("train.py") and ours.name == "train"
 
 
 def _where(stack: traceback.StackSummary) -> str:
