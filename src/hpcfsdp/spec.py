@@ -170,6 +170,7 @@ class RunSpec:
     steps: int = grouped(10, "measurement")
     warmup_steps: int = grouped(2, "measurement")
     seed: int = grouped(0, "measurement")
+    stop_when_stable: bool = grouped(False, "measurement")  # cell/train.py: tune's probes stop once tokens/s holds
     sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
     nvml: bool = grouped(True, "measurement")  # sample GPU utilisation during timed steps
     comm_profile_steps: int = grouped(
