@@ -80,7 +80,8 @@ def load_state(sweep_dir: Path) -> TuneState | None:
     try:
         return TuneState.from_dict(data)
     except (KeyError, TypeError) as exc:
-        raise RecordError(f"{path}: not a tune state ({exc}); remove the tune/ folder to start the search again") from None
+        why = f"not a tune state ({exc}); remove the tune/ folder to start the search again"
+        raise RecordError(f"{path}: {why}") from None
 
 
 def save_state(sweep_dir: Path, state: TuneState) -> None:
