@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..sweep import container
+from ..sweep.environment import secrets_removed
 from ..sweep.interrupts import interrupts_deferred
 from ..sweep.layout import slurm_folder, update_manifest
 from ..sweep.matrix import Cell, Sweep
@@ -69,7 +70,7 @@ def _submit_probe_array(
     jobs_of = [
         ProbeJob(tuple(p for _, p in chunk), str(launches_dir.absolute()), res.time_min * 60) for chunk in chunks
     ]
-    with interrupts_deferred():
+    with interrupts_deferred(), secrets_removed():
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array(jobs_of)

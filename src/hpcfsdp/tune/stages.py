@@ -62,6 +62,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     try:
         with interrupts_raise(), sweep_lock(sweep_dir, log):
             state = load_state(sweep_dir)
+            if settings.executor == "slurm":
+                _check_cluster(sweep)
             if state is None:
                 state, _ = new_state(sweep, log)
                 save_state(sweep_dir, state)
@@ -84,6 +86,17 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     return found
 
 
+def _check_cluster(sweep: Sweep) -> None:
+    """The shapes the partition can never run, before anything is queued (as submit checks)."""
+    from ..fields import SpecError
+    from ..sweep.preflight import cluster_problems
+
+    problems = cluster_problems(sweep, list(sweep.cells))
+    if problems:
+        more = f" (and {len(problems) - 1} more: `hpcfsdp plan` lists them)" if len(problems) > 1 else ""
+        raise SpecError(f"{problems[0]}{more}")
+
+
 def new_state(sweep: Sweep, log: Callable[[str], None]) -> tuple[TuneState, tuple[str, ...]]:
     pruning = prune(sweep)
     for cell_id, why in pruning.pruned.items():
@@ -97,6 +110,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
     if not state.stages:
         candidates = [cells[c] for c in state.grid if c not in state.pruned]
         if not candidates:
+            log("every cell was left out before running: nothing to probe")
             return
         state.stages.append(_probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
         save_state(sweep_dir, state)
