@@ -26,6 +26,9 @@ class TrainLog:
     step_times_s: list[float] = field(default_factory=list)
     data_times_s: list[float] = field(default_factory=list)
     window_s: float = 0.0  # wall time of the steps after warm-up, between two device syncs
+    # stop_when_stable (tune's probes): each step's clipping and optimizer step, between two device
+    # syncs, so that other gradient accumulations can be computed from one (tune/accumulation.py)
+    optimizer_times_s: list[float] = field(default_factory=list)
 
     def timed(self, warmup: int) -> tuple[list[float], list[float]]:
         return self.step_times_s[warmup:], self.data_times_s[warmup:]
@@ -126,9 +129,16 @@ def train(
                 loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()
+        timing_optimizer = spec.stop_when_stable and spec.sync_each_step
+        if timing_optimizer:
+            _synchronize(env.device)
+            optimizer_started = time.perf_counter()
         clip_gradients(model, spec)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if timing_optimizer:
+            _synchronize(env.device)
+            log.optimizer_times_s.append(time.perf_counter() - optimizer_started)
         dist.all_reduce(loss_sum)
         if spec.sync_each_step:
             log.losses.append(loss_sum.item() / env.world_size)  # .item() waits for the device

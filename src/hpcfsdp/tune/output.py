@@ -15,10 +15,10 @@ from ..record import RECORD_NAME, read_record
 from ..sweep.layout import TUNE_NAME, cell_dir
 from ..sweep.matrix import Cell, Sweep
 from ..sweep.plan import PLAN_FIELDS
+from .accumulation import computed_speed
 from .prune import prune
-from .state import FINAL, Stage, TuneState, read_launches, stage_dir
+from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
 
-FAILED_IS = "failed"  # every status other than ok and oom (error, timeout, hang, ...)
 
 
 def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
@@ -28,6 +28,11 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     for depth, stage in enumerate(state.stages):
         for run, grid_id in stage.runs.items():
             rows[grid_id] = _row(sweep_dir, stage, run, grid_id, depth, cells[grid_id], show)
+    first = state.stages[0] if state.stages else None
+    probe_of = {grid_id: run for run, grid_id in first.runs.items()} if first else {}
+    for grid_id, source in state.computed.items():
+        if grid_id not in rows and first:
+            rows[grid_id] = _computed_row(sweep_dir, first.name, probe_of.get(source, ""), source, cells[grid_id], show)
     ranked = sorted(
         rows.values(),
         key=lambda r: (r["status"] != "ok", -r["depth"], -(r.get("tokens_per_s_per_gpu") or 0.0)),
@@ -97,6 +102,26 @@ def _row(sweep_dir: Path, stage: Stage, run: str, grid_id: str, depth: int, cell
     return row
 
 
+def _computed_row(sweep_dir: Path, stage: str, run: str, source: str, cell: Cell, show: tuple) -> dict:
+    """A setup the first stage did not probe: its figures from the probe of `source` (the same
+    setup at a smaller accumulation); out of memory where that probe was."""
+    record = run_record(sweep_dir, stage, run)
+    row: dict[str, Any] = {
+        "cell_id": cell.id,
+        "stage": stage,
+        "depth": 0,
+        "computed_from": source,
+        "setup": {name: getattr(cell.spec, name) for name in show},
+        "status": record["status"] if record else "missing",
+    }
+    speed = computed_speed(record, cell.spec.grad_accum) if record and record["status"] == "ok" else None
+    if speed is not None:
+        row["tokens_per_s_per_gpu"] = speed
+    elif row["status"] == "ok":
+        row["status"] = "missing"  # the probe has no optimizer time to compute from
+    return row
+
+
 def write_outcome(sweep_dir: Path, found: dict[str, Any]) -> Path:
     return write_json(Path(sweep_dir) / TUNE_NAME, found)
 
@@ -113,7 +138,8 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
     for rank, row in enumerate(found["ranking"], 1):
         speed = f"{row['tokens_per_s_per_gpu']:>12,.1f}" if row["status"] == "ok" else f"{row['status']:>12}"
         setup = " ".join(f"{k}={v}" for k, v in row["setup"].items())
-        lines.append(f"  {rank:3} {row['cell_id']:40} {row['stage']:7} {speed}  {setup}")
+        computed = f"  (computed from {row['computed_from']})" if row.get("computed_from") else ""
+        lines.append(f"  {rank:3} {row['cell_id']:40} {row['stage']:7} {speed}  {setup}{computed}")
     if found["oom_frontier"]:
         lines.append("OOM frontier (ran out of memory): " + ", ".join(r["cell_id"] for r in found["oom_frontier"]))
     for cell_id, why in found["pruned"].items():

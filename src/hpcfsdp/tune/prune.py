@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..sweep.matrix import Cell, Sweep
 from ..sweep.memory import predict_cells, usable_gib
 from ..sweep.plan import capacity_of
+from .accumulation import accumulation_sources
 
 # The memory prediction's largest error on whole cells measured on GPUs (docs/benchmarks.md,
 # "within 3.3%"): a cell is left out only when it does not fit even if the prediction is this high.
@@ -19,6 +20,7 @@ PREDICTION_ERROR = 0.033
 class Pruning:
     candidates: tuple[Cell, ...]
     pruned: dict[str, str]  # cell id -> why it was left out
+    computed: dict[str, str]  # cell id -> the cell whose probe its figures are computed from (accumulation.py)
     notes: tuple[str, ...]  # the margin, the shortcuts taken or skipped, and why
 
 
@@ -47,10 +49,12 @@ def prune(sweep: Sweep) -> Pruning:
             f"{capacity:g} (plan --memory) even {PREDICTION_ERROR:.1%} lower (the prediction's measured "
             "error on whole cells, docs/benchmarks.md); cells within that margin are probed"
         )
-    if len({cell.spec.grad_accum for cell in sweep.cells}) > 1:
-        notes.append(
-            "grad_accum: every value is probed (shortcut skipped): a record times whole optimizer steps, "
-            "not the optimizer's share apart from the micro-batches, so one accumulation cannot give the others"
-        )
     candidates = tuple(cell for cell in sweep.cells if cell.id not in pruned)
-    return Pruning(candidates, pruned, tuple(notes))
+    computed = accumulation_sources(list(candidates))
+    if computed:
+        notes.append(
+            f"grad_accum: {len(computed)} cell(s) not probed on the first stage but computed from the probe of "
+            "the same setup at its smallest accumulation, from that probe's optimizer share of a step "
+            "(optimizer_step_s); one that is promoted is probed at its own accumulation (tune/accumulation.py)"
+        )
+    return Pruning(candidates, pruned, computed, tuple(notes))

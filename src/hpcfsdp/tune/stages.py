@@ -21,6 +21,7 @@ from ..sweep.job import write_cell_spec
 from ..sweep.layout import cell_dir, update_manifest, write_sweep_files
 from ..sweep.lost import record_launch_failure
 from ..sweep.matrix import Cell, Sweep
+from .accumulation import computed_speed
 from .probe import Planned, probe_rungs, probe_spec, run_launches
 from .prune import prune
 from .state import (
@@ -31,6 +32,7 @@ from .state import (
     is_done,
     launch_path,
     load_state,
+    run_record,
     save_state,
     stage_dir,
     tune_dir,
@@ -101,14 +103,15 @@ def new_state(sweep: Sweep, log: Callable[[str], None]) -> tuple[TuneState, tupl
     pruning = prune(sweep)
     for cell_id, why in pruning.pruned.items():
         log(f"left out {cell_id}: {why}")
-    return TuneState(sweep.name, [c.id for c in sweep.cells], dict(pruning.pruned)), pruning.notes
+    state = TuneState(sweep.name, [c.id for c in sweep.cells], dict(pruning.pruned), dict(pruning.computed))
+    return state, pruning.notes
 
 
 def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, log: Callable[[str], None]) -> None:
     """Run (or resume) every stage until the final one has run."""
     cells = {cell.id: cell for cell in sweep.cells}
     if not state.stages:
-        candidates = [cells[c] for c in state.grid if c not in state.pruned]
+        candidates = [cells[c] for c in state.grid if c not in state.pruned and c not in state.computed]
         if not candidates:
             log("every cell was left out before running: nothing to probe")
             return
@@ -119,7 +122,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         run_stage(sweep, sweep_dir, state, stage, settings, log)
         if stage.final:
             return
-        ranked = [run for run, _ in ranking(sweep_dir, stage)]
+        ranked = [grid_id for grid_id, _ in ranking(sweep_dir, stage, state, cells)]
         rung = int(stage.name.removeprefix("stage"))
         keep = math.ceil(len(ranked) / settings.eta)
         rungs = max(probe_rungs(cells[state.stages[0].runs[r]].spec, settings.eta) for r in state.stages[0].runs)
@@ -127,11 +130,11 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
             log(f"{stage.name}: no run finished ok: nothing to promote")
             return
         if rung + 1 < rungs and keep > settings.top_k:
-            promoted = [cells[stage.runs[run]] for run in ranked[:keep]]
+            promoted = [cells[grid_id] for grid_id in ranked[:keep]]
             log(f"{stage.name}: {len(ranked)} ok; the best {keep} go on to stage{rung + 1}")
             state.stages.append(_probe_stage(sweep_dir, sweep, promoted, rung + 1, settings.eta))
         else:
-            final = [cells[stage.runs[run]] for run in ranked[: settings.top_k]]
+            final = [cells[grid_id] for grid_id in ranked[: settings.top_k]]
             log(f"{stage.name}: {len(ranked)} ok; the best {len(final)} run as the grid's cells (final stage)")
             write_sweep_files(sweep, sweep_dir, final)
             state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in final}))
@@ -148,20 +151,22 @@ def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, et
     return Stage(name, runs)
 
 
-def ranking(sweep_dir: Path, stage: Stage) -> list[tuple[str, float]]:
-    """The stage's runs that finished ok, fastest first: (run id, tokens/s per GPU)."""
-    from ..files import RecordError
-    from ..record import RECORD_NAME, read_record
-
-    speeds = []
-    for run in stage.runs:
-        try:
-            record = read_record(cell_dir(stage_dir(sweep_dir, stage.name), run) / RECORD_NAME)
-        except (RecordError, FileNotFoundError):
-            continue
-        if record["status"] == "ok":
-            speeds.append((run, float(record["tokens_per_s_per_gpu"])))
-    return sorted(speeds, key=lambda pair: -pair[1])
+def ranking(sweep_dir: Path, stage: Stage, state: TuneState, cells: dict[str, Cell]) -> list[tuple[str, float]]:
+    """The stage's setups that finished ok, fastest first: (grid cell id, tokens/s per GPU); on
+    the first stage with the setups computed from a probe at another accumulation among them."""
+    speeds = {}
+    for run, grid_id in stage.runs.items():
+        record = run_record(sweep_dir, stage.name, run)
+        if record and record["status"] == "ok":
+            speeds[grid_id] = float(record["tokens_per_s_per_gpu"])
+    if stage.name == "stage0":
+        probe_of = {grid_id: run for run, grid_id in stage.runs.items()}
+        for grid_id, source in state.computed.items():
+            record = run_record(sweep_dir, stage.name, probe_of.get(source, ""))
+            speed = computed_speed(record, cells[grid_id].spec.grad_accum) if record else None
+            if record and record["status"] == "ok" and speed is not None:
+                speeds[grid_id] = speed
+    return sorted(speeds.items(), key=lambda pair: -pair[1])
 
 
 def run_stage(

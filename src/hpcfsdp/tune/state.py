@@ -49,6 +49,7 @@ class TuneState:
     sweep: str
     grid: list[str]  # every cell id of the grid, in the YAML's order
     pruned: dict[str, str] = field(default_factory=dict)  # grid cell id -> why it was left out
+    computed: dict[str, str] = field(default_factory=dict)  # grid cell id -> the cell it is computed from
     stages: list[Stage] = field(default_factory=list)
     version: int = STATE_VERSION
 
@@ -58,7 +59,14 @@ class TuneState:
     @classmethod
     def from_dict(cls, data: dict) -> TuneState:
         stages = [Stage(**stage) for stage in data.get("stages", [])]
-        return cls(data["sweep"], list(data["grid"]), dict(data.get("pruned", {})), stages, data.get("version", 1))
+        return cls(
+            data["sweep"],
+            list(data["grid"]),
+            dict(data.get("pruned", {})),
+            dict(data.get("computed", {})),
+            stages,
+            data.get("version", 1),
+        )
 
 
 def tune_dir(sweep_dir: Path) -> Path:
@@ -132,6 +140,16 @@ def run_status(directory: Path) -> str:
         return read_record(Path(directory) / RECORD_NAME)["status"]
     except (RecordError, FileNotFoundError):
         return "missing"
+
+
+def run_record(sweep_dir: Path, stage: str, run: str) -> dict | None:
+    """A run's record; None where it has none that can be read."""
+    if not run:
+        return None
+    try:
+        return dict(read_record(cell_dir(stage_dir(sweep_dir, stage), run) / RECORD_NAME))
+    except (RecordError, FileNotFoundError):
+        return None
 
 
 def is_done(sweep_dir: Path, stage: str, run: str) -> bool:
