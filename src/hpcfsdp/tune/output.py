@@ -20,7 +20,6 @@ from .prune import prune
 from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
 
 
-
 def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     cells = {cell.id: cell for cell in sweep.cells}
     show = _setup_fields(sweep)
