@@ -58,7 +58,13 @@ def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_e
         assert (cell.id in pruning.pruned) == left_out, (cell.id, required)
     assert pruning.pruned and len(pruning.candidates) + len(pruning.pruned) == len(sweep.cells)
     assert any("3.3%" in note for note in pruning.notes)
-    assert any(note.startswith("grad_accum: every value is probed") for note in pruning.notes)
+    # Accumulation: each setup probed at accum 1, its accum 4 computed from that probe.
+    for cell in pruning.candidates:
+        if cell.spec.grad_accum == 4:
+            source = next(c for c in sweep.cells if c.spec == cell.spec.replace(grad_accum=1))
+            assert pruning.computed[cell.id] == source.id
+    assert set(pruning.computed) == {c.id for c in pruning.candidates if c.spec.grad_accum == 4}
+    assert any(note.startswith(f"grad_accum: {len(pruning.computed)} cell(s) not probed") for note in pruning.notes)
     # A cell predicted just above the usable memory, but within the error, is probed, not left out.
     cell = sweep.cells[0]
     required = predict(cell.spec, shape).required_gib
@@ -127,6 +133,40 @@ def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell
     assert main(submit) == 0
     printed = capsys.readouterr()
     assert printed.out.count("torch.distributed.run") == 1 and found["best"]["cell_id"] in printed.out
+
+
+def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_path, monkeypatch, capsys):
+    from hpcfsdp.tune.accumulation import computed_speed
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    jobs = write(
+        tmp_path,
+        f"""
+        name: ta
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp, batch_size: 2}}
+        slurm: {{time_min: 5}}
+        matrix:
+          grad_accum: [1, 3]
+        """,
+    )
+    assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]) == 0
+    sweep_dir = tmp_path / "ta"
+    one, three = (cell.id for cell in load_sweep(jobs).cells)
+    state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+    assert state["computed"] == {three: one} and list(state["stages"][0]["runs"].values()) == [one]
+    probe = json.loads(next((sweep_dir / "tune" / "stage0" / "cells").glob("*/result.json")).read_text())
+    assert 0 < probe["optimizer_step_s"] < probe["step_time_s"]
+    micro = (probe["step_time_s"] - probe["optimizer_step_s"]) / 1
+    expected = 3 * 2 * 32 / (3 * micro + probe["optimizer_step_s"])
+    assert computed_speed(probe, 3) == pytest.approx(expected)
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    rows = {row["cell_id"]: row for row in found["ranking"]}
+    if found["best"]["cell_id"] == one:  # the computed setup was not promoted: its row is the computed one
+        assert rows[three]["computed_from"] == one and rows[three]["tokens_per_s_per_gpu"] == pytest.approx(expected)
+        assert "(computed from " + one in capsys.readouterr().out
+    else:  # promoted, it ran as the grid's cell itself, at its own accumulation
+        assert rows[three]["stage"] == "final" and "computed_from" not in rows[three]
+    assert len(launches(sweep_dir)) == 2  # one probe, one final cell: accum 3 never probed on the first stage
 
 
 def test_a_killed_tune_resumes_without_repeating_a_finished_probe(tmp_path):
