@@ -64,6 +64,7 @@ def main() -> None:
     lines += [
         f"- {row['cell_id']} {row['stage']} {row['status']}"
         + (f" {row['tokens_per_s_per_gpu']:,.1f}" if row.get("tokens_per_s_per_gpu") else "")
+        + (f" computed from {row['computed_from']}" if row.get("computed_from") else "")
         + (f" (grid {speeds[row['cell_id']]:,.1f})" if row["cell_id"] in speeds else "")
         for row in found["ranking"]
     ]
