@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..sweep.environment import job_environment, without_secrets
 from ..sweep.job import write_cell_spec
-from ..sweep.layout import cell_dir, update_manifest, write_sweep_files
+from ..sweep.layout import cell_dir, slurm_jobs, update_manifest, write_sweep_files
 from ..sweep.lost import record_launch_failure
 from ..sweep.matrix import Cell, Sweep
 from .accumulation import computed_speed
@@ -201,7 +201,10 @@ def run_stage(
     from .slurm import submit_stage_jobs, wait_for_jobs
 
     cluster = sweep.resources.clusters
-    wait_for_jobs(list(stage.jobs), cluster, settings.poll_s, log)  # a resumed search: jobs still queued
+    # A resumed search: its jobs still queued, those the state names and those the manifest names
+    # (a search stopped after sbatch queued a stage's array and before the state said so).
+    queued_before = set(stage.jobs) | set(slurm_jobs(directory, stage.runs).ids.values())
+    wait_for_jobs(sorted(queued_before), cluster, settings.poll_s, log)
     for _ in range(TRIES):
         pending = todo()
         if not pending:
