@@ -39,6 +39,7 @@ def tune_section(sweep_dir: Path) -> Section | None:
             "stage": row.get("stage"),
             "status": row.get("status"),
             "tokens/s/gpu": round(row["tokens_per_s_per_gpu"], 1) if row.get("tokens_per_s_per_gpu") else None,
+            "computed from": row.get("computed_from", ""),
             **(row.get("setup") or {}),
         }
         for row in found.get("ranking") or []
