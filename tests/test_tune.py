@@ -241,3 +241,38 @@ def test_tune_under_slurm_runs_several_probes_per_allocation(slurm_cluster, tmp_
     again = capsys.readouterr().out
     assert "resuming the search" in again and "submitted array" not in again
     assert launches(sweep_dir) == seen
+
+
+@pytest.mark.slurm
+def test_a_killed_tune_under_slurm_waits_for_its_queued_probe_jobs_instead_of_queueing_again(
+    slurm_cluster, tmp_path, capsys
+):
+    jobs = write(
+        tmp_path,
+        f"""
+        name: tk
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 10, cpus_per_task: 1}}
+        matrix:
+          batch_size: [1, 2]
+        """,
+    )
+    argv = ["tune", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path), "--top", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    first = subprocess.Popen([sys.executable, "-m", "hpcfsdp", *argv], env=env, stdout=subprocess.PIPE, text=True)
+    state_file = tmp_path / "tk" / "tune" / "state.json"
+    deadline = time.time() + 120
+    while not (state_file.is_file() and json.loads(state_file.read_text())["stages"][0]["jobs"]):
+        assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)  # while it waits for the probe job: the job runs on
+    first.wait()
+    queued = json.loads(state_file.read_text())["stages"][0]["jobs"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resuming the search" in out and "stage0: submitted" not in out
+    state = json.loads(state_file.read_text())
+    assert state["stages"][0]["jobs"] == queued  # the same probe job, not a second one
+    assert {
+        launch["job_id"] for name, launch in launches(tmp_path / "tk").items() if name.startswith("stage0-")
+    } == set(queued)
