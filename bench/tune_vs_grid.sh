@@ -8,6 +8,11 @@
 #   SMOKE=1 bash bench/tune_vs_grid.sh                           # the tiny model on CPU, a small matrix
 #   SKIP_GRID=1 GRID_DIR=earlier/grid bash bench/tune_vs_grid.sh # the grid's records from an earlier run
 # TUNE_ARGS are passed on to `hpcfsdp tune` (e.g. "--top 3 --eta 3").
+# Both halves go on where an earlier call stopped (the grid skips cells with a record, tune resumes
+# its search), so a grid longer than one sitting runs over several calls with the same OUT:
+# GRID_TIMEOUT_S / TUNE_TIMEOUT_S stop each half after that many seconds (default: none), and
+# SKIP_TUNE=1 runs the grid only. Each call's wall time is appended to grid_wall_s.txt /
+# tune_wall_s.txt and the table sums them; FRESH_TUNE=1 starts the search again.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/bench-out}"
@@ -48,17 +53,23 @@ grid="${GRID_DIR:-$out/grid}"
 if [[ "${SKIP_GRID:-0}" != 1 ]]; then
   echo "[tune_vs_grid] $(date -u +%T) grid: $name"
   start=$EPOCHREALTIME
-  "$py" -m hpcfsdp submit "$jobs" --executor local --results-dir "$grid" --force > "$out/grid.log" 2>&1
-  awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' > "$out/grid_wall_s.txt"
+  timeout --kill-after=30 "${GRID_TIMEOUT_S:-0}" "$py" -m hpcfsdp submit "$jobs" --executor local \
+    --results-dir "$grid" >> "$out/grid.log" 2>&1
+  awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' >> "$out/grid_wall_s.txt"
 fi
+[[ "${SKIP_TUNE:-0}" == 1 ]] && exit 0
 echo "[tune_vs_grid] $(date -u +%T) tune: $name"
-rm -rf "$out/tune/$name"  # a fresh search: its spend is the whole search's
+if [[ "${FRESH_TUNE:-0}" == 1 ]]; then
+  rm -rf "$out/tune/$name" "$out/tune_wall_s.txt"
+fi
 start=$EPOCHREALTIME
 # shellcheck disable=SC2086
-"$py" -m hpcfsdp tune "$jobs" --executor local --results-dir "$out/tune" ${TUNE_ARGS:-} > "$out/tune.log" 2>&1
-awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' > "$out/tune_wall_s.txt"
+timeout --kill-after=30 "${TUNE_TIMEOUT_S:-0}" "$py" -m hpcfsdp tune "$jobs" --executor local \
+  --results-dir "$out/tune" ${TUNE_ARGS:-} >> "$out/tune.log" 2>&1
+awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' >> "$out/tune_wall_s.txt"
+[[ -f "$out/tune/$name/tune.json" ]] || { echo "tune has not finished: run the same command again"; exit 0; }
+sum() { awk '{ total += $1 } END { print total + 0 }' "$1" 2>/dev/null || echo 0; }
 "$py" bench/tune_vs_grid_table.py --grid "$grid/$name" --tune "$out/tune/$name" --gpus "$gpus" \
-  --grid-wall "$(cat "$out/grid_wall_s.txt" 2>/dev/null || echo 0)" --tune-wall "$(cat "$out/tune_wall_s.txt")" \
-  | tee "$out/tune_vs_grid.md"
-tar -czf "$out/$name.tar.gz" -C "$out" tune "$(realpath --relative-to="$out" "$grid" 2>/dev/null || echo grid)" \
-  grid.log tune.log 2>/dev/null
+  --grid-wall "$(sum "$out/grid_wall_s.txt")" --tune-wall "$(sum "$out/tune_wall_s.txt")" | tee "$out/tune_vs_grid.md"
+tar -czf "$out/$name.tar.gz" -C "$out" tune grid.log tune.log 2>/dev/null
+tar -czf "$out/$name.grid.tar.gz" -C "$(dirname "$grid")" "$(basename "$grid")" 2>/dev/null

@@ -6,23 +6,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from hpcfsdp.files import RecordError
 from hpcfsdp.record import read_record
 
 
-def grid_speeds(grid: Path) -> dict[str, float]:
-    """cell id -> tokens/s per GPU of each ok cell; oom and failed cells are left out."""
-    speeds = {}
+def grid_speeds(grid: Path) -> tuple[dict[str, float], dict[str, int]]:
+    """cell id -> tokens/s per GPU of each ok cell (oom and failed cells left out); and how many
+    records came from each machine and day (a grid run over several sittings)."""
+    speeds, sources = {}, {}
     for path in sorted(grid.glob("cells/*/result.json")):
         try:
             record = read_record(path)
         except RecordError:
             continue
+        day = time.strftime("%Y-%m-%d", time.gmtime(float(record.get("started_at") or 0)))
+        where = f"{','.join(record.get('hostnames') or ['?'])} ({record.get('device_name', '?')}, {day})"
+        sources[where] = sources.get(where, 0) + 1
         if record["status"] == "ok":
             speeds[path.parent.name] = float(record["tokens_per_s_per_gpu"])
-    return speeds
+    return speeds, sources
 
 
 def main() -> None:
@@ -34,7 +39,7 @@ def main() -> None:
     parser.add_argument("--tune-wall", type=float, default=0.0)
     args = parser.parse_args()
     found = json.loads((args.tune / "tune.json").read_text())
-    speeds = grid_speeds(args.grid)
+    speeds, sources = grid_speeds(args.grid)
     ranked = sorted(speeds, key=lambda cell: -speeds[cell])
     pick = (found.get("best") or {}).get("cell_id")
     spend = found["spend"]
@@ -60,6 +65,7 @@ def main() -> None:
             lines.append(f"| pick / grid's best | 1.000 | {speeds[pick] / speeds[ranked[0]]:.3f} |")
     lines = [line for line in lines if line]
     lines += ["", "The grid's top three (tokens/s per GPU): " + ", ".join(f"{c} {speeds[c]:,.1f}" for c in ranked[:3])]
+    lines += ["", "The grid's records came from: " + "; ".join(f"{n} from {where}" for where, n in sources.items())]
     lines += ["", "tune's ranking (its furthest stage):"]
     lines += [
         f"- {row['cell_id']} {row['stage']} {row['status']}"
