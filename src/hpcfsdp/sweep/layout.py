@@ -8,6 +8,7 @@
     cells/<id>/log.txt             the local executor's log of the cell
     slurm/<job>/                   submitit's scripts and logs
     .submit.lock                   held by the submit running now (lock.py)
+    tune.json, tune/               what `hpcfsdp tune` found, and its search's state (tune/state.py)
 
 Submit writes it; status, collect, export and the accounting read it. No torch, no pandas.
 """
@@ -32,6 +33,7 @@ CELLS_DIR = "cells"
 MANIFEST_NAME = "manifest.json"
 MATRIX_NAME = "matrix.yaml"
 SLURM_DIR = "slurm"
+TUNE_NAME = "tune.json"
 
 
 def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
