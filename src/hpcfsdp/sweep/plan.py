@@ -38,6 +38,11 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
     gpu_hours = sum(c.spec.world_size for c in sweep.cells) * res.time_min * runs / 60
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {res.time_min} min limit per cell{requeues}")
+    if res.pass_env:
+        print(
+            f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
+            "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
+        )
     problems = cache_misses(sweep, res.cache_dir or None) + cluster_problems(sweep)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
