@@ -84,7 +84,8 @@ class Container:
         texts += [(f"env.{name}", value) for name, value in container.env.items()]
         for key, text in texts:
             require_no_control_characters(where, f"container.{key}", text)
-            require_no_secret(where, f"container.{key}", text, key.removeprefix("env.") if key.startswith("env.") else "")
+            variable = key.removeprefix("env.") if key.startswith("env.") else ""
+            require_no_secret(where, f"container.{key}", text, variable)
         for mount in container.mounts:
             try:
                 parse_mount(mount)

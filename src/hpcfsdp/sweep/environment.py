@@ -44,12 +44,13 @@ ALLOWED_NAMES = frozenset(
 )  # fmt: skip
 # Families of variables: the locale, CUDA, NCCL, gloo, torch, Triton, hpcfsdp's own, Slurm's own
 # (sbatch passes SLURM_* on whatever it is told), the module systems' (Lmod's, Environment
-# Modules', and their exported shell functions, which `module load` in a setup line needs), and
-# conda's stacked prefixes.
+# Modules', and their exported shell functions, which `module load` in a setup line needs),
+# conda's stacked prefixes, and the container runtimes' settings (slurm.container).
 ALLOWED_PREFIXES = (
     "LC_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "HPCFSDP_", "SLURM_",
     "LMOD_", "__LMOD_REF_COUNT_", "_ModuleTable", "MODULES_", "BASH_FUNC_module", "BASH_FUNC_ml",
     "BASH_FUNC__module_raw", "BASH_FUNC_switchml", "CONDA_PREFIX_",
+    "CONTAINERS_", "APPTAINER_", "SINGULARITY_", "ENROOT_",
 )  # fmt: skip
 # The batch script's first line: srun passes the job's whole environment (the allowlist and what
 # the setup lines set) to the tasks, not only the export list.

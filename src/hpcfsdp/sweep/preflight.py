@@ -45,11 +45,11 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     when every shape can, one per shape beyond its host memory, the QOS's limits, or refused by
     sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here."""
     res = sweep.resources
-    known = known_clusters() if res.clusters else None
-    if known is not None and res.clusters not in known:  # sbatch -M, scancel -M: never a cluster it guesses
+    clusters = known_clusters() if res.clusters else None
+    if clusters is not None and res.clusters not in clusters:  # sbatch -M, scancel -M: never a cluster it guesses
         return [
             f"{place(sweep, 'slurm.clusters')}: no cluster {res.clusters!r} answers here "
-            f"(`sacctmgr show clusters` knows {', '.join(known) or 'none'})"
+            f"(`sacctmgr show clusters` knows {', '.join(clusters) or 'none'})"
         ]
     partitions = read_partitions(res.clusters)
     if partitions is None:

@@ -22,21 +22,22 @@ import subprocess
 
 # Slurm 22.05's sbatch options (slurm-22-05-8-1).
 SBATCH_22_05 = frozenset(
-    """
-    account acctg-freq array batch bb bbf begin chdir cluster cluster-constraint clusters comment
-    constraint container context contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu
-    cpus-per-task deadline delay-boot dependency distribution error exclude exclusive export
-    export-file extra-node-info get-user-env gid gpu-bind gpu-freq gpus gpus-per-node
-    gpus-per-socket gpus-per-task gres gres-flags help hint hold ignore-pbs input job-name
-    kill-on-invalid-dep licenses mail-type mail-user mcs-label mem mem-bind mem-per-cpu mem-per-gpu
-    mincpus network nice no-kill no-requeue nodefile nodelist nodes ntasks ntasks-per-core
-    ntasks-per-gpu ntasks-per-node ntasks-per-socket ntasks-per-tres open-mode output overcommit
-    oversubscribe parsable partition power prefer priority profile propagate qos quiet reboot
-    requeue reservation signal sockets-per-node spread-job switches tasks-per-node test-only
-    thread-spec threads-per-core time time-min tmp uid usage use-min-nodes verbose version wait
-    wait-all-nodes wckey wrap
-    """.split()
-)
+    {
+        "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir", "cluster", "cluster-constraint",
+        "clusters", "comment", "constraint", "container", "context", "contiguous", "core-spec", "cores-per-socket",
+        "cpu-freq", "cpus-per-gpu", "cpus-per-task", "deadline", "delay-boot", "dependency", "distribution", "error",
+        "exclude", "exclusive", "export", "export-file", "extra-node-info", "get-user-env", "gid", "gpu-bind",
+        "gpu-freq", "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres", "gres-flags", "help", "hint",
+        "hold", "ignore-pbs", "input", "job-name", "kill-on-invalid-dep", "licenses", "mail-type", "mail-user",
+        "mcs-label", "mem", "mem-bind", "mem-per-cpu", "mem-per-gpu", "mincpus", "network", "nice", "no-kill",
+        "no-requeue", "nodefile", "nodelist", "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu",
+        "ntasks-per-node", "ntasks-per-socket", "ntasks-per-tres", "open-mode", "output", "overcommit",
+        "oversubscribe", "parsable", "partition", "power", "prefer", "priority", "profile", "propagate", "qos",
+        "quiet", "reboot", "requeue", "reservation", "signal", "sockets-per-node", "spread-job", "switches",
+        "tasks-per-node", "test-only", "thread-spec", "threads-per-core", "time", "time-min", "tmp", "uid", "usage",
+        "use-min-nodes", "verbose", "version", "wait", "wait-all-nodes", "wckey", "wrap"
+    }
+)  # fmt: skip
 # What later releases added (--power went in 24.05).
 ADDED = {
     (23, 2): ("autocomplete", "container-id", "extra", "tres-per-task"),
@@ -98,4 +99,4 @@ def resolve_option(key: str, options: frozenset[str] | None = None) -> tuple[str
         shown = ", ".join(f"--{name}" for name in found[:6]) + (", ..." if len(found) > 6 else "")
         return "", f"--{key} is a prefix of several sbatch options ({shown}), which sbatch refuses; write one in full"
     nearest = difflib.get_close_matches(key, sorted(options), n=1, cutoff=0.0)
-    return "", f"--{key} is no sbatch option (the nearest: --{nearest[0]})" if nearest else f"--{key} is no sbatch option"
+    return "", f"--{key} is no sbatch option" + (f" (the nearest: --{nearest[0]})" if nearest else "")
