@@ -167,10 +167,11 @@ def _checked_extra_sbatch(where: str, res: Resources) -> dict[str, Any]:
                 f"extra_sbatch.{key!r}",
                 "expected an sbatch option name (letters, digits, '-' and '_', e.g. reservation)",
             )
-        flag, problem = resolve_option(key.replace("_", "-"))
+        written = key.replace("_", "-")
+        flag, problem = resolve_option(written)
         if problem:
             raise SpecError(where, f"extra_sbatch.{key}", problem)
-        read_as = f"--{flag}" if flag == key.replace("_", "-") else f"--{key} (sbatch reads it as --{flag})"
+        read_as = f"--{flag}" if flag == written else f"--{written} (sbatch reads it as --{flag})"
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
             raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} is set by hpcfsdp{hint}")
