@@ -19,8 +19,9 @@ OPTIONS = release_options((22, 5))
 
 @pytest.mark.parametrize(
     ("key", "read_as"),
-    [("arr", "array"), ("requeu", "requeue"), ("no-req", "no-requeue"), ("cluster-c", "cluster-constraint"), ("cluster", "clusters"),
-     ("tasks-per", "ntasks-per-node"), ("reserv", "reservation"), ("mem", "mem"), ("export-f", "export-file")],
+    [("arr", "array"), ("requeu", "requeue"), ("no-req", "no-requeue"), ("cluster-c", "cluster-constraint"),
+     ("cluster", "clusters"), ("tasks-per", "ntasks-per-node"), ("reserv", "reservation"), ("mem", "mem"),
+     ("export-f", "export-file")],
 )  # fmt: skip
 def test_a_key_is_read_as_the_one_option_it_is_a_prefix_of(key, read_as):
     assert resolve_option(key, OPTIONS) == (read_as, "")

@@ -19,6 +19,7 @@ keep the shell's environment, less the variables of a secret's shape.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -75,9 +76,13 @@ def job_environment(sweep: Sweep) -> dict[str, str]:
     return env
 
 
+# A name that can go into the `#SBATCH --export=` line: a shell variable's, or an exported function's.
+EXPORTABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|BASH_FUNC_[A-Za-z_][A-Za-z0-9_]*%%")
+
+
 def is_allowed(name: str) -> bool:
     """A variable a Slurm job gets from the submitting shell without being named in pass_env."""
-    return name in ALLOWED_NAMES or name.startswith(ALLOWED_PREFIXES)
+    return (name in ALLOWED_NAMES or name.startswith(ALLOWED_PREFIXES)) and bool(EXPORTABLE.fullmatch(name))
 
 
 def exported_names(sweep: Sweep, environ: Mapping[str, str] | None = None) -> list[str]:
