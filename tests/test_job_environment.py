@@ -11,12 +11,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
+from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.environment import is_allowed
 from hpcfsdp.sweep.secret_shapes import is_secret
@@ -72,6 +74,20 @@ CPU_CELL = {
     "warmup_steps": 1,
     "comm_profile_steps": 0,
 }
+
+
+@pytest.fixture(scope="module")
+def podman_image(tmp_path_factory):
+    """podman configured for this machine and the test image (tests/container_image.py), removed at the end."""
+    from test_container import IMAGE
+
+    install_podman()
+    env = podman_config(tmp_path_factory.mktemp("podman"))
+    build_image(IMAGE, Path(sys.prefix), env)
+    yield env
+    subprocess.run(
+        ["podman", "system", "reset", "--force"], env={**os.environ, **env}, capture_output=True, timeout=300
+    )
 
 
 def state_folder(job_id: str) -> Path:
@@ -183,3 +199,37 @@ def test_download_verify_of_a_jobs_yaml_checks_its_slurm_cache_dir(tmp_path, cap
     assert main(["download", str(jobs), "--verify"]) == 1
     out = capsys.readouterr().out
     assert str(cache) in out and "shell-cache" not in out, out
+
+
+@pytest.mark.slurm
+def test_a_cell_in_a_podman_container_gets_the_allowlist_and_the_setup_lines_but_no_secret(
+    slurm_cluster, podman_image, tmp_path, monkeypatch, capsys
+):
+    from test_container import in_podman
+
+    name = f"envpod{uuid.uuid4().hex[:8]}"
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "base": {**CPU_CELL, "gpus_per_node": 1},
+                "slurm": {"time_min": 10, "container": in_podman()},
+                "setup": ["export TORCH_I33_FROM_SETUP=yes"],
+            }
+        )
+    )
+    for variable, value in {**podman_image, **SECRETS, "NCCL_I33_FROM_SHELL": "yes"}.items():
+        monkeypatch.setenv(variable, value)
+    results = tmp_path / "results"
+    try:
+        assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(results)]) == 0
+    finally:
+        subprocess.run(["scancel", f"--name=hpcfsdp-{name}"], capture_output=True, timeout=60)
+    (record_path,) = (results / name).glob("cells/*/result.json")
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "ok", record.get("error")
+    # podman ran (CONTAINERS_CONF is allowlisted), and the rank got the shell's and the script's variables.
+    assert record["environment"]["NCCL_I33_FROM_SHELL"] == "yes"
+    assert record["environment"]["TORCH_I33_FROM_SETUP"] == "yes"
+    assert files_holding(results / name, MARK.encode()) == []
