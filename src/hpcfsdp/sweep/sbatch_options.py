@@ -10,9 +10,9 @@ The options come from the installed sbatch where there is one (`sbatch --help` a
 plus the options of its release that its help leaves out: --open-mode, --test-only, --hint, ...),
 else from the table below: every long option of sbatch in Slurm 22.05 to 25.11, read off
 src/common/slurm_opt.c of each release (`common_options[]`, those with a set function for sbatch;
---export-file, missing from 23.11 alone, is kept throughout). Where the table holds an option the
-installed sbatch lacks, or the reverse, a key is refused that sbatch might take, never the other
-way round. tests/test_sbatch_options.py checks the table against the local cluster's sbatch.
+--export-file, missing from 23.11 alone, is kept throughout). An option the table holds and the
+installed sbatch lacks only makes more prefixes ambiguous (refused); a release after 25.11 adds
+what its --help lists. tests/test_sbatch_options.py checks the table against the local sbatch.
 """
 
 from __future__ import annotations
