@@ -587,8 +587,9 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
     wrappers, started = tmp_path / "bin", tmp_path / "sbatch-started"
     wrappers.mkdir()
     sbatch = shutil.which("sbatch")
-    # The preflight's `sbatch --test-only` queues nothing: it is not delayed.
-    script = ["#!/bin/sh", f'case "$*" in *--test-only*) exec {sbatch} "$@";; esac', f"touch {started}", "sleep 3"]
+    # The preflight's `sbatch --test-only` queues nothing, nor does plan's `sbatch --help` (its options): not delayed.
+    script = ["#!/bin/sh", f'case "$*" in *--test-only*|--help|--usage|--version) exec {sbatch} "$@";; esac']
+    script += [f"touch {started}", "sleep 3"]
     (wrappers / "sbatch").write_text("\n".join([*script, f'exec {sbatch} "$@"', ""]))
     (wrappers / "sbatch").chmod(0o755)
     proc = hpcfsdp(
@@ -606,7 +607,9 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and TRACEBACK not in err, err
-        assert err.splitlines()[-1].startswith("interrupted (SIGINT): arrays queued before it are in manifest.json")
+        assert err.splitlines()[-1].startswith("interrupted (SIGINT): arrays queued before it are in manifest.json"), (
+            err
+        )
         (job,) = queued_job_ids(name)
         assert read(results / name / "manifest.json")[cell.id]["job_id"] == job
         folder = results / name / "cells" / cell.id

@@ -50,14 +50,19 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
 
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
-    """`plan --sbatch`: the script of each array, as submit would write it for a fresh sweep."""
+    """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
+    comment, once the folder has one: layout.folder_uid)."""
+    from .layout import folder_uid
     from .sbatch import sbatch_script
+
+    sweep_dir = results_dir / sweep.name
+    uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 
     for index, ((nodes, gpus), cells) in enumerate(
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     ):
         print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
-        print(sbatch_script(sweep, results_dir / sweep.name, nodes, gpus, len(cells)))
+        print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
     return 0
 
 
