@@ -325,8 +325,9 @@ def download(args: argparse.Namespace) -> int:
     from .cache.download import download_main
     from .cache.plan import Request
 
+    sweep = _load_sweep(args) if args.jobs else None
     request = Request(
-        sweep=_load_sweep(args) if args.jobs else None,
+        sweep=sweep,
         models=tuple(args.model),
         datasets=tuple(args.dataset),
         weights=args.weights,
@@ -336,7 +337,8 @@ def download(args: argparse.Namespace) -> int:
     try:
         return download_main(
             request,
-            cache_dir=args.cache_dir,
+            # The cache the jobs read: --cache-dir, else the YAML's slurm.cache_dir, else $HPCFSDP_CACHE.
+            cache_dir=args.cache_dir or (sweep.resources.cache_dir if sweep else None),
             verify_only=args.verify,
             allow_patterns=args.allow_pattern,
             text_column=args.text_column,
