@@ -14,9 +14,9 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..sweep import container
-from ..sweep.environment import secrets_removed
+from ..sweep.environment import slurm_environment_only
 from ..sweep.interrupts import interrupts_deferred
-from ..sweep.layout import slurm_folder, update_manifest
+from ..sweep.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
 from ..sweep.matrix import Cell, Sweep
 from ..sweep.sbatch import SubmitError, slurm_parameters, submit_arrays
 from ..sweep.scheduler import SchedulerError, queued_states
@@ -63,14 +63,15 @@ def _submit_probe_array(
 
     res = sweep.resources
     executor = submitit.SlurmExecutor(folder=slurm_folder(directory), python=container.job_python(sweep, directory))
-    params = slurm_parameters(sweep, 1, gpus, directory)
+    uid = folder_uid(directory) or new_uid()  # the folder's sweep id, as submit's arrays carry it
+    params = slurm_parameters(sweep, 1, gpus, directory, uid)
     # One task holds the node's GPUs and CPUs; the torchruns it starts are the ranks.
     params.update(ntasks_per_node=1, cpus_per_task=res.cpus_per_task * gpus, job_name=f"hpcfsdp-tune-{sweep.name}")
     executor.update_parameters(**params)
     jobs_of = [
         ProbeJob(tuple(p for _, p in chunk), str(launches_dir.absolute()), res.time_min * 60) for chunk in chunks
     ]
-    with interrupts_deferred(), secrets_removed():
+    with interrupts_deferred(), slurm_environment_only(sweep):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array(jobs_of)
@@ -85,6 +86,7 @@ def _submit_probe_array(
                     "job_id": job.job_id,
                     "cluster": res.clusters,
                     "submitted_at": time.time(),
+                    **owned_entry(directory, uid),
                 }
         update_manifest(directory, entries)
     log(
