@@ -189,6 +189,7 @@ class OkRecord(Record, total=False):
     step_time_p90_s: float
     step_times_s: Checked[list[float] | None]
     window_step_time_s: float
+    optimizer_step_s: float  # stop_when_stable only: clipping and the optimizer step (median, slowest rank)
     warmup_steps: int
     timed_steps: int
     data_time_fraction: Checked[float | None]

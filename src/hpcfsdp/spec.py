@@ -168,6 +168,7 @@ class RunSpec:
     steps: int = grouped(10, "measurement")
     warmup_steps: int = grouped(2, "measurement")
     seed: int = grouped(0, "measurement")
+    stop_when_stable: bool = grouped(False, "measurement")  # cell/train.py: tune's probes stop once tokens/s holds
     sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
     nvml: bool = grouped(True, "measurement")  # sample GPU utilisation during timed steps
     # extra steps under torch.profiler for communication time; 0: off
@@ -176,8 +177,7 @@ class RunSpec:
     # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
     memory_snapshot: bool = False
     peak_tflops: float = grouped(0.0, "measurement")  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
-    # gathers the full model once at the end: for tests and small models
-    record_param_norm: bool = grouped(False, "measurement")
+    record_param_norm: bool = grouped(False, "measurement")  # gathers the whole model at the end: tests, small models
     init_timeout_s: float = grouped(300.0, "measurement")  # set-up's collectives and the first step may wait this long
     train_timeout_s: float = grouped(100.0, "measurement")  # then a step this long past the slowest is hung (watchdog)
 

@@ -96,18 +96,8 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             outcomes[cell.id] = "error"
             log(f"    error ({error})")
             continue
-        with records_set_aside(sweep_dir, [cell]), open(directory / LOG_NAME, "w") as out:
-            # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
-            limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
-            proc = subprocess.Popen(
-                torchrun_command(directory, cell.spec.world_size),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env | limits,
-                start_new_session=True,
-                preexec_fn=_end_with_parent(os.getpid()),
-            )
-            returncode = _wait_within(proc, limit_s)
+        with records_set_aside(sweep_dir, [cell]):
+            returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
         status = outcomes[cell.id] = cell_status(sweep_dir, cell)
         if status == MISSING:
             timed_out = returncode is None
@@ -168,6 +158,24 @@ def _wait_for_gpus(env: dict[str, str], log: Callable[[str], None]) -> str:
         time.sleep(2)
         held = gpus_held(env)
     return held
+
+
+def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
+    """One torchrun of the cell in `directory` on this machine, its output in the cell's log.txt:
+    its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
+    Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
+    with open(directory / LOG_NAME, "w") as out:
+        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
+        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
+        proc = subprocess.Popen(
+            torchrun_command(directory, processes),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env | limits,
+            start_new_session=True,
+            preexec_fn=_end_with_parent(os.getpid()),
+        )
+        return _wait_within(proc, limit_s)
 
 
 def _end_with_parent(parent: int) -> Callable[[], None]:
