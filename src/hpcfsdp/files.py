@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,9 @@ try:
     import orjson
 except ImportError:  # a dependency; without it JSON is parsed by the standard library, slower
     orjson = None  # type: ignore[assignment]
+
+
+LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
 class RecordError(UserError, ValueError):
@@ -80,8 +84,11 @@ def _umask() -> int:
 def parse_json(data: bytes) -> Any:
     """JSON text to a value: orjson (several times faster: collect parses every record of a sweep)
     where it is installed and the text is within what it reads (64-bit integers, no NaN, 1,024
-    levels); the standard library otherwise, so values and error messages stay those of `json`."""
-    if orjson is not None:
+    levels); the standard library otherwise, so values and error messages stay those of `json`.
+    orjson reads an integer of 2**64 or more (or below -2**63) as a float, without a word: text
+    with a run of 19 digits or more goes to `json`, which keeps every integer exact, so that the
+    readers can refuse it instead of taking 1e20 for a seed."""
+    if orjson is not None and not LONG_DIGITS.search(data):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:

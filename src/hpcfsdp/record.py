@@ -13,6 +13,7 @@ A rerun never destroys a record: the current one moves to `attempts/<n>.json` fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -22,8 +23,20 @@ from typing import Any, Literal, NamedTuple, TypedDict, cast
 
 from .fields import choices
 from .files import RecordError, read_json_object, write_json
-from .jsontypes import SCALAR_TYPES, TYPE_WORDS, Checked, checked_fields, shown, value_problem
-from .spec import RunSpec
+from .jsontypes import (
+    FIGURE,
+    SCALAR_TYPES,
+    TYPE_WORDS,
+    Checked,
+    Figure,
+    Moment,
+    checked_fields,
+    integer_out_of_int64,
+    range_problem,
+    shown,
+    value_problem,
+)
+from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
 
 SCHEMA_VERSION = 1
 
@@ -88,7 +101,9 @@ SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
 # status or export reads: a record whose value has another type than the annotation's, null aside,
 # is corrupt (read_record), so that the history only ever receives typed rows. The other fields are
-# carried to results.csv as they are. A checked mapping checks each key it declares, and takes any
+# carried to results.csv as they are. A Figure (a measurement) must also be finite and 0 or more, a
+# Moment a time from 2000-01-01 to a day after now, and every integer of a record fit 64 bits:
+# a record out of range is corrupt too, and never ranked. A checked mapping checks each key it declares, and takes any
 # other key (a newer hpcfsdp's) as a single value.
 
 
@@ -110,9 +125,9 @@ class SlurmAccounting(TypedDict, total=False):
     submit: str | None  # the cluster's local time, as sacct prints it; start and end too
     start: str | None
     end: str | None
-    elapsed_s: int | None
-    queue_wait_s: float | None
-    consumed_energy_j: int | None  # null where the cluster gathers no energy
+    elapsed_s: Figure[int | None]
+    queue_wait_s: Figure[float | None]
+    consumed_energy_j: Figure[int | None]  # null where the cluster gathers no energy
 
 
 class BatchProbe(TypedDict, total=False):
@@ -153,8 +168,8 @@ class Record(TypedDict, total=False):
     cell_id: Checked[str | None]
     sweep: Checked[str | None]
     spec: dict[str, Any]  # the resolved RunSpec; checked against RunSpec's fields (spec_problem)
-    world_size: Checked[int | None]
-    nodes: Checked[int | None]
+    world_size: Figure[int | None]
+    nodes: Figure[int | None]
     device_type: str
     device_name: Checked[str | None]
     gpu_count: int
@@ -165,8 +180,8 @@ class Record(TypedDict, total=False):
     environment: dict[str, str]
     git_commit: Checked[str | None]
     launch_id: Checked[str | None]
-    started_at: Checked[float | None]
-    duration_s: Checked[float | None]
+    started_at: Moment[float | None]
+    duration_s: Figure[float | None]
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
 
@@ -174,47 +189,49 @@ class Record(TypedDict, total=False):
 class OkRecord(Record, total=False):
     """An `ok` record: the measurements (docs/metrics.md); some only where enabled."""
 
-    tokens_per_s: float
-    tokens_per_s_per_gpu: Checked[float | None]
-    samples_per_s: float
+    tokens_per_s: Figure[float | None]
+    tokens_per_s_per_gpu: Figure[float | None]
+    samples_per_s: Figure[float | None]
     tokens_per_step: int
-    step_time_s: Checked[float | None]
-    step_time_p90_s: float
-    step_times_s: Checked[list[float] | None]
-    window_step_time_s: float
+    step_time_s: Figure[float | None]
+    step_time_p90_s: Figure[float | None]
+    step_times_s: Figure[list[float] | None]
+    window_step_time_s: Figure[float | None]
     warmup_steps: int
     timed_steps: int
-    data_time_fraction: Checked[float | None]
-    flops_per_token: float
+    data_time_fraction: Figure[float | None]
+    flops_per_token: Figure[float | None]
     non_embedding_params: int
     flops_tied_lm_head: bool
-    tflops_per_gpu: float
-    peak_tflops: float | None
-    mfu: Checked[float | None]
+    tflops_per_gpu: Figure[float | None]
+    peak_tflops: Figure[float | None]
+    mfu: Figure[float | None]
     memory: dict[str, dict[str, float]]  # per stage, max over ranks
-    peak_memory_gib: Checked[float | None]
+    peak_memory_gib: Figure[float | None]
     peak_memory_kind: str
-    memory_capacity_gib: Checked[float | None]
-    gpu_hours_per_billion_tokens: Checked[float | None]
-    energy_j: float | None
-    joules_per_token: Checked[float | None]
-    energy_per_rank_j: list[float] | None
-    losses: Checked[list[float] | None]
+    memory_capacity_gib: Figure[float | None]
+    gpu_hours_per_billion_tokens: Figure[float | None]
+    energy_j: Figure[float | None]
+    joules_per_token: Figure[float | None]
+    energy_per_rank_j: Figure[list[float] | None]
+    # Every step's loss; a step whose loss was not finite is null (or, from an older writer, NaN
+    # or Infinity): that is how a diverged cell looks, not a corrupt record.
+    losses: Checked[list[float | None] | None]
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
     model_source: dict[str, Any]
     data_source: dict[str, Any]
     float8_linears: int
-    comm_s_per_step: float
-    comm_exposed_s_per_step: float
-    comm_profile_step_time_s: float
+    comm_s_per_step: Figure[float | None]
+    comm_exposed_s_per_step: Figure[float | None]
+    comm_profile_step_time_s: Figure[float | None]
     comm_profile_steps: int
-    comm_fraction: float
-    comm_exposed_fraction: Checked[float | None]
-    gpu_util_mean: Checked[float | None]
-    gpu_util_min: float
-    sm_clock_mhz_mean: float
-    power_w_mean: float
+    comm_fraction: Figure[float | None]
+    comm_exposed_fraction: Figure[float | None]
+    gpu_util_mean: Figure[float | None]
+    gpu_util_min: Figure[float | None]
+    sm_clock_mhz_mean: Figure[float | None]
+    power_w_mean: Figure[float | None]
     gpu_utilisation_per_rank: list[dict[str, Any]]
     profile_trace_dir: str
     memory_snapshot: str
@@ -231,7 +248,7 @@ class FailedRecord(Record, total=False):
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int
-    losses: Checked[list[float] | None]  # a `diverged` record's: every loss known
+    losses: Checked[list[float | None] | None]  # a `diverged` record's: every loss known
     slurm_state: str  # one of Slurm's endings: its word, and what to change
     advice: str
 
@@ -314,6 +331,9 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     """What makes a parsed record unusable ("tokens_per_s_per_gpu: expected a number or null, got
     "fast""), or None: its spec, and the fields marked Checked. A wrong value elsewhere is carried
     to results.csv as it is."""
+    big = integer_out_of_int64(record)
+    if big:
+        return f"{big}: expected an integer within 64 bits (-2**63 to 2**63 - 1)"
     problem = spec_problem(record.get("spec"))
     if problem:
         return problem
@@ -343,6 +363,24 @@ def spec_problem(spec: Any) -> str | None:
             return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {shown(value)}"
         elif name in allowed and value not in allowed[name]:
             return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {shown(value)}"
+        else:
+            problem = _spec_range_problem(name, value)
+            if problem:
+                return problem
+    return None
+
+
+def _spec_range_problem(name: str, value: Any) -> str | None:
+    """A recorded spec's numbers within what RunSpec takes: its counts positive (or 0 and more),
+    every number finite and 64-bit."""
+    if type(value) not in (int, float):
+        return None
+    if name in POSITIVE_FIELDS and value < 1:
+        return f"spec.{name}: expected a positive integer, got {shown(value)}"
+    if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS):
+        return range_problem(f"spec.{name}", value, FIGURE)
+    if type(value) is float and not math.isfinite(value):
+        return f"spec.{name}: expected a finite number, got {shown(value)}"
     return None
 
 

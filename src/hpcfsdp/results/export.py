@@ -72,7 +72,7 @@ def _runs(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> Iterator[dict[st
             "attempt": attempt_of(record.get("launch_id"), record.get("started_at")),
             "system": system_of(record.get("slurm.cluster_name"), record.get("hostnames")),
             "gpu": record.get("device_name") if isinstance(record.get("device_name"), str) else None,
-            "losses": _numbers(record.get("losses")),
+            "losses": _finite_steps(record.get("losses")),  # (step, loss): a diverged step has none
             "step_times": [(warmup + i, t) for i, t in enumerate(_numbers(record.get("step_times_s")))],
             "metrics": {name: value for name in METRICS if (value := _number(record.get(name))) is not None},
             "started_at": started,
@@ -93,6 +93,22 @@ def _number(value: Any) -> float | None:
 
 def _numbers(values: Any) -> list[float]:
     return [float(v) for v in values] if isinstance(values, list) else []
+
+
+def _finite_steps(values: Any) -> list[tuple[int, float]]:
+    """(step, value) of each finite number of a series: a diverged cell's losses hold null, NaN or
+    Infinity at the steps that were not finite, which no tracker takes."""
+    if not isinstance(values, list):
+        return []
+    return [
+        (step, float(v))
+        for step, v in enumerate(values)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+
+
+def _last_step(run: dict[str, Any]) -> int:
+    return max((step for step, _ in run["losses"]), default=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,11 +139,11 @@ def _tensorboard(runs: list[dict[str, Any]], sweep: str, destination: str) -> tu
                     summary=hp.hparams_pb(hparams, trial_id=run["cell_id"], start_time_secs=run["started_at"]),
                 )
             )
-            for step, loss in enumerate(run["losses"]):
+            for step, loss in run["losses"]:
                 writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=scalar_pb("loss", loss)))
             for step, seconds in run["step_times"]:
                 writer.add_event(event_pb2.Event(wall_time=wall, step=step, summary=scalar_pb("step_time_s", seconds)))
-            last = max(len(run["losses"]) - 1, 0)
+            last = _last_step(run)
             for name, value in run["metrics"].items():
                 summary = scalar_pb(FINAL_PREFIX + name, value)
                 writer.add_event(event_pb2.Event(wall_time=wall, step=last, summary=summary))
@@ -212,9 +228,9 @@ def _mlflow(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[i
         )
         run_id = created.info.run_id
         stamp = end_ms or 0
-        last = max(len(run["losses"]) - 1, 0)
+        last = _last_step(run)
         metrics = (
-            [Metric("loss", loss, stamp, step) for step, loss in enumerate(run["losses"])]
+            [Metric("loss", loss, stamp, step) for step, loss in run["losses"]]
             + [Metric("step_time_s", seconds, stamp, step) for step, seconds in run["step_times"]]
             + [Metric(name, value, stamp, last) for name, value in run["metrics"].items()]
         )
@@ -265,7 +281,7 @@ def _wandb(runs: list[dict[str, Any]], sweep: str, destination: str) -> tuple[in
         )
         try:
             rows: dict[int, dict[str, float]] = {}
-            for step, loss in enumerate(run["losses"]):
+            for step, loss in run["losses"]:
                 rows.setdefault(step, {})["loss"] = loss
             for step, seconds in run["step_times"]:
                 rows.setdefault(step, {})["step_time_s"] = seconds
