@@ -27,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import UserError
+from ..fields import unknown_home
 from ..hubrefs import DatasetRef, ModelRef, TokenizedRef
 
 CACHE_ENV = "HPCFSDP_CACHE"
@@ -45,10 +46,12 @@ class CacheMissError(UserError, FileNotFoundError):
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """--cache-dir if given, else $HPCFSDP_CACHE, else ~/.cache/hpcfsdp."""
-    if cache_dir:
-        return Path(cache_dir).expanduser().resolve()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    for given, named in ((cache_dir, "--cache-dir"), (os.environ.get(CACHE_ENV), CACHE_ENV)):
+        if given:
+            user = unknown_home(str(given))
+            if user:
+                raise UserError(f"{named}: {user}: no such user here, so no home folder for it to name")
+            return Path(given).expanduser().resolve()
     return (Path.home() / ".cache" / "hpcfsdp").resolve()
 
 
