@@ -122,7 +122,7 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
     Returns the files and a note per column that parquet could not keep as it was."""
     table = _exportable(frame)
     with atomic_output(report / "results.csv") as tmp:
-        table.to_csv(tmp, index=False)
+        _without_formulas(table).to_csv(tmp, index=False)
     written = [report / "results.csv"]
     try:
         import pyarrow  # noqa: F401  (only to know whether parquet can be written)
@@ -163,6 +163,22 @@ def _as_text(value: Any) -> str | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+# What a spreadsheet reads as the start of a formula (OWASP's CSV injection list): a record's error
+# "=HYPERLINK(...)" or "@SUM(...)" would run when results.csv is opened.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _without_formulas(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every text cell that a spreadsheet would take for a formula quoted by a
+    leading apostrophe, as spreadsheets themselves mark text; numbers are left as they are."""
+    quoted = table.copy()
+    for column in [c for c in quoted.columns if not pd.api.types.is_numeric_dtype(quoted[c])]:
+        quoted[column] = quoted[column].map(
+            lambda v: "'" + v if isinstance(v, str) and v.startswith(FORMULA_STARTS) else v
+        )
+    return quoted
 
 
 def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
