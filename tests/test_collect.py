@@ -317,8 +317,8 @@ def with_changes(record: dict, **changes) -> dict:
 WRONG_VALUES = {
     "metric-text": ({"tokens_per_s_per_gpu": "fast"}, 'tokens_per_s_per_gpu: expected a number or null, got "fast"'),
     "metric-bool": ({"mfu": True}, "mfu: expected a number or null, got true"),
-    "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers, got "oops"'),
-    "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers, got [11.0, "x"]'),
+    "losses-text": ({"losses": "oops"}, 'losses: expected a list of numbers or nulls, got "oops"'),
+    "losses-mixed": ({"losses": [11.0, "x"]}, 'losses: expected a list of numbers or nulls, got [11.0, "x"]'),
     "spec-text": ({"spec": "ddp"}, 'spec: expected an object (the run\'s RunSpec), got "ddp"'),
     "spec-empty": ({"spec": {}}, "spec.strategy: missing"),
     "batch-text": ({"spec_batch_size": "4"}, 'spec.batch_size: expected an integer, got "4"'),

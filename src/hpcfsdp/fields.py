@@ -89,7 +89,9 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT64_MIN <= value <= INT64_MAX:  # the record, pandas, parquet and DuckDB hold no larger
-                raise SpecError(where, key, f"expected an integer within 64 bits (-2**63 to 2**63 - 1), got {shown(value)}")
+                raise SpecError(
+                    where, key, f"expected an integer within 64 bits (-2**63 to 2**63 - 1), got {shown(value)}"
+                )
             return value
         raise SpecError(
             where,
