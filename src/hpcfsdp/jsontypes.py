@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
@@ -54,7 +55,7 @@ def _without_check(hint: Any) -> Any:
     """The annotation without the Checked mark; a range mark (Figure, Moment) stays on it."""
     inner, *marks = get_args(hint)
     ranges = tuple(mark for mark in marks if mark in (FIGURE, MOMENT))
-    return Annotated[(inner, *ranges)] if ranges else inner
+    return Annotated[inner, ranges[0]] if ranges else inner
 
 
 def _range_of(hint: Any) -> tuple[Any, str]:
@@ -116,7 +117,7 @@ def _type_problem_of(name: str, value: Any, hint: Any) -> str | None:
             if problem:
                 return problem
         return None
-    if get_origin(shape) is list:
+    if get_origin(shape) in (list, Sequence):  # a Sequence: a list the writer may build of a narrower type
         (element,) = get_args(shape)
         elements = get_args(element) if get_origin(element) in UNIONS else (element,)
         allowed = {kind for kind in elements if kind is not float} | (NUMBER_TYPES if float in elements else set())

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict, cast
@@ -216,7 +216,7 @@ class OkRecord(Record, total=False):
     energy_per_rank_j: Figure[list[float] | None]
     # Every step's loss; a step whose loss was not finite is null (or, from an older writer, NaN
     # or Infinity): that is how a diverged cell looks, not a corrupt record.
-    losses: Checked[list[float | None] | None]
+    losses: Checked[Sequence[float | None] | None]
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
     model_source: dict[str, Any]
@@ -248,7 +248,7 @@ class FailedRecord(Record, total=False):
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int
-    losses: Checked[list[float | None] | None]  # a `diverged` record's: every loss known
+    losses: Checked[Sequence[float | None] | None]  # a `diverged` record's: every loss known
     slurm_state: str  # one of Slurm's endings: its word, and what to change
     advice: str
 
