@@ -102,11 +102,11 @@ def test_a_diverged_record_may_hold_null_nan_and_infinite_losses(tmp_path, capsy
 
 def test_absurd_numbers_never_win_the_recommendation(tmp_path, capsys):
     results = tmp_path / "results"
-    sweep = write_sweep(results, "absurd", 0, {"a": 1000.0, "b": 2000.0, "c": 1500.0})
-    a, b, c = (json.loads(p.read_text()) for p in cells_of(sweep))
-    by_speed = {r["tokens_per_s_per_gpu"]: p for r, p in zip((a, b, c), cells_of(sweep), strict=True)}
+    sweep = write_sweep(results, "absurd", 0, {"a": 1000.0, "b": 2000.0, "c": 1500.0, "d": 800.0})
+    by_speed = {json.loads(p.read_text())["tokens_per_s_per_gpu"]: p for p in cells_of(sweep)}
     spoil(by_speed[1000.0], tokens_per_s_per_gpu=float("inf"), tokens_per_s=float("inf"))
     spoil(by_speed[1500.0], peak_memory_gib=-0.24)
+    spoil(by_speed[800.0], tokens_per_s_per_gpu=1e308)  # finite, but x 2 GPUs is not
     assert main(["collect", str(sweep), "--no-plots"]) == 0
     out = capsys.readouterr().out
     recommended = [line for line in out.splitlines() if line.startswith(("Fastest", "Most memory", "Cheapest"))]

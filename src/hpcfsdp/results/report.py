@@ -261,6 +261,11 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     )
     ranked["gpus"] = ranked["nodes"] * ranked["gpus_per_node"]
     ranked["tokens_per_s"] = ranked["tokens_per_s_per_gpu"] * ranked["gpus"]
+    # Figures are finite in every readable record, but a product of two may not be (1e308 tokens/s
+    # per GPU on 2 GPUs): no "inf tokens/s" wins.
+    ranked = ranked[np.isfinite(pd.to_numeric(ranked["tokens_per_s"], errors="coerce").astype(float))]
+    if ranked.empty:
+        return []
     named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
