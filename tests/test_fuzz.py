@@ -13,7 +13,7 @@ folder or a jobs file (issue 33).
 - A few whole commands in processes of their own, under a memory and time limit, for the
   guarantee that nothing prints a traceback.
 
-Hypothesis keeps no example database (database=None); the seed is printed in the header of the
+Hypothesis keeps no example database (database=None); the seed is printed before the first test of the
 run (`fuzz seed N`) and HPCFSDP_FUZZ_SEED=N replays it. HPCFSDP_FUZZ_EXAMPLES sets the examples per
 property (default 200).
 """
@@ -66,9 +66,9 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module", autouse=True)
 def printed_seed(request):
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"fuzz seed {SEED} (HPCFSDP_FUZZ_SEED={SEED} replays it), {EXAMPLES} examples")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print(f"\nfuzz seed {SEED} (HPCFSDP_FUZZ_SEED={SEED} replays it), {EXAMPLES} examples per property")
 
 
 # ---------------------------------------------------------------------------------------------
