@@ -34,13 +34,13 @@ HANG_LIMIT_S = 60  # a command that reads a FIFO or /dev/zero would never end; t
 # Right types, out of range: each makes its record corrupt (field -> value, and the problem named).
 OUT_OF_RANGE = {
     "started_at": (1e300, "started_at: expected a Unix time from 2000-01-01 to a day after now"),
-    "duration_s": (-1e12, "duration_s: expected a finite number of 0 or more"),
+    "duration_s": (-1e12, "duration_s: expected a number from 0 to 1e+15"),
     "slurm_accounting": ({"elapsed_s": 10**30}, "slurm_accounting.elapsed_s: expected an integer within 64 bits"),
-    "tokens_per_s_per_gpu": (float("inf"), "tokens_per_s_per_gpu: expected a finite number of 0 or more"),
-    "peak_memory_gib": (-0.24, "peak_memory_gib: expected a finite number of 0 or more"),
-    "mfu": (float("nan"), "mfu: expected a finite number of 0 or more"),
+    "tokens_per_s_per_gpu": (float("inf"), "tokens_per_s_per_gpu: expected a number from 0 to 1e+15"),
+    "peak_memory_gib": (-0.24, "peak_memory_gib: expected a number from 0 to 1e+15"),
+    "mfu": (float("nan"), "mfu: expected a number from 0 to 1e+15"),
     "tokens_per_s": (10**30, "tokens_per_s: expected an integer within 64 bits"),
-    "step_times_s": ([0.5, float("-inf")], "step_times_s[1]: expected a finite number of 0 or more"),
+    "step_times_s": ([0.5, float("-inf")], "step_times_s[1]: expected a number from 0 to 1e+15"),
 }
 
 
@@ -147,7 +147,7 @@ def test_submit_retry_failed_reruns_a_record_out_of_range(tmp_path, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert f"corrupt record: {record}: tokens_per_s_per_gpu: expected a finite number of 0 or more" in captured.err
+    assert f"corrupt record: {record}: tokens_per_s_per_gpu: expected a number from 0 to 1e+15" in captured.err
     assert main([*argv, "--retry-failed"]) == 0
     assert cell.id in capsys.readouterr().out
 

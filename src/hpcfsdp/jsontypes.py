@@ -3,8 +3,8 @@ and whether a parsed value is what its annotation says, as one line ("mfu: expec
 null, got "fast""). The record's shape (record.py) is declared once, with these marks; read_record
 checks a record through them.
 
-A mark may add a range: a Figure (tokens/s, a time, memory, energy) is a finite number of 0 or
-more, a Moment a Unix time between 2000-01-01 and a day after now. A value of the right type but
+A mark may add a range: a Figure (tokens/s, a time, memory, energy) is a number from 0 to 1e15,
+a Moment a Unix time between 2000-01-01 and a day after now. A value of the right type but
 out of its range (Infinity tokens/s, a negative peak memory, a start in the year 10^292) would
 otherwise win a ranking or overflow a datetime or a parquet column.
 """
@@ -25,8 +25,12 @@ CHECKED = "checked"
 Checked = Annotated[T, CHECKED]
 FIGURE = "figure"
 MOMENT = "moment"
-# A checked number (or list of numbers) that is finite and 0 or more: a measurement.
+# A checked number (or list of numbers) from 0 to FIGURE_MAX: a measurement.
 Figure = Annotated[T, CHECKED, FIGURE]
+# No figure of one cell comes near (FLOPs per token of a 10^14-parameter model; a petajoule): the
+# bound keeps what the report derives from figures (tokens/s per GPU x GPUs, joules x 10^9 per
+# billion tokens) finite, where 1e308 would print as "inf".
+FIGURE_MAX = 1e15
 # A checked Unix time (seconds): from 2000-01-01 to a day after now.
 Moment = Annotated[T, CHECKED, MOMENT]
 EARLIEST_MOMENT = 946_684_800.0  # 2000-01-01T00:00:00Z: no record is older than the suite
@@ -88,8 +92,8 @@ def range_problem(name: str, value: Any, bounds: str) -> str | None:
         where = f"{name}[{index}]" if isinstance(value, list) else name
         if type(number) is int and not INT64_MIN <= number <= INT64_MAX:
             return f"{where}: expected an integer within 64 bits, got {shown(number)}"
-        if bounds == FIGURE and not (math.isfinite(number) and number >= 0):
-            return f"{where}: expected a finite number of 0 or more, got {shown(number)}"
+        if bounds == FIGURE and not (math.isfinite(number) and 0 <= number <= FIGURE_MAX):
+            return f"{where}: expected a number from 0 to {FIGURE_MAX:g}, got {shown(number)}"
         if bounds == MOMENT and not (
             math.isfinite(number) and EARLIEST_MOMENT <= number <= time.time() + MOMENT_SLACK_S
         ):

@@ -101,10 +101,10 @@ SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
 # status or export reads: a record whose value has another type than the annotation's, null aside,
 # is corrupt (read_record), so that the history only ever receives typed rows. The other fields are
-# carried to results.csv as they are. A Figure (a measurement) must also be finite and 0 or more, a
+# carried to results.csv as they are. A Figure (a measurement) must also be from 0 to 1e15, a
 # Moment a time from 2000-01-01 to a day after now, and every integer of a record fit 64 bits:
-# a record out of range is corrupt too, and never ranked. A checked mapping checks each key it declares, and takes any
-# other key (a newer hpcfsdp's) as a single value.
+# a record out of range is corrupt too, and never ranked. A checked mapping checks each key it
+# declares, and takes any other key (a newer hpcfsdp's) as a single value.
 
 
 class SlurmJob(TypedDict, total=False):
