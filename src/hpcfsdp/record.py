@@ -53,6 +53,7 @@ class CellState(str, Enum):
     ERROR = "error"
     TIMEOUT = "timeout"  # the time limit
     DIVERGED = "diverged"  # a loss that is not finite
+    HANG = "hang"  # a step (or collective) that ran past its timeout: a rank stopped answering
     CANCELLED = "cancelled"  # scancel, or an interrupted local submit
     NODE_FAIL = "node_fail"
     # Slurm's other endings (endings.py): PREEMPTED, OUT_OF_MEMORY (host memory), DEADLINE, BOOT_FAIL
@@ -83,6 +84,7 @@ STATUSES = tuple(
         CellState.ERROR,
         CellState.TIMEOUT,
         CellState.DIVERGED,
+        CellState.HANG,
         CellState.CANCELLED,
         CellState.NODE_FAIL,
         CellState.PREEMPTED,

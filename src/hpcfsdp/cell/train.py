@@ -86,7 +86,7 @@ def train(
     env: DistEnv,
     steps: int,
     warmup: int = 0,
-    on_step_end: Callable[[int], None] = lambda step: None,
+    on_step_end: Callable[[int, TrainLog], None] = lambda step, log: None,
 ) -> TrainLog:
     """Run `steps` optimizer steps. With `spec.sync_each_step` every step is timed between device
     syncs; without, the device is synced only around the window after `warmup` steps.
@@ -130,7 +130,7 @@ def train(
             pending_losses.append(loss_sum)
         log.step_times_s.append(time.perf_counter() - started)
         log.data_times_s.append(data_time)
-        on_step_end(step)
+        on_step_end(step, log)
     _synchronize(env.device)
     log.window_s = time.perf_counter() - window_start
     log.losses += [t.item() / env.world_size for t in pending_losses]
