@@ -373,16 +373,11 @@ def spec_problem(spec: Any) -> str | None:
 
 
 def _spec_range_problem(name: str, value: Any) -> str | None:
-    """A recorded spec's numbers within what RunSpec takes: its counts positive (or 0 and more),
-    every number finite and 64-bit."""
-    if type(value) not in (int, float):
-        return None
-    if name in POSITIVE_FIELDS and value < 1:
+    """A recorded spec's numbers as RunSpec takes them: counts positive (or 0 and more), all finite."""
+    if name in POSITIVE_FIELDS and type(value) is int and value < 1:
         return f"spec.{name}: expected a positive integer, got {shown(value)}"
-    if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS):
+    if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS) or (type(value) is float and not math.isfinite(value)):
         return range_problem(f"spec.{name}", value, FIGURE)
-    if type(value) is float and not math.isfinite(value):
-        return f"spec.{name}: expected a finite number, got {shown(value)}"
     return None
 
 

@@ -99,26 +99,14 @@ MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
-# Counts a cell takes at least one of, and those it takes 0 or more of (RunSpec checks them; a
-# recorded spec is held to the same, record.spec_problem).
+# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, record.spec_problem a recorded spec.
 POSITIVE_FIELDS = (
-    "seq_len",
-    "nodes",
-    "gpus_per_node",
-    "batch_size",
-    "grad_accum",
-    "steps",
-    "checkpoint_every",
-    "max_batch_size",
+    *("seq_len", "nodes", "gpus_per_node", "batch_size"),
+    *("grad_accum", "steps", "checkpoint_every", "max_batch_size"),
 )
 NON_NEGATIVE_FIELDS = (
-    "warmup_steps",
-    "lr_warmup_steps",
-    "global_batch_size",
-    "hsdp_shard_size",
-    "prefetch_depth",
-    "min_num_params",
-    "comm_profile_steps",
+    *("warmup_steps", "lr_warmup_steps", "global_batch_size", "hsdp_shard_size"),
+    *("prefetch_depth", "min_num_params", "comm_profile_steps"),
 )
 NON_NEGATIVE_NUMBERS = ("weight_decay", "max_grad_norm", "peak_tflops")
 
