@@ -7,6 +7,16 @@ one line, in one place. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+# What `hpcfsdp collect` exits with, past a UserError's own status, and what each means: the
+# `submit --then-collect` job records the status and `hpcfsdp status` says it in these words.
+COLLECT_REGRESSED = 1  # a cell regressed (against --compare, or with --fail-on-regression)
+COLLECT_UNCHECKED = 3  # the history could not be updated, so no cell was checked against it
+COLLECT_ENDINGS = {
+    0: "report written",
+    COLLECT_REGRESSED: "report written; a cell regressed",
+    COLLECT_UNCHECKED: "report written; the history could not be updated, so no cell was checked against it",
+}
+
 
 class UserError(Exception):
     """Something the user can fix or must know; str() is one line. `exit_status`: what `hpcfsdp`

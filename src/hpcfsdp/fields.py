@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
@@ -23,6 +24,7 @@ CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # `auto` in a field that takes it (a dataclass's AUTO_FIELD: the field, and the flag `auto` sets
 # instead; the field keeps its default): batch_size -> auto_batch, mem_gb -> mem_auto.
 AUTO = "auto"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SpecError(UserError, ValueError):
@@ -86,6 +88,10 @@ def _coerce(where: str, key: str, value: Any, expected: type) -> Any:
         raise SpecError(where, key, f"expected true or false, got {shown(value)}")
     if expected is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:  # the record, pandas, parquet and DuckDB hold no larger
+                raise SpecError(
+                    where, key, f"expected an integer within 64 bits (-2**63 to 2**63 - 1), got {shown(value)}"
+                )
             return value
         raise SpecError(
             where,
@@ -146,8 +152,9 @@ def one_line(text: str) -> str:
 
 
 def require_no_control_characters(where: str, key: str, value: str) -> None:
-    """No control character, nor one that is invisible or turns the text around (names.py): every
-    text of a RunSpec, Resources and extra_sbatch reaches a path, an sbatch line or a report."""
+    """No control character, nor one that is invisible or turns the text around (names.py), nor a
+    leading `~user` of no user here: every text of a RunSpec, Resources and extra_sbatch reaches a
+    path, an sbatch line or a report."""
     if CONTROL_CHARACTERS.search(value):
         raise SpecError(where, key, f"expected no control characters (newline, tab, NUL, ...), got {shown(value)}")
     unseen = unseen_character(value)
@@ -155,6 +162,16 @@ def require_no_control_characters(where: str, key: str, value: str) -> None:
         raise SpecError(
             where, key, f"holds {unseen}, a character that is invisible or changes the direction of the text around it"
         )
+    user = unknown_home(value)
+    if user:
+        raise SpecError(where, key, f"{user}: no such user here, so no home folder for it to name, in {shown(value)}")
+
+
+def unknown_home(value: str) -> str:
+    """The `~user` a path begins with where this machine knows no such user ("" otherwise):
+    Path.expanduser() would raise RuntimeError on it, wherever the path is first used."""
+    head = value.split("/", 1)[0] if value.startswith("~") else ""
+    return head if head and os.path.expanduser(head) == head else ""
 
 
 def check_folder_name(where: str, key: str, value: Any) -> None:

@@ -8,9 +8,12 @@ that cannot be used is a RecordError naming it in one line, never a traceback.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +26,9 @@ try:
     import orjson
 except ImportError:  # a dependency; without it JSON is parsed by the standard library, slower
     orjson = None  # type: ignore[assignment]
+
+
+LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
 class RecordError(UserError, ValueError):
@@ -94,8 +100,11 @@ def _umask() -> int:
 def parse_json(data: bytes) -> Any:
     """JSON text to a value: orjson (several times faster: collect parses every record of a sweep)
     where it is installed and the text is within what it reads (64-bit integers, no NaN, 1,024
-    levels); the standard library otherwise, so values and error messages stay those of `json`."""
-    if orjson is not None:
+    levels); the standard library otherwise, so values and error messages stay those of `json`.
+    orjson reads an integer of 2**64 or more (or below -2**63) as a float, without a word: text
+    with a run of 19 digits or more goes to `json`, which keeps every integer exact, so that the
+    readers can refuse it instead of taking 1e20 for a seed."""
+    if orjson is not None and not LONG_DIGITS.search(data):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -112,7 +121,7 @@ def read_json_object(path: str | Path, root: str | Path | None = None, kind: str
     if root is not None and not _inside(path, root):
         raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
-        value = parse_json(path.read_bytes())
+        value = parse_json(read_regular_file(path, MAX_JSON_BYTES))
     except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
         raise FileNotFoundError(path) from None
     except OSError as exc:
@@ -126,6 +135,39 @@ def read_json_object(path: str | Path, root: str | Path | None = None, kind: str
     if not isinstance(value, dict):
         raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+MAX_JSON_BYTES = 64 << 20  # a record of a million steps' losses is some 20 MB; more is no record
+
+
+class NotARegularFile(OSError):
+    """A path that is a FIFO, a device, a socket or a folder: reading it could block for ever or
+    never end (a FIFO named result.json, /dev/zero behind a link)."""
+
+
+def read_regular_file(path: str | Path, limit: int, tail: bool = False) -> bytes:
+    """The bytes of a regular file, of at most `limit` bytes: a longer one is an OSError (EFBIG),
+    or with `tail` its last `limit` bytes. Anything else than a regular file is NotARegularFile,
+    found before a byte is read: opened without blocking (a FIFO without a writer would hang
+    open()), then checked with fstat."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
+            raise NotARegularFile(errno.EINVAL, kind, str(path))
+        start = 0
+        if info.st_size > limit:
+            if not tail:
+                raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB", str(path))
+            start = info.st_size - limit
+        chunks, offset = [], start
+        while offset - start < limit and (chunk := os.pread(fd, min(1 << 20, limit - (offset - start)), offset)):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _one_line(exc: BaseException) -> str:

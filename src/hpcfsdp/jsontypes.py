@@ -2,11 +2,18 @@
 and whether a parsed value is what its annotation says, as one line ("mfu: expected a number or
 null, got "fast""). The record's shape (record.py) is declared once, with these marks; read_record
 checks a record through them.
+
+A mark may add a range: a Figure (tokens/s, a time, memory, energy) is a number from 0 to 1e15,
+a Moment a Unix time between 2000-01-01 and a day after now. A value of the right type but
+out of its range (Infinity tokens/s, a negative peak memory, a start in the year 10^292) would
+otherwise win a ranking or overflow a datetime or a parquet column.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Sequence
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
@@ -16,6 +23,20 @@ CHECKED = "checked"
 # A field that a reader depends on: a value of another type than the annotation's, null aside,
 # makes the whole file unusable. A float field takes an integer too (a hand-made record may say 2).
 Checked = Annotated[T, CHECKED]
+FIGURE = "figure"
+MOMENT = "moment"
+# A checked number (or list of numbers) from 0 to FIGURE_MAX: a measurement.
+Figure = Annotated[T, CHECKED, FIGURE]
+# No figure of one cell comes near (FLOPs per token of a 10^14-parameter model; a petajoule): the
+# bound keeps what the report derives from figures (tokens/s per GPU x GPUs, joules x 10^9 per
+# billion tokens) finite, where 1e308 would print as "inf".
+FIGURE_MAX = 1e15
+# A checked Unix time (seconds): from 2000-01-01 to a day after now.
+Moment = Annotated[T, CHECKED, MOMENT]
+EARLIEST_MOMENT = 946_684_800.0  # 2000-01-01T00:00:00Z: no record is older than the suite
+MOMENT_SLACK_S = 86_400.0  # a clock a day ahead is a wrong clock, not a record from the future
+# JSON integers every reader takes (pandas, parquet, DuckDB: 64-bit signed).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 UNIONS = (Union, UnionType)
 # Exact types, as json.loads gives them: true is a bool, not the number 1.
@@ -27,25 +48,70 @@ TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: 
 def checked_fields(*shapes: type) -> dict[str, Any]:
     """name -> annotation (without the mark), of the fields of the TypedDicts marked Checked."""
     return {
-        name: get_args(hint)[0]
+        name: _without_check(hint)
         for shape in shapes
         for name, hint in get_type_hints(shape, include_extras=True).items()
         if get_origin(hint) is Annotated and CHECKED in hint.__metadata__
     }
 
 
+def _without_check(hint: Any) -> Any:
+    """The annotation without the Checked mark; a range mark (Figure, Moment) stays on it."""
+    inner, *marks = get_args(hint)
+    ranges = tuple(mark for mark in marks if mark in (FIGURE, MOMENT))
+    return Annotated[inner, ranges[0]] if ranges else inner
+
+
+def _range_of(hint: Any) -> tuple[Any, str]:
+    """(the annotation without marks, its range mark or "")."""
+    if get_origin(hint) is not Annotated:
+        return hint, ""
+    inner, *marks = get_args(hint)
+    return inner, next((mark for mark in marks if mark in (FIGURE, MOMENT)), "")
+
+
 def value_problem(name: str, value: Any, hint: Any) -> str | None:
     """Whether value (null aside) is what the annotation `hint` says: exactly its JSON type (true is
-    no integer), a list of numbers, integers or text (with nulls where the element type allows
-    None), or an object whose keys are checked the same way."""
+    no integer), a list of numbers or of text, or an object whose keys are checked the same way;
+    and, for a Figure or a Moment, within its range."""
     if value is None:
         return None
+    hint, bounds = _range_of(hint)
+    problem = _type_problem_of(name, value, hint)
+    if problem or not bounds:
+        return problem
+    return range_problem(name, value, bounds)
+
+
+def range_problem(name: str, value: Any, bounds: str) -> str | None:
+    """Whether a number, or each number of a list, is within the range FIGURE or MOMENT names."""
+    numbers = value if isinstance(value, list) else [value]
+    for index, number in enumerate(numbers):
+        if number is None:
+            continue
+        where = f"{name}[{index}]" if isinstance(value, list) else name
+        if type(number) is int and not INT64_MIN <= number <= INT64_MAX:
+            return f"{where}: expected an integer within 64 bits, got {shown(number)}"
+        if bounds == FIGURE and not (math.isfinite(number) and 0 <= number <= FIGURE_MAX):
+            return f"{where}: expected a number from 0 to {FIGURE_MAX:g}, got {shown(number)}"
+        if bounds == MOMENT and not (
+            math.isfinite(number) and EARLIEST_MOMENT <= number <= time.time() + MOMENT_SLACK_S
+        ):
+            return f"{where}: expected a Unix time from 2000-01-01 to a day after now, got {shown(number)}"
+    return None
+
+
+def _type_problem_of(name: str, value: Any, hint: Any) -> str | None:
     kinds = tuple(kind for kind in (get_args(hint) if get_origin(hint) in UNIONS else (hint,)) if kind is not NoneType)
     shape = kinds[0]
     if is_typeddict(shape) or get_origin(shape) is dict:
         if not isinstance(value, dict):
             return f"{name}: expected an object, got {shown(value)}"
-        declared = get_type_hints(shape) if is_typeddict(shape) else dict.fromkeys(value, get_args(shape)[1])
+        declared = (
+            get_type_hints(shape, include_extras=True)
+            if is_typeddict(shape)
+            else dict.fromkeys(value, get_args(shape)[1])
+        )
         for key, item in value.items():
             problem = (
                 value_problem(f"{name}.{key}", item, declared[key])
@@ -55,17 +121,15 @@ def value_problem(name: str, value: Any, hint: Any) -> str | None:
             if problem:
                 return problem
         return None
-    if get_origin(shape) in (list, Sequence):  # a Sequence: what a writer gives may be a list of a narrower type
+    if get_origin(shape) in (list, Sequence):  # a Sequence: a list the writer may build of a narrower type
         (element,) = get_args(shape)
-        members = get_args(element) if get_origin(element) in UNIONS else (element,)
-        element = next(kind for kind in members if kind is not NoneType)
-        nullable = NoneType in members  # list[float | None]: null stands for a value JSON has no word for
-        allowed = (NUMBER_TYPES if element is float else {element}) | ({NoneType} if nullable else set())
+        elements = get_args(element) if get_origin(element) in UNIONS else (element,)
+        allowed = {kind for kind in elements if kind is not float} | (NUMBER_TYPES if float in elements else set())
         if isinstance(value, list) and set(map(type, value)) <= allowed:
             return None
-        words = {float: "numbers", int: "integers"}.get(element, TYPE_WORDS[element])
-        words += " or nulls" if nullable else ""
-        return f"{name}: expected a list of {words}, got {shown(value)}"
+        words = "numbers" if float in elements else TYPE_WORDS[elements[0]]
+        nulls = " or nulls" if NoneType in elements else ""
+        return f"{name}: expected a list of {words}{nulls}, got {shown(value)}"
     return type_problem(name, value, kinds + ((int,) if float in kinds else ()))
 
 
@@ -91,3 +155,19 @@ def shown(value: Any, limit: int = 40) -> str:
     except (ValueError, RecursionError):  # an integer past the digit limit, or deep nesting
         text = f"a {type(value).__name__}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def integer_out_of_int64(value: Any, name: str = "") -> str | None:
+    """The dotted name of the first integer in value (an object, list or number, walked without
+    recursion) outside 64-bit signed integers, or None. pandas, parquet and DuckDB hold no other:
+    one such integer would stop the report of a whole sweep."""
+    stack: list[tuple[str, Any]] = [(name, value)]
+    while stack:
+        where, item = stack.pop()
+        if type(item) is int and not INT64_MIN <= item <= INT64_MAX:
+            return where or "value"
+        if isinstance(item, dict):
+            stack.extend((f"{where}.{key}" if where else str(key), child) for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{index}]", child) for index, child in enumerate(item))
+    return None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from enum import Enum
@@ -23,8 +22,20 @@ from typing import Any, Literal, NamedTuple, TypedDict, cast
 
 from .fields import choices
 from .files import RecordError, read_json_object, write_json
-from .jsontypes import SCALAR_TYPES, TYPE_WORDS, Checked, checked_fields, shown, value_problem
-from .spec import RunSpec
+from .jsontypes import (
+    FIGURE,
+    SCALAR_TYPES,
+    TYPE_WORDS,
+    Checked,
+    Figure,
+    Moment,
+    checked_fields,
+    integer_out_of_int64,
+    range_problem,
+    shown,
+    value_problem,
+)
+from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
 
 # The version write_record writes, and those read_record reads. 2: strict JSON, `losses` holds null
 # for a step whose loss was not finite and `nonfinite_steps` names those steps; 1 wrote a bare NaN
@@ -95,8 +106,10 @@ SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
 # status or export reads: a record whose value has another type than the annotation's, null aside,
 # is corrupt (read_record), so that the history only ever receives typed rows. The other fields are
-# carried to results.csv as they are. A checked mapping checks each key it declares, and takes any
-# other key (a newer hpcfsdp's) as a single value.
+# carried to results.csv as they are. A Figure (a measurement) must also be from 0 to 1e15, a
+# Moment a time from 2000-01-01 to a day after now, and every integer of a record fit 64 bits:
+# a record out of range is corrupt too, and never ranked. A checked mapping checks each key it
+# declares, and takes any other key (a newer hpcfsdp's) as a single value.
 
 
 class SlurmJob(TypedDict, total=False):
@@ -117,9 +130,9 @@ class SlurmAccounting(TypedDict, total=False):
     submit: str | None  # the cluster's local time, as sacct prints it; start and end too
     start: str | None
     end: str | None
-    elapsed_s: int | None
-    queue_wait_s: float | None
-    consumed_energy_j: int | None  # null where the cluster gathers no energy
+    elapsed_s: Figure[int | None]
+    queue_wait_s: Figure[float | None]
+    consumed_energy_j: Figure[int | None]  # null where the cluster gathers no energy
 
 
 class BatchProbe(TypedDict, total=False):
@@ -160,8 +173,8 @@ class Record(TypedDict, total=False):
     cell_id: Checked[str | None]
     sweep: Checked[str | None]
     spec: dict[str, Any]  # the resolved RunSpec; checked against RunSpec's fields (spec_problem)
-    world_size: Checked[int | None]
-    nodes: Checked[int | None]
+    world_size: Figure[int | None]
+    nodes: Figure[int | None]
     device_type: str
     device_name: Checked[str | None]
     gpu_count: int
@@ -172,8 +185,8 @@ class Record(TypedDict, total=False):
     environment: dict[str, str]
     git_commit: Checked[str | None]
     launch_id: Checked[str | None]
-    started_at: Checked[float | None]
-    duration_s: Checked[float | None]
+    started_at: Moment[float | None]
+    duration_s: Figure[float | None]
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
 
@@ -181,33 +194,36 @@ class Record(TypedDict, total=False):
 class OkRecord(Record, total=False):
     """An `ok` record: the measurements (docs/metrics.md); some only where enabled."""
 
-    tokens_per_s: float
-    tokens_per_s_per_gpu: Checked[float | None]
-    samples_per_s: float
+    tokens_per_s: Figure[float | None]
+    tokens_per_s_per_gpu: Figure[float | None]
+    samples_per_s: Figure[float | None]
     tokens_per_step: int
-    step_time_s: Checked[float | None]
-    step_time_p90_s: float
-    step_times_s: Checked[list[float] | None]
-    window_step_time_s: float
-    optimizer_step_s: float  # stop_when_stable only: clipping and the optimizer step (median, slowest rank)
+    step_time_s: Figure[float | None]
+    step_time_p90_s: Figure[float | None]
+    step_times_s: Figure[list[float] | None]
+    window_step_time_s: Figure[float | None]
+    optimizer_step_s: Figure[
+        float | None
+    ]  # stop_when_stable only: clipping and the optimizer step (median, slowest rank)
     warmup_steps: int
     timed_steps: int
-    data_time_fraction: Checked[float | None]
-    flops_per_token: float
+    data_time_fraction: Figure[float | None]
+    flops_per_token: Figure[float | None]
     non_embedding_params: int
     flops_tied_lm_head: bool
-    tflops_per_gpu: float
-    peak_tflops: float | None
-    mfu: Checked[float | None]
+    tflops_per_gpu: Figure[float | None]
+    peak_tflops: Figure[float | None]
+    mfu: Figure[float | None]
     memory: dict[str, dict[str, float]]  # per stage, max over ranks
-    peak_memory_gib: Checked[float | None]
+    peak_memory_gib: Figure[float | None]
     peak_memory_kind: str
-    memory_capacity_gib: Checked[float | None]
-    gpu_hours_per_billion_tokens: Checked[float | None]
-    energy_j: float | None
-    joules_per_token: Checked[float | None]
-    energy_per_rank_j: list[float] | None
-    # The cell gives floats (NaN where not finite); write_record writes those as null (schema 2).
+    memory_capacity_gib: Figure[float | None]
+    gpu_hours_per_billion_tokens: Figure[float | None]
+    energy_j: Figure[float | None]
+    joules_per_token: Figure[float | None]
+    energy_per_rank_j: Figure[list[float] | None]
+    # Every step's loss; a step whose loss was not finite is null (schema 2, naming it in
+    # nonfinite_steps; schema 1 wrote NaN or Infinity): how a diverged cell looks, not a corrupt record.
     losses: Checked[Sequence[float | None] | None]
     nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     final_loss: Checked[float | None]
@@ -215,16 +231,16 @@ class OkRecord(Record, total=False):
     model_source: dict[str, Any]
     data_source: dict[str, Any]
     float8_linears: int
-    comm_s_per_step: float
-    comm_exposed_s_per_step: float
-    comm_profile_step_time_s: float
+    comm_s_per_step: Figure[float | None]
+    comm_exposed_s_per_step: Figure[float | None]
+    comm_profile_step_time_s: Figure[float | None]
     comm_profile_steps: int
-    comm_fraction: float
-    comm_exposed_fraction: Checked[float | None]
-    gpu_util_mean: Checked[float | None]
-    gpu_util_min: float
-    sm_clock_mhz_mean: float
-    power_w_mean: float
+    comm_fraction: Figure[float | None]
+    comm_exposed_fraction: Figure[float | None]
+    gpu_util_mean: Figure[float | None]
+    gpu_util_min: Figure[float | None]
+    sm_clock_mhz_mean: Figure[float | None]
+    power_w_mean: Figure[float | None]
     gpu_utilisation_per_rank: list[dict[str, Any]]
     profile_trace_dir: str
     memory_snapshot: str
@@ -341,6 +357,9 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     """What makes a parsed record unusable ("tokens_per_s_per_gpu: expected a number or null, got
     "fast""), or None: its spec, and the fields marked Checked. A wrong value elsewhere is carried
     to results.csv as it is."""
+    big = integer_out_of_int64(record)
+    if big:
+        return f"{big}: expected an integer within 64 bits (-2**63 to 2**63 - 1)"
     problem = spec_problem(record.get("spec"))
     if problem:
         return problem
@@ -370,50 +389,24 @@ def spec_problem(spec: Any) -> str | None:
             return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {shown(value)}"
         elif name in allowed and value not in allowed[name]:
             return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {shown(value)}"
+        else:
+            problem = _spec_range_problem(name, value)
+            if problem:
+                return problem
+    return None
+
+
+def _spec_range_problem(name: str, value: Any) -> str | None:
+    """A recorded spec's numbers as RunSpec takes them: counts positive (or 0 and more), all finite."""
+    if name in POSITIVE_FIELDS and type(value) is int and value < 1:
+        return f"spec.{name}: expected a positive integer, got {shown(value)}"
+    if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS) or (type(value) is float and not math.isfinite(value)):
+        return range_problem(f"spec.{name}", value, FIGURE)
     return None
 
 
 def _spec_types() -> dict[str, type]:
     return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Attempts: a rerun keeps the record it replaces
-
-
-def keep_as_attempt(cell_dir: str | Path) -> Path | None:
-    """Move the cell's current record to attempts/<n>.json (n one past the highest there), never
-    over an attempt kept before; returns where it went, or None when there was no record."""
-    current = Path(cell_dir) / RECORD_NAME
-    if not os.path.lexists(current):
-        return None
-    folder = current.parent / ATTEMPTS_DIR
-    folder.mkdir(exist_ok=True)
-    number = 1 + max((int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit()), default=0)
-    while True:
-        target = folder / f"{number}.json"
-        try:
-            os.link(current, target, follow_symlinks=False)  # fails where target exists: nothing is overwritten
-        except FileExistsError:
-            number += 1
-            continue
-        except FileNotFoundError:  # another process moved it first
-            return None
-        except OSError:  # a file system without hard links; submit holds the sweep's lock
-            if target.exists():
-                number += 1
-                continue
-            os.replace(current, target)
-            return target
-        current.unlink()
-        return target
-
-
-def restore_attempt(cell_dir: str | Path, kept: Path) -> None:
-    """Make a record set aside by keep_as_attempt current again (a rerun that did not happen, or
-    was interrupted); a record written since, the interrupted run's, is kept as an attempt first."""
-    keep_as_attempt(cell_dir)
-    os.replace(kept, Path(cell_dir) / RECORD_NAME)
 
 
 def slurm_job_of(slurm: Any) -> str | None:

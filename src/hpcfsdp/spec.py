@@ -99,6 +99,18 @@ MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
+# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, record.spec_problem a recorded spec.
+POSITIVE_FIELDS = (
+    *("seq_len", "nodes", "gpus_per_node", "batch_size"),
+    *("grad_accum", "steps", "checkpoint_every", "max_batch_size"),
+)
+NON_NEGATIVE_FIELDS = (
+    *("warmup_steps", "lr_warmup_steps", "global_batch_size", "hsdp_shard_size"),
+    *("prefetch_depth", "min_num_params", "comm_profile_steps"),
+)
+NON_NEGATIVE_NUMBERS = ("weight_decay", "max_grad_norm", "peak_tflops")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training run: model, parallelism, batch shape, and measurement settings."""
@@ -223,33 +235,16 @@ class RunSpec:
         require_choices(where, self)
         for name, value in text_fields(self):
             require_no_control_characters(where, name, value)
-        for name in (
-            "seq_len",
-            "nodes",
-            "gpus_per_node",
-            "batch_size",
-            "grad_accum",
-            "steps",
-            "checkpoint_every",
-            "max_batch_size",
-        ):
+        for name in POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(self, name)}")
-        for name in (
-            "warmup_steps",
-            "lr_warmup_steps",
-            "global_batch_size",
-            "hsdp_shard_size",
-            "prefetch_depth",
-            "min_num_params",
-            "comm_profile_steps",
-        ):
+        for name in NON_NEGATIVE_FIELDS:
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps >= self.steps:
             raise SpecError(where, "warmup_steps", f"expected fewer than steps ({self.steps}), got {self.warmup_steps}")
         self._check_optimizer(where)
-        for name in ("weight_decay", "max_grad_norm", "peak_tflops"):
+        for name in NON_NEGATIVE_NUMBERS:
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
         for name in ("init_timeout_s", "train_timeout_s"):

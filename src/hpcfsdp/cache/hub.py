@@ -18,7 +18,6 @@ The downloader (hpcfsdp.download) writes the cache; this module only reads it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import UserError
+from ..fields import unknown_home
+from ..files import RecordError, read_json_object
 from ..hubrefs import DatasetRef, ModelRef, TokenizedRef
 
 CACHE_ENV = "HPCFSDP_CACHE"
@@ -45,10 +46,12 @@ class CacheMissError(UserError, FileNotFoundError):
 
 def default_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """--cache-dir if given, else $HPCFSDP_CACHE, else ~/.cache/hpcfsdp."""
-    if cache_dir:
-        return Path(cache_dir).expanduser().resolve()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    for given, named in ((cache_dir, "--cache-dir"), (os.environ.get(CACHE_ENV), CACHE_ENV)):
+        if given:
+            user = unknown_home(str(given))
+            if user:
+                raise UserError(f"{named}: {user}: no such user here, so no home folder for it to name")
+            return Path(given).expanduser().resolve()
     return (Path.home() / ".cache" / "hpcfsdp").resolve()
 
 
@@ -56,14 +59,66 @@ def read_cache_manifest(cache_dir: Path) -> dict[str, Any]:
     """The manifest as a dict {"version": 1, "items": {key: entry}}; empty when there is none yet."""
     path = Path(cache_dir) / MANIFEST_NAME
     try:
-        data = json.loads(path.read_text())
+        data = read_json_object(path, kind="cache manifest")
     except FileNotFoundError:
         return {"version": MANIFEST_VERSION, "items": {}}
-    except json.JSONDecodeError as exc:
-        raise CacheMissError(f"{path}: manifest is not valid JSON ({exc.msg}); rerun {DOWNLOAD_COMMAND}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("items"), dict):
+    except RecordError as exc:
+        raise CacheMissError(f"{exc}; rerun {DOWNLOAD_COMMAND}") from None
+    if not isinstance(data.get("items"), dict):
         raise CacheMissError(f"{path}: not an hpcfsdp manifest; rerun {DOWNLOAD_COMMAND}")
+    problem = _manifest_problem(data["items"])
+    if problem:
+        raise CacheMissError(f"{path}: {problem}; rerun {DOWNLOAD_COMMAND}")
     return data
+
+
+# The types of the manifest's fields that the cache's readers use (manifest.manifest_entry): a
+# hand-edited manifest of other types is one line, never a traceback in plan or download --verify.
+ENTRY_TYPES: dict[str, tuple[type, ...]] = {
+    "key": (str,),
+    "item": (str,),
+    "kind": (str,),
+    "path": (str,),
+    "sha": (str, type(None)),
+    "repo_id": (str, type(None)),
+    "weights": (bool, type(None)),
+    "total_bytes": (int,),
+    "files": (list,),
+}
+REQUIRED_ENTRY_FIELDS = ("item", "kind", "path", "files")
+FILE_TYPES: dict[str, tuple[type, ...]] = {"path": (str,), "size": (int,), "sha256": (str,), "mtime_ns": (int,)}
+REQUIRED_FILE_FIELDS = ("path", "size", "sha256")
+
+
+def _manifest_problem(items: dict[str, Any]) -> str | None:
+    """What makes the manifest's items unusable ("item 'model:x@main': files[0].size: expected
+    int, got 'big'"), or None."""
+    for key, entry in items.items():
+        if not isinstance(entry, dict):
+            return f"item {key!r}: expected an object, got {type(entry).__name__}"
+        problem = _fields_problem(entry, ENTRY_TYPES, REQUIRED_ENTRY_FIELDS, "")
+        for index, record in enumerate(entry.get("files", [])):
+            if problem:
+                break
+            if not isinstance(record, dict):
+                problem = f"files[{index}]: expected an object, got {type(record).__name__}"
+            else:
+                problem = _fields_problem(record, FILE_TYPES, REQUIRED_FILE_FIELDS, f"files[{index}].")
+        if problem:
+            return f"item {key!r}: {problem}"
+    return None
+
+
+def _fields_problem(values: dict, types: dict[str, tuple[type, ...]], required: tuple[str, ...], prefix: str) -> str:
+    for name in required:
+        if name not in values:
+            return f"{prefix}{name}: missing"
+    for name, kinds in types.items():
+        if name in values and type(values[name]) not in kinds:
+            return f"{prefix}{name}: expected {' or '.join(k.__name__ for k in kinds)}, got {values[name]!r:.40}"
+        if kinds == (int,) and name in values and values[name] < 0:
+            return f"{prefix}{name}: expected 0 or more, got {values[name]}"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..attempts import keep_as_attempt
 from ..fields import SpecError
 from ..files import RecordError, read_json_object
 from ..record import (
@@ -29,7 +30,6 @@ from ..record import (
     OkRecord,
     Record,
     failure_record,
-    keep_as_attempt,
     read_record,
     write_record,
 )

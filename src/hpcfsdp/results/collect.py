@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
 from ..fields import SpecError
 from ..files import RecordError
 from ..record import RECORD_NAME
@@ -51,8 +52,8 @@ def collect(
     """Add Slurm accounting, append to the history and check each cell over time, write the report;
     print the comparison against `compare` if given, the cell table, the regressions, and what was
     written. The exit status: 1 when a cell regressed against `compare` (or, with
-    fail_on_regression, against its reference or history), or when the history could not be
-    updated and checked."""
+    fail_on_regression, against its reference or history); else 3 when the history could not be
+    updated and checked (the gate could not look: never a pass); else 0."""
     from .compare import write_comparison
     from .history_rows import accounting_jobs, merge_accounting
     from .read import load_records
@@ -94,7 +95,9 @@ def collect(
     plots_drawn = len(report.files) - len(tables)
     skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
     print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
-    return 1 if regressions or checked.unchecked or (fail_on_regression and checked.regressions) else 0
+    if regressions or (fail_on_regression and checked.regressions):
+        return COLLECT_REGRESSED
+    return COLLECT_UNCHECKED if checked.unchecked else 0
 
 
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:

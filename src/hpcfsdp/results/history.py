@@ -12,10 +12,11 @@ Login side: DuckDB and pandas only, no torch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import re
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -224,16 +225,17 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     HistoryError naming the file and why, never a traceback."""
     import duckdb
 
-    path = Path(path)
+    path = _through_link(Path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
-    with _history_lock(path, log, LOCK_WAIT_S if wait_s is None else wait_s):
+    wait = LOCK_WAIT_S if wait_s is None else wait_s
+    with _history_lock(path, log, wait), _duckdb_lock(path, log, wait) as current:
         scratch = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         try:
-            if path.is_file() and path.stat().st_size:  # 0 bytes: an interrupted write of an older hpcfsdp
-                shutil.copyfile(path, scratch)
+            if current is not None:
+                _copy_from(current, scratch)
                 _rewrite_at_storage_version(scratch)
             with History(scratch) as store:
                 yield store
@@ -280,6 +282,74 @@ def _sql_text(path: Path) -> str:
 
 
 LOCK_WAIT_S = 120.0  # how long a collect waits for another one's update of the history
+
+
+def _through_link(path: Path) -> Path:
+    """The file a history path names: a symbolic link (to a shared disk, say) is followed, so that
+    the update replaces the file it leads to, never the link with a file of its own."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+@contextmanager
+def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iterator[int | None]:
+    """DuckDB's own lock on the history (a POSIX record lock on the whole file, which every DuckDB
+    client takes when it opens the file: read-write exclusive, read-only shared), held while the
+    update is made and renamed over the file: another client (a notebook, `duckdb` on the command
+    line) that has the file open keeps it, and the collect waits for up to wait_s seconds, then
+    fails with its name, instead of replacing the file under it. Yields the locked file's
+    descriptor (None where there is no history yet), to copy from: a second open and close of
+    the file in this process would drop the lock (POSIX)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        yield None
+        return
+    except OSError as exc:
+        raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
+    try:
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise HistoryError(f"{path}: not updated (its lock: {exc.strerror or exc})") from None
+                if time.monotonic() >= deadline:
+                    raise HistoryError(
+                        f"{path}: not updated (another DuckDB client has held it open for {wait_s:g} s: "
+                        f"{_duckdb_holder(path)})"
+                    ) from None
+                if not said:
+                    log(f"waiting up to {wait_s:g} s for the history {path}: another DuckDB client has it open")
+                    said = True
+                time.sleep(0.2)
+        yield fd if os.fstat(fd).st_size else None  # 0 bytes: an interrupted write of an older hpcfsdp
+    finally:
+        os.close(fd)
+
+
+def _duckdb_holder(path: Path) -> str:
+    """Who holds the history, as DuckDB tells it ("... held in /usr/bin/python3 (PID 4242)")."""
+    import duckdb
+
+    try:
+        duckdb.connect(str(path), read_only=True).close()
+    except duckdb.Error as exc:
+        found = re.search(r"held in (.*?)(\. See|$)", str(exc).splitlines()[0])
+        if found:
+            return found.group(1)
+    return "a process that holds its lock"
+
+
+def _copy_from(fd: int, target: Path) -> None:
+    """Copy the open file fd into target, from its start."""
+    with open(target, "wb") as out:
+        offset = 0
+        while chunk := os.pread(fd, 1 << 20, offset):
+            out.write(chunk)
+            offset += len(chunk)
 
 
 @contextmanager

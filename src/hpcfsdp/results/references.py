@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +32,11 @@ import yaml
 
 from ..errors import UserError
 from ..fields import SpecError, coerce_fields, unknown_key
-from ..files import write_text
+from ..files import read_regular_file, write_text
 from ..spec import RunSpec
 
 TOP_KEYS = ("tolerance", "references")
+MAX_REFERENCES_BYTES = 16 << 20  # a file of some 50,000 entries
 ENTRY_KEYS = (
     "cluster",
     "gpu",
@@ -199,7 +201,7 @@ def _parse(path: Path) -> tuple[Any, dict]:
     """The YAML value and the line of each key: top-level keys by name, entry keys by (index, key),
     each entry's start by ('entry', index)."""
     try:
-        text = path.read_text()
+        text = read_regular_file(path, MAX_REFERENCES_BYTES).decode("utf-8", errors="replace")
     except OSError as exc:
         raise SpecError(str(path), "", f"cannot read the references file ({exc.strerror or exc})") from None
     loader = yaml.SafeLoader(text)
@@ -231,6 +233,8 @@ def write_references(path: Path, new: list[Reference]) -> References:
     """Add the new entries to the file (created when absent), replacing those of the same cluster,
     GPU and setup; the file is rewritten whole, so comments in it are not kept."""
     path = Path(path)
+    if path.is_symlink():  # a link to a shared file: the file it leads to is rewritten, never the link
+        path = Path(os.path.realpath(path))
     current = load_references(path) if path.exists() else References(path=path)
     replaced = {(ref.cluster, ref.gpu, ref.setup) for ref in new}
     kept = [ref for ref in current.entries if (ref.cluster, ref.gpu, ref.setup) not in replaced]

@@ -124,7 +124,7 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
     Returns the files and a note per column that parquet could not keep as it was."""
     table = _exportable(frame)
     with atomic_output(report / "results.csv") as tmp:
-        table.to_csv(tmp, index=False)
+        _without_formulas(table).to_csv(tmp, index=False)
     written = [report / "results.csv"]
     try:
         import pyarrow  # noqa: F401  (only to know whether parquet can be written)
@@ -165,6 +165,22 @@ def _as_text(value: Any) -> str | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+# What a spreadsheet reads as the start of a formula (OWASP's CSV injection list): a record's error
+# "=HYPERLINK(...)" or "@SUM(...)" would run when results.csv is opened.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _without_formulas(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with every text cell that a spreadsheet would take for a formula quoted by a
+    leading apostrophe, as spreadsheets themselves mark text; numbers are left as they are."""
+    quoted = table.copy()
+    for column in [c for c in quoted.columns if not pd.api.types.is_numeric_dtype(quoted[c])]:
+        quoted[column] = quoted[column].map(
+            lambda v: "'" + v if isinstance(v, str) and v.startswith(FORMULA_STARTS) else v
+        )
+    return quoted
 
 
 def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
@@ -247,6 +263,11 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     )
     ranked["gpus"] = ranked["nodes"] * ranked["gpus_per_node"]
     ranked["tokens_per_s"] = ranked["tokens_per_s_per_gpu"] * ranked["gpus"]
+    # Figures are finite in every readable record, but a product of two may not be (1e308 tokens/s
+    # per GPU on 2 GPUs): no "inf tokens/s" wins.
+    ranked = ranked[np.isfinite(pd.to_numeric(ranked["tokens_per_s"], errors="coerce").astype(float))]
+    if ranked.empty:
+        return []
     named = ranked["device_name"] if "device_name" in ranked else pd.Series(None, index=ranked.index)
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)

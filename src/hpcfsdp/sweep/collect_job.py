@@ -3,8 +3,9 @@
 The job depends on the arrays (`--dependency=afterany:<array>:...`: whatever way their tasks end),
 so no login-node process has to wait. It runs `hpcfsdp collect SWEEP --fail-on-regression` (the
 report in report/, the history appended to, each cell checked against its references), then writes
-collect's exit status into the sweep folder's collect_job.json: 0 all well, 1 a regression, else
-collect failed. A status other than 0 also fails the Slurm job, so that `slurm.mail_type: FAIL`
+collect's exit status into the sweep folder's collect_job.json: 0 all well, 1 a regression (or,
+with an error line kept beside it, collect failed), 3 a history it could not update and check,
+else collect failed. A status other than 0 also fails the Slurm job, so that `slurm.mail_type: FAIL`
 mails about it. `hpcfsdp status` shows the job (collect_line). With `slurm.clusters` it goes to
 that cluster too: a dependency names jobs of its own cluster only.
 """
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import COLLECT_ENDINGS, COLLECT_UNCHECKED
 from ..files import RecordError, read_json_object, write_json
 from .layout import slurm_folder
 from .matrix import Sweep
@@ -35,15 +37,38 @@ class CollectJob:
 
     def __call__(self) -> int:
         command = [sys.executable, "-m", "hpcfsdp", "collect", self.sweep_dir, "--fail-on-regression"]
-        code = subprocess.run(command, check=False).returncode
+        ran = subprocess.run(command, check=False, stderr=subprocess.PIPE, text=True, errors="replace")
+        sys.stderr.write(ran.stderr)  # into the job's log, as it was
+        code = ran.returncode
         path = Path(self.sweep_dir) / COLLECT_JOB_NAME
         entry = _read(path) or {}
         job = os.environ.get("SLURM_JOB_ID", "")
-        write_json(path, {**entry, "job_id": entry.get("job_id") or job, "exit_status": code, "ended_at": time.time()})
+        errors = [line for line in ran.stderr.splitlines() if line.startswith("error: ")]
+        # An error line with 1 is a UserError's, not a regression's (which prints none); with 3, the history's.
+        failed = errors[-1].removeprefix("error: ")[:500] if errors and code not in (0, COLLECT_UNCHECKED) else None
+        write_json(
+            path,
+            {
+                **entry,
+                "job_id": entry.get("job_id") or job,
+                "exit_status": code,
+                "error": failed,
+                "ended_at": time.time(),
+            },
+        )
         if code:
-            what = "a cell regressed" if code == 1 else "collect failed"
-            raise RuntimeError(f"hpcfsdp collect exited {code} ({what}); see {Path(self.sweep_dir) / 'report'}")
+            raise RuntimeError(
+                f"hpcfsdp collect exited {code} ({ending(code, failed)}); see {Path(self.sweep_dir) / 'report'}"
+            )
         return code
+
+
+def ending(code: int, error: str | None = None) -> str:
+    """What collect's exit status says (errors.COLLECT_ENDINGS); a UserError exits 1 as a
+    regression does, so the collect job keeps its error line and a failure is never read as one."""
+    if error:
+        return f"collect failed: {error}"
+    return COLLECT_ENDINGS.get(code, "collect failed")
 
 
 def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
@@ -99,8 +124,9 @@ def collect_line(sweep_dir: Path) -> str | None:
     job = str(entry.get("job_id", "?"))
     cluster = str(entry.get("cluster") or "")
     code = entry.get("exit_status")
-    if isinstance(code, int):
-        what = {0: "report written", 1: "report written; a cell regressed"}.get(code, "collect failed")
+    if isinstance(code, int) and not isinstance(code, bool):
+        error = entry.get("error")
+        what = ending(code, error if isinstance(error, str) else None)
         return f"collect job {job}: exit status {code} ({what}): {Path(sweep_dir) / 'report' / 'summary.md'}"
     try:
         queued = queued_states([job], cluster).get(job)

@@ -15,6 +15,8 @@ Submit writes it; status, collect, export and the accounting read it. No torch, 
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -23,10 +25,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
+from ..attempts import keep_as_attempt, restore_attempt
 from ..fields import SpecError
-from ..files import RecordError, read_json_object, write_json, write_text
+from ..files import RecordError, read_json_object, read_regular_file, write_json, write_text
 from ..names import slurm_name_problem
-from ..record import SPEC_NAME, is_job_id, keep_as_attempt, restore_attempt
+from ..record import SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
     from .matrix import Cell, Sweep
@@ -36,6 +39,7 @@ MANIFEST_NAME = "manifest.json"
 MATRIX_NAME = "matrix.yaml"
 SLURM_DIR = "slurm"
 TUNE_NAME = "tune.json"
+LOG_TAIL_BYTES = 8 << 20  # what is read of one log at most: its end, where a failure shows
 
 
 def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
@@ -51,6 +55,50 @@ def cell_files(sweep_dir: Path, name: str) -> list[Path]:
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
     """The cells of the folder: those with a spec.json, sorted."""
     return [path.parent.name for path in cell_files(sweep_dir, SPEC_NAME)]
+
+
+LOG_SUFFIXES = {"stdout": "_log.out", "stderr": "_log.err"}  # submitit's names: slurm/<job>/<job>_<rank>_log.out
+
+
+def job_log_files(sweep_dir: Path, job_id: str, stream: str) -> list[tuple[int, Path]]:
+    """(rank, path) of each log file of one job (stream: stdout or stderr) in rank order: the files
+    in the job's folder, not a count of ranks from a spec.json (a hand-edited one may say
+    nodes: 10**12). A job id that is none (from a file) names no folder. Links are listed as they
+    are: read them through read_log."""
+    if not is_job_id(job_id):
+        return []
+    folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
+    name = re.compile(re.escape(job_id) + r"_([0-9]{1,9})" + re.escape(LOG_SUFFIXES[stream]))
+    try:
+        entries = list(os.scandir(folder)) if folder.is_dir() else []
+    except OSError:
+        return []
+    return sorted((int(m.group(1)), Path(e.path)) for e in entries if (m := name.fullmatch(e.name)))
+
+
+def log_out_of_folder(sweep_dir: Path, path: Path) -> str:
+    """Why a log is not read ("" where it may be): a link that leads out of the sweep folder."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(sweep_dir)):
+        return f"not shown: a link to {real}, out of the sweep folder"
+    return ""
+
+
+def read_log(sweep_dir: Path, path: Path, limit: int = LOG_TAIL_BYTES) -> tuple[str, str]:
+    """(the log's text, "") or ("", why it is not read): a link out of the sweep folder (to
+    /etc/shadow, say) or anything but a regular file (a FIFO, /dev/zero) is not read, and of a
+    long log only its last `limit` bytes, from the first whole line."""
+    why = log_out_of_folder(sweep_dir, path)
+    if why:
+        return "", why
+    try:
+        data = read_regular_file(path, limit, tail=True)
+    except OSError as exc:
+        return "", f"not shown: {exc.strerror or exc}"
+    text = data.decode(errors="replace")
+    if len(data) == limit and os.path.getsize(path) > limit:
+        text = f"[... only its last {limit:,} bytes]\n" + text.split("\n", 1)[-1]
+    return text, ""
 
 
 def require_sweep_folder(sweep_dir: Path) -> None:

@@ -5,11 +5,17 @@ their `slurm` object), newest first; a requeued job writes on in the same files.
 stdout and one stderr file per task (rank), where submitit's SlurmJob puts them
 (slurm/<job>/<job>_<rank>_log.out|err). For a cell whose record is not ok, the lines that say why
 come first: the record's error, then the error lines of every rank's logs of its newest job.
+
+The folder is the user's, but not everything in it is: a log is read only where it is a regular
+file inside the sweep folder (a link to /etc/shadow or /dev/zero is named, not read), only its
+last LOG_TAIL_BYTES, and a job id from the manifest or a record becomes a path only when it is one.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -18,9 +24,19 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from ..files import RecordError, read_json_object
-from ..record import ATTEMPTS_DIR, RECORD_NAME, SPEC_NAME, slurm_job_of
+from ..record import ATTEMPTS_DIR, RECORD_NAME, is_job_id, slurm_job_of
 from ..spec import SpecError
-from .layout import cell_dir, manifest_cluster, planned_cell_ids, read_manifest, slurm_folder
+from .layout import (
+    LOG_TAIL_BYTES,
+    cell_dir,
+    job_log_files,
+    log_out_of_folder,
+    manifest_cluster,
+    planned_cell_ids,
+    read_log,
+    read_manifest,
+    slurm_folder,
+)
 from .scheduler import queued_states
 from .status import cell_state
 
@@ -58,14 +74,19 @@ def find_cell(sweep_dir: Path, name: str) -> str:
 def cell_jobs(sweep_dir: Path, cell_id: str) -> list[str]:
     """The Slurm jobs the cell ran as, newest first: its latest submit's, then its earlier records'."""
     entry = read_manifest(sweep_dir).get(cell_id, {})
-    jobs = [str(entry["job_id"])] if entry.get("executor") == "slurm" and entry.get("job_id") else []
+    latest = entry.get("job_id")
+    jobs = (
+        [str(latest)]
+        if entry.get("executor") == "slurm" and isinstance(latest, (str, int)) and is_job_id(str(latest))
+        else []
+    )
     directory = cell_dir(sweep_dir, cell_id)
     attempts = sorted(
         (directory / ATTEMPTS_DIR).glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1, reverse=True
     )
     for path in [directory / RECORD_NAME, *attempts]:
         try:
-            job = slurm_job_of(read_json_object(path, kind="record").get("slurm"))
+            job = slurm_job_of(read_json_object(path, root=sweep_dir, kind="record").get("slurm"))
         except (FileNotFoundError, RecordError):
             continue
         if job and job not in jobs:
@@ -75,21 +96,16 @@ def cell_jobs(sweep_dir: Path, cell_id: str) -> list[str]:
 
 def rank_logs(sweep_dir: Path, cell_id: str, job_id: str, stream: Stream) -> list[RankLog]:
     """The job's log file of each rank that wrote one, in rank order."""
-    import submitit
-
-    spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, kind="cell spec")["spec"]
-    ranks = int(spec.get("nodes", 1)) * int(spec.get("gpus_per_node", 1))
-    folder = slurm_folder(sweep_dir)
-    paths = (getattr(submitit.SlurmJob(folder, job_id, tasks=(rank,)).paths, stream) for rank in range(ranks))
-    return [RankLog(job_id, rank, path) for rank, path in enumerate(paths) if path.exists()]
+    return [RankLog(job_id, rank, path) for rank, path in job_log_files(sweep_dir, job_id, stream)]
 
 
-def telling_lines(logs: list[RankLog]) -> list[str]:
+def telling_lines(sweep_dir: Path, logs: list[RankLog]) -> list[str]:
     """The lines of these logs that say why a rank failed, each once, rank-labelled; the last
     TELLING_LINES of them (the end of a log is where a failure shows)."""
     seen: dict[str, None] = {}
     for log in logs:
-        for line in log.path.read_text(errors="replace").splitlines():
+        text, _ = read_log(sweep_dir, log.path)
+        for line in text.splitlines():
             if TELLING.search(line):
                 seen.setdefault(f"[rank {log.rank}] {line.strip()}", None)
     return list(seen)[-TELLING_LINES:]
@@ -111,14 +127,14 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
             f"== {cell_id}: {state.status} at {record.get('stage', '?')}: {_first_line(record.get('error'))}", file=out
         )
         newest = rank_logs(sweep_dir, cell_id, jobs[0], "stderr") + rank_logs(sweep_dir, cell_id, jobs[0], "stdout")
-        for line in telling_lines(newest):
+        for line in telling_lines(sweep_dir, newest):
             print(line, file=out)
         print(file=out)
     shown = 0
     for job_id in jobs:
         for log in rank_logs(sweep_dir, cell_id, job_id, stream):
-            print(f"==> job {job_id}, rank {log.rank}: {log.path} <==", file=out)
-            text = log.path.read_text(errors="replace")
+            text, why = read_log(sweep_dir, log.path)
+            print(f"==> job {job_id}, rank {log.rank}: {log.path} <=={f' {why}' if why else ''}", file=out)
             out.write(text if text.endswith("\n") or not text else text + "\n")
             shown += 1
     if not shown:
@@ -145,7 +161,7 @@ def follow(
     last: Path | None = None
     while True:
         queued = job_id in queued_states([job_id], cluster)
-        for log, chunk in _new_output(rank_logs(sweep_dir, cell_id, job_id, stream), offsets):
+        for log, chunk in _new_output(sweep_dir, rank_logs(sweep_dir, cell_id, job_id, stream), offsets):
             if log.path != last:
                 print(f"==> job {job_id}, rank {log.rank} <==", file=out)
                 last = log.path
@@ -156,11 +172,25 @@ def follow(
         time.sleep(poll_s)
 
 
-def _new_output(logs: list[RankLog], offsets: dict[Path, int]) -> Iterator[tuple[RankLog, str]]:
+def _new_output(sweep_dir: Path, logs: list[RankLog], offsets: dict[Path, int]) -> Iterator[tuple[RankLog, str]]:
+    """What each log gained since the last poll (at most LOG_TAIL_BYTES of it); a log that
+    read_log would not show is skipped."""
     for log in logs:
-        with log.path.open("rb") as handle:
-            handle.seek(offsets.get(log.path, 0))
-            data = handle.read()
+        if log_out_of_folder(sweep_dir, log.path):
+            continue
+        try:
+            fd = os.open(log.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            size = os.fstat(fd).st_size
+            start = max(offsets.get(log.path, 0), size - LOG_TAIL_BYTES)
+            data = os.pread(fd, size - start, start) if size > start else b""
+            offsets[log.path] = start
+        finally:
+            os.close(fd)
         if data:
             offsets[log.path] = offsets.get(log.path, 0) + len(data)
             yield log, data.decode(errors="replace")

@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..endings import ended_by, ending_fields, memory_to_ask
-from ..files import RecordError, read_json_object
+from ..files import read_json_object, read_regular_file
 from ..record import RECORD_NAME, SPEC_NAME, failure_record, write_record
-from .layout import cell_dir, slurm_folder
+from .layout import LOG_TAIL_BYTES, job_log_files, log_out_of_folder, read_log
 from .scheduler import FinishedJob
 
 
@@ -20,7 +20,7 @@ def lost_ending(
 ) -> tuple[str, str, dict[str, str]]:
     """status, error line and the record's ending fields (endings.py) of a job that left no record."""
     states = finished.states if finished else []
-    logs = "\n".join(path.read_text(errors="replace") for path in cell_logs(sweep_dir, cell_id, job_id))
+    logs = _logs_text(sweep_dir, cell_logs(sweep_dir, cell_id, job_id))
     known = ended_by(states, logs)
     shown = f" ({states[0]})" if states else ""
     if known is None:
@@ -36,25 +36,35 @@ def lost_ending(
 
 
 def cell_logs(sweep_dir: Path, cell_id: str, job_id: str) -> list[Path]:
-    """Every rank's stderr log of the cell's job (slurm_logs), as many ranks as its spec has."""
-    try:
-        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, kind="cell spec")["spec"]
-    except (FileNotFoundError, RecordError):
-        return []
-    return slurm_logs(sweep_dir, job_id, spec.get("nodes", 1) * spec.get("gpus_per_node", 1))
+    """Every rank's stderr log of the cell's job (slurm_logs)."""
+    return slurm_logs(sweep_dir, job_id)
 
 
-def slurm_logs(sweep_dir: Path, job_id: str, tasks: int) -> list[Path]:
-    """submitit's stderr logs of one job, one per task (rank), in rank order: those that exist."""
-    from submitit.core.utils import JobPaths
-
-    paths = (JobPaths(slurm_folder(sweep_dir), job_id=job_id, task_id=task).stderr for task in range(tasks))
-    return [path for path in paths if path.exists()]
+def slurm_logs(sweep_dir: Path, job_id: str, tasks: int | None = None) -> list[Path]:
+    """submitit's stderr logs of one job, one per task (rank; the first `tasks` of them), in rank
+    order: those that exist and lead nowhere out of the sweep folder (a record keeps their tails)."""
+    return [
+        path
+        for rank, path in job_log_files(sweep_dir, job_id, "stderr")
+        if (tasks is None or rank < tasks) and not log_out_of_folder(sweep_dir, path)
+    ]
 
 
 def log_tails(paths: Iterable[Path], chars: int = 2000) -> str:
-    """The last `chars` of each log, under a line naming it: what a launch-failure record keeps."""
-    return "\n".join(f"== {path} ==\n{path.read_text(errors='replace')[-chars:]}" for path in paths)
+    """The last `chars` of each log, under a line naming it: what a launch-failure record keeps
+    (read as regular files only, at most their last LOG_TAIL_BYTES)."""
+    return "\n".join(f"== {path} ==\n{_tail(path)[-chars:]}" for path in paths)
+
+
+def _tail(path: Path) -> str:
+    try:
+        return read_regular_file(path, LOG_TAIL_BYTES, tail=True).decode(errors="replace")
+    except OSError as exc:
+        return f"(not read: {exc.strerror or exc})"
+
+
+def _logs_text(sweep_dir: Path, paths: Iterable[Path]) -> str:
+    return "\n".join(read_log(sweep_dir, path)[0] for path in paths)
 
 
 def record_launch_failure(directory: Path, error: str, log_tail: str, status: str = "error", **fields: str) -> None:
