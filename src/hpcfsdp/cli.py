@@ -9,9 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import commands
+from . import __version__, commands
 from .errors import UserError
 from .fields import one_line
+from .record import STATUSES
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 from .spec import RunSpec
 
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="hpcfsdp",
         description="Compare DDP / FSDP1 / FSDP2 training setups for a causal LM, as Slurm job arrays.",
     )
+    parser.add_argument("--version", action="version", version=f"hpcfsdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = sub.add_parser("plan", help="expand a jobs YAML and print its cells, without submitting")
@@ -73,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "predicted not to fit (slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the "
         "batch predicted to be found (docs/submit.md, docs/preflight.md)",
     )
+    _add_json(plan, "the cells (with --memory their predictions), arrays, bound and problems")
     plan.set_defaults(func=commands.plan)
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
@@ -153,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running",
     )
+    _add_json(status, "the counts and every cell: state, job, reason, advice")
     status.set_defaults(func=commands.status)
 
     logs = sub.add_parser(
@@ -211,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare: relative change counted as a regression (default 0.05, i.e. 5%%)",
     )
     collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
+    _add_json(collect, "every cell (status, job, reason, figures), the regressions and the files written")
     over_time = collect.add_argument_group("over time (docs/history.md)")
     where = over_time.add_mutually_exclusive_group()
     where.add_argument(
@@ -259,7 +264,9 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--system", default="", metavar="TEXT", help="only clusters or GPUs whose name contains TEXT")
     history.add_argument("--setup", default="", metavar="KEY", help="only this setup (a key or its beginning)")
     history.add_argument("--sweep", default="", help="only this sweep name")
-    history.add_argument("--status", default="", help="only this status (ok, oom, error, timeout)")
+    history.add_argument(
+        "--status", default="", choices=STATUSES, metavar="STATUS", help="only this status (ok, oom, error, ...)"
+    )
     history.add_argument("--since", metavar="DATE", help="only runs started on or after DATE (YYYY-MM-DD, UTC)")
     history.add_argument("--until", metavar="DATE", help="only runs started up to DATE, that day included (UTC)")
     history.add_argument("--limit", type=int, default=0, metavar="N", help="only the latest N runs")
@@ -279,6 +286,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="with --set-reference: the tolerance written into each new reference",
     )
+    _add_json(history, "the runs listed")
     history.set_defaults(func=commands.history)
 
     export = sub.add_parser(
@@ -361,6 +369,14 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--num-proc", type=int, metavar="N", help="processes for dataset loading and tokenization")
     download.set_defaults(func=commands.download)
     return parser
+
+
+def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON document on stdout instead of the tables: {what} (docs/submit.md)",
+    )
 
 
 def _add_max_cells(parser: argparse.ArgumentParser) -> None:

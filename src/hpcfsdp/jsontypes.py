@@ -1,12 +1,14 @@
 """JSON values checked against type annotations: which fields of a TypedDict are marked Checked,
 and whether a parsed value is what its annotation says, as one line ("mfu: expected a number or
 null, got "fast""). The record's shape (record.py) is declared once, with these marks; read_record
-checks a record through them.
+checks a record through them. And json_ready, which makes values strict JSON (the `--json` answers).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from datetime import date
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
@@ -85,3 +87,29 @@ def shown(value: Any, limit: int = 40) -> str:
     except (ValueError, RecursionError):  # an integer past the digit limit, or deep nesting
         text = f"a {type(value).__name__}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def json_ready(value: Any) -> Any:
+    """value as strict JSON takes it (RFC 8259: no NaN): a number that is not finite, NaN, NaT and
+    pandas' NA become null; numpy scalars Python's; dates ISO 8601 text; tuples lists; any other
+    object its text."""
+    if isinstance(value, dict):
+        return {str(key): json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if type(value).__name__ in ("NAType", "NaTType") or value != value:  # pandas' NA and NaT, numpy's NaN
+        return None
+    if isinstance(value, date):
+        return value.isoformat()
+    if hasattr(value, "item"):  # a numpy scalar
+        return json_ready(value.item())
+    return str(value)
+
+
+def strict_json(value: Any) -> str:
+    """One JSON document of value (json_ready), as other languages' parsers, jq and DuckDB read it."""
+    return json.dumps(json_ready(value), allow_nan=False, indent=2)

@@ -32,6 +32,7 @@ CELLS_DIR = "cells"
 MANIFEST_NAME = "manifest.json"
 MATRIX_NAME = "matrix.yaml"
 SLURM_DIR = "slurm"
+LOG_NAME = "log.txt"  # a cell's output under the local executor, in its cell folder
 
 
 def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
