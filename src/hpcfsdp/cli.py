@@ -1,4 +1,5 @@
-"""`hpcfsdp plan | submit | run | status | logs | cancel | collect | history | export | download`: the parser, and
+"""`hpcfsdp plan | submit | run | status | logs | cancel | collect | history | export | examples | download`: the
+parser, and
 main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
 as one line, in one place."""
 
@@ -306,6 +307,17 @@ def _parser() -> argparse.ArgumentParser:
         "an MLflow tracking URI works too), or wandb DIR (offline runs in DIR/wandb/, for `wandb sync`)",
     )
     export.set_defaults(func=commands.export)
+
+    examples = sub.add_parser(
+        "examples",
+        help="the example jobs YAMLs and sbatch script the package carries: list, print or copy one",
+        description="Without NAME: list the examples. With NAME: print it (smoke, smoke.yaml and jobs/smoke.yaml "
+        "name the same one), or with --copy-to DIR write it into DIR to edit. plan, submit and download also "
+        "take an example's name where no such file exists.",
+    )
+    examples.add_argument("name", nargs="?", metavar="NAME", help="an example, e.g. smoke or fsdp_job.sbatch")
+    examples.add_argument("--copy-to", metavar="DIR", help="write the example into DIR (never over a file)")
+    examples.set_defaults(func=commands.examples)
 
     download = sub.add_parser(
         "download",

@@ -27,10 +27,11 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 def _load_sweep(args: argparse.Namespace) -> Sweep:
     """The jobs YAML, refused in one line where a cell asks for a lever whose package is missing."""
+    from .sweep.examples import jobs_file
     from .sweep.matrix import MAX_CELLS, load_sweep
     from .sweep.packages import package_problems
 
-    sweep = load_sweep(args.jobs, args.max_cells or MAX_CELLS)
+    sweep = load_sweep(jobs_file(args.jobs), args.max_cells or MAX_CELLS)
     missing = package_problems(sweep)
     if missing:
         raise SpecError(missing[0] + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -315,6 +316,20 @@ def export(args: argparse.Namespace) -> int:
     written, skipped = export_sweep(sweep_dir, target, destination)
     already = f" ({skipped} exported before, left as they were)" if skipped else ""
     print(f"exported {written} run(s) of {sweep_dir} to {target} at {destination}{already}")
+    return 0
+
+
+def examples(args: argparse.Namespace) -> int:
+    from .sweep.examples import copy_example, example, listing
+
+    if args.copy_to and not args.name:
+        raise SpecError("examples", "--copy-to", "name the example to copy (`hpcfsdp examples` lists them)")
+    if not args.name:
+        print("\n".join(listing()))
+    elif args.copy_to:
+        print(f"wrote {copy_example(args.name, Path(args.copy_to))}")
+    else:
+        sys.stdout.write(example(args.name).read_text())
     return 0
 
 

@@ -108,10 +108,15 @@ def cells_document(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[di
                 "reason": None if error == "-" else error,
                 "strategy": row.get("strategy"),
                 "fields": {name: row.get(name) for name in fields},
-                **{key: pd.to_numeric(row.get(column), errors="coerce") for column, key in CELL_FIGURES},
+                **{key: _number(row.get(column)) for column, key in CELL_FIGURES},
             }
         )
     return cells
+
+
+def _number(value: Any) -> float | None:
+    number = pd.to_numeric(pd.Series([value]), errors="coerce").iloc[0]
+    return None if pd.isna(number) else float(number)
 
 
 def _ranked(frame: pd.DataFrame) -> pd.DataFrame:
