@@ -19,12 +19,12 @@ QUIET_S = 1.0
 class Progress:
     """`what` done `n` of `total` times; `stage()` names a step that has no count."""
 
-    def __init__(self, what: str, total: int = 0, stream: TextIO | None = None, quiet_s: float = QUIET_S):
+    def __init__(self, what: str, total: int = 0, stream: TextIO | None = None, quiet_s: float | None = None):
         self.what, self.total, self.n = what, total, 0
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.started = time.monotonic()
-        self.quiet_s = quiet_s
+        self.quiet_s = QUIET_S if quiet_s is None else quiet_s
         self.shown_at: float | None = None  # when a line or bar was last drawn
         self.bar_open = False
 
