@@ -215,7 +215,7 @@ def test_every_state_but_ok_pending_and_running_exits_3_and_in_flight_alone_exit
 @pytest.mark.slurm
 def test_status_json_and_exit_status_follow_the_cells_from_pending_to_failed(slurm_cluster, tmp_path, capsys):
     jobs = tmp_path / "three.yaml"
-    jobs.write_text("name: three\nbase: {model: tiny, device: cpu, gpus_per_node: 1}\nmatrix: {batch_size: [1, 2, 3]}\n")
+    jobs.write_text("name: three\nbase: {model: tiny, device: cpu}\nmatrix: {batch_size: [1, 2, 3]}\n")
     first, second, third = load_sweep(jobs).cells
     sweep_dir = tmp_path / "results" / "three"
     held = slurm(
