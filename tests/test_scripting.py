@@ -180,9 +180,7 @@ def test_an_unknown_export_target_and_a_status_no_record_has_are_usage_errors(tm
     sweep = tmp_path / "s"
     put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 10000, 40))
     assert main(["export", str(sweep), "--to", "csv", str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "error: export: --to: csv: expected one of tensorboard, mlflow, wandb"
-    )
+    assert capsys.readouterr().err.strip() == ("error: export: --to: csv: expected one of tensorboard, mlflow, wandb")
     with pytest.raises(SystemExit) as stopped:
         main(["history", "--status", "bogus"])
     assert stopped.value.code == 2
@@ -288,9 +286,7 @@ def cpu_and_failed_sweep(root: Path) -> tuple[Path, dict[str, str]]:
     return sweep, ids
 
 
-def test_collect_json_gives_each_cell_its_status_job_reason_and_figures_and_the_table_goes_to_stderr(
-    tmp_path, capsys
-):
+def test_collect_json_gives_each_cell_its_status_job_reason_and_figures_and_the_table_goes_to_stderr(tmp_path, capsys):
     sweep, ids = cpu_and_failed_sweep(tmp_path)
     code, document, err = answer(capsys, ["collect", str(sweep), "--json", "--no-history", "--no-plots"])
     collected = CollectAnswer.model_validate(document)
