@@ -350,6 +350,41 @@ def test_a_long_collect_says_how_far_it_is_in_plain_lines_when_stderr_is_a_file(
     assert "reading records" not in proc.stdout  # stdout holds what it held
 
 
+def test_on_a_terminal_collect_draws_one_bar_redrawn_in_place(tmp_path):
+    """stderr a pseudo-terminal: the bar is redrawn with a carriage return, its line ended once."""
+    import os
+    import pty
+
+    sweep = tmp_path / "many"
+    for batch in range(1, 201):
+        put(sweep, ok_record(spec_of(CPU_BASE, strategy="ddp", batch_size=batch), 900 + batch, 1.0, device="cpu"))
+    script = (
+        "import sys; from hpcfsdp import progress; progress.QUIET_S = 0.0; progress.REDRAW_S = 0.0; "
+        "from hpcfsdp.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "collect", str(sweep), "--no-history", "--no-plots"],
+        stdout=subprocess.DEVNULL, stderr=follower,
+    )  # fmt: skip
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end closed: the command ended
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0
+    text = drawn.decode()
+    assert "\r\x1b[Kreading records [" in text and "] 200/200" in text
+    assert "reading records: " not in text  # no log lines on a terminal
+    assert text.splitlines()[-1].startswith("collect: done in ")
+
+
 # -- the examples the package carries --------------------------------------------------------------
 
 

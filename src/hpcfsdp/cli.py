@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--wait",
         action="store_true",
-        help="slurm: wait for the arrays to finish, then print the table (local always waits)",
+        help="slurm: wait for the arrays to finish, then print the table (local always waits); exit status 3 "
+        "when a cell did not finish ok (docs/submit.md, For scripts)",
     )
     rerun = submit.add_mutually_exclusive_group()
     rerun.add_argument(
@@ -146,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         "else their record's status (ok, oom, error, timeout, diverged, cancelled, node_fail, preempted, "
         "host_oom, deadline, boot_fail), "
         "else missing (no record) or corrupt (a record file that cannot be used, named "
-        "in one line); then a row per cell that is not ok.",
+        "in one line); then a row per cell that is not ok. Exit status 0 when every cell is ok, 3 when one "
+        "is not (any state but ok, pending and running), else 4 while cells are pending or running.",
     )
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument(
