@@ -328,12 +328,13 @@ def test_history_json_lists_the_runs_with_their_job_and_reason(tmp_path, capsys)
 
 
 def test_a_long_collect_says_how_far_it_is_in_plain_lines_when_stderr_is_a_file(tmp_path):
-    """Quiet below a second, so a collect made slow on purpose: 400 records, and no quiet time."""
+    """Silent below 500 records and a second: here 400 records, with neither bound."""
     sweep = tmp_path / "many"
     for batch in range(1, 401):
         put(sweep, ok_record(spec_of(CPU_BASE, strategy="ddp", batch_size=batch), 900 + batch, 1.0, device="cpu"))
     script = (
         "import sys; from hpcfsdp import progress; progress.QUIET_S = 0.0; progress.LINE_EVERY_S = 0.0; "
+        "from hpcfsdp.results import collect; collect.PROGRESS_MIN_RECORDS = 1; "
         "from hpcfsdp.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     with open(tmp_path / "err.log", "w") as err:
@@ -360,6 +361,7 @@ def test_on_a_terminal_collect_draws_one_bar_redrawn_in_place(tmp_path):
         put(sweep, ok_record(spec_of(CPU_BASE, strategy="ddp", batch_size=batch), 900 + batch, 1.0, device="cpu"))
     script = (
         "import sys; from hpcfsdp import progress; progress.QUIET_S = 0.0; progress.REDRAW_S = 0.0; "
+        "from hpcfsdp.results import collect; collect.PROGRESS_MIN_RECORDS = 1; "
         "from hpcfsdp.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     leader, follower = pty.openpty()

@@ -1,7 +1,8 @@
-"""Progress of work that can take a while (collect reading 10,000 records, a download's files), on
-stderr: a bar redrawn in place on a terminal, plain lines where stderr is a file (a Slurm log, CI),
-never escape codes there. Quiet for work that ends soon: nothing is shown before `quiet_s`, so a
-small sweep's collect prints what it printed before.
+"""Progress of work that can take a while (collect reading 10,000 records), on stderr: a bar
+redrawn in place on a terminal, plain lines where stderr is a file (a Slurm log, CI), never escape
+codes there. Silent for small work (a count below `min_count`, so that what a small sweep's
+collect prints does not depend on how busy the machine is) and for work that ends soon (nothing
+before `quiet_s`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ QUIET_S = 1.0
 class Progress:
     """`what` done `n` of `total` times; `stage()` names a step that has no count."""
 
-    def __init__(self, what: str, total: int = 0, stream: TextIO | None = None, quiet_s: float | None = None):
-        self.what, self.total, self.n = what, total, 0
+    def __init__(
+        self, what: str, min_count: int = 0, stream: TextIO | None = None, quiet_s: float | None = None
+    ) -> None:
+        self.what, self.total, self.n = what, 0, 0
+        self.min_count = min_count
+        self.silent = False
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.started = time.monotonic()
@@ -28,10 +33,15 @@ class Progress:
         self.shown_at: float | None = None  # when a line or bar was last drawn
         self.bar_open = False
 
+    def count(self, total: int) -> None:
+        """The work is `total` steps: below min_count, nothing is shown of it, nor of what follows."""
+        self.total = total
+        self.silent = total < self.min_count
+
     def advance(self, n: int = 1) -> None:
         self.n += n
         now = time.monotonic()
-        if now - self.started < self.quiet_s:
+        if self.silent or now - self.started < self.quiet_s:
             return
         every = REDRAW_S if self.tty else LINE_EVERY_S
         if self.shown_at is None or now - self.shown_at >= every or self.n == self.total:
@@ -41,14 +51,14 @@ class Progress:
         """A step without a count: one line, once the work has taken longer than quiet_s."""
         self._end_bar()
         self.what, self.total, self.n = what, 0, 0
-        if time.monotonic() - self.started >= self.quiet_s:
+        if not self.silent and time.monotonic() - self.started >= self.quiet_s:
             self._write(f"{what} ...\n")
 
     def done(self, label: str = "") -> None:
         """The end: the bar's line is ended, and what was long says how long it all took."""
         self._end_bar()
         elapsed = time.monotonic() - self.started
-        if self.shown_at is not None or elapsed >= self.quiet_s:
+        if not self.silent and (self.shown_at is not None or elapsed >= self.quiet_s):
             self._write(f"{label or self.what}: done in {elapsed:.1f} s\n")
 
     def _draw(self, now: float) -> None:

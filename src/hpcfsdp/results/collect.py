@@ -20,6 +20,8 @@ from ..sweep.layout import cell_files, read_manifest, slurm_jobs
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 
+PROGRESS_MIN_RECORDS = 500  # a sweep of fewer records collects without progress lines
+
 
 def over_time_options(
     sweep_dir: Path,
@@ -71,7 +73,7 @@ def collect(
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
-    progress = Progress("reading records")
+    progress = Progress("reading records", min_count=PROGRESS_MIN_RECORDS)
     collection = load_records(sweep_dir, scheduler_states(sweep_dir), progress)
     progress.stage("adding Slurm accounting and checking the history")
     merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))

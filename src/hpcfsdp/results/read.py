@@ -73,7 +73,7 @@ def load_records(
     sweep_dir = Path(sweep_dir)
     paths = cell_files(sweep_dir, RECORD_NAME)
     if progress:
-        progress.total = len(paths)
+        progress.count(len(paths))
     unreadable: list[str] = []
     rows, spec_fields = [], {}
     for path in paths:
