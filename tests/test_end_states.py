@@ -284,7 +284,7 @@ def test_a_cell_over_its_memory_gets_a_host_oom_record_with_the_mem_gb_to_ask_fo
     )
     # submit --wait finds the memory cell in flight, waits for it, and records how its job ended.
     command = ["submit", str(tmp_path / "memory.yaml"), "--executor", "slurm", "--wait"]
-    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 1
+    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 3  # the cell is not ok
     got = record(oom_dir, oom)
     assert got["status"] == "host_oom" and got["slurm_state"] == "OUT_OF_MEMORY", got.get("error")
     (needed,) = re.findall(r"raise slurm.mem_gb to at least (\d+)", got["advice"])
