@@ -104,7 +104,7 @@ from hpcfsdp.cell import faults
 from hpcfsdp.cell.batch_search import BatchSearch, search_batch_size
 from hpcfsdp.cell.distributed import init_distributed
 from hpcfsdp.spec import RunSpec
-env = init_distributed("cpu")
+env = init_distributed("cpu", 300)
 for strategy in ("ddp", "fsdp2_zero3"):
     spec = RunSpec.from_dict({"batch_size": "auto", "device": "cpu", "precision": "fp32", "seq_len": 32,
                               "strategy": strategy, "activation_checkpointing": "full"})

@@ -100,7 +100,9 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_cancel_and_collect_fo
     assert main(["plan", "--sbatch", str(there), "--results-dir", str(results)]) == 0
     assert f"#SBATCH --clusters={SECOND}" in capsys.readouterr().out
     assert main(["plan", str(write(tmp_path, "nowhere", "clusters: nowhere"))]) == 2
-    assert "nowhere.yaml:3: slurm.clusters: no cluster 'nowhere' answers here" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nowhere.yaml:3: slurm.clusters: no cluster 'nowhere' answers here" in err
+    assert f"(`sacctmgr show clusters` knows {FIRST}, {SECOND})" in err  # asked before -M is ever given
 
     assert main(["submit", str(there), "--results-dir", str(results), "--wait", "--then-collect"]) == 0
     out = capsys.readouterr().out

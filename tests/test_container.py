@@ -226,6 +226,11 @@ def started_containers(env: dict[str, str], since: float) -> list[str]:
 HANGS = {"HPCFSDP_FAULT": "train_step:hang"}
 
 
+# In the submitting shell: an allowlisted variable, which reaches the containers, and two that
+# must not reach the jobs (issue 33: the job's environment is an allowlist).
+SHELL = {"NCCL_I33_FROM_SHELL": "yes", "I33_SETTING": "i33secret-plain", "DB_PW": "i33secret-pw"}
+
+
 @dataclass
 class PodmanRuns:
     results: Path
@@ -247,6 +252,7 @@ def podman_runs(local_slurm, podman_image, tmp_path_factory) -> Iterator[PodmanR
     names = {status: f"c{status}{tag}" for status in ("timeout", "cancelled", "smoke")}
     smoke = yaml.safe_load((ROOT / "jobs" / "smoke.yaml").read_text())
     smoke["slurm"]["container"] = in_podman(env={"NCCL_DEBUG": "INFO"})
+    smoke["setup"] = [*smoke.get("setup", []), "export TORCH_I33_FROM_SETUP=yes"]  # srun passes it on
     hanging = {"base": {**CPU_CELL, "steps": 1000}}
     sweeps = {
         "timeout": {**hanging, "slurm": {"time_min": 3, "signal_delay_s": 60, "container": in_podman(env=HANGS)}},
@@ -265,7 +271,7 @@ def podman_runs(local_slurm, podman_image, tmp_path_factory) -> Iterator[PodmanR
         (jobs[status],) = re.findall(r"submitted array (\d+)", out.getvalue())
 
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**local_slurm, **podman_image}.items():
+        for key, value in {**local_slurm, **podman_image, **SHELL}.items():
             patch.setenv(key, value)
         try:
             submit("timeout")
@@ -296,6 +302,15 @@ def test_the_smoke_matrix_runs_in_podman_containers_and_writes_its_records_on_th
     # with the variables of container.env.
     assert podman_runs.containers.count(IMAGE) == 8 * 2 + 2
     assert all(r["environment"].get("NCCL_DEBUG") == "INFO" for r in got.values())
+
+
+@pytest.mark.slurm
+def test_a_cell_in_a_container_gets_the_allowlisted_environment_and_what_the_setup_lines_set(podman_runs):
+    got = records(podman_runs.results / podman_runs.names["smoke"])
+    assert all(r["environment"].get("NCCL_I33_FROM_SHELL") == "yes" for r in got.values())
+    assert all(r["environment"].get("TORCH_I33_FROM_SETUP") == "yes" for r in got.values())
+    folder = podman_runs.results / podman_runs.names["smoke"]
+    assert [str(p) for p in folder.rglob("*") if p.is_file() and b"i33secret" in p.read_bytes()] == []
 
 
 @pytest.mark.slurm

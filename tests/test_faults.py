@@ -400,7 +400,7 @@ def environments_of_job(job_id: str) -> list[bytes]:
 @pytest.mark.slurm
 def test_a_running_cell_holds_no_token_and_scancel_records_cancelled(slurm_cluster, tmp_path, monkeypatch, capsys):
     name = unique("token")
-    jobs = jobs_file(tmp_path, name, base={"steps": 100_000_000}, slurm={"time_min": 10})
+    jobs = jobs_file(tmp_path, name, base={"steps": 100_000_000}, slurm={"time_min": 10, "pass_env": ["I12C_CANARY"]})
     results = tmp_path / "results"
     for token in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY"):
         monkeypatch.setenv(token, f"i12c_secret_{token}")
@@ -447,7 +447,7 @@ SECRETS = {
     "SOMETHING": "ghp_i21secretI21secretI21secretAAAA",
     "TWINE_PASSWORD": "twine-i21secret",
 }
-# Look alike, but are none: they must reach the job.
+# Look alike, but are none: named in slurm.pass_env, they reach the job.
 NOT_SECRETS = {"I21_CANARY": "visible", "KEYBOARD_LAYOUT": "visible-us", "PASSAGE_COUNT": "visible-3"}
 
 
@@ -469,7 +469,7 @@ def test_slurmctlds_saved_job_environment_holds_no_secret_of_any_common_shape(
     slurm_cluster, tmp_path, monkeypatch, capsys
 ):
     name = unique("secrets")
-    jobs = jobs_file(tmp_path, name, slurm={"extra_sbatch": {"hold": True}})
+    jobs = jobs_file(tmp_path, name, slurm={"extra_sbatch": {"hold": True}, "pass_env": sorted(NOT_SECRETS)})
     for variable, value in {**SECRETS, **NOT_SECRETS}.items():
         monkeypatch.setenv(variable, value)
     try:
@@ -587,8 +587,9 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
     wrappers, started = tmp_path / "bin", tmp_path / "sbatch-started"
     wrappers.mkdir()
     sbatch = shutil.which("sbatch")
-    # The preflight's `sbatch --test-only` queues nothing: it is not delayed.
-    script = ["#!/bin/sh", f'case "$*" in *--test-only*) exec {sbatch} "$@";; esac', f"touch {started}", "sleep 3"]
+    # The preflight's `sbatch --test-only` queues nothing, nor does plan's `sbatch --help` (its options): not delayed.
+    script = ["#!/bin/sh", f'case "$*" in *--test-only*|--help|--usage|--version) exec {sbatch} "$@";; esac']
+    script += [f"touch {started}", "sleep 3"]
     (wrappers / "sbatch").write_text("\n".join([*script, f'exec {sbatch} "$@"', ""]))
     (wrappers / "sbatch").chmod(0o755)
     proc = hpcfsdp(
@@ -606,7 +607,9 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_queued_array(slurm_cluster, 
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and TRACEBACK not in err, err
-        assert err.splitlines()[-1].startswith("interrupted (SIGINT): arrays queued before it are in manifest.json")
+        assert err.splitlines()[-1].startswith("interrupted (SIGINT): arrays queued before it are in manifest.json"), (
+            err
+        )
         (job,) = queued_job_ids(name)
         assert read(results / name / "manifest.json")[cell.id]["job_id"] == job
         folder = results / name / "cells" / cell.id

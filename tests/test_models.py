@@ -142,7 +142,7 @@ from hpcfsdp.cell.strategies import parallelize
 from hpcfsdp.cell.train import build_optimizer, train
 
 spec = RunSpec.from_dict(dict(json.loads(sys.argv[1]), strategy="fsdp2_zero3", meta_init=True, gpus_per_node=2))
-env = init_distributed("cpu")
+env = init_distributed("cpu", 300)
 cpu, source = torch.device("cpu"), resolve_model(spec.model)
 reference = build_model(source, torch.float32, cpu, spec.seed).state_dict()
 model = parallelize(build_model(source, torch.float32, cpu, spec.seed, meta=True), spec, env)

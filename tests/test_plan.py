@@ -163,7 +163,9 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
         } <= flags, flags
         assert not any(flag.startswith("--gres") for flag in flags)
         setup = script[script.index("# setup") : script.index("# command")].splitlines()[1:]
-        assert setup[:8] == [
+        assert any(flag.startswith("--export=") and "HF_TOKEN" not in flag for flag in flags)
+        assert setup[:9] == [
+            "export SLURM_EXPORT_ENV=ALL",
             "export HF_HUB_OFFLINE=1",
             "export HF_DATASETS_OFFLINE=1",
             "export TRANSFORMERS_OFFLINE=1",

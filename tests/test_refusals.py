@@ -322,7 +322,7 @@ def test_markdown_in_names_and_records_is_shown_as_written(tmp_path, capsys):
     assert "fsdp2_zero3" in summary  # an underscore inside a word stays as it is
 
 
-@pytest.mark.parametrize("folder", ["100%", "my results", "run#2", "bob's"])
+@pytest.mark.parametrize("folder", ["100%", "my results", "run#2", "bob's", "back\\slash"])
 def test_submit_refuses_a_sweep_folder_whose_path_breaks_the_sbatch_lines(tmp_path, capsys, folder):
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text("name: paths\nbase: {device: cpu}\n")

@@ -1,6 +1,5 @@
-"""`hpcfsdp plan | submit | run | status | logs | cancel | collect | history | export | examples | download`: the
-parser, and
-main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
+"""`hpcfsdp plan | submit | tune | run | status | logs | cancel | collect | history | export | examples | download`:
+the parser, and main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
 as one line, in one place."""
 
 from __future__ import annotations
@@ -118,7 +117,37 @@ def _parser() -> argparse.ArgumentParser:
         "end (--dependency=afterany); its exit status goes to collect_job.json, mail by slurm.mail_user / "
         "mail_type (docs/submit.md)",
     )
+    submit.add_argument(
+        "--only-best",
+        action="store_true",
+        help="run only the setup `hpcfsdp tune` chose (tune.json's best.cell_id in the sweep folder)",
+    )
     submit.set_defaults(func=commands.submit)
+
+    tune = sub.add_parser(
+        "tune",
+        help="find the grid's fastest setup from short probes, several per allocation (docs/tune.md)",
+        description="Leave out cells predicted not to fit, probe the rest until each one's tokens/s is stable, "
+        "measure the best 1/eta again for longer (successive halving), and run the last few as the grid's own "
+        "cells. Stopped, the same command goes on where it was. Writes tune.json in the sweep folder.",
+    )
+    tune.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
+    _add_max_cells(tune)
+    tune.add_argument(
+        "--executor",
+        choices=("slurm", "local"),
+        help="slurm (default when a Slurm controller answers): each stage an array, several probes per "
+        "allocation; local: this machine, one probe at a time",
+    )
+    tune.add_argument(
+        "--results-dir", default=DEFAULT_RESULTS, help=f"parent of the sweep folder (default {DEFAULT_RESULTS}/)"
+    )
+    tune.add_argument("--eta", type=_positive_int, default=3, help="keep the best 1/eta of each stage (default 3)")
+    tune.add_argument("--top", type=_positive_int, default=3, help="setups the final stage runs as cells (default 3)")
+    tune.add_argument(
+        "--probes-per-job", type=_positive_int, default=8, help="slurm: probes per allocation (default 8)"
+    )
+    tune.set_defaults(func=commands.tune)
 
     run = sub.add_parser(
         "run",

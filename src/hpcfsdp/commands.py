@@ -75,6 +75,10 @@ def submit(args: argparse.Namespace) -> int:
     log = _to_stderr if executor in ("print", "local") else print
     if args.skip_predicted_oom:
         sweep = without_predicted_oom(sweep, log)
+    if args.only_best:
+        from .tune.output import best_only
+
+        sweep = best_only(sweep, Path(args.results_dir), log)
     if why:
         log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
     sub = submit(
@@ -116,6 +120,30 @@ def submit(args: argparse.Namespace) -> int:
     if failed := sum(state != "ok" for state in states):
         print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
     return cells_exit_status(states) or collected
+
+
+def tune(args: argparse.Namespace) -> int:
+    from .cache.plan import cache_misses
+    from .results.collect import collect
+    from .sweep.submit import default_executor
+    from .tune.output import summary_lines
+    from .tune.stages import Settings, tune
+
+    sweep = _load_sweep(args)
+    misses = cache_misses(sweep, sweep.resources.cache_dir or None)
+    if misses:
+        raise SpecError(f"{sweep.source}: {misses[0]}" + (f" (and {len(misses) - 1} more)" if len(misses) > 1 else ""))
+    executor, why = (args.executor, "") if args.executor else default_executor(sweep.resources.clusters)
+    if why:
+        print(f"note: {why}; probing on this machine, one at a time (--executor local)")
+    settings = Settings(executor, args.eta, args.top, args.probes_per_job, WAIT_POLL_S)
+    found = tune(sweep, Path(args.results_dir), settings)
+    sweep_dir = Path(args.results_dir) / sweep.name
+    if found["best"]:
+        collect(sweep_dir)  # the final stage's cells, and the report's tune section
+    print("\n".join(summary_lines(found)))
+    print(f"tune.json: {sweep_dir / 'tune.json'}")
+    return 0 if found["best"] else 1
 
 
 def _to_stderr(message: str) -> None:
@@ -337,8 +365,9 @@ def download(args: argparse.Namespace) -> int:
     from .cache.download import download_main
     from .cache.plan import Request
 
+    sweep = _load_sweep(args) if args.jobs else None
     request = Request(
-        sweep=_load_sweep(args) if args.jobs else None,
+        sweep=sweep,
         models=tuple(args.model),
         datasets=tuple(args.dataset),
         weights=args.weights,
@@ -348,7 +377,8 @@ def download(args: argparse.Namespace) -> int:
     try:
         return download_main(
             request,
-            cache_dir=args.cache_dir,
+            # The cache the jobs read: --cache-dir, else the YAML's slurm.cache_dir, else $HPCFSDP_CACHE.
+            cache_dir=args.cache_dir or (sweep.resources.cache_dir if sweep else None),
             verify_only=args.verify,
             allow_patterns=args.allow_pattern,
             text_column=args.text_column,

@@ -11,6 +11,8 @@ one SpecError line naming the file, line and key (docs/refusals.md lists the rul
   them for every sweep of that folder. It also becomes sbatch's job name and log paths, where `%`
   is a filename pattern (%j, %u, ...) that sbatch expands.
 - A partition, account, QOS or constraint is one sbatch argument: a space would make it two.
+- 'é' written as 'e' and a combining accent prints like 'é' written as one character, and is another
+  folder: a name must be in Unicode's composed form (NFC).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def name_problem(value: object) -> str:
     unseen = unseen_character(value)
     if unseen:
         return f"holds {unseen}, a character that is invisible or changes the direction of the text around it"
+    if not unicodedata.is_normalized("NFC", value):
+        # 'é' as e plus U+0301 prints as 'é' in one character but is another folder and job name.
+        return "not in Unicode's composed form (NFC): a letter and a combining accent print like another name"
     return ""
 
 

@@ -40,6 +40,7 @@ class CellState(str, Enum):
     ERROR = "error"
     TIMEOUT = "timeout"  # the time limit
     DIVERGED = "diverged"  # a loss that is not finite
+    HANG = "hang"  # a step (or collective) that ran past its timeout: a rank stopped answering
     CANCELLED = "cancelled"  # scancel, or an interrupted local submit
     NODE_FAIL = "node_fail"
     # Slurm's other endings (endings.py): PREEMPTED, OUT_OF_MEMORY (host memory), DEADLINE, BOOT_FAIL
@@ -70,6 +71,7 @@ STATUSES = tuple(
         CellState.ERROR,
         CellState.TIMEOUT,
         CellState.DIVERGED,
+        CellState.HANG,
         CellState.CANCELLED,
         CellState.NODE_FAIL,
         CellState.PREEMPTED,
@@ -182,6 +184,7 @@ class OkRecord(Record, total=False):
     step_time_p90_s: float
     step_times_s: Checked[list[float] | None]
     window_step_time_s: float
+    optimizer_step_s: float  # stop_when_stable only: clipping and the optimizer step (median, slowest rank)
     warmup_steps: int
     timed_steps: int
     data_time_fraction: Checked[float | None]

@@ -135,13 +135,11 @@ class RunSpec:
     grad_accum: int = grouped(1, "searched")
     global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
     # batch_size: auto (cell/batch_search.py): the largest per-device batch that fits, found in the cell
-    auto_batch: bool = grouped(
-        False, "batch_search"
-    )  # set by `batch_size: auto`; the record's batch_size is then the one found
+    # set by `batch_size: auto`; the record's batch_size is then the one found
+    auto_batch: bool = grouped(False, "batch_search")
     max_batch_size: int = grouped(256, "batch_search")  # the search never tries a larger batch
-    batch_margin: float = grouped(
-        0.0, "batch_search"
-    )  # a batch fits only if its peak reserved memory stays this fraction below the GPU's
+    # a batch fits only if its peak reserved memory stays this fraction below the GPU's
+    batch_margin: float = grouped(0.0, "batch_search")
     batch_probe_steps: int = grouped(2, "batch_search")  # steps per probe; the second one holds the optimizer states
     sync_every_microbatch: bool = False
     # compute
@@ -170,18 +168,18 @@ class RunSpec:
     steps: int = grouped(10, "measurement")
     warmup_steps: int = grouped(2, "measurement")
     seed: int = grouped(0, "measurement")
+    stop_when_stable: bool = grouped(False, "measurement")  # cell/train.py: tune's probes stop once tokens/s holds
     sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
     nvml: bool = grouped(True, "measurement")  # sample GPU utilisation during timed steps
-    comm_profile_steps: int = grouped(
-        2, "measurement"
-    )  # extra steps under torch.profiler for communication time; 0: off
+    # extra steps under torch.profiler for communication time; 0: off
+    comm_profile_steps: int = grouped(2, "measurement")
     profile: bool = grouped(False, "measurement")  # TensorBoard trace of a window of steps in the cell folder
     # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
     memory_snapshot: bool = False
     peak_tflops: float = grouped(0.0, "measurement")  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
-    record_param_norm: bool = grouped(
-        False, "measurement"
-    )  # gathers the full model once at the end: for tests and small models
+    record_param_norm: bool = grouped(False, "measurement")  # gathers the whole model at the end: tests, small models
+    init_timeout_s: float = grouped(300.0, "measurement")  # set-up's collectives and the first step may wait this long
+    train_timeout_s: float = grouped(100.0, "measurement")  # then a step this long past the slowest is hung (watchdog)
 
     @property
     def world_size(self) -> int:
@@ -254,6 +252,9 @@ class RunSpec:
         for name in ("weight_decay", "max_grad_norm", "peak_tflops"):
             if getattr(self, name) < 0:
                 raise SpecError(where, name, f"expected a number >= 0, got {getattr(self, name)}")
+        for name in ("init_timeout_s", "train_timeout_s"):
+            if not getattr(self, name) >= 1:
+                raise SpecError(where, name, f"expected at least 1 (seconds), got {getattr(self, name)}")
         self._check_batch_search(where)
         # batch_size: auto derives grad_accum once the search has chosen a batch (with_batch_size).
         spec = self if self.auto_batch else self._with_derived_grad_accum(where, grad_accum_given)

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..names import name_problem
 from .fetch import HUB_DIR, auth_source, download_dataset, download_model, hub_endpoint
 from .hub import (
     MANIFEST_NAME,
@@ -52,6 +53,9 @@ def download_main(
     out: Callable[[str], None] = print,
 ) -> int:
     """`hpcfsdp download`: fetch (or with verify_only, check) the items; returns the exit status."""
+    problem = name_problem(cache_dir) if cache_dir else ""
+    if problem:  # a newline would make the path printed for `export HPCFSDP_CACHE=` two lines
+        raise DownloadError(f"--cache-dir: {problem}: {cache_dir!r}")
     cache = default_cache_dir(cache_dir)
     plan = build_plan(request, text_column)
     if verify_only:

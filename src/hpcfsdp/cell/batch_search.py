@@ -240,7 +240,7 @@ def _train_probe(
     reset_peak_memory(env.device)  # like a measured cell: the peak of training, not of building
     batches = training_batches(blocks, vocab_size, batch, spec.seq_len, spec.seed, env.rank, env.world_size, env.device)
 
-    def on_step_end(step: int) -> None:
+    def on_step_end(step: int, _log: object) -> None:
         if step == 0:
             on_first_step(batch)
 

@@ -6,6 +6,7 @@ import functools
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,19 +63,37 @@ def launched_shape() -> dict[str, int]:
     return {"nodes": max(1, world // per_node), "gpus_per_node": per_node}
 
 
-def init_distributed(device_kind: str) -> DistEnv:
+class StartupError(RuntimeError):
+    """The device or the process group could not be set up: one line, for the record."""
+
+
+def init_distributed(device_kind: str, timeout_s: float) -> DistEnv:
+    """The process group, whose collectives wait at most timeout_s (set_collective_timeout
+    changes it once training runs). Under NCCL, errors are handled asynchronously: a collective
+    past its timeout aborts the communicators and ends the process, the backstop behind
+    watchdog.py, which ends a hung rank with a record before that."""
     export_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    timeout = timedelta(seconds=timeout_s)
     if use_cuda:
         if not torch.cuda.is_available():
-            raise RuntimeError("device: cuda was asked for but torch sees no GPU on this node")
+            raise StartupError("device: cuda was asked for but torch sees no GPU on this node")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        try:
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)  # the CUDA context: a device held by another process fails here
+        except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StartupError(
+                f"{device} could not be set up ({first}): another process may still hold it "
+                "(nvidia-smi --query-compute-apps=pid,used_memory --format=csv lists them)"
+            ) from exc
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -108,6 +127,13 @@ def all_gather_objects(value: object) -> list[object]:
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group's collectives now wait at most `seconds` (torchtitan shortens its
+    timeout the same way once the first step has run)."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def shutdown() -> None:

@@ -32,6 +32,8 @@ def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     kind, _, above = kind.partition(">")
     if fault_stage != stage or (rank and int(rank[0]) != env.rank) or (above and batch_size <= int(above)):
         return
+    # bench/gpu_acceptance.sh times the cell's end from this line
+    print(f"[hpcfsdp] fault {kind} at {stage} on rank {env.rank} at {time.time():.3f}", flush=True)
     if kind == "oom":
         raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
     if kind == "timeout":

@@ -257,7 +257,12 @@ def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: 
     peak = peak_tflops(name, spec.peak_tflops) if env.device.type == "cuda" else spec.peak_tflops
     tflops = tokens_per_s / env.world_size * flops / 1e12
     memory_max = {stage: {k: all_reduce_max(v, env) for k, v in reading.items()} for stage, reading in memory.items()}
-    return {
+    record: OkRecord = {}
+    if log.optimizer_times_s:  # stop_when_stable: the optimizer's share of a step, on its slowest rank
+        record["optimizer_step_s"] = median(
+            [all_reduce_max(t, env) for t in log.optimizer_times_s[spec.warmup_steps :]]
+        )
+    return record | {
         "status": "ok",
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,

@@ -32,7 +32,7 @@ def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv
     steps = spec.comm_profile_steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-        log = train(model, optimizer, batches, spec, env, 1 + steps, warmup=1, on_step_end=lambda step: prof.step())
+        log = train(model, optimizer, batches, spec, env, 1 + steps, warmup=1, on_step_end=lambda *_: prof.step())
     comm = communication_breakdown(prof.events(), steps)
     comm["comm_profile_step_time_s"] = log.window_s / steps
     comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
@@ -60,7 +60,7 @@ def write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir
         profile_memory=True,
         record_shapes=True,
     ) as prof:
-        train(model, optimizer, batches, spec, env, 4, on_step_end=lambda step: prof.step())
+        train(model, optimizer, batches, spec, env, 4, on_step_end=lambda *_: prof.step())
     return str(trace_dir)
 
 

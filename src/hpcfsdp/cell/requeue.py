@@ -49,7 +49,7 @@ def requeued_too_often() -> str:
     often than slurm.max_requeue allows. Slurm requeues a job with --requeue whenever it is
     preempted; only the cell can stop that."""
     done, allowed = restarts()
-    if allowed and done > allowed:
+    if done > allowed:  # max_requeue 0 too: a job Slurm requeued anyway (a site default) trains once
         return f"Slurm requeued the job {done} time(s), above slurm.max_requeue {allowed}: not run again"
     return ""
 

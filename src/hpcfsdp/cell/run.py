@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Mapping
@@ -37,7 +38,7 @@ from . import early_signals
 from .batch_search import BatchSearch, is_oom, search_batch_size
 from .build import build, build_probe
 from .data import open_data, training_batches
-from .distributed import DistEnv, all_gather_objects, init_distributed, shutdown
+from .distributed import DistEnv, StartupError, all_gather_objects, init_distributed, set_collective_timeout, shutdown
 from .faults import inject_fault
 from .levers import check_device, float8_linear_count
 from .metrics import (
@@ -54,14 +55,24 @@ from .profiling import memory_snapshot, profile_communication, write_trace
 from .provenance import launch_id, launch_rank, provenance
 from .requeue import done_before, name_requeued_run, requeued_too_often
 from .signals import (
+    LAUNCHER_GONE,
     CellCancelled,
     CellTimeout,
     handle_time_limit,
     restore_handlers,
     signal_cause,
+    signal_outcome,
+    submitit_requeues,
 )
 from .summary import summary_line
-from .train import Diverged, train
+from .train import Diverged, TrainLog, train
+from .watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+
+# The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
+# ended by the watchdog, with its record, before NCCL's error handling tears the process down.
+BACKSTOP_S = 60.0
+# What a collective that ran past the process group's timeout raises (gloo; NCCL's watchdog).
+COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout")
 
 
 def run_cell_dir(cell_dir: Path) -> str:
@@ -96,33 +107,61 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
         keep_as_attempt(cell_dir)
     if spec.expandable_segments:  # read when CUDA initialises, so before the process group
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    env = init_distributed(spec.device)
+    end_with_launcher(LAUNCHER_GONE)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    path = cell_dir / RECORD_NAME
+    try:
+        env = init_distributed(spec.device, spec.init_timeout_s)
+    except Exception as exc:  # a device another process holds, a rendezvous that failed: one line, recorded
+        error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_first_line(exc)}"
+        if not _keeps_earlier_failure(cell_dir, "error"):
+            failure = failure_record("error", "setup", error, traceback.format_exc(), failed_rank=launch_rank())
+            failure.update(_start_context(spec, cell_id, sweep, node, started))
+            write_record(path, failure)
+        raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
     progress = _Progress()
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
     previous_handlers = handle_time_limit()
+    requeue = submitit_requeues(previous_handlers)
+
+    def end(status: str, error: str, stack: str) -> None:
+        """The watchdog's record, for a rank that could not end itself (blocked, or hung)."""
+        print(f"[hpcfsdp] {cell_id}: {error}", flush=True)
+        if not _keeps_earlier_failure(cell_dir, status):
+            failure = failure_record(status, progress.stage, error, stack, failed_rank=env.rank)
+            failure.update(_context(progress.measured or spec, env, cell_id, sweep, [node], started))
+            write_record(path, failure)
+
+    # Started while the entry point still holds the signals: its thread never takes them itself.
+    progress.watchdog = Watchdog(env.rank, end, lambda signum: signal_outcome(signum, requeue))
     try:
         record, spec = _trained_record(spec, env, cell_dir, cell_id, progress)
         status = record["status"]
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         hosts = all_gather_objects(node) if status == "ok" else [node]
-        path = cell_dir / RECORD_NAME
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
             record.update(_context(spec, env, cell_id, sweep, hosts, started))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
             final = _read_or(path, record)
+        progress.watchdog.finished()
     finally:
         restore_handlers(previous_handlers)
     if env.is_main:
         print(summary_line(final, path), flush=True)
+    if status == "ok":
+        shutdown()
+        return status
+    failed = f"cell {cell_id} failed: {final['error']}"
+    if env.world_size > 1:
+        # No destroy_process_group: under NCCL it blocks while a peer waits inside a collective.
+        # The non-zero exit makes torchrun / srun end the others.
+        print(failed, file=sys.stderr, flush=True)
+        leave(1)
     shutdown()
-    if status != "ok":
-        # Leave no rank waiting in a collective: a non-zero exit makes torchrun / srun end the others.
-        raise SystemExit(f"cell {cell_id} failed: {final['error']}")
-    return status
+    raise SystemExit(failed)
 
 
 def _trained_record(
@@ -153,6 +192,7 @@ class _Progress:
     stage: str = "setup"
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
+    watchdog: Watchdog | None = None  # ends the rank when a step hangs or it cannot end itself
 
 
 def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> OkRecord:
@@ -212,21 +252,35 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
         )
 
     sampler = NvmlSampler(env.device) if spec.nvml else None
+    deadlines = StepDeadlines(spec.init_timeout_s, spec.train_timeout_s)
 
-    def on_step_end(step: int) -> None:
+    def watch_next_step(limit_changed: bool = True) -> None:
+        """The next step's deadline, and the collectives' timeout a little past it."""
+        if progress.watchdog is not None:
+            progress.watchdog.arm(deadlines.limit_s)
+        if limit_changed:
+            set_collective_timeout(deadlines.limit_s + BACKSTOP_S)
+
+    def on_step_end(step: int, log: TrainLog) -> None:
+        before = deadlines.limit_s
+        deadlines.step_ended(log.step_times_s[-1])
+        watch_next_step(limit_changed=deadlines.limit_s != before)
         if step == 0:
             inject_fault("train_step", env, spec.batch_size)
         if step == spec.warmup_steps - 1:
             memory["after_warmup"] = memory_reading(env.device)
             if sampler is not None:
                 sampler.start()  # utilisation of the timed steps only
-        _print_progress(env, spec, step)
+        _print_progress(env, spec, step, log)
 
     if sampler is not None and spec.warmup_steps == 0:
         sampler.start()
+    watch_next_step()
     try:
         log = train(model, optimizer, batches, spec, env, spec.steps, spec.warmup_steps, on_step_end)
     finally:
+        if progress.watchdog is not None:
+            progress.watchdog.disarm()
         if sampler is not None:
             sampler.stop()
     memory["end"] = memory_reading(env.device)
@@ -268,6 +322,8 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
         status = "oom"
     elif isinstance(exc, Diverged):
         status = "diverged"
+    elif any(marker in str(exc) for marker in COLLECTIVE_TIMEOUT_MARKERS):
+        status = "hang"  # the process group's own timeout came before the watchdog's
     else:
         status = "error"
     record = failure_record(
@@ -304,9 +360,35 @@ def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
     return earlier["status"] != "ok" and earlier.get("launch_id") == launch_id()
 
 
-def _print_progress(env: DistEnv, spec: RunSpec, step: int) -> None:
-    if env.is_main and (step + 1) % max(1, spec.steps // 5) == 0:
-        print(f"[hpcfsdp]   step {step + 1}/{spec.steps}", flush=True)
+def _print_progress(env: DistEnv, spec: RunSpec, step: int, log: TrainLog) -> None:
+    """Five lines a cell, as torchtitan's: the step, its loss (where the step synced) and speed."""
+    if not env.is_main or (step + 1) % max(1, spec.steps // 5):
+        return
+    line = f"[hpcfsdp]   step {step + 1}/{spec.steps}"
+    if len(log.losses) > step:
+        line += f"  loss {log.losses[step]:.4f}"
+    tokens = spec.batch_size * spec.grad_accum * spec.seq_len
+    per = "GPU" if env.device.type == "cuda" else "process"
+    print(f"{line}  {tokens / log.step_times_s[step]:,.0f} tokens/s per {per}", flush=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: float) -> Record:
+    """What a record of a rank that never formed its process group can say of where it ran."""
+    return {
+        "cell_id": cell_id,
+        "sweep": sweep,
+        "spec": spec.to_dict(),
+        "nodes": spec.nodes,
+        "hostnames": [node],
+        **provenance(),
+        "started_at": started,
+        "duration_s": time.time() - started,
+    }
 
 
 def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> Record:

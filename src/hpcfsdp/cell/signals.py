@@ -32,6 +32,10 @@ class CellCancelled(Exception):
         self.fields: FailedRecord = {} if slurm_state is None else {"slurm_state": slurm_state, "advice": advice}
 
 
+# Linux's parent-death signal of a rank under torchrun (watchdog.end_with_launcher): not SIGTERM, which
+# would read as a cancel or the time limit, while this says the launcher died (SIGKILLed, its node lost).
+LAUNCHER_GONE = signal.SIGHUP
+LAUNCHER_GONE_TEXT = "received SIGHUP: the rank's launcher (torchrun) is gone"
 # Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
 # never before it; a SIGTERM more than this before the job's end is something else.
 EARLY_SIGTERM_S = 30.0
@@ -57,9 +61,9 @@ def handle_time_limit() -> dict:
     CellJob.checkpoint and requeues the task, while the other ranks train on; the SIGTERM of the
     requeue then ends every rank without a record, and the requeued run writes it.
     """
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2, LAUNCHER_GONE)}
     submitit_handler = previous[signal.SIGUSR2] if callable(previous[signal.SIGUSR2]) else None
-    requeue = submitit_handler is not None and requeues_left()
+    requeue = submitit_requeues(previous)
     requeued = ended = False
 
     def handler(signum, frame):
@@ -79,6 +83,8 @@ def handle_time_limit() -> dict:
                 raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
             return
         ended = True
+        if signum == LAUNCHER_GONE:
+            raise CellCancelled(LAUNCHER_GONE_TEXT, "cancelled")
         if signum == signal.SIGTERM:
             _raise_if_not_time_limit()
         raise CellTimeout(f"received {name} (time limit)")
@@ -86,6 +92,29 @@ def handle_time_limit() -> dict:
     for sig in previous:
         signal.signal(sig, handler)
     return previous
+
+
+def submitit_requeues(previous: dict) -> bool:
+    """Whether the time limit's SIGUSR2 goes to submitit's handler (found in `previous`), which
+    requeues the task while the sweep allows another requeue."""
+    return callable(previous[signal.SIGUSR2]) and requeues_left()
+
+
+def signal_outcome(signum: int, requeue: bool) -> tuple[str, str] | None:
+    """The status and error a signal gives the record, as the handler would raise them, for a rank
+    whose main thread cannot run the handler (blocked in CUDA or NCCL: watchdog.py). None for the
+    time limit's SIGUSR2 while submitit requeues the task: the requeued run writes the record."""
+    if signum == signal.SIGUSR2 and requeue:
+        return None
+    name = signal.Signals(signum).name
+    if signum == LAUNCHER_GONE:
+        return "cancelled", LAUNCHER_GONE_TEXT
+    if signum == signal.SIGTERM:
+        try:
+            _raise_if_not_time_limit()
+        except CellCancelled as exc:
+            return exc.status, str(exc)
+    return "timeout", f"received {name} (time limit)"
 
 
 def _raise_if_not_time_limit() -> None:

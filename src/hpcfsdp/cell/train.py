@@ -26,9 +26,18 @@ class TrainLog:
     step_times_s: list[float] = field(default_factory=list)
     data_times_s: list[float] = field(default_factory=list)
     window_s: float = 0.0  # wall time of the steps after warm-up, between two device syncs
+    # stop_when_stable (tune's probes): each step's clipping and optimizer step, between two device
+    # syncs, so that other gradient accumulations can be computed from one (tune/accumulation.py)
+    optimizer_times_s: list[float] = field(default_factory=list)
 
     def timed(self, warmup: int) -> tuple[list[float], list[float]]:
         return self.step_times_s[warmup:], self.data_times_s[warmup:]
+
+
+# stop_when_stable: a run stops once its last timed steps, half of those it may take and at least
+# STABLE_MIN_STEPS, lie within this fraction of their median ((max - min) / median).
+STABLE_SPREAD = 0.05
+STABLE_MIN_STEPS = 3
 
 
 class Diverged(RuntimeError):
@@ -86,7 +95,7 @@ def train(
     env: DistEnv,
     steps: int,
     warmup: int = 0,
-    on_step_end: Callable[[int], None] = lambda step: None,
+    on_step_end: Callable[[int, TrainLog], None] = lambda step, log: None,
 ) -> TrainLog:
     """Run `steps` optimizer steps. With `spec.sync_each_step` every step is timed between device
     syncs; without, the device is synced only around the window after `warmup` steps.
@@ -96,6 +105,7 @@ def train(
     sync the device, which that mode leaves out). Losses are all-reduced, so every rank stops at
     the same step."""
     log = TrainLog()
+    slowest: list[float] = []  # stop_when_stable: each timed step's time on its slowest rank
     pending_losses: list[torch.Tensor] = []
     model.train()
     window_start = 0.0
@@ -119,9 +129,16 @@ def train(
                 loss = model(input_ids=tokens, labels=tokens).loss / spec.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()
+        timing_optimizer = spec.stop_when_stable and spec.sync_each_step
+        if timing_optimizer:
+            _synchronize(env.device)
+            optimizer_started = time.perf_counter()
         clip_gradients(model, spec)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if timing_optimizer:
+            _synchronize(env.device)
+            log.optimizer_times_s.append(time.perf_counter() - optimizer_started)
         dist.all_reduce(loss_sum)
         if spec.sync_each_step:
             log.losses.append(loss_sum.item() / env.world_size)  # .item() waits for the device
@@ -130,12 +147,31 @@ def train(
             pending_losses.append(loss_sum)
         log.step_times_s.append(time.perf_counter() - started)
         log.data_times_s.append(data_time)
-        on_step_end(step)
+        on_step_end(step, log)
+        if spec.stop_when_stable and spec.sync_each_step and _stable(log, slowest, steps, warmup, env):
+            break
     _synchronize(env.device)
     log.window_s = time.perf_counter() - window_start
     log.losses += [t.item() / env.world_size for t in pending_losses]
     _stop_if_diverged(log.losses, len(log.losses) - len(pending_losses))
     return log
+
+
+def _stable(log: TrainLog, slowest: list[float], steps: int, warmup: int, env: DistEnv) -> bool:
+    """stop_when_stable: whether the last half of the timed steps the run may take (at least
+    STABLE_MIN_STEPS) are all in, and lie within STABLE_SPREAD of their median. Judged on each
+    step's slowest rank (an all-reduce after the step's timing), so that every rank stops at the
+    same step."""
+    if len(log.step_times_s) <= warmup:
+        return False
+    tensor = torch.tensor([log.step_times_s[-1]], dtype=torch.float64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    slowest.append(float(tensor.item()))
+    window = max(STABLE_MIN_STEPS, (steps - warmup) // 2)
+    if len(slowest) < window:
+        return False
+    last = sorted(slowest[-window:])
+    return (last[-1] - last[0]) / last[len(last) // 2] <= STABLE_SPREAD
 
 
 def _stop_if_diverged(losses: list[float], start: int) -> None:

@@ -38,6 +38,7 @@ from .tables import (
     reference_cells,
     status_counts,
 )
+from .tuned import tune_section
 
 ROW_LIMIT = 1000  # longest per-cell table in summary.md / index.html; results.csv has every row
 
@@ -77,7 +78,8 @@ def write_report(
     table = comparison_table(cells.frame, collection.spec_fields)
     # The recommendation first, then the over-time checks (first_sections), then the rest.
     recommended, *rest = summary_sections(cells, configs, baseline, collection.unreadable)
-    sections = [recommended, *first_sections, *rest]
+    tuned = tune_section(sweep_dir)
+    sections = [recommended, *first_sections, *([tuned] if tuned else []), *rest]
     figures: list[tuple[str, Path]] = []
     skipped: dict[str, str] = {}
     if plots:

@@ -1,8 +1,12 @@
 """`hpcfsdp cancel SWEEP`: scancel exactly this sweep's queued jobs (array tasks), and record them.
 
-Which jobs are the sweep's comes from its manifest (cell id -> the job id of its latest submit),
-and every one is checked against squeue's job name (`hpcfsdp-<sweep>`) before scancel sees it: a
-job id that Slurm has since given to another job, the user's or anyone's, is never cancelled.
+Which jobs are the sweep's comes from its manifest (cell id -> the job id of its latest submit,
+the sweep id and the folder that queued it), and every one is checked against squeue's job name
+(`hpcfsdp-<sweep>`) and comment (`hpcfsdp:<sweep id>`, made at the folder's first submit) before
+scancel sees it: a job id that Slurm has since given to another job, the user's or anyone's, or
+a job of another folder of the same sweep name, is never cancelled. A copy of the folder made
+while its jobs run holds the original's manifest: those jobs were queued from the original folder
+(layout.slurm_jobs), so the copy neither cancels them nor records them.
 scancel gets task ids (`4242_3`), never a whole array, so the tasks of other cells of the same
 array run on.
 
@@ -21,7 +25,7 @@ from pathlib import Path
 from ..files import read_json_object
 from ..record import MISSING, SPEC_NAME
 from ..spec import SpecError
-from .layout import cell_dir, read_manifest, slurm_jobs
+from .layout import cell_dir, read_manifest, slurm_jobs, sweep_comment
 from .lost import log_tails, record_launch_failure, slurm_logs
 from .scheduler import QueuedJob, queued_states, scancel
 from .status import cell_status
@@ -56,8 +60,8 @@ def cancel_sweep(
     pending_only; each cancelled cell ends with a `cancelled` record (or the one it wrote itself)."""
     sweep_dir = Path(sweep_dir)
     chosen = _chosen_cells(sweep_dir, list(cell_ids))
-    jobs, cluster = slurm_jobs(sweep_dir, chosen)  # asked and cancelled on the cluster they were queued on
-    queued = _named(queued_states(jobs.values(), cluster), job_name(sweep_dir))
+    jobs, cluster, uid, _ = slurm_jobs(sweep_dir, chosen)  # asked and cancelled on the cluster they were queued on
+    queued = _named(queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else ""), job_name(sweep_dir))
     done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in queued])
     for cid, jid in jobs.items():
         if jid not in queued:

@@ -172,6 +172,17 @@ def read_qos(name: str) -> Qos | None:
     return Qos(name, slurm_minutes(wall), wall, tres_counts(per_job), tres_counts(per_node))
 
 
+def known_clusters() -> list[str] | None:
+    """The clusters `sacctmgr show clusters` knows (those sbatch -M can reach), else the one this
+    login node's controller runs (no slurmdbd here); None when neither answers."""
+    out = _ask("sacctmgr", "--noheader", "--parsable2", "show", "clusters", "format=Cluster")
+    if out is not None:
+        return [line.strip() for line in out.splitlines() if line.strip()]
+    config = _ask("scontrol", "show", "config")
+    found = re.search(r"^ClusterName\s*=\s*(\S+)", config or "", flags=re.M)
+    return [found.group(1)] if found else None
+
+
 def tres_counts(text: str) -> dict[str, int]:
     """'cpu=2,mem=4G,gres/gpu=4' (as sacctmgr prints TRES) -> {'cpu': 2, 'mem': 4096, 'gres/gpu': 4}; mem in MB."""
     out = {}

@@ -48,8 +48,12 @@ class CollectJob:
 
 def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
     """submitit SlurmExecutor parameters of the collect job: one CPU task on the sweep's partition
-    (or slurm.collect_partition), after the arrays, with the sweep's setup lines and mail settings."""
+    (or slurm.collect_partition), after the arrays, with the sweep's setup lines, mail settings and
+    allowlisted environment (environment.py)."""
+    from .environment import slurm_parameters_for_environment
+
     res = sweep.resources
+    export, export_setup = slurm_parameters_for_environment(sweep)
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}-collect",
         partition=res.collect_partition or res.partition or None,
@@ -57,12 +61,11 @@ def collect_parameters(sweep: Sweep, arrays: list[str]) -> dict:
         nodes=1,
         ntasks_per_node=1,
         cpus_per_task=1,
-        setup=list(sweep.setup),
+        setup=[*export_setup, *sweep.setup],
+        additional_parameters=export | ({"clusters": res.clusters} if res.clusters else {}),
     )
     if arrays:
         params["dependency"] = "afterany:" + ":".join(arrays)
-    if res.clusters:
-        params["additional_parameters"] = {"clusters": res.clusters}
     for key in ("account", "qos", "mail_user", "mail_type"):
         if getattr(res, key):
             params[key] = getattr(res, key)
@@ -73,12 +76,12 @@ def queue_collect(sweep: Sweep, sweep_dir: Path, job_ids: list[str], log=print) 
     """Queue the collect job after the arrays of these jobs (array tasks); returns its job id."""
     import submitit
 
-    from .environment import secrets_removed
+    from .environment import slurm_environment_only
 
     arrays = sorted({jid.split("_")[0] for jid in job_ids}, key=lambda j: (len(j), j))
     executor = submitit.SlurmExecutor(folder=slurm_folder(sweep_dir))
     executor.update_parameters(**collect_parameters(sweep, arrays))
-    with secrets_removed():
+    with slurm_environment_only(sweep):
         job = executor.submit(CollectJob(str(Path(sweep_dir).absolute())))
     entry = {"job_id": job.job_id, "cluster": sweep.resources.clusters, "after": arrays, "submitted_at": time.time()}
     write_json(Path(sweep_dir) / COLLECT_JOB_NAME, {**entry, "exit_status": None, "ended_at": None})

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..cache.hub import CACHE_ENV
 from ..fields import SpecError, coerce_fields, require_choices, require_no_control_characters, shown
 from ..sources import data_kind, model_kind
+from .secret_shapes import require_no_secret
 
 if TYPE_CHECKING:
     from .matrix import Sweep
@@ -83,6 +84,8 @@ class Container:
         texts += [(f"env.{name}", value) for name, value in container.env.items()]
         for key, text in texts:
             require_no_control_characters(where, f"container.{key}", text)
+            variable = key.removeprefix("env.") if key.startswith("env.") else ""
+            require_no_secret(where, f"container.{key}", text, variable)
         for mount in container.mounts:
             try:
                 parse_mount(mount)

@@ -1,19 +1,21 @@
 """The layout of a sweep folder (results/<sweep>/), in one place:
 
     matrix.yaml                    the matrix as submitted
-    manifest.json                  cell id -> executor, job id, cluster, submit time
+    manifest.json                  cell id -> executor, job id, cluster, submit time, sweep id and folder
     cells/<id>/spec.json           the resolved spec of the cell (job.write_cell_spec)
     cells/<id>/result.json         written by the cell (record.py): its current record
     cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
     cells/<id>/log.txt             the local executor's log of the cell
     slurm/<job>/                   submitit's scripts and logs
     .submit.lock                   held by the submit running now (lock.py)
+    tune.json, tune/               what `hpcfsdp tune` found, and its search's state (tune/state.py)
 
 Submit writes it; status, collect, export and the accounting read it. No torch, no pandas.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,7 @@ import yaml
 
 from ..fields import SpecError
 from ..files import RecordError, read_json_object, write_json, write_text
+from ..names import slurm_name_problem
 from ..record import SPEC_NAME, is_job_id, keep_as_attempt, restore_attempt
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ MANIFEST_NAME = "manifest.json"
 MATRIX_NAME = "matrix.yaml"
 SLURM_DIR = "slurm"
 LOG_NAME = "log.txt"  # a cell's output under the local executor, in its cell folder
+TUNE_NAME = "tune.json"
 
 
 def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
@@ -85,24 +89,62 @@ class SlurmJobs(NamedTuple):
 
     ids: dict[str, str]  # cell id -> its latest job id (ARRAY_TASK, or JOB for a one-cell array)
     cluster: str  # the cluster they were queued on (slurm.clusters); "" the default one
+    uid: str = ""  # the folder's sweep id, each job's --comment (sweep_comment); "" before issue 33
+    elsewhere: str = ""  # the folder another manifest's jobs were queued from (this one is a copy)
+
+
+# Each Slurm entry of the manifest names the sweep id its jobs carry in --comment and the folder
+# that queued them (resolved): a copy of the folder, made while its jobs run, holds the same
+# manifest, and must never take the original's jobs for its own (cancel them, record them lost).
+UID_KEY = "sweep_uid"
+FOLDER_KEY = "folder"
+
+
+def sweep_comment(uid: str) -> str:
+    """The --comment of a sweep's jobs: squeue shows it (%k), and cancel and status check it."""
+    return f"hpcfsdp:{uid}"
 
 
 def slurm_jobs(sweep_dir: Path, cell_ids: Iterable[str]) -> SlurmJobs:
-    """The latest Slurm job of each of these cells that has one, and the sweep's cluster."""
+    """The latest Slurm job of each of these cells that this folder queued, and the sweep's cluster
+    and id; jobs queued from another folder (this one a copy of it) are left out and named."""
     manifest = read_manifest(sweep_dir)
-    entries = {cid: manifest.get(cid, {}) for cid in cell_ids}
+    here = str(Path(sweep_dir).resolve())
+    own = {cid: e for cid, e in manifest.items() if e.get(FOLDER_KEY, here) == here}
+    entries = {cid: own.get(cid, {}) for cid in cell_ids}
     ids = {
         cid: str(e["job_id"])
         for cid, e in entries.items()
         if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
     }
-    return SlurmJobs(ids, _queued_on(manifest) or "")
+    elsewhere = next((str(e[FOLDER_KEY]) for e in manifest.values() if e.get(FOLDER_KEY, here) != here), "")
+    return SlurmJobs(ids, _queued_on(own) or "", folder_uid(sweep_dir, own), elsewhere)
+
+
+def folder_uid(sweep_dir: Path, own: dict[str, dict] | None = None) -> str:
+    """The sweep id of the jobs this folder queued ("" before its first Slurm submit)."""
+    if own is None:
+        here = str(Path(sweep_dir).resolve())
+        own = {cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY) == here}
+    found = [e[UID_KEY] for e in own.values() if isinstance(e.get(UID_KEY), str) and e[UID_KEY].isalnum()]
+    return found[-1] if found else ""
+
+
+def new_uid() -> str:
+    """A sweep id, made at a folder's first Slurm submit."""
+    return secrets.token_hex(8)
+
+
+def owned_entry(sweep_dir: Path, uid: str) -> dict[str, str]:
+    """The manifest fields that bind a queued cell to this folder."""
+    return {UID_KEY: uid, FOLDER_KEY: str(Path(sweep_dir).resolve())}
 
 
 def manifest_cluster(sweep_dir: Path) -> str | None:
     """The cluster the sweep's Slurm jobs were queued on (slurm.clusters; "" the default one), from
-    the manifest; None before any cell was queued."""
-    return _queued_on(read_manifest(sweep_dir))
+    the manifest; None before any cell was queued from this folder."""
+    here = str(Path(sweep_dir).resolve())
+    return _queued_on({cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY, here) == here})
 
 
 def _queued_on(manifest: dict[str, dict]) -> str | None:
@@ -113,7 +155,11 @@ def _queued_on(manifest: dict[str, dict]) -> str | None:
     latest = max(
         entries, key=lambda e: float(e["submitted_at"]) if isinstance(e.get("submitted_at"), (int, float)) else 0.0
     )
-    return str(latest.get("cluster") or "")
+    cluster = str(latest.get("cluster") or "")
+    if "," in cluster or cluster.lower() == "all" or slurm_name_problem(cluster):
+        # -M all (or a list) would ask, and scancel, every cluster: a manifest never names one.
+        raise RecordError(f"manifest.json: cluster {cluster!r}: not one cluster name; not followed")
+    return cluster
 
 
 def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:

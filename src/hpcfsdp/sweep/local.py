@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from .matrix import Cell, Sweep
 from .status import cell_status
 
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
+GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -87,18 +89,14 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             )
         log(f"[{index}/{len(cells)}] {cell.id} ({cell.spec.world_size} process(es))")
         update_manifest(sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
-        with records_set_aside(sweep_dir, [cell]), open(directory / LOG_NAME, "w") as out:
-            # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
-            limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
-            proc = subprocess.Popen(
-                torchrun_command(directory, cell.spec.world_size),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env | limits,
-                start_new_session=True,
-                preexec_fn=_end_with_parent(os.getpid()),
-            )
-            returncode = _wait_within(proc, limit_s)
+        if cell.spec.device != "cpu" and (held := _wait_for_gpus(env, log)):
+            error = f"not started: its GPUs are still held by {held} after {GPU_WAIT_S:.0f} s"
+            record_launch_failure(directory, error, "", status="error")
+            outcomes[cell.id] = "error"
+            log(f"    error ({error})")
+            continue
+        with records_set_aside(sweep_dir, [cell]):
+            returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
         status = outcomes[cell.id] = cell_status(sweep_dir, cell)
         if status == MISSING:
             timed_out = returncode is None
@@ -115,6 +113,68 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             status += f" ({ended} without a record; see {directory / LOG_NAME})"
         log(f"    {status}")
     return outcomes
+
+
+def gpus_held(env: dict[str, str]) -> str:
+    """The processes that hold the GPUs a cell here would use (CUDA_VISIBLE_DEVICES, else all), as
+    one phrase ("pid 123 (python, 30.1 GiB) on GPU 0, ..."); "" when none, or no nvidia-smi."""
+    if shutil.which("nvidia-smi", path=env.get("PATH")) is None:
+        return ""
+
+    def query(*args: str) -> list[list[str]]:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=env,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    gpus = {row[1]: row[0] for row in query("--query-gpu=index,uuid") if len(row) == 2}
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    held = []
+    for row in query("--query-compute-apps=pid,process_name,used_memory,gpu_uuid"):
+        if len(row) != 4 or row[3] not in gpus or (visible and not {gpus[row[3]], row[3]} & set(visible)):
+            continue
+        pid, name, used_mib, uuid = row
+        memory = f"{float(used_mib) / 1024:.1f} GiB" if used_mib.replace(".", "", 1).isdigit() else used_mib
+        held.append(f"pid {pid} ({os.path.basename(name)}, {memory}) on GPU {gpus[uuid]}")
+    return ", ".join(held)
+
+
+def _wait_for_gpus(env: dict[str, str], log: Callable[[str], None]) -> str:
+    """Wait up to GPU_WAIT_S for other processes to leave the GPUs (ranks of an earlier run that
+    are still ending); what still holds them then, or ""."""
+    held = gpus_held(env)
+    if held:
+        log(f"    its GPUs are held by {held}: waiting up to {GPU_WAIT_S:.0f} s for them to be free")
+    deadline = time.monotonic() + GPU_WAIT_S
+    while held and time.monotonic() < deadline:
+        time.sleep(2)
+        held = gpus_held(env)
+    return held
+
+
+def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
+    """One torchrun of the cell in `directory` on this machine, its output in the cell's log.txt:
+    its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
+    Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
+    with open(directory / LOG_NAME, "w") as out:
+        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
+        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
+        proc = subprocess.Popen(
+            torchrun_command(directory, processes),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env | limits,
+            start_new_session=True,
+            preexec_fn=_end_with_parent(os.getpid()),
+        )
+        return _wait_within(proc, limit_s)
 
 
 def _end_with_parent(parent: int) -> Callable[[], None]:

@@ -22,6 +22,7 @@ import yaml
 from ..fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
 from ..spec import RunSpec
 from .resources import Resources
+from .secret_shapes import require_no_secret
 from .yamlfile import BoundedLoader, read_text
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
@@ -210,6 +211,7 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
                 f"setup[{index}]",
                 f"expected no control characters other than newline and tab, got {shown(line)}",
             )
+        require_no_secret(_where(source, raw, "setup"), f"setup[{index}]", line)  # it goes into the batch script
     _check_cell_count(source, raw, axes, include, max_cells)
 
     exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]

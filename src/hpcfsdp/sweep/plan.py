@@ -43,6 +43,11 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         f"upper bound: {rank_hours(sweep):.1f} {rank_word(sweep.cells)}-hours at a {res.time_min} min limit "
         f"per cell{requeues}"
     )
+    if res.pass_env:
+        print(
+            f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
+            "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
+        )
     problems = plan_problems(sweep)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
@@ -95,8 +100,13 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
 
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
-    """`plan --sbatch`: the script of each array, as submit would write it for a fresh sweep."""
+    """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
+    comment, once the folder has one: layout.folder_uid)."""
+    from .layout import folder_uid
     from .sbatch import sbatch_script
+
+    sweep_dir = results_dir / sweep.name
+    uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 
     for index, ((nodes, gpus), cells) in enumerate(
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
@@ -104,7 +114,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
         print(
             f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]} ====="
         )
-        print(sbatch_script(sweep, results_dir / sweep.name, nodes, gpus, len(cells)))
+        print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
     return 0
 
 

@@ -19,7 +19,6 @@ half a sweep queued.
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ from .cluster import (
     ANSWER_TIMEOUT_S,
     Partition,
     array_size_limit,
+    known_clusters,
     on_cluster,
     read_partitions,
     read_qos,
@@ -45,6 +45,12 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     when every shape can, one per shape beyond its host memory, the QOS's limits, or refused by
     sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here."""
     res = sweep.resources
+    clusters = known_clusters() if res.clusters else None
+    if clusters is not None and res.clusters not in clusters:  # sbatch -M, scancel -M: never a cluster it guesses
+        return [
+            f"{place(sweep, 'slurm.clusters')}: no cluster {res.clusters!r} answers here "
+            f"(`sacctmgr show clusters` knows {', '.join(clusters) or 'none'})"
+        ]
     partitions = read_partitions(res.clusters)
     if partitions is None:
         if res.clusters and read_partitions() is not None:  # this login node's cluster answers
@@ -218,12 +224,12 @@ REFUSAL_KEYS = (
 def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
     """`sbatch --test-only` of the first array of each shape, as submit would queue it: one line
     per shape that Slurm refuses; none when sbatch is not here or does not answer."""
-    from .environment import is_secret
+    from .environment import slurm_environment
     from .sbatch import sbatch_script  # submitit's script text
 
     size = array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters)
     folder = Path(tempfile.gettempdir()) / "hpcfsdp-test-only" / sweep.name  # named in the script only
-    env = {name: value for name, value in os.environ.items() if not is_secret(name)}
+    env = slurm_environment(sweep)  # as submit's sbatch runs
     problems = []
     for (nodes, gpus), group in by_shape(cells).items():
         count = min(len(group), size or len(group))

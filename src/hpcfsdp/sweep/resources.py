@@ -15,7 +15,9 @@ from ..fields import SpecError, coerce_fields, require_choices, require_no_contr
 from ..gpus import gpu_memory_gib, known_memory_sizes
 from ..names import name_problem, slurm_name_problem
 from ..sources import path_exists
-from .container import Container
+from .container import ENV_NAME, Container
+from .sbatch_options import resolve_option
+from .secret_shapes import require_no_secret
 
 GpuRequest = Literal["gres", "gpus_per_node", "none"]
 
@@ -48,6 +50,9 @@ class Resources:
     gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
     gpu_memory_gib: float = 0.0  # GPU memory for plan --memory and submit --skip-predicted-oom; 0: from gpu_name
     extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
+    # Variables of the shell you submit from that the jobs get beside the allowlist (environment.py);
+    # slurmctld keeps their values with each job.
+    pass_env: tuple[str, ...] = ()
     # The collect job of `submit --then-collect` (sweep/collect_job.py): where it runs, whom it mails.
     collect_partition: str = ""  # default: partition
     mail_user: str = ""  # sbatch --mail-user of the collect job
@@ -84,7 +89,9 @@ class Resources:
         for name, value in text_fields(res):
             require_no_control_characters(where, name, value)
         _check_names(where, res)
-        _check_extra_sbatch(where, res)
+        res = dataclasses.replace(res, extra_sbatch=_checked_extra_sbatch(where, res))
+        res = dataclasses.replace(res, pass_env=_checked_pass_env(where, res.pass_env))
+        _check_mail_user(where, res.mail_user)
         unknown = [kind for kind in res.mail_type.split(",") if kind and kind.strip().upper() not in MAIL_TYPES]
         if unknown:
             raise SpecError(where, "mail_type", f"{unknown[0]!r}: expected one or more of {', '.join(MAIL_TYPES)}")
@@ -100,9 +107,10 @@ def _check_names(where: str, res: Resources) -> None:
         problem = slurm_name_problem(getattr(res, name))
         if problem:
             raise SpecError(where, name, f"{problem}: {shown(getattr(res, name))}")
-    if "," in res.clusters:
-        # sbatch -M a,b queues a job on whichever cluster starts it first; the sweep's jobs would
-        # then have to be looked for on each.
+    if "," in res.clusters or res.clusters.lower() == "all":
+        # sbatch -M a,b (or -M all) queues a job on whichever cluster starts it first; the sweep's
+        # jobs would then have to be looked for on each, and scancel -M all removes a job of the
+        # same id on every cluster.
         raise SpecError(where, "clusters", f"expected one cluster name, got {shown(res.clusters)}")
     if res.cache_dir:
         problem = name_problem(res.cache_dir)
@@ -133,7 +141,10 @@ SBATCH_SET_BY = {
     "gpus-per-node": "slurm.gpu_request",
     "nodes": "the cells' nodes",
     "ntasks-per-node": "the cells' gpus_per_node",
+    "export": "slurm.pass_env",
+    "export-file": "slurm.pass_env",
     "job-name": "",
+    "comment": "",  # the sweep's id (layout.sweep_uid), which cancel and status check
     "output": "",
     "error": "",
     "open-mode": "",
@@ -145,7 +156,10 @@ SBATCH_SET_BY = {
 SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 
-def _check_extra_sbatch(where: str, res: Resources) -> None:
+def _checked_extra_sbatch(where: str, res: Resources) -> dict[str, Any]:
+    """extra_sbatch with each key as the sbatch option it is read as (sbatch takes a unique prefix
+    of a long option: sbatch_options.py), refused where hpcfsdp sets that option itself."""
+    resolved: dict[str, Any] = {}
     for key, value in res.extra_sbatch.items():
         if not isinstance(key, str) or not SBATCH_OPTION_NAME.fullmatch(key):
             raise SpecError(
@@ -153,16 +167,24 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
                 f"extra_sbatch.{key!r}",
                 "expected an sbatch option name (letters, digits, '-' and '_', e.g. reservation)",
             )
-        flag = key.replace("_", "-")
+        written = key.replace("_", "-")
+        flag, problem = resolve_option(written)
+        if problem:
+            raise SpecError(where, f"extra_sbatch.{key}", problem)
+        read_as = f"--{flag}" if flag == written else f"--{written} (sbatch reads it as --{flag})"
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
-            raise SpecError(where, f"extra_sbatch.{key}", f"--{flag} is set by hpcfsdp{hint}")
+            raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} is set by hpcfsdp{hint}")
+        if flag in resolved:
+            raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} is given twice")
+        resolved[flag] = value
         if not isinstance(value, (str, int, float, bool)) or value is False:
             raise SpecError(where, f"extra_sbatch.{key}", f"expected a string, a number or true, got {shown(value)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise SpecError(where, f"extra_sbatch.{key}", f"expected a finite number, got {value}")
         if isinstance(value, str):
             require_no_control_characters(where, f"extra_sbatch.{key}", value)
+            require_no_secret(where, f"extra_sbatch.{key}", value)
         # Options sbatch refuses beside one that hpcfsdp sets:
         if flag in ("mem-per-cpu", "mem-per-gpu") and (res.mem_gb or res.mem_auto):
             raise SpecError(
@@ -178,6 +200,27 @@ def _check_extra_sbatch(where: str, res: Resources) -> None:
                 f"GPUs are already asked for (slurm.gpu_request: "
                 f"{res.gpu_request}); set gpu_request: none to ask with --{flag}",
             )
+    return resolved
+
+
+def _checked_pass_env(where: str, names: Any) -> tuple[str, ...]:
+    """slurm.pass_env: names of variables (the user's choice, secrets too: plan says so)."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and ENV_NAME.fullmatch(n) for n in names):
+        raise SpecError(where, "pass_env", f"expected a list of variable names (A-Z, 0-9, _), got {shown(names)}")
+    slurms = [name for name in names if name.upper().startswith(("SBATCH_", "SLURM_"))]
+    if slurms:  # SBATCH_EXPORT would override the script's --export list; SLURM_* go along already
+        raise SpecError(where, "pass_env", f"{slurms[0]}: Slurm's own variables are not passed by name")
+    return tuple(dict.fromkeys(names))
+
+
+# sbatch --mail-user: a user name or one e-mail address (a space, a comma or a quote would make it
+# another argument, or another address, in the collect job's #SBATCH line).
+MAIL_USER = re.compile(r"[A-Za-z0-9._+-]+(@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*)?")
+
+
+def _check_mail_user(where: str, value: str) -> None:
+    if value and not MAIL_USER.fullmatch(value):
+        raise SpecError(where, "mail_user", f"expected a user name or one e-mail address, got {shown(value)}")
 
 
 # sbatch --mail-type values (Slurm 22.05 and later).

@@ -15,9 +15,18 @@ from ..errors import UserError
 from ..spec import JOB_END_ENV, MAX_REQUEUE_ENV
 from . import container
 from .cluster import array_size_limit, jobs_in_queue
-from .environment import HF_TOKEN_ENV, job_environment, secrets_removed
+from .environment import HF_TOKEN_ENV, job_environment, slurm_environment_only, slurm_parameters_for_environment
 from .interrupts import interrupts_deferred
-from .layout import cell_dir, records_set_aside, slurm_folder, update_manifest
+from .layout import (
+    cell_dir,
+    folder_uid,
+    new_uid,
+    owned_entry,
+    records_set_aside,
+    slurm_folder,
+    sweep_comment,
+    update_manifest,
+)
 from .matrix import Cell, Sweep, arrays
 from .preflight import requested_mem_gb
 from .resources import Resources
@@ -31,12 +40,14 @@ class SubmitError(UserError, RuntimeError):
     """sbatch refused an array; the cells not queued keep the records they had."""
 
 
-def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path) -> dict:
-    """submitit SlurmExecutor parameters for one array: resources, setup lines, offline switches,
-    and pyxis's srun flags (the other container runtimes wrap the job's Python: job_python)."""
+def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path, uid: str = "") -> dict:
+    """submitit SlurmExecutor parameters for one array: resources, the allowlisted environment
+    (environment.py), setup lines, offline switches, pyxis's srun flags (the other container
+    runtimes wrap the job's Python: job_python), and the sweep id as the jobs' comment."""
     res: Resources = sweep.resources
     env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
-    additional = dict(res.extra_sbatch)
+    export, export_setup = slurm_parameters_for_environment(sweep)
+    additional = {**res.extra_sbatch, **export}
     # Clusters with JobRequeue=0 refuse `scontrol requeue` without --requeue; with JobRequeue=1 (the
     # default) Slurm would requeue a preempted job, or one whose node failed, without end.
     additional["requeue" if res.max_requeue else "no_requeue"] = True
@@ -53,6 +64,7 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
         signal_delay_s=res.signal_delay_s,
         # The unset is for a script submitted by hand (plan --sbatch): submit's sbatch never has them.
         setup=[
+            *export_setup,
             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
             f"unset {' '.join(HF_TOKEN_ENV)}",
             JOB_END_SETUP,
@@ -63,6 +75,8 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
         srun_args=["--kill-on-bad-exit=1", *container.srun_args(sweep, sweep_dir)],
         additional_parameters=additional,
     )
+    if uid:
+        params["comment"] = sweep_comment(uid)
     if res.gpu_request == "gres":
         params["gres"] = f"gpu:{gpus_per_node}"
     elif res.gpu_request == "gpus_per_node":
@@ -78,8 +92,9 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
     return params
 
 
-def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int) -> str:
-    """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for one)."""
+def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int, uid: str = "") -> str:
+    """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for
+    one); without the sweep id (its comment) before the folder's first submit."""
     # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
     # from the same parameters and its _submitit_command_str, which the command below repeats.
     from submitit.slurm.slurm import _make_sbatch_string
@@ -91,7 +106,7 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
         command=command,
         folder=folder,
         map_count=count if count > 1 else None,
-        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir),
+        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid),
     )
 
 
@@ -103,6 +118,7 @@ def submit_arrays(
     as many cells go out as there is room for: the rest wait for room (room_poll_s seconds between
     looks) or, without room_poll_s, stay out."""
     cap = sweep.resources.max_jobs_in_queue
+    uid = folder_uid(sweep_dir) or new_uid()  # made at the folder's first Slurm submit
     todo = arrays(cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     job_ids: dict[str, str] = {}
     last_note = ""
@@ -123,7 +139,7 @@ def submit_arrays(
             continue
         take = len(shape_cells) if room is None else min(room, len(shape_cells))
         todo[0:1] = [((nodes, gpus), shape_cells[take:])] if take < len(shape_cells) else []
-        job_ids.update(_submit_array(sweep, sweep_dir, nodes, gpus, shape_cells[:take], log))
+        job_ids.update(_submit_array(sweep, sweep_dir, nodes, gpus, shape_cells[:take], uid, log))
     not_queued = [cell for _, left in todo for cell in left]
     if not_queued:
         log(
@@ -147,7 +163,7 @@ def _queue_room(cap: int, cluster: str) -> int | None:
 
 
 def _submit_array(
-    sweep: Sweep, sweep_dir: Path, nodes: int, gpus: int, cells: list[Cell], log: Callable[[str], None]
+    sweep: Sweep, sweep_dir: Path, nodes: int, gpus: int, cells: list[Cell], uid: str, log: Callable[[str], None]
 ) -> dict[str, str]:
     import submitit
     from submitit.core.utils import FailedJobError
@@ -159,12 +175,12 @@ def _submit_array(
         max_num_timeout=sweep.resources.max_requeue,
         python=container.job_python(sweep, sweep_dir),
     )
-    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir))
+    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir, uid))
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
     # sbatch queues the array and the manifest names it, or neither happens: signals wait until
     # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
     # is reported once, by SubmitError, with sbatch's message: submitit's own echo of it is dropped.
-    with interrupts_deferred(), records_set_aside(sweep_dir, cells), secrets_removed():
+    with interrupts_deferred(), records_set_aside(sweep_dir, cells), slurm_environment_only(sweep):
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
@@ -182,6 +198,7 @@ def _submit_array(
                     "job_id": jid,
                     "cluster": sweep.resources.clusters,
                     "submitted_at": time.time(),
+                    **owned_entry(sweep_dir, uid),
                 }
                 for cid, jid in job_ids.items()
             },

@@ -31,10 +31,14 @@ class QueuedJob:
     nodes: int = 1
     partition: str = ""
     name: str = ""  # the job's name: hpcfsdp-<sweep> for the sweep's own
+    comment: str = ""  # its --comment: hpcfsdp:<sweep id> for the sweep's own (layout.sweep_comment)
 
 
-def queued_states(job_ids: Iterable[str], cluster: str = "") -> dict[str, QueuedJob]:
-    """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running, completing)."""
+def queued_states(job_ids: Iterable[str], cluster: str = "", comment: str = "") -> dict[str, QueuedJob]:
+    """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running,
+    completing); given a comment (the sweep's, layout.sweep_comment), only the jobs that carry it:
+    a job id that Slurm has since given to another job, or a job of another folder, is none of
+    the sweep's."""
     arrays = sorted({jid.split("_")[0] for jid in job_ids})
     if not arrays:
         return {}
@@ -43,7 +47,7 @@ def queued_states(job_ids: Iterable[str], cluster: str = "") -> dict[str, Queued
         *on_cluster(cluster),
         "--noheader",
         "--array",
-        "--format=%i|%T|%D|%P|%j|%r",
+        "--format=%i|%T|%D|%P|%k|%j|%r",
         f"--jobs={','.join(arrays)}",
     ]
     try:
@@ -54,16 +58,23 @@ def queued_states(job_ids: Iterable[str], cluster: str = "") -> dict[str, Queued
         if "Invalid job id" in proc.stderr:  # every one of them has left the queue
             return {}
         raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    return dict(_queued_job(line) for line in proc.stdout.splitlines() if line.count("|") >= 5)
+    queued = dict(_queued_job(line) for line in proc.stdout.splitlines() if line.count("|") >= 6)
+    return {jid: job for jid, job in queued.items() if not comment or job.comment == comment}
 
 
 def _queued_job(line: str) -> tuple[str, QueuedJob]:
-    """One squeue line, '%i|%T|%D|%P|%j|%r' (the reason last: a job name may hold '|', a reason spaces)."""
-    job_id, state, nodes, partition, rest = line.split("|", 4)
+    """One squeue line, '%i|%T|%D|%P|%k|%j|%r' (the reason last: a job name may hold '|', a reason
+    spaces; a comment holding '|' leaves part of itself in the name, which then is no sweep's)."""
+    job_id, state, nodes, partition, comment, rest = line.split("|", 5)
     name, _, reason = rest.rpartition("|")
     pending = state.startswith("PENDING")
     return job_id.strip(), QueuedJob(
-        state, reason if pending and reason != "None" else "", int(nodes) if nodes.isdigit() else 1, partition, name
+        state,
+        reason if pending and reason != "None" else "",
+        int(nodes) if nodes.isdigit() else 1,
+        partition,
+        name,
+        "" if comment == "(null)" else comment,
     )
 
 

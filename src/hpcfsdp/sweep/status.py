@@ -18,7 +18,7 @@ from ..files import RecordError, read_json_object
 from ..record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ..spec import SEARCHED_FIELDS
 from .cluster import never_clears, on_cluster, read_partitions, waits_for_nodes
-from .layout import SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs
+from .layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .matrix import Cell
 from .preemptions import preemption_note, preemptions
@@ -123,13 +123,18 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
     cell_ids = list(cell_ids)
     problems = []
     try:
-        jobs, cluster = slurm_jobs(sweep_dir, cell_ids)
+        jobs, cluster, uid, elsewhere = slurm_jobs(sweep_dir, cell_ids)
     except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
-        jobs, cluster = {}, ""
+        jobs, cluster, uid, elsewhere = {}, "", "", ""
         problems.append(f"{exc}; queued cells show as missing")
+    if elsewhere:
+        problems.append(
+            f"{sweep_dir / MANIFEST_NAME} names jobs queued from {elsewhere} (this folder is a copy of it): "
+            "they are that folder's, and not followed here"
+        )
     note = ""
     try:
-        queued = queued_states(jobs.values(), cluster)
+        queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "")
     except SchedulerError as exc:
         queued, note = {}, f"{exc}; cells still queued show as missing"
     states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}

@@ -22,7 +22,7 @@ from ..names import sbatch_word_problem
 from ..record import MISSING
 from .cluster import on_cluster
 from .interrupts import Interrupted, interrupts_raise
-from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, write_sweep_files
+from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, sweep_comment, write_sweep_files
 from .local import print_command, run_local
 from .lock import sweep_lock
 from .matrix import Cell, Sweep
@@ -133,8 +133,8 @@ def select_cells(
         log(f"corrupt record: {line}")
     if corrupt and not (force or retry_failed):
         log(f"{len(corrupt)} cell(s) with a corrupt record are left as they are (--retry-failed reruns them)")
-    jobs, cluster = slurm_jobs(sweep_dir, [c.id for c in chosen])
-    queued = queued_states(jobs.values(), cluster)
+    jobs, cluster, uid, _ = slurm_jobs(sweep_dir, [c.id for c in chosen])
+    queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "")
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
     return [c for c in chosen if c.id not in flying], done, flying
 
@@ -159,7 +159,13 @@ def submit(
     sweep_dir = Path(results_dir) / sweep.name
     if executor == "slurm":  # the folder's path goes into the #SBATCH lines of the log files
         folder = str(sweep_dir.absolute())
-        problem = "holds '%', which sbatch expands in log file names" if "%" in folder else sbatch_word_problem(folder)
+        problem = (
+            "holds '%', which sbatch expands in log file names"
+            if "%" in folder
+            else "holds '\\', which sbatch drops from #SBATCH lines (the logs would go to another folder)"
+            if "\\" in folder
+            else sbatch_word_problem(folder)
+        )
         if problem:
             raise SpecError(folder, "", f"the sweep folder's path {problem}; choose another --results-dir")
     # The lock: from reading which cells are queued to the manifest naming what this submit

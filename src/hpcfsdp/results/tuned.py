@@ -1,0 +1,50 @@
+"""The report's section on what `hpcfsdp tune` found (tune.json in the sweep folder, written by
+tune/output.py): the pick, the ranking with each setup's furthest stage, the OOM frontier, what
+was left out before running, and the search's spend against the grid's. The final stage's cells
+are the sweep's own cells, so their figures stand in the report's tables beside any grid cell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..files import RecordError, read_json_object
+from ..sweep.layout import TUNE_NAME
+from .render import Section
+
+
+def tune_section(sweep_dir: Path) -> Section | None:
+    """None where no tune ran in this folder; a section saying so where its tune.json is unreadable."""
+    path = Path(sweep_dir) / TUNE_NAME
+    try:
+        found = read_json_object(path, root=sweep_dir, kind="tune outcome")
+    except FileNotFoundError:
+        return None
+    except RecordError as exc:
+        return Section("Tune", text=f"unreadable: {exc}")
+    best = found.get("best") or {}
+    spend = found.get("spend") or {}
+    grid = spend.get("grid_estimate_gpu_hours")
+    spent = f"{spend.get('tune_gpu_hours', 0.0):.4f} GPU-hours in {spend.get('launches', 0)} launch(es)"
+    text = (
+        f"Chosen by `hpcfsdp tune`: {best.get('cell_id', 'none')}"
+        + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU" if best.get("tokens_per_s_per_gpu") else "")
+        + f". The search spent {spent}"
+        + (f", against about {grid:.4f} for the grid ({spend.get('grid_estimate_basis', '')})." if grid else ".")
+    )
+    rows = [
+        {
+            "cell": row.get("cell_id"),
+            "stage": row.get("stage"),
+            "status": row.get("status"),
+            "tokens/s/gpu": round(row["tokens_per_s_per_gpu"], 1) if row.get("tokens_per_s_per_gpu") else None,
+            "computed from": row.get("computed_from", ""),
+            **(row.get("setup") or {}),
+        }
+        for row in found.get("ranking") or []
+    ]
+    items = [f"OOM: {row.get('cell_id')} (at {row.get('stage')})" for row in found.get("oom_frontier") or []]
+    items += [f"left out before running: {cell}: {why}" for cell, why in (found.get("pruned") or {}).items()]
+    items += [f"note: {note}" for note in found.get("notes") or []]
+    return Section("Tune", text=text, table=pd.DataFrame(rows) if rows else None, items=items)

@@ -1,0 +1,169 @@
+"""What the search found and spent: tune.json in the sweep folder (its best.cell_id is the grid's
+cell id of the pick, so `submit --only-best` and the report find it) and the lines `tune` prints.
+
+Spend is GPU-hours from the launches (launcher start to end, times its GPUs). What the grid would
+have spent is estimated from the final stage's launches, which are grid cells: their mean wall
+time per GPU, for every cell of the grid, the pruned ones included (the grid would run them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..files import RecordError, write_json
+from ..record import RECORD_NAME, read_record
+from ..sweep.layout import TUNE_NAME, cell_dir
+from ..sweep.matrix import Cell, Sweep
+from ..sweep.plan import PLAN_FIELDS
+from .accumulation import computed_speed
+from .prune import prune
+from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
+
+
+def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
+    cells = {cell.id: cell for cell in sweep.cells}
+    show = _setup_fields(sweep)
+    rows: dict[str, dict[str, Any]] = {}  # grid id -> its furthest stage's result
+    for depth, stage in enumerate(state.stages):
+        for run, grid_id in stage.runs.items():
+            rows[grid_id] = _row(sweep_dir, stage, run, grid_id, depth, cells[grid_id], show)
+    first = state.stages[0] if state.stages else None
+    probe_of = {grid_id: run for run, grid_id in first.runs.items()} if first else {}
+    for grid_id, source in state.computed.items():
+        if grid_id not in rows and first:
+            rows[grid_id] = _computed_row(sweep_dir, first.name, probe_of.get(source, ""), source, cells[grid_id], show)
+    ranked = sorted(
+        rows.values(),
+        key=lambda r: (r["status"] != "ok", -r["depth"], -(r.get("tokens_per_s_per_gpu") or 0.0)),
+    )
+    final_ok = [r for r in ranked if r["stage"] == FINAL and r["status"] == "ok"]
+    launches = read_launches(sweep_dir)
+    by_stage: dict[str, float] = {}
+    for launch in launches:
+        by_stage[launch.stage] = by_stage.get(launch.stage, 0.0) + launch.gpu_hours
+    final = [launch for launch in launches if launch.stage == FINAL and launch.ended > launch.started]
+    grid_estimate = None
+    if final:
+        per_gpu_s = sum((launch.ended - launch.started) for launch in final) / len(final)
+        grid_estimate = sum(cell.spec.world_size for cell in sweep.cells) * per_gpu_s / 3600
+    spent = sum(by_stage.values())
+    return {
+        "sweep": sweep.name,
+        "best": final_ok[0] if final_ok else None,
+        "ranking": ranked,
+        "oom_frontier": [r for r in ranked if r["status"] == "oom"],
+        "failed": [r for r in ranked if r["status"] not in ("ok", "oom")],
+        "pruned": state.pruned,
+        "notes": list(prune(sweep).notes),
+        "spend": {
+            "tune_gpu_hours": spent,
+            "by_stage": by_stage,
+            "launches": len(launches),
+            "grid_cells": len(sweep.cells),
+            "grid_estimate_gpu_hours": grid_estimate,
+            "grid_estimate_basis": (
+                f"mean wall time of the final stage's {len(final)} launch(es) (grid cells), x each grid cell's GPUs"
+                if final
+                else "no final-stage launch to estimate from"
+            ),
+            "fraction_of_grid": spent / grid_estimate if grid_estimate else None,
+        },
+        "stages": [{"name": s.name, "runs": len(s.runs), "jobs": sorted(s.jobs)} for s in state.stages],
+    }
+
+
+def _setup_fields(sweep: Sweep) -> tuple[str, ...]:
+    varying = [name for name in sweep.cells[0].spec.to_dict() if len({getattr(c.spec, name) for c in sweep.cells}) > 1]
+    return tuple(dict.fromkeys([*PLAN_FIELDS[:4], *varying]))
+
+
+def _row(sweep_dir: Path, stage: Stage, run: str, grid_id: str, depth: int, cell: Cell, show: tuple) -> dict:
+    row: dict[str, Any] = {
+        "cell_id": grid_id,
+        "stage": stage.name,
+        "depth": depth,
+        "run": run,
+        "setup": {name: getattr(cell.spec, name) for name in show},
+    }
+    try:
+        record = read_record(cell_dir(stage_dir(sweep_dir, stage.name), run) / RECORD_NAME)
+    except (RecordError, FileNotFoundError):
+        return {**row, "status": "missing"}
+    row["status"] = record["status"]
+    if record["status"] == "ok":
+        row.update(
+            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"],
+            timed_steps=record.get("timed_steps"),
+            peak_memory_gib=record.get("peak_memory_gib"),
+        )
+    else:
+        row["error"] = str(record.get("error", ""))[:300]
+    return row
+
+
+def _computed_row(sweep_dir: Path, stage: str, run: str, source: str, cell: Cell, show: tuple) -> dict:
+    """A setup the first stage did not probe: its figures from the probe of `source` (the same
+    setup at a smaller accumulation); out of memory where that probe was."""
+    record = run_record(sweep_dir, stage, run)
+    row: dict[str, Any] = {
+        "cell_id": cell.id,
+        "stage": stage,
+        "depth": 0,
+        "computed_from": source,
+        "setup": {name: getattr(cell.spec, name) for name in show},
+        "status": record["status"] if record else "missing",
+    }
+    speed = computed_speed(record, cell.spec.grad_accum) if record and record["status"] == "ok" else None
+    if speed is not None:
+        row["tokens_per_s_per_gpu"] = speed
+    elif row["status"] == "ok":
+        row["status"] = "missing"  # the probe has no optimizer time to compute from
+    return row
+
+
+def write_outcome(sweep_dir: Path, found: dict[str, Any]) -> Path:
+    return write_json(Path(sweep_dir) / TUNE_NAME, found)
+
+
+def summary_lines(found: dict[str, Any]) -> list[str]:
+    lines = [*(f"note: {note}" for note in found["notes"])]
+    best = found["best"]
+    if best:
+        setup = " ".join(f"{k}={v}" for k, v in best["setup"].items())
+        lines.append(f"chosen: {best['cell_id']} ({setup}): {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU")
+    else:
+        lines.append("chosen: none (no setup finished its final stage ok)")
+    lines.append("ranking (furthest stage first, then tokens/s per GPU):")
+    for rank, row in enumerate(found["ranking"], 1):
+        speed = f"{row['tokens_per_s_per_gpu']:>12,.1f}" if row["status"] == "ok" else f"{row['status']:>12}"
+        setup = " ".join(f"{k}={v}" for k, v in row["setup"].items())
+        computed = f"  (computed from {row['computed_from']})" if row.get("computed_from") else ""
+        lines.append(f"  {rank:3} {row['cell_id']:40} {row['stage']:7} {speed}  {setup}{computed}")
+    if found["oom_frontier"]:
+        lines.append("OOM frontier (ran out of memory): " + ", ".join(r["cell_id"] for r in found["oom_frontier"]))
+    for cell_id, why in found["pruned"].items():
+        lines.append(f"left out before running: {cell_id}: {why}")
+    spend = found["spend"]
+    grid = spend["grid_estimate_gpu_hours"]
+    versus = f" against about {grid:.4f} for the grid ({spend['grid_estimate_basis']})" if grid else ""
+    lines.append(f"spent {spend['tune_gpu_hours']:.4f} GPU-hours in {spend['launches']} launch(es){versus}")
+    return lines
+
+
+def best_only(sweep: Sweep, results_dir: Path, log) -> Sweep:
+    """`submit --only-best`: the sweep less every cell but the one tune.json names."""
+    import dataclasses
+
+    from ..fields import SpecError
+    from ..files import read_json_object
+
+    path = Path(results_dir) / sweep.name / TUNE_NAME
+    try:
+        best = (read_json_object(path, kind="tune outcome").get("best") or {}).get("cell_id")
+    except FileNotFoundError:
+        raise SpecError(str(path), "", "no tune outcome: run `hpcfsdp tune` on this YAML first") from None
+    kept = tuple(cell for cell in sweep.cells if cell.id == best)
+    if not kept:
+        raise SpecError(str(path), "best.cell_id", f"{best!r} is no cell of {sweep.source}")
+    log(f"--only-best: {best} (from {path})")
+    return dataclasses.replace(sweep, cells=kept)

@@ -1,0 +1,254 @@
+"""The search: successive halving over the grid's cells (Jamieson & Talwalkar; Optuna's
+SuccessiveHalvingPruner promotes the best 1/eta of each rung the same way). Rung k probes its
+runs for at most 6 x eta^k timed steps, each stopping once stable; the best 1/eta go on to the
+next rung, until `top_k` are left or the next rung would be as long as a grid cell: those run as
+the grid's own cells (the final stage), and the fastest of them is the pick.
+
+Every stage is written to the state before it runs, and every run's launch after it ends, so
+that a search stopped at any point and started again runs only what is not done."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..sweep.environment import job_environment, without_secrets
+from ..sweep.job import write_cell_spec
+from ..sweep.layout import cell_dir, slurm_jobs, update_manifest, write_sweep_files
+from ..sweep.lost import record_launch_failure
+from ..sweep.matrix import Cell, Sweep
+from .accumulation import computed_speed
+from .probe import Planned, probe_rungs, probe_spec, run_launches
+from .prune import prune
+from .state import (
+    FINAL,
+    Launch,
+    Stage,
+    TuneState,
+    is_done,
+    launch_path,
+    load_state,
+    run_record,
+    save_state,
+    stage_dir,
+    tune_dir,
+    write_launch,
+)
+
+TRIES = 2  # Slurm: a run its job ended before it ran is queued once more, then recorded as lost
+
+
+@dataclass(frozen=True)
+class Settings:
+    executor: str  # local or slurm
+    eta: int = 3  # keep the best 1/eta of each rung
+    top_k: int = 3  # how many setups the final stage runs as grid cells
+    probes_per_job: int = 8  # Slurm: runs per allocation
+    poll_s: float = 3.0  # Slurm: seconds between looks at squeue
+
+
+def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str], None] = print) -> dict:
+    """Search (or resume the search in) the sweep's folder; write and return tune.json's content.
+    Holds the folder's submit lock; an interrupt ends the running probe (local) or stops waiting
+    (slurm: the jobs run on), and the next run of the same command goes on from there."""
+    from ..errors import Stopped, UserError
+    from ..sweep.interrupts import Interrupted, interrupts_raise
+    from ..sweep.lock import sweep_lock
+    from .output import outcome, write_outcome
+
+    sweep_dir = Path(results_dir) / sweep.name
+    try:
+        with interrupts_raise(), sweep_lock(sweep_dir, log):
+            state = load_state(sweep_dir)
+            if settings.executor == "slurm":
+                _check_cluster(sweep)
+            if state is None:
+                state, _ = new_state(sweep, log)
+                save_state(sweep_dir, state)
+            elif state.grid != [cell.id for cell in sweep.cells]:
+                raise UserError(
+                    f"{tune_dir(sweep_dir)}: the search there was made from another matrix than {sweep.source}; "
+                    "remove that folder or choose another --results-dir"
+                )
+            else:
+                log(f"resuming the search in {tune_dir(sweep_dir)} ({len(state.stages)} stage(s) begun)")
+            search(sweep, sweep_dir, state, settings, log)
+    except Interrupted as exc:
+        raise Stopped(
+            f"interrupted ({exc}): the running probe was stopped (Slurm: its jobs run on); "
+            "run the same command again to go on",
+            exc.exit_status,
+        ) from None
+    found = outcome(sweep, sweep_dir, state)
+    write_outcome(sweep_dir, found)
+    return found
+
+
+def _check_cluster(sweep: Sweep) -> None:
+    """The shapes the partition can never run, before anything is queued (as submit checks)."""
+    from ..fields import SpecError
+    from ..sweep.preflight import cluster_problems
+
+    problems = cluster_problems(sweep, list(sweep.cells))
+    if problems:
+        more = f" (and {len(problems) - 1} more: `hpcfsdp plan` lists them)" if len(problems) > 1 else ""
+        raise SpecError(f"{problems[0]}{more}")
+
+
+def new_state(sweep: Sweep, log: Callable[[str], None]) -> tuple[TuneState, tuple[str, ...]]:
+    pruning = prune(sweep)
+    for cell_id, why in pruning.pruned.items():
+        log(f"left out {cell_id}: {why}")
+    state = TuneState(sweep.name, [c.id for c in sweep.cells], dict(pruning.pruned), dict(pruning.computed))
+    return state, pruning.notes
+
+
+def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, log: Callable[[str], None]) -> None:
+    """Run (or resume) every stage until the final one has run."""
+    cells = {cell.id: cell for cell in sweep.cells}
+    if not state.stages:
+        candidates = [cells[c] for c in state.grid if c not in state.pruned and c not in state.computed]
+        if not candidates:
+            log("every cell was left out before running: nothing to probe")
+            return
+        state.stages.append(_probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
+        save_state(sweep_dir, state)
+    while True:
+        stage = state.stages[-1]
+        run_stage(sweep, sweep_dir, state, stage, settings, log)
+        if stage.final:
+            return
+        ranked = [grid_id for grid_id, _ in ranking(sweep_dir, stage, state, cells)]
+        rung = int(stage.name.removeprefix("stage"))
+        keep = math.ceil(len(ranked) / settings.eta)
+        rungs = max(probe_rungs(cells[state.stages[0].runs[r]].spec, settings.eta) for r in state.stages[0].runs)
+        if not ranked:
+            log(f"{stage.name}: no run finished ok: nothing to promote")
+            return
+        if rung + 1 < rungs and keep > settings.top_k:
+            promoted = [cells[grid_id] for grid_id in ranked[:keep]]
+            log(f"{stage.name}: {len(ranked)} ok; the best {keep} go on to stage{rung + 1}")
+            state.stages.append(_probe_stage(sweep_dir, sweep, promoted, rung + 1, settings.eta))
+        else:
+            final = [cells[grid_id] for grid_id in ranked[: settings.top_k]]
+            log(f"{stage.name}: {len(ranked)} ok; the best {len(final)} run as the grid's cells (final stage)")
+            write_sweep_files(sweep, sweep_dir, final)
+            state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in final}))
+        save_state(sweep_dir, state)
+
+
+def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, eta: int) -> Stage:
+    name = f"stage{rung}"
+    runs = {}
+    for cell in cells:
+        probe = Cell.of(probe_spec(cell.spec, rung, eta))
+        write_cell_spec(cell_dir(stage_dir(sweep_dir, name), probe.id), probe.spec, probe.id, sweep.name)
+        runs[probe.id] = cell.id
+    return Stage(name, runs)
+
+
+def ranking(sweep_dir: Path, stage: Stage, state: TuneState, cells: dict[str, Cell]) -> list[tuple[str, float]]:
+    """The stage's setups that finished ok, fastest first: (grid cell id, tokens/s per GPU); on
+    the first stage with the setups computed from a probe at another accumulation among them."""
+    speeds = {}
+    for run, grid_id in stage.runs.items():
+        record = run_record(sweep_dir, stage.name, run)
+        if record and record["status"] == "ok":
+            speeds[grid_id] = float(record["tokens_per_s_per_gpu"])
+    if stage.name == "stage0":
+        probe_of = {grid_id: run for run, grid_id in stage.runs.items()}
+        for grid_id, source in state.computed.items():
+            record = run_record(sweep_dir, stage.name, probe_of.get(source, ""))
+            speed = computed_speed(record, cells[grid_id].spec.grad_accum) if record else None
+            if record and record["status"] == "ok" and speed is not None:
+                speeds[grid_id] = speed
+    return sorted(speeds.items(), key=lambda pair: -pair[1])
+
+
+def run_stage(
+    sweep: Sweep, sweep_dir: Path, state: TuneState, stage: Stage, settings: Settings, log: Callable[[str], None]
+) -> None:
+    directory = stage_dir(sweep_dir, stage.name)
+    launches = tune_dir(sweep_dir) / "launches"
+    cells = {cell.id: cell for cell in sweep.cells}
+
+    def todo() -> list[tuple[Cell, Planned]]:
+        out = []
+        for run, grid_id in stage.runs.items():
+            if is_done(sweep_dir, stage.name, run):
+                continue
+            spec = cells[grid_id].spec if stage.final else _spec_of(directory, run)
+            out.append(
+                (Cell(spec, run), Planned(str(cell_dir(directory, run).absolute()), spec.world_size, stage.name))
+            )
+        return out
+
+    pending = todo()
+    done = len(stage.runs) - len(pending)
+    log(f"{stage.name}: {len(stage.runs)} run(s)" + (f", {done} done before (not repeated)" if done else ""))
+    if settings.executor == "local":
+        env = without_secrets(os.environ) | job_environment(sweep)
+        update_manifest(
+            directory,
+            {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()} for cell, _ in pending},
+        )
+        run_launches([p for _, p in pending], env, sweep.resources.time_min * 60, launches, "local", log=log)
+        return
+    from .slurm import submit_stage_jobs, wait_for_jobs
+
+    cluster = sweep.resources.clusters
+    # A resumed search: its jobs still queued, those the state names and those the manifest names
+    # (a search stopped after sbatch queued a stage's array and before the state said so).
+    queued_before = set(stage.jobs) | set(slurm_jobs(directory, stage.runs).ids.values())
+    wait_for_jobs(sorted(queued_before), cluster, settings.poll_s, log)
+    for _ in range(TRIES):
+        pending = todo()
+        if not pending:
+            break
+        submit_stage_jobs(sweep, directory, stage, pending, settings.probes_per_job, launches, log)
+        save_state(sweep_dir, state)
+        wait_for_jobs(list(stage.jobs), cluster, settings.poll_s, log)
+        _count_array_launches(sweep_dir, stage, cells)
+    for cell, planned in todo():  # their jobs ended before they ran, TRIES times
+        jobs = [job for job, runs in stage.jobs.items() if cell.id in runs]
+        record_launch_failure(
+            Path(planned.directory),
+            f"its Slurm job(s) {', '.join(jobs)} ended before it ran to its end",
+            "",
+        )
+        write_launch(launches, Launch(cell.id, stage.name, 0.0, 0.0, planned.processes, None, "slurm", jobs[-1]))
+
+
+def _spec_of(directory: Path, run: str):
+    from ..files import read_json_object
+    from ..record import SPEC_NAME
+    from ..spec import RunSpec
+
+    meta = read_json_object(cell_dir(directory, run) / SPEC_NAME, kind="cell spec")
+    return RunSpec.from_dict(meta["spec"], where=str(cell_dir(directory, run) / SPEC_NAME))
+
+
+def _count_array_launches(sweep_dir: Path, stage: Stage, cells: dict[str, Cell]) -> None:
+    """Runs of several nodes ran as array tasks (no launcher of ours around them): their launch
+    is the record's own span, started_at to started_at + duration_s (start-up before the cell
+    began is not in it)."""
+    from ..files import RecordError
+    from ..record import RECORD_NAME, read_record
+
+    for job_id, runs in stage.jobs.items():
+        for run in runs:
+            if cells[stage.runs[run]].spec.nodes == 1 or launch_path(sweep_dir, stage.name, run).is_file():
+                continue
+            try:
+                record = read_record(cell_dir(stage_dir(sweep_dir, stage.name), run) / RECORD_NAME)
+            except (RecordError, FileNotFoundError):
+                continue
+            started = float(record.get("started_at") or 0.0)
+            ended = started + float(record.get("duration_s") or 0.0)
+            gpus = int(record.get("world_size") or 1)
+            launches = tune_dir(sweep_dir) / "launches"
+            write_launch(launches, Launch(run, stage.name, started, ended, gpus, None, "slurm-array", job_id))

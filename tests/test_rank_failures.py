@@ -1,0 +1,273 @@
+"""One failing or hanging rank ends its cell in seconds, with a record that says why (issue 32).
+
+Under NCCL a rank that failed used to wait in destroy_process_group while its peer waited on the
+GPU, and neither ran its SIGTERM handler (Python runs one only between bytecodes). What the CPU
+can show of that runs here for real, under torchrun with gloo: a rank that hangs (the watchdog's
+`hang`), a rank blocked inside a collective that gets SIGTERM (the watchdog ends it), a launcher
+SIGKILLed under its ranks, a device that cannot be set up, and the local executor's check of GPUs
+that other processes hold. bench/gpu_acceptance.sh shows the same paths on two GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcfsdp.cell.watchdog import StepDeadlines
+from hpcfsdp.cli import main
+from hpcfsdp.sweep import local
+
+TINY = [
+    "model=tiny",
+    "device=cpu",
+    "precision=fp32",
+    "seq_len=32",
+    "steps=5",
+    "warmup_steps=1",
+    "comm_profile_steps=0",
+]
+
+
+def start_cell(tmp_path: Path, *fields: str, fault: str = "", nprocs: int = 2) -> subprocess.Popen:
+    """torchrun -m hpcfsdp run ... in a session of its own, its output in tmp_path/log.txt."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("HPCFSDP_FAULT", None)
+    if fault:
+        env["HPCFSDP_FAULT"] = fault
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    command += ["-m", "hpcfsdp", "run", "--results-dir", str(tmp_path / "results"), "--sweep", "t", *TINY, *fields]
+    with open(tmp_path / "log.txt", "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def the_record(tmp_path: Path) -> dict:
+    (path,) = (tmp_path / "results" / "t" / "cells").glob("*/result.json")
+    return json.loads(path.read_text())
+
+
+def ranks_of(launcher: int) -> dict[int, int]:
+    """rank -> pid of the cell's rank processes (those with RANK in their environment) under a launcher."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            values = dict(item.split("=", 1) for item in environ.read_bytes().decode().split("\0") if "=" in item)
+            stat = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if values.get("TORCHELASTIC_RUN_ID") and "RANK" in values and int(stat[1]) == launcher:
+            found[int(values["RANK"])] = int(environ.parent.name)
+    return found
+
+
+def living(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def wait_for_line(tmp_path: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (tmp_path / "log.txt").read_text():
+        assert time.monotonic() < deadline, f"no {text!r} in the cell's log:\n{(tmp_path / 'log.txt').read_text()}"
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_step_may_run_its_timeout_past_the_slowest_step_before_it():
+    deadlines = StepDeadlines(init_timeout_s=300, train_timeout_s=100)
+    assert deadlines.limit_s == 300  # the first step: compile, warm-up, the first collectives
+    deadlines.step_ended(40.0)
+    assert deadlines.limit_s == 140
+    deadlines.step_ended(5.0)
+    assert deadlines.limit_s == 140  # the slowest so far, not the last
+    deadlines.step_ended(70.0)
+    assert deadlines.limit_s == 170
+
+
+def test_a_rank_that_hangs_ends_its_cell_with_a_hang_record_that_names_it(tmp_path):
+    started = time.monotonic()
+    proc = start_cell(tmp_path, "strategy=fsdp2_zero3", "train_timeout_s=5", fault="train_step:hang:1")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert record["status"] == "hang"
+    assert record["stage"] == "train"
+    assert record["failed_rank"] == 1  # the rank that stopped answering, not the one waiting for it
+    assert "no step ended within" in record["error"] and "inject_fault" in record["error"]
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 90
+
+
+def test_a_rank_blocked_in_a_collective_ends_within_10_s_of_its_sigterm(tmp_path):
+    """Rank 1 hangs; rank 0 waits for it inside gloo's collective, where Python runs no handler.
+    Only rank 0 gets SIGTERM: the watchdog writes its record and ends it, and torchrun then ends
+    rank 1. Without the watchdog rank 0 would wait until the collective's timeout (300 s)."""
+    proc = start_cell(tmp_path, "strategy=fsdp2_zero3", fault="train_step:hang:1")
+    try:
+        wait_for_line(tmp_path, "step 1/5", timeout_s=120)
+        time.sleep(3)  # rank 0 is inside the second step's collective, waiting for rank 1
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        signalled = time.monotonic()
+        os.kill(ranks[0], signal.SIGTERM)
+        proc.wait(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        stop(proc)
+    assert took < 10, f"the cell ended {took:.1f} s after its rank's SIGTERM"
+    record = the_record(tmp_path)
+    assert record["failed_rank"] == 0
+    assert "not ended within" in record["error"] and "by the rank itself" in record["error"]
+    assert living(ranks.values()) == []
+
+
+def test_ranks_whose_launcher_is_killed_leave_with_it_and_say_so(tmp_path):
+    proc = start_cell(tmp_path, "strategy=fsdp2_zero3", fault="train_step:hang:1")
+    try:
+        wait_for_line(tmp_path, "step 1/5", timeout_s=120)
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun itself: none of its handlers run
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while living(ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = living(ranks.values())
+    finally:
+        for pid in living(ranks_of(proc.pid).values()):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "ranks outlived their launcher"
+    record = the_record(tmp_path)
+    assert record["status"] == "cancelled"
+    assert "launcher (torchrun) is gone" in record["error"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2_zero2", "fsdp2_zero3"])
+def test_a_rank_that_fails_ends_the_cell_at_once_and_its_record_stands(tmp_path, strategy):
+    started = time.monotonic()
+    proc = start_cell(tmp_path, f"strategy={strategy}", fault="train_step:error:1")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"]) == ("error", 1)
+    assert "injected fault" in record["error"]
+    assert time.monotonic() - started < 60
+    assert f"cell {record['cell_id']} failed: RuntimeError: injected fault" in (tmp_path / "log.txt").read_text()
+
+
+def test_a_device_that_cannot_be_set_up_is_a_record_at_setup_and_one_line(tmp_path):
+    proc = start_cell(tmp_path, "strategy=ddp", "device=cuda", nprocs=1)
+    proc.wait(timeout=120)
+    record = the_record(tmp_path)
+    assert (record["status"], record["stage"]) == ("error", "setup")
+    assert "no GPU" in record["error"]
+    log = (tmp_path / "log.txt").read_text()
+    assert "failed at setup: device: cuda was asked for but torch sees no GPU" in log
+    assert not [line for line in log.splitlines() if line.strip().startswith("File") and "/hpcfsdp/" in line]
+
+
+def fake_nvidia_smi(folder: Path, holder_pid: int) -> Path:
+    """An nvidia-smi that reports one GPU, held by holder_pid (this machine has no GPU to hold)."""
+    folder.mkdir()
+    script = folder / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --query-gpu=*) echo '0, GPU-aaaa' ;;\n"
+        f"  --query-compute-apps=*) kill -0 {holder_pid} 2>/dev/null &&"
+        f" echo '{holder_pid}, python, 30720, GPU-aaaa' ;;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    return folder
+
+
+def test_the_local_executor_does_not_start_a_cell_into_gpus_another_process_holds(tmp_path, monkeypatch, capsys):
+    holder = subprocess.Popen(["sleep", "600"])
+    try:
+        monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path / 'bin', holder.pid)}:{os.environ['PATH']}")
+        monkeypatch.setattr(local, "GPU_WAIT_S", 1.0)
+        jobs = tmp_path / "held.yaml"
+        jobs.write_text(
+            yaml.safe_dump({"name": "held", "base": {"model": "tiny", "device": "cuda", "steps": 2, "warmup_steps": 1}})
+        )
+        code = main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path / "results")])
+    finally:
+        holder.kill()
+        holder.wait()
+    out = capsys.readouterr()
+    assert code != 0
+    assert f"held by pid {holder.pid} (python, 30.0 GiB) on GPU 0" in out.err + out.out
+    (record_path,) = (tmp_path / "results" / "held" / "cells").glob("*/result.json")
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "error" and "not started" in record["error"]
+    assert not (record_path.parent / "log.txt").exists()  # no torchrun was started into the held GPU
+
+
+def test_the_local_executor_starts_a_cell_once_the_gpus_are_free(tmp_path, monkeypatch):
+    holder = subprocess.Popen(["sleep", "600"])
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path / 'bin', holder.pid)}:{os.environ['PATH']}")
+    env = dict(os.environ)
+    assert local.gpus_held(env).startswith(f"pid {holder.pid}")
+    holder.kill()
+    holder.wait()
+    assert local.gpus_held(env) == ""
+    assert local.gpus_held({**env, "CUDA_VISIBLE_DEVICES": "1"}) == ""
+
+
+TWO_NODE_CELL = """
+name: {name}
+base: {{model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0,
+       strategy: fsdp2_zero3, nodes: 2, gpus_per_node: 1, train_timeout_s: 5}}
+slurm: {{partition: gpu, time_min: 10, cpus_per_task: 1}}
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
+def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
+    slurm_cluster, tmp_path, monkeypatch, fault, status
+):
+    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
+    before the watchdog, the hang ran until the job's 10 min limit."""
+    name = f"twonode{fault}"
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(TWO_NODE_CELL.format(name=name))
+    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
+    started = time.monotonic()
+    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
+    took = time.monotonic() - started
+    assert code != 0
+    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
+    record = json.loads(path.read_text())
+    assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
+    assert record["hostnames"] == ["hpcfsdp-n2"]  # written by the failing rank, on the second node
+    assert took < 180, f"the two-node job took {took:.0f} s"
+    job = record["slurm"]["job_id"]
+    state, elapsed = subprocess.run(
+        ["sacct", "-nPX", "--format=State,ElapsedRaw", f"--jobs={job}"], capture_output=True, text=True, timeout=60
+    ).stdout.split("|")
+    assert state.startswith("FAILED") and int(elapsed) < 120, (state, elapsed)

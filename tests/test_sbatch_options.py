@@ -1,0 +1,103 @@
+"""sbatch reads any unique prefix of a long option (issue 33, item 4): an extra_sbatch key is read
+the same way before the refusal of the options hpcfsdp sets itself. The option table kept in the
+package is checked against the local cluster's sbatch (Slurm 22.05), and the requeue guard holds
+for slurm.max_requeue 0."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from hpcfsdp.cli import main
+from hpcfsdp.sweep import sbatch_options
+from hpcfsdp.sweep.sbatch_options import release_options, resolve_option
+
+OPTIONS = release_options((22, 5))
+
+
+@pytest.mark.parametrize(
+    ("key", "read_as"),
+    [("arr", "array"), ("requeu", "requeue"), ("no-req", "no-requeue"), ("cluster-c", "cluster-constraint"),
+     ("cluster", "clusters"), ("tasks-per", "ntasks-per-node"), ("reserv", "reservation"), ("mem", "mem"),
+     ("export-f", "export-file")],
+)  # fmt: skip
+def test_a_key_is_read_as_the_one_option_it_is_a_prefix_of(key, read_as):
+    assert resolve_option(key, OPTIONS) == (read_as, "")
+
+
+def test_a_prefix_of_several_options_and_a_key_of_none_are_refused_naming_them():
+    assert resolve_option("gpu", OPTIONS)[1].startswith("--gpu is a prefix of several sbatch options (--gpu-bind, ")
+    assert resolve_option("mem-per", OPTIONS)[1].startswith("--mem-per is a prefix of several sbatch options")
+    assert resolve_option("reservaton", OPTIONS)[1] == "--reservaton is no sbatch option (the nearest: --reservation)"
+
+
+@pytest.mark.parametrize("key", ["arr", "requeu", "no_req", "job_n", "sig", "outp", "comm", "export-", "tasks_per"])
+def test_plan_refuses_a_prefix_of_an_option_hpcfsdp_sets(key, tmp_path, capsys):
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(yaml.safe_dump({"name": "p", "base": {"device": "cpu"}, "slurm": {"extra_sbatch": {key: 1}}}))
+    assert main(["plan", str(jobs), "--sbatch"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert (
+        f"slurm.extra_sbatch.{key}: --{key.replace('_', '-')} (sbatch reads it as --" in err
+        and "is set by hpcfsdp" in err
+    )
+
+
+def test_an_accepted_prefix_is_written_as_the_option_in_full(tmp_path, capsys):
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        yaml.safe_dump({"name": "p", "base": {"device": "cpu"}, "slurm": {"extra_sbatch": {"reserv": "m"}}})
+    )
+    assert main(["plan", str(jobs), "--sbatch"]) == 0
+    assert "#SBATCH --reservation=m" in capsys.readouterr().out
+
+
+@pytest.mark.slurm
+def test_the_packaged_options_are_the_local_sbatchs_and_it_reads_prefixes_as_resolved(slurm_cluster):
+    sbatch_options.sbatch_options.cache_clear()
+    try:
+        installed = sbatch_options.sbatch_options()
+    finally:
+        sbatch_options.sbatch_options.cache_clear()
+    assert installed == OPTIONS  # its --help and --usage, and those of 22.05 its help leaves out
+    # Every packaged option is one this sbatch knows (a wrong value is fine; an unknown name is not).
+    unknown = []
+    for name in sorted(OPTIONS - {"help", "usage", "version", "wait"}):
+        proc = subprocess.run(
+            ["sbatch", f"--{name}=x", "--test-only", "--hold", "--wrap=true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if "unrecognized option" in proc.stderr or "ambiguous" in proc.stderr:
+            unknown.append((name, proc.stderr.strip()))
+    assert unknown == []
+    # What the package resolves, sbatch resolves alike; what it calls ambiguous, so does sbatch.
+    for key, value in (("arr", "0-1"), ("requeu", None), ("reserv", None), ("no-req", None)):
+        flag = f"--{key}" if value is None else f"--{key}={value}"
+        proc = subprocess.run(
+            ["sbatch", flag, "--test-only", "--wrap=true"], capture_output=True, text=True, timeout=30
+        )
+        assert "unrecognized" not in proc.stderr and "ambiguous" not in proc.stderr, (key, proc.stderr)
+    proc = subprocess.run(
+        ["sbatch", "--gpu=1", "--test-only", "--wrap=true"], capture_output=True, text=True, timeout=30
+    )
+    assert "is ambiguous" in proc.stderr, proc.stderr
+    proc = subprocess.run(["sbatch", "--reservaton=x", "--wrap=true"], capture_output=True, text=True, timeout=30)
+    assert "unrecognized option" in proc.stderr, proc.stderr
+
+
+def test_a_job_requeued_with_max_requeue_0_does_not_train_again(monkeypatch):
+    from hpcfsdp.cell.requeue import requeued_too_often
+
+    monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert "above slurm.max_requeue 0: not run again" in requeued_too_often()
+    monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "1")
+    assert requeued_too_often() == ""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "0")
+    assert requeued_too_often() == ""

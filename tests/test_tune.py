@@ -1,0 +1,278 @@
+"""`hpcfsdp tune`: the pruning, a probe that stops once stable, the stages with a probe's OOM as a
+result, the spend counted per launch, resuming after a kill, and the probe jobs under the real
+local Slurm cluster (several probes per allocation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_torchrun_cell
+from hpcfsdp.cli import main
+from hpcfsdp.sweep.matrix import load_sweep
+
+CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0"
+
+
+def write(tmp_path: Path, text: str, name: str = "tt") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def launches(sweep_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (sweep_dir / "tune" / "launches").glob("*.json")}
+
+
+def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_error(tmp_path):
+    from hpcfsdp.sweep.memory import load_shape, predict, usable_gib
+    from hpcfsdp.tune.prune import PREDICTION_ERROR, prune
+
+    jobs = write(
+        tmp_path,
+        """
+        name: pr
+        base: {model: qwen2.5-1.5b, device: cuda, seq_len: 4096, gpus_per_node: 2}
+        slurm: {gpu_memory_gib: 80}
+        matrix:
+          strategy: [fsdp2_zero2, fsdp2_zero3]
+          batch_size: [1, 8, 32]
+          grad_accum: [1, 4]
+        """,
+    )
+    sweep = load_sweep(jobs)
+    pruning = prune(sweep)
+    shape = load_shape("qwen2.5-1.5b")
+    for cell in sweep.cells:
+        required = predict(cell.spec, shape).required_gib
+        left_out = required / (1 + PREDICTION_ERROR) > usable_gib(80)
+        assert (cell.id in pruning.pruned) == left_out, (cell.id, required)
+    assert pruning.pruned and len(pruning.candidates) + len(pruning.pruned) == len(sweep.cells)
+    assert any("3.3%" in note for note in pruning.notes)
+    # Accumulation: each setup probed at accum 1, its accum 4 computed from that probe.
+    for cell in pruning.candidates:
+        if cell.spec.grad_accum == 4:
+            source = next(c for c in sweep.cells if c.spec == cell.spec.replace(grad_accum=1))
+            assert pruning.computed[cell.id] == source.id
+    assert set(pruning.computed) == {c.id for c in pruning.candidates if c.spec.grad_accum == 4}
+    assert any(note.startswith(f"grad_accum: {len(pruning.computed)} cell(s) not probed") for note in pruning.notes)
+    # A cell predicted just above the usable memory, but within the error, is probed, not left out.
+    cell = sweep.cells[0]
+    required = predict(cell.spec, shape).required_gib
+    capacity = required / (1 + PREDICTION_ERROR / 2) + 2.0  # usable: the prediction less half the error
+    tight = dataclasses.replace(
+        sweep, cells=(cell,), resources=dataclasses.replace(sweep.resources, gpu_memory_gib=capacity)
+    )
+    assert required > usable_gib(capacity) and prune(tight).pruned == {}
+
+
+def test_a_probe_stops_at_its_first_stable_window_or_runs_its_whole_budget(tmp_path):
+    from hpcfsdp.cell.train import STABLE_MIN_STEPS, STABLE_SPREAD
+
+    record = run_torchrun_cell(
+        tmp_path, 1, strategy="single", seq_len=128, batch_size=4, steps=14, warmup_steps=2, stop_when_stable=True
+    )
+    assert record["status"] == "ok" and record["spec"]["stop_when_stable"] is True
+    times = record["step_times_s"]  # each timed step on its slowest rank: what the loop judged
+    window = max(STABLE_MIN_STEPS, (14 - 2) // 2)
+
+    def stable(upto: int) -> bool:
+        last = sorted(times[upto - window : upto])
+        return (last[-1] - last[0]) / last[len(last) // 2] <= STABLE_SPREAD
+
+    assert not any(stable(n) for n in range(window, len(times)))  # never stable before it stopped
+    assert len(times) == 12 or stable(len(times))  # stopped when stable, or at the end of its budget
+
+
+def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HPCFSDP_FAULT", "train_step:oom>2")  # batch 4 runs out of memory
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    jobs = write(
+        tmp_path,
+        f"""
+        name: tt
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 5}}
+        matrix:
+          batch_size: [1, 2, 4]
+        """,
+    )
+    argv = ["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    sweep_dir = tmp_path / "tt"
+    grid = {cell.spec.batch_size: cell.id for cell in load_sweep(jobs).cells}
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    assert found["best"]["cell_id"] in (grid[1], grid[2])  # the grid's own id for the pick
+    assert [row["cell_id"] for row in found["oom_frontier"]] == [grid[4]]
+    assert found["oom_frontier"][0]["stage"] == "stage0" and not found["failed"]
+    best = json.loads((sweep_dir / "cells" / found["best"]["cell_id"] / "result.json").read_text())
+    assert best["status"] == "ok" and best["spec"]["steps"] == 5 and best["spec"]["stop_when_stable"] is False
+    state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+    assert [len(stage["runs"]) for stage in state["stages"]] == [3, 1]
+    # Spend: every launch, from the launcher's start to its end, times its 2 processes.
+    seen = launches(sweep_dir)
+    assert len(seen) == 4 and all(launch["gpus"] == 2 for launch in seen.values())
+    spent = sum((launch["ended"] - launch["started"]) * 2 / 3600 for launch in seen.values())
+    assert found["spend"]["tune_gpu_hours"] == pytest.approx(spent)
+    final_launch = seen[f"final-{found['best']['cell_id']}"]
+    assert final_launch["ended"] - final_launch["started"] > best["duration_s"]  # start-up counted too
+    assert "OOM frontier (ran out of memory): " + grid[4] in out and f"chosen: {found['best']['cell_id']}" in out
+    assert "## Tune" in (sweep_dir / "report" / "summary.md").read_text()
+    # submit --only-best runs the pick, and nothing else (--force: the final stage ran it already).
+    submit = ["submit", str(jobs), "--only-best", "--force", "--executor", "print", "--results-dir", str(tmp_path)]
+    assert main(submit) == 0
+    printed = capsys.readouterr()
+    assert printed.out.count("torch.distributed.run") == 1 and found["best"]["cell_id"] in printed.out
+
+
+def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_path, monkeypatch, capsys):
+    from hpcfsdp.tune.accumulation import computed_speed
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    jobs = write(
+        tmp_path,
+        f"""
+        name: ta
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp, batch_size: 2}}
+        slurm: {{time_min: 5}}
+        matrix:
+          grad_accum: [1, 3]
+        """,
+    )
+    assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]) == 0
+    sweep_dir = tmp_path / "ta"
+    one, three = (cell.id for cell in load_sweep(jobs).cells)
+    state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+    assert state["computed"] == {three: one} and list(state["stages"][0]["runs"].values()) == [one]
+    probe = json.loads(next((sweep_dir / "tune" / "stage0" / "cells").glob("*/result.json")).read_text())
+    assert 0 < probe["optimizer_step_s"] < probe["step_time_s"]
+    micro = (probe["step_time_s"] - probe["optimizer_step_s"]) / 1
+    expected = 3 * 2 * 32 / (3 * micro + probe["optimizer_step_s"])
+    assert computed_speed(probe, 3) == pytest.approx(expected)
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    rows = {row["cell_id"]: row for row in found["ranking"]}
+    if found["best"]["cell_id"] == one:  # the computed setup was not promoted: its row is the computed one
+        assert rows[three]["computed_from"] == one and rows[three]["tokens_per_s_per_gpu"] == pytest.approx(expected)
+        assert "(computed from " + one in capsys.readouterr().out
+    else:  # promoted, it ran as the grid's cell itself, at its own accumulation
+        assert rows[three]["stage"] == "final" and "computed_from" not in rows[three]
+    assert len(launches(sweep_dir)) == 2  # one probe, one final cell: accum 3 never probed on the first stage
+
+
+def test_a_killed_tune_resumes_without_repeating_a_finished_probe(tmp_path):
+    jobs = write(
+        tmp_path,
+        f"""
+        name: kk
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 5}}
+        matrix:
+          batch_size: [1, 2, 3]
+        """,
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "hpcfsdp", "tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]
+    argv += ["--top", "1"]
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep_dir = tmp_path / "kk"
+    deadline = time.time() + 300
+    while not list((sweep_dir / "tune" / "launches").glob("*.json")):
+        assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.5)
+    time.sleep(2)  # into the second probe
+    first.send_signal(signal.SIGKILL)  # no handler runs: the probe's torchrun is ended by the kernel's death signal
+    first.wait()
+    before = launches(sweep_dir)
+    assert len(before) == 1
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming the search" in second.stdout and "1 done before (not repeated)" in second.stdout
+    after = launches(sweep_dir)
+    name, launch = next(iter(before.items()))
+    assert after[name] == launch  # the probe finished before the kill was not launched again
+    assert len([n for n in after if n.startswith("stage0-")]) == 3 and len(after) == 4
+
+
+@pytest.mark.slurm
+def test_tune_under_slurm_runs_several_probes_per_allocation(slurm_cluster, tmp_path, capsys):
+    jobs = write(
+        tmp_path,
+        f"""
+        name: ts
+        base: {{{CPU}, gpus_per_node: 2}}
+        slurm: {{time_min: 10, cpus_per_task: 1}}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+          batch_size: [1, 2]
+        exclude:
+          - {{strategy: fsdp2_zero3, batch_size: 2}}
+        """,
+    )
+    argv = ["tune", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path), "--top", "1"]
+    assert main([*argv, "--probes-per-job", "2"]) == 0
+    sweep_dir = tmp_path / "ts"
+    state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+    probe_jobs = state["stages"][0]["jobs"]
+    assert sorted(len(runs) for runs in probe_jobs.values()) == [1, 2]  # 3 probes in 2 allocations
+    seen = launches(sweep_dir)
+    assert len(seen) == 4 and all(launch["executor"] == "slurm" for launch in seen.values())
+    by_job = {}
+    for launch in seen.values():
+        by_job.setdefault(launch["job_id"], []).append(launch)
+    assert sorted(len(v) for v in by_job.values()) == [1, 1, 2]  # one allocation ran two probes, one after another
+    two = sorted(next(v for v in by_job.values() if len(v) == 2), key=lambda launch: launch["started"])
+    assert two[0]["ended"] <= two[1]["started"]
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    assert found["best"]["cell_id"] in {cell.id for cell in load_sweep(jobs).cells}
+    assert (sweep_dir / "cells" / found["best"]["cell_id"] / "result.json").is_file()
+    # Run again: everything is done, nothing is queued.
+    capsys.readouterr()
+    assert main(argv) == 0
+    again = capsys.readouterr().out
+    assert "resuming the search" in again and "submitted array" not in again
+    assert launches(sweep_dir) == seen
+
+
+@pytest.mark.slurm
+def test_a_killed_tune_under_slurm_waits_for_its_queued_probe_jobs_instead_of_queueing_again(
+    slurm_cluster, tmp_path, capsys
+):
+    jobs = write(
+        tmp_path,
+        f"""
+        name: tk
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 10, cpus_per_task: 1}}
+        matrix:
+          batch_size: [1, 2]
+        """,
+    )
+    argv = ["tune", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path), "--top", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    first = subprocess.Popen([sys.executable, "-m", "hpcfsdp", *argv], env=env, stdout=subprocess.PIPE, text=True)
+    state_file = tmp_path / "tk" / "tune" / "state.json"
+    deadline = time.time() + 120
+    while not (state_file.is_file() and json.loads(state_file.read_text())["stages"][0]["jobs"]):
+        assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)  # while it waits for the probe job: the job runs on
+    first.wait()
+    queued = json.loads(state_file.read_text())["stages"][0]["jobs"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resuming the search" in out and "stage0: submitted" not in out
+    state = json.loads(state_file.read_text())
+    assert state["stages"][0]["jobs"] == queued  # the same probe job, not a second one
+    assert {
+        launch["job_id"] for name, launch in launches(tmp_path / "tk").items() if name.startswith("stage0-")
+    } == set(queued)
