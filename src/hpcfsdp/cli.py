@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--setup", default="", metavar="KEY", help="only this setup (a key or its beginning)")
     history.add_argument("--sweep", default="", help="only this sweep name")
     history.add_argument(
-        "--status", default="", choices=STATUSES, metavar="STATUS", help="only this status (ok, oom, error, ...)"
+        "--status", default="", choices=STATUSES, metavar="STATUS", help="only this status (ok, oom, ...)"
     )
     history.add_argument("--since", metavar="DATE", help="only runs started on or after DATE (YYYY-MM-DD, UTC)")
     history.add_argument("--until", metavar="DATE", help="only runs started up to DATE, that day included (UTC)")
@@ -342,9 +342,8 @@ def _parser() -> argparse.ArgumentParser:
     examples = sub.add_parser(
         "examples",
         help="the example jobs YAMLs and sbatch script the package carries: list, print or copy one",
-        description="Without NAME: list the examples. With NAME: print it (smoke, smoke.yaml and jobs/smoke.yaml "
-        "name the same one), or with --copy-to DIR write it into DIR to edit. plan, submit and download also "
-        "take an example's name where no such file exists.",
+        description="Without NAME: list them. With NAME (smoke, smoke.yaml, jobs/smoke.yaml): print it, or with "
+        "--copy-to DIR write it there. plan, submit and download take an example's name where no such file is.",
     )
     examples.add_argument("name", nargs="?", metavar="NAME", help="an example, e.g. smoke or fsdp_job.sbatch")
     examples.add_argument("--copy-to", metavar="DIR", help="write the example into DIR (never over a file)")
@@ -415,11 +414,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help=f"print one JSON document on stdout instead of the tables: {what} (docs/submit.md)",
-    )
+    text = f"print one JSON document on stdout instead of the tables: {what} (docs/submit.md)"
+    parser.add_argument("--json", action="store_true", help=text)
 
 
 def _add_max_cells(parser: argparse.ArgumentParser) -> None:
