@@ -195,7 +195,7 @@ def test_status_shows_the_pending_reason_and_wait_ends_on_one_that_cannot_clear(
     (job,) = re.findall(r"submitted array (\d+): 1 cell\(s\) on 2 node\(s\)", capsys.readouterr().out)
     try:
         wait_for_reason(job, "BeginTime")  # squeue says None until the scheduler has looked at the job
-        assert main(["status", str(sweep_dir)]) == 0
+        assert main(["status", str(sweep_dir)]) == 4  # pending
         captured = capsys.readouterr()
         row = rf"^{cell.id} +ddp +pending +{job} +PENDING"
         assert re.search(rf"{row} \(BeginTime\)$", captured.out, flags=re.M), captured
@@ -204,7 +204,7 @@ def test_status_shows_the_pending_reason_and_wait_ends_on_one_that_cannot_clear(
         slurm("scontrol", "update", "PartitionName=gpu", "MaxNodes=1")
         slurm("scontrol", "update", f"JobId={job}", "StartTime=now")
         wait_for_reason(job, "PartitionNodeLimit")
-        assert main(["status", str(sweep_dir)]) == 0
+        assert main(["status", str(sweep_dir)]) == 4  # pending
         captured = capsys.readouterr()
         assert re.search(rf"{row} \(PartitionNodeLimit\)$", captured.out, flags=re.M), captured
         blocked = (

@@ -143,7 +143,7 @@ def test_a_sweep_on_a_second_cluster_runs_there_and_status_cancel_and_collect_fo
     assert slurm("squeue", f"--clusters={SECOND}", "--noheader", f"--jobs={job}", "--format=%T").split() == ["PENDING"]
     decoy(job)
     capsys.readouterr()
-    assert main(["status", str(results / "later")]) == 0
+    assert main(["status", str(results / "later")]) == 4  # pending
     assert f"1 cell(s) on cluster {SECOND}: pending 1" in capsys.readouterr().out
     assert main(["cancel", str(results / "later")]) == 0
     assert "1 cell(s) cancelled" in capsys.readouterr().out

@@ -60,20 +60,20 @@ def daily(local_slurm, tmp_path_factory) -> dict:
         argv = ["submit", str(jobs), "--executor", "slurm", "--then-collect", "--results-dir", str(tmp / "results")]
         assert main(argv) == 0
         sweep_dir = tmp / "results" / "daily"
-        queued = _status_lines(sweep_dir)
+        queued = _status_lines(sweep_dir, (3, 4))  # 4 while both cells wait; 3 once the two-rank one failed
         collect_job = sweep_dir / "collect_job.json"
         wait_until(lambda: read(collect_job).get("exit_status") is not None, 400, "the collect job's exit status")
-        done = _status_lines(sweep_dir)
+        done = _status_lines(sweep_dir, (3,))  # the two-rank cell failed
     return {"sweep_dir": sweep_dir, "queued": queued, "done": done}
 
 
-def _status_lines(sweep_dir: Path) -> list[str]:
+def _status_lines(sweep_dir: Path, exit_statuses: tuple[int, ...]) -> list[str]:
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["status", str(sweep_dir)]) == 0
+        assert main(["status", str(sweep_dir)]) in exit_statuses
     return out.getvalue().splitlines()
 
 
@@ -200,7 +200,7 @@ def test_cancel_ends_exactly_this_sweeps_jobs_pending_ones_first(slurm_cluster, 
         record = read(busy_dir / "cells" / running / "result.json")
         assert record["status"] == "cancelled", record.get("error")
         assert squeue_state(tasks[running]["job_id"]) == "" and squeue_state(later_job) == "PENDING"
-        assert main(["status", str(busy_dir)]) == 0
+        assert main(["status", str(busy_dir)]) == 3  # cells not ok
         assert re.search(r"2 cell\(s\): cancelled 2$", capsys.readouterr().out.splitlines()[0])
     finally:
         (later_cell,) = read(later_dir / "manifest.json")

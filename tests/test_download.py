@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -142,8 +143,9 @@ def test_download_records_revision_and_files(downloaded: SimpleNamespace) -> Non
     assert tokenized["tokenizer_sha"] == downloaded.model_sha and tokenized["num_blocks"] > 10
     # The preset cell ("tiny") needed nothing from the hub.
     assert not any("/tiny/" in p for _, p, _ in downloaded.hub.requests)
-    # Progress bars came from the libraries.
-    assert "Fetching" in downloaded.proc.stderr and "Tokenizing" in downloaded.proc.stderr
+    # Progress: datasets' own bars; huggingface_hub's, in a log (not a terminal), replaced by a line
+    # per file (test_a_download_into_a_log_says_each_file_it_fetched).
+    assert "Fetching" not in downloaded.proc.stderr and "Tokenizing" in downloaded.proc.stderr
     assert not list(downloaded.cache.rglob("*.incomplete")) and not list(downloaded.cache.rglob(".*.tmp*"))
 
 
@@ -621,3 +623,12 @@ def test_text_column_is_part_of_a_tokenized_item_unless_it_is_text() -> None:
     assert columns("Result") == {"laion/strategic_game_chess:Result", "org/d:Result"}
     with pytest.raises(DownloadError, match="--text-column Moves applies to the --dataset items"):
         build_plan(Request(datasets=("chess",)), "Moves")
+
+
+def test_a_download_into_a_log_says_each_file_it_fetched(downloaded: SimpleNamespace) -> None:
+    """stdout and stderr are files here, not a terminal, so huggingface_hub draws no bars: one line per file."""
+    out = downloaded.proc.stdout
+    counted = [line.strip() for line in out.splitlines() if line.strip().startswith("file ")]
+    (fetched,) = re.findall(rf"-> {MODEL} at \w+ \((\d+) files\)", out)
+    assert counted == [f"file {n}/{fetched}" for n in range(1, int(fetched) + 1)], out
+    assert "\r" not in out and "Fetching" not in downloaded.proc.stderr  # no bar of huggingface_hub's

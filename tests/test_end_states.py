@@ -162,7 +162,7 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
     # The ranks ask squeue why they got SIGTERM (PreemptTime); where it does not answer them in time
     # (a busy machine) they record `cancelled`, and status corrects that from sacct's PREEMPTED.
     wait_for("job ends", lambda: job_field(preempted_job, "JobState") not in ("RUNNING", "COMPLETING"))
-    assert main(["status", str(preempted_dir)]) == 0
+    assert main(["status", str(preempted_dir)]) == 3  # a cell not ok
     assert f"{preempted_dir}: 1 cell(s): preempted 1" in capsys.readouterr().out
     got = record(preempted_dir, preempted)
     assert got["status"] == "preempted" and "max_requeue" in got["advice"], got.get("error")
@@ -196,7 +196,7 @@ def test_a_preempted_cell_without_requeues_and_a_node_taken_down_each_record_the
     # The ranks ask squeue why they got SIGTERM (NodeDown); where it does not answer them in time
     # they record `cancelled`, and status (like collect) corrects that from sacct's NODE_FAIL.
     wait_for("job ends", lambda: job_field(down_job, "JobState") not in ("RUNNING", "COMPLETING"))
-    assert main(["status", str(down_dir)]) == 0
+    assert main(["status", str(down_dir)]) == 3
     assert f"{down_dir}: 1 cell(s): node_fail 1" in capsys.readouterr().out
     got = record(down_dir, down)
     assert got["status"] == "node_fail" and got["slurm_state"] == "NODE_FAIL", got.get("error")
@@ -259,7 +259,7 @@ def test_a_preempted_cell_is_requeued_by_slurm_until_its_max_requeue_is_used_up(
     assert not (again_dir / "cells" / again / "attempts" / "2.json").exists()  # the third run did not train
     logs = "".join(p.read_text() for p in (again_dir / "slurm" / again_job).glob("*_0_log.out"))
     assert "Slurm requeued the job 2 time(s), above slurm.max_requeue 1: not run again" in logs
-    assert main(["status", str(again_dir)]) == 0
+    assert main(["status", str(again_dir)]) == 3
     out = capsys.readouterr().out
     assert f"{again_dir}: 1 cell(s): preempted 1; preempted 2 time(s) in 1 cell(s)" in out
     assert re.search(rf"^{again} +ddp +preempted +{again_job} .*\[preempted 2 time\(s\)\]", out, re.M), out
@@ -284,7 +284,7 @@ def test_a_cell_over_its_memory_gets_a_host_oom_record_with_the_mem_gb_to_ask_fo
     )
     # submit --wait finds the memory cell in flight, waits for it, and records how its job ended.
     command = ["submit", str(tmp_path / "memory.yaml"), "--executor", "slurm", "--wait"]
-    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 1
+    assert main([*command, "--results-dir", str(tmp_path / "results")]) == 3  # the cell is not ok
     got = record(oom_dir, oom)
     assert got["status"] == "host_oom" and got["slurm_state"] == "OUT_OF_MEMORY", got.get("error")
     (needed,) = re.findall(r"raise slurm.mem_gb to at least (\d+)", got["advice"])
@@ -308,13 +308,13 @@ def test_a_job_past_its_deadline_gets_a_deadline_record_from_sacct(site_cluster,
     time.sleep(3)
     subprocess.run(["scontrol", "release", late_job], capture_output=True, timeout=60)  # if not ended yet
     wait_for("deadline", lambda: job_field(late_job, "JobState") in ("", "DEADLINE"))
-    assert main(["status", str(late_dir)]) == 0  # before any record: sacct's word and the advice
+    assert main(["status", str(late_dir)]) == 3  # before any record (missing): sacct's word and the advice
     assert re.search(rf"^{late} +ddp +missing +{late_job} +DEADLINE: set a later", capsys.readouterr().out, re.M)
     assert [c.cell_id for c in record_lost_cells(sweep_status(late_dir))] == [late]  # as submit --wait does
     got = record(late_dir, late)
     assert got["status"] == "deadline" and got["slurm_state"] == "DEADLINE", got.get("error")
     assert "set a later slurm.extra_sbatch.deadline" in got["advice"]
-    assert main(["status", str(late_dir)]) == 0
+    assert main(["status", str(late_dir)]) == 3
     assert f"{late_dir}: 1 cell(s): deadline 1" in capsys.readouterr().out
 
 
@@ -352,7 +352,7 @@ def test_a_cell_whose_node_fails_to_boot_gets_a_boot_fail_record(site_cluster, s
     got = record(boot_dir, cell)
     assert got["status"] == "boot_fail" and got["slurm_state"] == "BOOT_FAIL", got.get("error")
     assert "tell the cluster's administrators" in got["advice"]
-    assert main(["status", str(boot_dir)]) == 0
+    assert main(["status", str(boot_dir)]) == 3
     assert f"{boot_dir}: 1 cell(s): boot_fail 1" in capsys.readouterr().out
 
 

@@ -141,8 +141,8 @@ def test_an_ok_record_survives_two_failed_reruns_and_a_failed_local_submit_exits
     capsys.readouterr()
     monkeypatch.setenv("HPCFSDP_FAULT", "train:error")
     submit = ["submit", str(jobs), "--executor", "local", "--results-dir", str(results)]
-    assert main([*submit, "--force"]) == 1
-    assert main([*submit, "--retry-failed"]) == 1
+    assert main([*submit, "--force"]) == 3  # a cell not ok
+    assert main([*submit, "--retry-failed"]) == 3
     assert capsys.readouterr().err.count("1 cell(s) did not finish ok") == 2
     # result.json is the current (latest) attempt; attempts/ keeps the earlier ones, oldest first.
     assert sorted(p.name for p in (cell / "attempts").iterdir()) == ["1.json", "2.json"]
@@ -289,7 +289,7 @@ def test_a_bad_record_is_one_line_to_status_submit_and_collect_and_rerun_by_retr
     write_record(sweep_dir / "cells" / good.id / "result.json", {"status": "ok", "spec": good.spec.to_dict()})
     capsys.readouterr()
 
-    assert main(["status", str(sweep_dir)]) == 0
+    assert main(["status", str(sweep_dir)]) == 3  # a cell not ok
     out, err = capsys.readouterr()
     assert out.startswith(f"{sweep_dir}: 2 cell(s): corrupt 1, ok 1")
     (warning,) = err.splitlines()
@@ -313,7 +313,7 @@ def test_a_broken_manifest_is_one_line_to_status_and_collect_and_stops_submit(tm
     sweep_dir = results / "bad"
     (sweep_dir / "manifest.json").write_text('{"' + first.id + '": {"executor": "slurm", "job_id": "71_0"')
     capsys.readouterr()
-    assert main(["status", str(sweep_dir)]) == 0
+    assert main(["status", str(sweep_dir)]) == 3  # missing cells
     out, err = capsys.readouterr()
     (warning,) = err.splitlines()
     assert warning.startswith(f"warning: {sweep_dir / 'manifest.json'}: unreadable manifest (")
@@ -425,7 +425,7 @@ def test_a_running_cell_holds_no_token_and_scancel_records_cancelled(slurm_clust
     record = read(cell / "result.json")
     assert record["status"] == "cancelled" and record["stage"] == "train", record.get("error")
     assert "received SIGTERM" in record["error"] and "before the time limit" in record["error"]
-    assert main(["status", str(sweep_dir), "--watch", "1"]) == 0  # until the job has left COMPLETING
+    assert main(["status", str(sweep_dir), "--watch", "1"]) == 3  # until the job has left COMPLETING
     assert f"{sweep_dir}: 1 cell(s): cancelled 1" in capsys.readouterr().out
 
 

@@ -82,13 +82,23 @@ def imported_from(python: Path) -> str:
 
 def test_the_built_wheel_installs_into_a_fresh_venv_and_runs_the_smoke_matrix_with_its_presets(dist, tmp_path):
     (wheel,) = dist.glob("hpcfsdp-*.whl")
-    assert "hpcfsdp/presets/tiny.json" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hpcfsdp/presets/tiny.json" in names
+    # The examples a user starts from: every jobs YAML of the checkout, and the plain sbatch script.
+    examples = {f"hpcfsdp/examples/jobs/{path.name}" for path in (ROOT / "jobs").glob("*.yaml")}
+    assert examples | {"hpcfsdp/examples/fsdp_job.sbatch"} <= set(names)
     (tmp_path / "reuse").mkdir()
     python = fresh_venv(tmp_path / "venv", tmp_path / "reuse")
     pip_install(python, str(wheel))
     assert imported_from(python).startswith(str(tmp_path / "venv"))
-    checkout = tmp_path / "work"  # a user's folder with the job examples, not this checkout
-    shutil.copytree(ROOT / "jobs", checkout / "jobs")
+    hpcfsdp = str(python.parent / "hpcfsdp")
+    checkout = tmp_path / "work"  # a user's folder, empty: no checkout, no jobs/
+    checkout.mkdir()
+    listed = run([hpcfsdp, "examples"], cwd=checkout).stdout
+    assert listed.startswith("codellama_chess ") and "\nfsdp_job.sbatch  Plain sbatch template" in listed
+    assert "smoke: 8 cell(s) in 1 array(s)" in run([hpcfsdp, "plan", "smoke"], cwd=checkout).stdout
+    run([hpcfsdp, "examples", "smoke", "--copy-to", "jobs"], cwd=checkout)  # one to start from, to edit
+    assert (checkout / "jobs/smoke.yaml").read_text() == (ROOT / "jobs/smoke.yaml").read_text()
     record = a_cell_of_the_smoke_matrix(python, checkout, tmp_path / "results")
     assert record["status"] == "ok" and record["spec"]["model"] == "tiny"
 
@@ -99,6 +109,9 @@ def test_the_sdist_carries_the_checkout_and_installs_into_a_fresh_venv(dist, tmp
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
         tar.extractall(tmp_path, filter="data")
     assert set(CHECKOUT_PARTS) <= names and not any("__pycache__" in name for name in names)
+    # The raw benchmark logs stay in the repository (docs/benchmarks.md links them there).
+    assert "bench/collect_scale.py" in names and not any(name.startswith("bench/results/") for name in names)
+    assert sdist.stat().st_size < 2_000_000, sdist.stat().st_size
     (tmp_path / "reuse").mkdir()
     python = fresh_venv(tmp_path / "venv", tmp_path / "reuse")
     pip_install(python, "--no-build-isolation", str(sdist))

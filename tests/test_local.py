@@ -26,8 +26,12 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     jobs = tmp_path / "local.yaml"
     jobs.write_text(SWEEP.replace("MODEL_DIR", str(broken)))
-    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1  # a cell failed
-    out = capsys.readouterr().out
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 3  # a cell failed
+    captured = capsys.readouterr()
+    out = captured.out
+    # The progress goes to stderr; stdout holds what collect prints (the table), nothing before it.
+    assert "[1/2] " in captured.err and "[2/2] " in captured.err and "sweep folder: " in captured.err
+    assert "[1/" not in out and not out.startswith("sweep folder")
     records = {
         r["spec"]["strategy"]: r
         for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))
@@ -39,6 +43,12 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     table = out[out.index("| strategy") :]
     assert "| ok " in table and "| error " in table
     assert (tmp_path / "local_e2e/report/results.csv").is_file()
+    # `logs` of a cell the local executor ran prints its log (why first), not where the log is.
+    assert main(["logs", str(tmp_path / "local_e2e"), failed["cell_id"]]) == 0
+    printed = capsys.readouterr().out
+    log = (tmp_path / "local_e2e/cells" / failed["cell_id"] / "log.txt").read_text()
+    assert printed.startswith(f"== {failed['cell_id']}: error at model: ") and log in printed
+    assert "no-such-architecture" in log
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
@@ -64,7 +74,7 @@ def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, c
         "slurm: {time_min: 1, signal_delay_s: 30}\n"
     )
     started = time.monotonic()
-    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 1
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 3
     assert 60 <= time.monotonic() - started < 120
     (path,) = tmp_path.glob("stuck/cells/*/result.json")
     record = json.loads(path.read_text())

@@ -78,11 +78,12 @@ def test_plan_adds_a_column_for_every_field_that_varies(tmp_path, capsys):
     assert set(rows) == {cell.id for cell in sweep.cells}
     for cell in sweep.cells:
         assert rows[cell.id][-2:] == [str(cell.spec.seq_len), str(cell.spec.compile).lower()]
-    assert (
-        "array 0: 8 cell(s) on 1 node(s) x 1 GPU(s)" in lines and "array 1: 1 cell(s) on 2 node(s) x 2 GPU(s)" in lines
+    assert (  # device: cpu: processes, not GPUs
+        "array 0: 8 cell(s) on 1 node(s) x 1 process(es)" in lines
+        and "array 1: 1 cell(s) on 2 node(s) x 2 process(es)" in lines
     )
-    # (8 x 1 + 1 x 4) GPUs x 20 min x (1 run + 1 requeue)
-    assert lines[-1] == "upper bound: 8.0 GPU-hours at a 20 min limit per cell, 1 requeue(s)"
+    # (8 x 1 + 1 x 4) processes x 20 min x (1 run + 1 requeue)
+    assert lines[-1] == "upper bound: 8.0 process-hours at a 20 min limit per cell, 1 requeue(s)"
 
 
 def test_plan_into_a_closed_pipe_is_quiet(tmp_path):
@@ -362,7 +363,7 @@ def test_cells_still_in_squeue_are_never_resubmitted(flight):
 def test_status_counts_states_and_lists_unfinished_cells(flight, tmp_path, monkeypatch, capsys):
     _, sweep, sweep_dir, array = flight
     _ok, timed_out, running, gone = sweep.cells
-    assert main(["status", str(sweep_dir)]) == 0
+    assert main(["status", str(sweep_dir)]) == 3  # cells not ok (a timeout outranks the running cell)
     captured = capsys.readouterr()
     out = captured.out.splitlines()
     assert out[0] == f"{sweep_dir}: 4 cell(s): missing 1, ok 1, running 1, timeout 1"
@@ -381,7 +382,7 @@ def test_status_counts_states_and_lists_unfinished_cells(flight, tmp_path, monke
     cancel = threading.Timer(2.0, slurm, ("scancel", f"{array}_2"))
     cancel.start()
     try:
-        assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 0
+        assert main(["status", str(sweep_dir), "--watch", "0.1"]) == 3
     finally:
         cancel.cancel()
     captured = capsys.readouterr()
@@ -401,7 +402,7 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(slurm_cluster, tmp_path
     assert main(["submit", str(path), "--executor", "local", "--results-dir", str(tmp_path / "results")]) == 1
     err = capsys.readouterr().err
     assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
-    assert main(["status", str(sweep_dir)]) == 0
+    assert main(["status", str(sweep_dir)]) == 3
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
 
 
@@ -617,7 +618,7 @@ def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(ar
     cancelled, failed = sweep.cells[2:]
     arrange(array, cancel=(0, 1), release=(2, 3), running=(2,))
     arrange(array, cancel=(2,))  # cancelled while it runs
-    assert main(["status", str(sweep_dir)]) == 0
+    assert main(["status", str(sweep_dir)]) == 3
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
     # Slurm's word, then what to do about it (src/hpcfsdp/endings.py)
     assert rows[cancelled.id][:4] == ["fsdp2_zero3", "missing", f"{array}_2", "CANCELLED:"]

@@ -65,8 +65,8 @@ def records(sweep_dir: Path) -> dict[str, dict]:
 def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, capsys):
     jobs = tmp_path / "e2e.yaml"
     jobs.write_text(SWEEP)
-    # Exit status 1: one cell (lr 1e12) diverges, and --wait fails when a cell did not finish ok.
-    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 1
+    # Exit status 3: one cell (lr 1e12) diverges, and --wait says so when a cell did not finish ok.
+    assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 3
     out, err = capsys.readouterr()
     for shape in (
         "6 cell(s) on 1 node(s) x 2 GPU(s)",

@@ -74,7 +74,7 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
     cancelled = next(cid for cid, jid in job_ids.items() if jid == f"{array}_1")
     slurm("scancel", f"{array}_1")
     slurm("scontrol", "release", array)
-    assert main(["status", str(sweep_dir), "--watch", "1"]) == 0
+    assert main(["status", str(sweep_dir), "--watch", "1"]) == 3  # a missing cell
     out = capsys.readouterr().out
     assert f"{sweep_dir}: 3 cell(s): missing 1, ok 2" in out
     assert re.search(rf"^{cancelled} +\S+ +missing +{array}_1 ", out, flags=re.M)
@@ -167,7 +167,7 @@ def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tm
         assert got["status"] == "timeout" and got["stage"] in ("setup", "train"), got.get("traceback", "")[-2000:]
         assert "SIGUSR2 (time limit)" in got["error"]
         assert got["launch_id"] == f"slurm-{arrays[name]}-{restarts}"
-        assert main(["status", str(sweep_dir)]) == 0
+        assert main(["status", str(sweep_dir)]) == 3  # timeout
         assert f"{sweep_dir}: 1 cell(s): timeout 1" in capsys.readouterr().out
     # Rank 0's submitit handler called CellJob.checkpoint, then `scontrol requeue` (whose SIGTERM may
     # end the rank before submitit logs "Requeued job").

@@ -1,5 +1,5 @@
-"""`hpcfsdp plan | submit | tune | run | status | logs | cancel | collect | history | export | download`: the
-parser, and main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
+"""`hpcfsdp plan | submit | tune | run | status | logs | cancel | collect | history | export | examples | download`:
+the parser, and main(), which dispatches to commands.py and prints what stopped a command (a UserError, errors.py)
 as one line, in one place."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import commands
+from . import __version__, commands
 from .errors import UserError
 from .fields import one_line
+from .record import STATUSES
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 from .spec import RunSpec
 
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="hpcfsdp",
         description="Compare DDP / FSDP1 / FSDP2 training setups for a causal LM, as Slurm job arrays.",
     )
+    parser.add_argument("--version", action="version", version=f"hpcfsdp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = sub.add_parser("plan", help="expand a jobs YAML and print its cells, without submitting")
@@ -73,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "predicted not to fit (slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the "
         "batch predicted to be found (docs/submit.md, docs/preflight.md)",
     )
+    _add_json(plan, "the cells (with --memory their predictions), arrays, bound and problems")
     plan.set_defaults(func=commands.plan)
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
@@ -90,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--wait",
         action="store_true",
-        help="slurm: wait for the arrays to finish, then print the table (local always waits)",
+        help="slurm: wait for the arrays to finish, then print the table (local always waits); exit status 3 "
+        "when a cell did not finish ok (docs/submit.md, For scripts)",
     )
     rerun = submit.add_mutually_exclusive_group()
     rerun.add_argument(
@@ -172,7 +176,8 @@ def _parser() -> argparse.ArgumentParser:
         "else their record's status (ok, oom, error, timeout, diverged, cancelled, node_fail, preempted, "
         "host_oom, deadline, boot_fail), "
         "else missing (no record) or corrupt (a record file that cannot be used, named "
-        "in one line); then a row per cell that is not ok.",
+        "in one line); then a row per cell that is not ok. Exit status 0 when every cell is ok, 3 when one "
+        "is not (any state but ok, pending and running), else 4 while cells are pending or running.",
     )
     status.add_argument("sweep_dir", help="e.g. results/smoke")
     status.add_argument(
@@ -183,6 +188,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running",
     )
+    _add_json(status, "the counts and every cell: state, job, reason, advice")
     status.set_defaults(func=commands.status)
 
     logs = sub.add_parser(
@@ -241,6 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare: relative change counted as a regression (default 0.05, i.e. 5%%)",
     )
     collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
+    _add_json(collect, "every cell (status, job, reason, figures), the regressions and the files written")
     over_time = collect.add_argument_group("over time (docs/history.md)")
     where = over_time.add_mutually_exclusive_group()
     where.add_argument(
@@ -289,7 +296,9 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--system", default="", metavar="TEXT", help="only clusters or GPUs whose name contains TEXT")
     history.add_argument("--setup", default="", metavar="KEY", help="only this setup (a key or its beginning)")
     history.add_argument("--sweep", default="", help="only this sweep name")
-    history.add_argument("--status", default="", help="only this status (ok, oom, error, timeout)")
+    history.add_argument(
+        "--status", default="", choices=STATUSES, metavar="STATUS", help="only this status (ok, oom, ...)"
+    )
     history.add_argument("--since", metavar="DATE", help="only runs started on or after DATE (YYYY-MM-DD, UTC)")
     history.add_argument("--until", metavar="DATE", help="only runs started up to DATE, that day included (UTC)")
     history.add_argument("--limit", type=int, default=0, metavar="N", help="only the latest N runs")
@@ -309,6 +318,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="with --set-reference: the tolerance written into each new reference",
     )
+    _add_json(history, "the runs listed")
     history.set_defaults(func=commands.history)
 
     export = sub.add_parser(
@@ -328,6 +338,16 @@ def _parser() -> argparse.ArgumentParser:
         "an MLflow tracking URI works too), or wandb DIR (offline runs in DIR/wandb/, for `wandb sync`)",
     )
     export.set_defaults(func=commands.export)
+
+    examples = sub.add_parser(
+        "examples",
+        help="the example jobs YAMLs and sbatch script the package carries: list, print or copy one",
+        description="Without NAME: list them. With NAME (smoke, smoke.yaml, jobs/smoke.yaml): print it, or with "
+        "--copy-to DIR write it there. plan, submit and download take an example's name where no such file is.",
+    )
+    examples.add_argument("name", nargs="?", metavar="NAME", help="an example, e.g. smoke or fsdp_job.sbatch")
+    examples.add_argument("--copy-to", metavar="DIR", help="write the example into DIR (never over a file)")
+    examples.set_defaults(func=commands.examples)
 
     download = sub.add_parser(
         "download",
@@ -391,6 +411,11 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--num-proc", type=int, metavar="N", help="processes for dataset loading and tokenization")
     download.set_defaults(func=commands.download)
     return parser
+
+
+def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
+    text = f"print one JSON document on stdout instead of the tables: {what} (docs/submit.md)"
+    parser.add_argument("--json", action="store_true", help=text)
 
 
 def _add_max_cells(parser: argparse.ArgumentParser) -> None:

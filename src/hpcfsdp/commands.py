@@ -27,10 +27,11 @@ WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 def _load_sweep(args: argparse.Namespace) -> Sweep:
     """The jobs YAML, refused in one line where a cell asks for a lever whose package is missing."""
+    from .sweep.examples import jobs_file
     from .sweep.matrix import MAX_CELLS, load_sweep
     from .sweep.packages import package_problems
 
-    sweep = load_sweep(args.jobs, args.max_cells or MAX_CELLS)
+    sweep = load_sweep(jobs_file(args.jobs), args.max_cells or MAX_CELLS)
     missing = package_problems(sweep)
     if missing:
         raise SpecError(missing[0] + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -42,7 +43,15 @@ def plan(args: argparse.Namespace) -> int:
 
     sweep = _load_sweep(args)
     if args.sbatch:
+        if args.json:
+            raise SpecError("plan: --json and --sbatch: give one (--sbatch prints shell scripts)")
         return print_sbatch_scripts(sweep, Path(args.results_dir))
+    if args.json:
+        from .sweep.plan import plan_document
+
+        document = plan_document(sweep, memory=args.memory)
+        print_json(document)
+        return int(document["exit_status"])
     return print_plan(sweep, memory=args.memory)
 
 
@@ -50,7 +59,7 @@ def submit(args: argparse.Namespace) -> int:
     from .cache.plan import cache_misses
     from .results.collect import collect
     from .sweep.plan import without_predicted_oom
-    from .sweep.status import blocked_message, print_status
+    from .sweep.status import blocked_message, cells_exit_status, print_status
     from .sweep.submit import default_executor, still_queued, submit, wait_for
 
     sweep = _load_sweep(args)
@@ -61,8 +70,9 @@ def submit(args: argparse.Namespace) -> int:
     executor, why = (args.executor, "") if args.executor else default_executor(sweep.resources.clusters)
     if args.then_collect and executor != "slurm":
         raise SpecError(f"submit: --then-collect queues a Slurm job: it needs the slurm executor, not {executor}")
-    # With --executor print, stdout holds only the commands (a shell script); messages go to stderr.
-    log = _to_stderr if executor == "print" else print
+    # With --executor print, stdout holds only the commands (a shell script), with local only the
+    # table its collect prints: messages and the [i/n] progress go to stderr.
+    log = _to_stderr if executor in ("print", "local") else print
     if args.skip_predicted_oom:
         sweep = without_predicted_oom(sweep, log)
     if args.only_best:
@@ -85,7 +95,7 @@ def submit(args: argparse.Namespace) -> int:
         from .sweep.collect_job import queue_collect
 
         queue_collect(sweep, sub.sweep_dir, [*sub.job_ids.values(), *sub.in_flight.values()], log)
-    # Exit status 1 when a cell did not finish ok: what a scheduled (cron, CI) run checks.
+    # Exit status 3 when a cell did not finish ok (errors.py): what a scheduled (cron, CI) run checks.
     if executor == "slurm" and args.wait:
         try:
             report = wait_for(sub, WAIT_POLL_S, log)
@@ -101,15 +111,15 @@ def submit(args: argparse.Namespace) -> int:
             if not all(c.blocked for c in report.cells):  # some cells finished: their table
                 collect(sub.sweep_dir)
             raise UserError(blocked_message(report.blocked, report.cluster))
-        failed = sum(c.state != "ok" for c in report.cells)
+        states = [c.state for c in report.cells]
     elif executor == "local":
-        failed = sum(status != "ok" for status in sub.outcomes.values())
+        states = list(sub.outcomes.values())
     else:
         return 0
-    code = collect(sub.sweep_dir)
-    if failed:
+    collected = collect(sub.sweep_dir)
+    if failed := sum(state != "ok" for state in states):
         print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
-    return 1 if failed else code
+    return cells_exit_status(states) or collected
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -138,6 +148,13 @@ def tune(args: argparse.Namespace) -> int:
 
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+def print_json(document: dict) -> None:
+    """A `--json` answer: one strict JSON document on stdout (NaN as null)."""
+    from .jsontypes import strict_json
+
+    print(strict_json(document))
 
 
 def run(args: argparse.Namespace) -> NoReturn:
@@ -193,7 +210,7 @@ def status(args: argparse.Namespace) -> int:
     from .sweep.accounting import note_accounting
     from .sweep.collect_job import collect_line
     from .sweep.layout import require_sweep_folder
-    from .sweep.status import blocked_message, print_status, sweep_status, watch
+    from .sweep.status import blocked_message, print_status, status_document, sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
@@ -203,14 +220,17 @@ def status(args: argparse.Namespace) -> int:
     # Accounting may correct a record's status (a rank's `cancelled` that sacct says was NODE_FAIL).
     if note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES}):
         report = sweep_status(sweep_dir, [c.cell_id for c in report.cells])
-    print_status(report)
-    if line := collect_line(sweep_dir):
-        print(line)
+    if args.json:
+        print_json({**status_document(report), "collect_job": collect_line(sweep_dir) or ""})
+    else:
+        print_status(report)
+        if line := collect_line(sweep_dir):
+            print(line)
     if report.stuck and args.watch:  # the watch ended with cells still queued
         raise UserError(blocked_message(report.blocked, report.cluster))
     if report.blocked:
         print(f"warning: {blocked_message(report.blocked, report.cluster)}", file=sys.stderr)
-    return 0
+    return report.exit_status
 
 
 def logs(args: argparse.Namespace) -> int:
@@ -270,6 +290,7 @@ def collect(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         over_time=options,
         fail_on_regression=args.fail_on_regression,
+        as_json=args.json,
     )
 
 
@@ -277,7 +298,7 @@ def history(args: argparse.Namespace) -> int:
     from .results.history import Filters, History, medians_by_setup, parse_day
     from .results.references import references_of, write_references
     from .results.render import markdown_table
-    from .results.tables import history_table, printable
+    from .results.tables import history_document, history_table, printable
 
     filters = Filters(
         model=args.model,
@@ -303,21 +324,40 @@ def history(args: argparse.Namespace) -> int:
         return 0
     if args.limit:
         rows = rows.tail(args.limit)
+    if args.json:
+        print_json({"history": args.history, **history_document(rows)})
+        return 0
     print(markdown_table(printable(history_table(rows))) if len(rows) else "(no records)")
     print(f"{len(rows)} run(s) of {rows['setup'].nunique()} setup(s) in {args.history}")
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
-    from .results.export import export_sweep
+    from .results.export import TARGETS, export_sweep
     from .sweep.layout import require_sweep_folder
 
+    target, destination = args.to
+    if target not in TARGETS:
+        raise SpecError("export", "--to", f"{target}: expected one of {', '.join(TARGETS)}")
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
-    target, destination = args.to
     written, skipped = export_sweep(sweep_dir, target, destination)
     already = f" ({skipped} exported before, left as they were)" if skipped else ""
     print(f"exported {written} run(s) of {sweep_dir} to {target} at {destination}{already}")
+    return 0
+
+
+def examples(args: argparse.Namespace) -> int:
+    from .sweep.examples import copy_example, example, listing
+
+    if args.copy_to and not args.name:
+        raise SpecError("examples", "--copy-to", "name the example to copy (`hpcfsdp examples` lists them)")
+    if not args.name:
+        print("\n".join(listing()))
+    elif args.copy_to:
+        print(f"wrote {copy_example(args.name, Path(args.copy_to))}")
+    else:
+        sys.stdout.write(example(args.name).read_text())
     return 0
 
 

@@ -17,12 +17,19 @@ COLLECT_ENDINGS = {
     COLLECT_UNCHECKED: "report written; the history could not be updated, so no cell was checked against it",
 }
 
+# The exit statuses of every command (docs/submit.md, "Exit statuses"): what a cron job or CI reads.
+EXIT_OK = 0
+EXIT_ERROR = 1  # a UserError: something met on the way (a file, a record, Slurm's refusal)
+EXIT_USAGE = 2  # the command line, or the jobs YAML it names, is wrong (argparse, SpecError)
+EXIT_NOT_OK = 3  # some cells ended in a status other than ok (or have no usable record)
+EXIT_IN_FLIGHT = 4  # nothing failed, but some cells are still pending or running
+
 
 class UserError(Exception):
     """Something the user can fix or must know; str() is one line. `exit_status`: what `hpcfsdp`
     exits with (1; 2 for bad input, SpecError)."""
 
-    exit_status = 1
+    exit_status = EXIT_ERROR
 
     def line(self) -> str:
         """What `hpcfsdp` prints on stderr."""

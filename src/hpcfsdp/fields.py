@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from .errors import UserError
+from .errors import EXIT_USAGE, UserError
 from .names import MAX_NAME_BYTES, folder_name_problem, unseen_character
 
 # C0 and C1 control characters and DEL: a newline in a value that reaches an #SBATCH line would end
@@ -35,7 +35,7 @@ class SpecError(UserError, ValueError):
     at the line that set `key` without parsing the message.
     """
 
-    exit_status = 2
+    exit_status = EXIT_USAGE
 
     def __init__(self, where: str, key: str = "", what: str = ""):
         self.where, self.key, self.what = where, key, what

@@ -6,7 +6,8 @@ checks a record through them.
 A mark may add a range: a Figure (tokens/s, a time, memory, energy) is a number from 0 to 1e15,
 a Moment a Unix time between 2000-01-01 and a day after now. A value of the right type but
 out of its range (Infinity tokens/s, a negative peak memory, a start in the year 10^292) would
-otherwise win a ranking or overflow a datetime or a parquet column.
+otherwise win a ranking or overflow a datetime or a parquet column. And json_ready, which makes
+values strict JSON (the `--json` answers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from datetime import date
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
@@ -171,3 +173,29 @@ def integer_out_of_int64(value: Any, name: str = "") -> str | None:
         elif isinstance(item, list):
             stack.extend((f"{where}[{index}]", child) for index, child in enumerate(item))
     return None
+
+
+def json_ready(value: Any) -> Any:
+    """value as strict JSON takes it (RFC 8259: no NaN): a number that is not finite, NaN, NaT and
+    pandas' NA become null; numpy scalars Python's; dates ISO 8601 text; tuples lists; any other
+    object its text."""
+    if isinstance(value, dict):
+        return {str(key): json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if type(value).__name__ in ("NAType", "NaTType") or value != value:  # pandas' NA and NaT, numpy's NaN
+        return None
+    if isinstance(value, date):
+        return value.isoformat()
+    if hasattr(value, "item"):  # a numpy scalar
+        return json_ready(value.item())
+    return str(value)
+
+
+def strict_json(value: Any) -> str:
+    """One JSON document of value (json_ready), as other languages' parsers, jq and DuckDB read it."""
+    return json.dumps(json_ready(value), allow_nan=False, indent=2)

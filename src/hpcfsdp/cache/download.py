@@ -63,6 +63,12 @@ def download_main(
             out("nothing from the hub is needed (preset models, synthetic data)")
             return 0
         return 0 if verify_cache(cache, plan if request.names_items else None, out=out) else 1
+    if not plan and request.sweep is not None:  # a jobs YAML whose cells need nothing from the hub
+        out(
+            f"nothing to download: the cells of {request.sweep.source} use preset models and local or synthetic "
+            "data (hub models are ORG/NAME[@REV])"
+        )
+        return 0
     if not plan:
         raise DownloadError("nothing to download: give a jobs YAML, --model ORG/NAME or --dataset ORG/NAME")
     cache.mkdir(parents=True, exist_ok=True)

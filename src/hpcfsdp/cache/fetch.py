@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -54,6 +56,7 @@ def download_model(
                     cache_dir=cache / HUB_DIR,
                     allow_patterns=patterns,
                     force_download=force,
+                    tqdm_class=None if sys.stderr.isatty() else file_lines(out),
                 )
             )
         sha = folder.name
@@ -85,6 +88,26 @@ def download_model(
         add_to_manifest(cache, entry)
     out(f"  -> {ref.repo_id} at {sha} ({len(files)} files)")
     return entry
+
+
+def file_lines(out: Callable[[str], None]) -> type:
+    """For snapshot_download where stderr is no terminal (a log, CI), where huggingface_hub draws
+    no bars: one line per file fetched (`  file 3/12`). On a terminal its own bars show."""
+    from tqdm.auto import tqdm
+
+    class FileLines(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # Drawn into a buffer nobody reads; the file count is said through `out`.
+            super().__init__(*args, **{**kwargs, "file": io.StringIO(), "disable": False})
+            self.counts_files = str(kwargs.get("desc", "")).startswith("Fetching")
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            if self.counts_files:
+                out(f"  file {self.n}/{self.total}")
+            return shown
+
+    return FileLines
 
 
 def download_dataset(

@@ -13,11 +13,15 @@ from pathlib import Path
 from ..errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
 from ..fields import SpecError
 from ..files import RecordError
+from ..jsontypes import strict_json
+from ..progress import Progress
 from ..record import RECORD_NAME
 from ..sweep.accounting import note_accounting
 from ..sweep.layout import cell_files, read_manifest, slurm_jobs
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
+
+PROGRESS_MIN_RECORDS = 500  # a sweep of fewer records collects without progress lines
 
 
 def over_time_options(
@@ -48,56 +52,83 @@ def collect(
     threshold: float = 0.05,
     over_time: OverTimeOptions | None = None,
     fail_on_regression: bool = False,
+    as_json: bool = False,
 ) -> int:
     """Add Slurm accounting, append to the history and check each cell over time, write the report;
     print the comparison against `compare` if given, the cell table, the regressions, and what was
-    written. The exit status: 1 when a cell regressed against `compare` (or, with
-    fail_on_regression, against its reference or history); else 3 when the history could not be
-    updated and checked (the gate could not look: never a pass); else 0."""
+    written (as_json: all that on stderr, and one JSON document on stdout). The exit status: 1 when
+    a cell regressed against `compare` (or, with fail_on_regression, against its reference or
+    history); else 3 when the history could not be updated and checked (the gate could not look:
+    never a pass); else 0. A collect that takes a while shows its progress on stderr (progress.py)."""
     from .compare import write_comparison
     from .history_rows import accounting_jobs, merge_accounting
     from .read import load_records
     from .regressions import over_time as check_over_time
     from .report import write_report
-    from .tables import printed_comparison
+    from .tables import cells_document, printed_comparison
+
+    def say(line: str) -> None:  # what the command prints: stdout, or stderr beside a JSON document
+        print(line, file=sys.stderr if as_json else sys.stdout)
 
     for folder in (sweep_dir, compare):
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
-    collection = load_records(sweep_dir, scheduler_states(sweep_dir))
+    progress = Progress("reading records", min_count=PROGRESS_MIN_RECORDS)
+    collection = load_records(sweep_dir, scheduler_states(sweep_dir), progress)
+    progress.stage("adding Slurm accounting and checking the history")
     merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))
     checked = check_over_time(collection, sweep_dir, options, log=lambda line: print(line, file=sys.stderr))
     if checked.unchecked:  # never a silent pass: the gate could not look (collect exits 1)
         print(f"error: history {checked.unchecked}; --no-history collects without it", file=sys.stderr)
+    progress.stage("writing the report" + (" and its plots" if plots else ""))
     report = write_report(
         sweep_dir, baseline=baseline, plots=plots, collection=collection, first_sections=(checked.section(),)
     )
+    progress.done("collect")
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
     for note in report.notes:
         print(f"warning: {note}", file=sys.stderr)
-    regressions = 0
+    regressions: list[str] = []
     if compare is not None:
         comparison, text, path = write_comparison(sweep_dir, compare, threshold, collection)
-        regressions = len(comparison.regressions)
-        print(text)
-        print(f"wrote {path}\n")
+        regressions = [str(line) for line in comparison.regressions]
+        say(text)
+        say(f"wrote {path}\n")
     for line in report.recommendation:
-        print(line)
-    print(printed_comparison(report.table, report.directory / "results.csv"))
-    print("over time: " + " ".join(checked.notes))
+        say(line)
+    say(printed_comparison(report.table, report.directory / "results.csv"))
+    say("over time: " + " ".join(checked.notes))
     for line in checked.regressions:
-        print(f"regression: {line}")
+        say(f"regression: {line}")
     for line in checked.hints:
-        print(f"note: {line}")
+        say(f"note: {line}")
     tables = [p.name for p in report.files if p.suffix != ".png"]
     plots_drawn = len(report.files) - len(tables)
     skipped = "".join(f"; no {name} plot: {why}" for name, why in report.skipped_plots.items())
-    print(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
+    say(f"wrote {report.directory}/: {', '.join(tables)}, {plots_drawn} plot(s) in plots/{skipped}")
     if regressions or (fail_on_regression and checked.regressions):
-        return COLLECT_REGRESSED
-    return COLLECT_UNCHECKED if checked.unchecked else 0
+        code = COLLECT_REGRESSED
+    else:
+        code = COLLECT_UNCHECKED if checked.unchecked else 0
+    if as_json:
+        print(
+            strict_json(
+                {
+                    "sweep_dir": str(sweep_dir),
+                    "exit_status": code,
+                    "cells": cells_document(collection.cells, collection.spec_fields),
+                    "recommendation": report.recommendation,
+                    "regressions": [*checked.regressions, *regressions],
+                    "notes": [*checked.notes, *checked.hints],
+                    "unreadable": report.unreadable,
+                    "history_unchecked": checked.unchecked or None,
+                    "files": [str(path) for path in report.files],
+                }
+            )
+        )
+    return code
 
 
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:

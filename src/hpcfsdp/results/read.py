@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from ..files import RecordError, read_json_object
+from ..progress import Progress
 from ..record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
 from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..sweep.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
@@ -60,17 +61,24 @@ class Collection:
         return pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts[0] if parts else pd.DataFrame())
 
 
-def load_records(sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None) -> Collection:
+def load_records(
+    sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None, progress: Progress | None = None
+) -> Collection:
     """Every record under <sweep_dir>/cells, read as status and submit read them (record.py);
     unreadable ones are listed by path, never fatal, and no link out of the sweep folder is followed.
 
     scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
-    the caller asked the scheduler, names the state of cells that have no record yet."""
+    the caller asked the scheduler, names the state of cells that have no record yet. progress
+    counts the records read."""
     sweep_dir = Path(sweep_dir)
     paths = cell_files(sweep_dir, RECORD_NAME)
+    if progress:
+        progress.count(len(paths))
     unreadable: list[str] = []
     rows, spec_fields = [], {}
     for path in paths:
+        if progress:
+            progress.advance()
         state = record_state(path, root=sweep_dir)
         if state.problem:
             unreadable.append(state.problem)
@@ -250,8 +258,8 @@ def value_text(value: Any) -> str:
     """A value as a person writes it: 2 not 2.0, 4 significant digits, a dash for nothing."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else f"{value:.4g}"
+    if isinstance(value, float):  # a whole number as one, unless it is too long to read (lr: 1e30 is 1e+30)
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
     return str(value)
 
 

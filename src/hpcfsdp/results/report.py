@@ -32,6 +32,7 @@ from .tables import (
     failures_table,
     fmt,
     frontier_table,
+    on_cpu,
     pivot_tables,
     probe_rows,
     reference_cells,
@@ -272,9 +273,10 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
     fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
+    ranks = "process(es)" if on_cpu(cells.frame) else "GPU(s)"  # no GPU in a device: cpu sweep
     lines = [
         f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
-        f"job, {int(fastest['gpus'])} GPU(s) x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+        f"job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
         f"(cell {fastest['cell_id']})"
     ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
@@ -304,7 +306,8 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     cost = "joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"
     cheapest = ranked.sort_values(cost, kind="stable").iloc[0]  # the first of equals, as idxmin
     same = " (also the fastest)" if cheapest.name == fastest.name else ""
-    gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} GPU-hours per billion tokens"
+    hours = "process-hours" if on_cpu(cells.frame) else "GPU-hours"
+    gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} {hours} per billion tokens"
     if by_energy:
         return (
             f"Cheapest: {_setup(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "

@@ -55,13 +55,7 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
     headers = ["strategy", *(SHORT.get(f, f) for f in fields), "status", *(h for _, h in CELL_METRICS), "cell"]
     if frame.empty:
         return pd.DataFrame(columns=headers)
-    speed = pd.to_numeric(frame["tokens_per_s_per_gpu"], errors="coerce") if "tokens_per_s_per_gpu" in frame else None
-    ranked = frame.assign(_failed=frame["status"] != "ok", _speed=speed).sort_values(
-        ["_failed", "_speed", "status", "cell_id"],
-        ascending=[True, False, True, True],
-        na_position="last",
-        kind="stable",
-    )
+    ranked = _ranked(frame)
     columns = {"strategy": ranked["strategy"].map(value_text)}
     columns.update({SHORT.get(f, f): ranked[f].map(value_text) for f in fields})
     columns["status"] = ranked["status"].map(value_text)
@@ -71,7 +65,69 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
         )
         columns[header] = values.map(lambda v, c=column: fmt(c, v) if c in METRIC_FORMATS else value_text(v))
     columns["cell"] = ranked["cell_id"].map(value_text)
-    return pd.DataFrame(columns, columns=headers).reset_index(drop=True)
+    table = pd.DataFrame(columns, columns=headers).reset_index(drop=True)
+    return table.rename(columns={"tokens/s/gpu": PER_PROCESS}) if on_cpu(frame) else table
+
+
+PER_PROCESS = "tokens/s/process"  # the cell table's tokens/s/gpu where no cell used a GPU
+
+
+def on_cpu(frame: pd.DataFrame) -> bool:
+    """No cell of these used a GPU: every record's device_type says cpu (cells without a record
+    aside). Their tables then speak of processes, not GPUs."""
+    devices = frame["device_type"].dropna() if "device_type" in frame else pd.Series(dtype=object)
+    return bool(len(devices)) and bool(devices.eq("cpu").all())
+
+
+# What `collect --json` gives of each cell: (DataFrame column, key), the figures the table shows.
+CELL_FIGURES = (
+    ("tokens_per_s_per_gpu", "tokens_per_s_per_gpu"),
+    ("step_time_s", "step_time_s"),
+    ("mfu", "mfu"),
+    ("peak_memory_gib", "peak_memory_gib"),
+    ("final_loss", "final_loss"),
+)
+
+
+def cells_document(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`collect --json`: every cell (records and missing ones) in the cell table's order, with its
+    status, Slurm job, the first line of its error (or why it has no record), the fields that vary
+    in the sweep and the table's figures as numbers (null where there is none)."""
+    if frame.empty:
+        return []
+    fields = varied_fields(frame, spec_fields)
+    ranked = _ranked(frame)
+    cells = []
+    for _, row in ranked.iterrows():
+        error = _first_line(row.get("error"))
+        cells.append(
+            {
+                "cell_id": row["cell_id"],
+                "status": row["status"],
+                "job_id": row.get("slurm.job_id"),
+                "reason": None if error == "-" else error,
+                "strategy": row.get("strategy"),
+                "fields": {name: row.get(name) for name in fields},
+                **{key: _number(row.get(column)) for column, key in CELL_FIGURES},
+            }
+        )
+    return cells
+
+
+def _number(value: Any) -> float | None:
+    number = pd.to_numeric(pd.Series([value]), errors="coerce").iloc[0]
+    return None if pd.isna(number) else float(number)
+
+
+def _ranked(frame: pd.DataFrame) -> pd.DataFrame:
+    """Best first: ok cells by tokens/s per GPU, then the others by status."""
+    speed = pd.to_numeric(frame["tokens_per_s_per_gpu"], errors="coerce") if "tokens_per_s_per_gpu" in frame else None
+    return frame.assign(_failed=frame["status"] != "ok", _speed=speed).sort_values(
+        ["_failed", "_speed", "status", "cell_id"],
+        ascending=[True, False, True, True],
+        na_position="last",
+        kind="stable",
+    )
 
 
 def printed_comparison(table: pd.DataFrame, full_table: Path) -> str:
@@ -93,7 +149,7 @@ def printable(table: pd.DataFrame) -> pd.DataFrame:
         {
             header: table[header].map(
                 (lambda v: f"{v:.0f}" if isinstance(v, float) and v == v else value_text(v))
-                if header == "tokens/s/gpu"
+                if header in ("tokens/s/gpu", PER_PROCESS)
                 else value_text
             )
             for header in table.columns
@@ -324,3 +380,21 @@ def history_table(rows: pd.DataFrame) -> pd.DataFrame:
     table = rows[[column for column, _ in HISTORY_COLUMNS]].rename(columns=dict(HISTORY_COLUMNS))
     table["started (UTC)"] = table["started (UTC)"].dt.strftime("%Y-%m-%d %H:%M")
     return table
+
+
+def history_document(rows: pd.DataFrame) -> dict[str, Any]:
+    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601, UTC),
+    with each run's Slurm job, git commit, sweep folder and the first line of its error."""
+    shown = [column for column, _ in HISTORY_COLUMNS]
+    extra = ("slurm_job_id", "git_commit", "sweep_dir", "error")
+    runs = [
+        {
+            **{column: row[column] for column in shown},
+            "job_id": row["slurm_job_id"],
+            "git_commit": row["git_commit"],
+            "sweep_dir": row["sweep_dir"],
+            "reason": None if _first_line(row["error"]) == "-" else _first_line(row["error"]),
+        }
+        for row in rows[[*shown, *extra]].to_dict("records")
+    ]
+    return {"runs": runs, "count": len(runs), "setups": int(rows["setup"].nunique())}

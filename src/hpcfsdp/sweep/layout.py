@@ -38,6 +38,7 @@ CELLS_DIR = "cells"
 MANIFEST_NAME = "manifest.json"
 MATRIX_NAME = "matrix.yaml"
 SLURM_DIR = "slurm"
+LOG_NAME = "log.txt"  # a cell's output under the local executor, in its cell folder
 TUNE_NAME = "tune.json"
 LOG_TAIL_BYTES = 8 << 20  # what is read of one log at most: its end, where a failure shows
 

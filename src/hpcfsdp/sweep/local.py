@@ -19,14 +19,13 @@ from pathlib import Path
 from ..record import MISSING
 from ..spec import JOB_END_ENV
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
-from .layout import cell_dir, records_set_aside, update_manifest
+from .layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
 from .lost import log_tails, record_launch_failure
 from .matrix import Cell, Sweep
 from .status import cell_status
 
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
-LOG_NAME = "log.txt"  # the cell's output, in its cell folder
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

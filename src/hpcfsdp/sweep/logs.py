@@ -27,6 +27,7 @@ from ..files import RecordError, read_json_object
 from ..record import ATTEMPTS_DIR, RECORD_NAME, is_job_id, slurm_job_of
 from ..spec import SpecError
 from .layout import (
+    LOG_NAME,
     LOG_TAIL_BYTES,
     cell_dir,
     job_log_files,
@@ -117,15 +118,14 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
     out = out or sys.stdout  # looked up now: a default bound at import would keep a replaced stream
     state = cell_state(sweep_dir, cell_id)
     jobs = cell_jobs(sweep_dir, cell_id)
-    if not jobs:
-        local_log = cell_dir(sweep_dir, cell_id) / "log.txt"
-        print(f"{cell_id}: no Slurm job (state {state.status}); a local run's log is {local_log}", file=out)
-        return 1
     record = state.record or {}
     if state.status != "ok" and record:
         print(
             f"== {cell_id}: {state.status} at {record.get('stage', '?')}: {_first_line(record.get('error'))}", file=out
         )
+    if not jobs:
+        return _print_local_log(sweep_dir, cell_id, state.status, out)
+    if state.status != "ok" and record:
         newest = rank_logs(sweep_dir, cell_id, jobs[0], "stderr") + rank_logs(sweep_dir, cell_id, jobs[0], "stdout")
         for line in telling_lines(sweep_dir, newest):
             print(line, file=out)
@@ -142,6 +142,19 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
             f"{cell_id}: no {stream} log yet of job(s) {', '.join(jobs)} in {slurm_folder(sweep_dir).parent}", file=out
         )
         return 1
+    return 0
+
+
+def _print_local_log(sweep_dir: Path, cell_id: str, status: str, out: TextIO) -> int:
+    """A cell the local executor ran: its one log (stdout and stderr of every rank, as torchrun
+    wrote them); exit status 1 when there is none."""
+    path = cell_dir(sweep_dir, cell_id) / LOG_NAME
+    if not path.is_file():
+        print(f"{cell_id}: no Slurm job and no local run's log (state {status}; {path} is absent)", file=out)
+        return 1
+    text, why = read_log(sweep_dir, path)  # a regular file inside the sweep folder, its last 8 MiB
+    print(f"==> local run: {path} (stdout and stderr of every rank) <=={f' {why}' if why else ''}", file=out)
+    out.write(text if text.endswith("\n") or not text else text + "\n")
     return 0
 
 

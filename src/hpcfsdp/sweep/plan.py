@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..fields import SpecError, field_names
@@ -13,16 +13,20 @@ from ..spec import RunSpec
 from .cluster import array_size_limit
 from .matrix import Cell, Sweep, arrays, plain_value
 
+RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
+
+
+def rank_word(cells: Iterable[Cell]) -> str:
+    """What one rank of these cells runs on, as plan names it: a GPU, or, where every cell says
+    `device: cpu`, a process."""
+    return "process" if all(cell.spec.device == "cpu" for cell in cells) else "GPU"
 
 
 def print_plan(sweep: Sweep, memory: bool = False) -> int:
     """The cell table (or, with memory, the memory table), the arrays, the GPU-hours bound; then
     one `error:` line per cache miss or shape the partition cannot run (exit status 2)."""
-    from ..cache.plan import cache_misses
-    from .preflight import cluster_problems
-
     res = sweep.resources
     size = array_size_limit(res.max_array_size, res.clusters)
     planned = arrays(sweep.cells, size)
@@ -30,23 +34,69 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
     print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s){where}")
     sys.stdout.write("\n".join(memory_table(sweep) if memory else plan_table(sweep, planned)) + "\n")
     for index, ((nodes, gpus), cells) in enumerate(planned):
-        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)")
+        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]}")
     if len(planned) > len(sweep.groups()):
         limit = "slurm.max_array_size" if size == res.max_array_size else "the cluster's MaxArraySize"
         print(f"(an array holds at most {size} cells: {limit})")
-    runs = 1 + res.max_requeue  # every requeue may use a whole time limit again
-    gpu_hours = sum(c.spec.world_size for c in sweep.cells) * res.time_min * runs / 60
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
-    print(f"upper bound: {gpu_hours:.1f} GPU-hours at a {res.time_min} min limit per cell{requeues}")
+    print(
+        f"upper bound: {rank_hours(sweep):.1f} {rank_word(sweep.cells)}-hours at a {res.time_min} min limit "
+        f"per cell{requeues}"
+    )
     if res.pass_env:
         print(
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
             "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
         )
-    problems = cache_misses(sweep, res.cache_dir or None) + cluster_problems(sweep)
+    problems = plan_problems(sweep)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
+
+
+def rank_hours(sweep: Sweep) -> float:
+    """The most GPU-hours (process-hours on CPU) the sweep can use: every rank for its whole time
+    limit, again for every requeue."""
+    runs = 1 + sweep.resources.max_requeue
+    return sum(c.spec.world_size for c in sweep.cells) * sweep.resources.time_min * runs / 60
+
+
+def plan_problems(sweep: Sweep) -> list[str]:
+    """What stops the sweep here: cache misses, shapes the partition cannot run."""
+    from ..cache.plan import cache_misses
+    from .preflight import cluster_problems
+
+    return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep)
+
+
+def plan_document(sweep: Sweep, memory: bool = False) -> dict:
+    """`plan --json`: every cell (its array and spec; with memory, its predicted memory), the
+    arrays, the bound and the problems, with the exit status print_plan would give."""
+    res = sweep.resources
+    planned = arrays(sweep.cells, array_size_limit(res.max_array_size, res.clusters))
+    array_of = {cell.id: index for index, (_, members) in enumerate(planned) for cell in members}
+    cells = {
+        cell.id: {"cell_id": cell.id, "array": array_of[cell.id], "spec": cell.spec.to_dict()} for cell in sweep.cells
+    }
+    if memory:
+        for cell_id, figures in memory_figures(sweep).items():
+            cells[cell_id]["memory"] = figures
+    problems = plan_problems(sweep)
+    return {
+        "sweep": sweep.name,
+        "cluster": res.clusters,
+        "exit_status": 2 if problems else 0,
+        "cells": list(cells.values()),
+        "arrays": [
+            {"array": index, "nodes": nodes, "ranks_per_node": ranks, "rank": rank_word(members), "cells": len(members)}
+            for index, ((nodes, ranks), members) in enumerate(planned)
+        ],
+        "upper_bound_hours": rank_hours(sweep),
+        "hours_of": rank_word(sweep.cells),
+        "time_min": res.time_min,
+        "max_requeue": res.max_requeue,
+        "problems": problems,
+    }
 
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
@@ -61,7 +111,9 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     for index, ((nodes, gpus), cells) in enumerate(
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     ):
-        print(f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s) =====")
+        print(
+            f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]} ====="
+        )
         print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
     return 0
 
@@ -77,8 +129,9 @@ def plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) 
     columns = {name: [plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
     widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
     id_width = max(4, *(len(c.id) for c in cells))
+    shape = "nodes x gpus" if rank_word(cells) == "GPU" else "nodes x procs"
     lines = [
-        f"{'cell':{id_width}} {'strategy':19} {'batch':>5} {'accum':>5} {'ckpt':>9} {'nodes x gpus':>12} {'array':>5}"
+        f"{'cell':{id_width}} {'strategy':19} {'batch':>5} {'accum':>5} {'ckpt':>9} {shape:>12} {'array':>5}"
         + "".join(f" {name:>{widths[name]}}" for name in varying)
     ]
     for row, cell in enumerate(cells):
@@ -133,6 +186,30 @@ def memory_table(sweep: Sweep) -> list[str]:
             f"{sum(r.fit == 'tight' for r in rows)} tight (above 90%)"
         )
     return lines
+
+
+def memory_figures(sweep: Sweep) -> dict[str, dict]:
+    """`plan --memory --json`: cell id -> what memory_table shows of it, as numbers (GiB)."""
+    from .hostmemory import predict_host_cells
+    from .memory import predict_cells
+
+    rows = predict_cells(sweep.cells, capacity_of(sweep), sweep.resources.cache_dir or None)
+    hosts = predict_host_cells(sweep.cells, sweep.resources.cache_dir or None)
+    figures = {}
+    for row in rows:
+        p, host = row.prediction, hosts[row.cell_id]
+        figures[row.cell_id] = {
+            "batch_size": row.batch,
+            **{
+                name: getattr(p, name) if p else None
+                for name in ("states_gib", "gathered_gib", "activations_gib", "loss_gib", "peak_gib")
+            },
+            "peak_at": p.peak_moment if p else None,
+            "host_gib_per_node": host.node_gib if host else None,
+            "fit": row.fit or None,  # ok, tight, oom; none where the GPU's memory is unknown (or on CPU)
+            "note": row.note,
+        }
+    return figures
 
 
 def capacity_of(sweep: Sweep) -> float | None:

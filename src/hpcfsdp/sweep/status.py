@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from ..errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ..files import RecordError, read_json_object
 from ..record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ..spec import SEARCHED_FIELDS
@@ -39,6 +40,7 @@ class CellStatus:
     blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
+    error: str = ""  # the first line of its record's error, for a cell that did not end ok
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,24 @@ class StatusReport:
         return [c for c in self.cells if c.blocked]
 
     @property
+    def exit_status(self) -> int:
+        return cells_exit_status(c.state for c in self.cells)
+
+    @property
     def stuck(self) -> bool:
         """Cells are in flight and every one of them waits on a reason that cannot clear."""
         flying = [c for c in self.cells if c.state in IN_FLIGHT]
         return bool(flying) and all(c.blocked for c in flying)
+
+
+def cells_exit_status(states: Iterable[str]) -> int:
+    """What `status` and `submit` exit with (errors.py): 3 when a cell is in any state but ok,
+    pending or running (a record that is not ok, none, a corrupt or stale one), else 4 while a
+    cell is pending or running, else 0."""
+    seen = set(states)
+    if seen - {CellState.OK, *IN_FLIGHT}:
+        return EXIT_NOT_OK
+    return EXIT_IN_FLIGHT if seen & set(IN_FLIGHT) else EXIT_OK
 
 
 def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
@@ -143,6 +159,7 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
                     ended.states[0] if ended else "",
                     advice=advice if isinstance(advice, str) else "",
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
+                    error=_first_line(record.get("error")) if states[cid].status != CellState.OK else "",
                 )
             )
         else:
@@ -159,6 +176,10 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
                 )
             )
     return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def _first_line(error: object) -> str:
+    return error.strip().splitlines()[0] if isinstance(error, str) and error.strip() else ""
 
 
 def _scheduler_state(slurm_state: str) -> str:
@@ -274,6 +295,31 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
         print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
+
+
+def status_document(report: StatusReport) -> dict:
+    """`status --json`: the counts and every cell (the table shows only those not ok)."""
+    return {
+        "sweep_dir": str(report.sweep_dir),
+        "cluster": report.cluster,
+        "exit_status": report.exit_status,
+        "counts": dict(sorted(report.counts().items())),
+        "cells": [
+            {
+                "cell_id": c.cell_id,
+                "strategy": c.strategy,
+                "status": str(c.state),
+                "job_id": c.job_id,
+                "slurm": c.slurm,
+                "reason": c.reason or c.error,  # why it waits (squeue), else why it failed (its record)
+                "advice": c.advice,
+                "blocked": c.blocked,
+                "preempted": c.preempted,
+            }
+            for c in report.cells
+        ],
+        "warnings": ([report.note] if report.note else []) + report.problems,
+    }
 
 
 def blocked_message(cells: list[CellStatus], cluster: str = "") -> str:
