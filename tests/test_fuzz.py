@@ -45,7 +45,7 @@ from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.jsontypes import INT64_MAX, INT64_MIN
 from hpcfsdp.record import CHECKED_FIELDS, CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, STATUSES, record_state
-from hpcfsdp.results.export import _runs
+from hpcfsdp.results.export import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
@@ -243,7 +243,7 @@ def test_hostile_records_never_crash_hang_or_win(template, store, change):
             assert_in_range(state.record)
 
         code, _out, err = quiet(main, ["status", str(sweep)])
-        assert code in (0, 1) and "Traceback" not in err, err
+        assert code in (0, 1, 3, 4) and "Traceback" not in err, err  # 3: a cell not ok (a corrupt record)
         winner = victim.parent.name
         code, _out, err = quiet(print_logs, sweep, winner, "stdout")
         assert code in (0, 1)
@@ -284,8 +284,11 @@ def through_tables_history_and_export(sweep: Path, collection: Any, store: Histo
         assert "inf " not in line and "nan" not in line, line
     write_tables(collection.cells, report_folder(sweep))
     store.append(history_rows(collection, sweep))
-    runs = list(_runs(collection.frame, collection.spec_fields))
-    assert all(all(math.isfinite(loss) for _, loss in run["losses"]) for run in runs)
+    runs = list(exported_runs(sweep, collection.frame, collection.spec_fields))
+    # A step whose loss was not finite is NaN at its own step (issue 34); never an infinity, and
+    # every headline figure a tracker gets is a finite number.
+    assert all(not math.isinf(loss) for run in runs for _, loss in run.losses)
+    assert all(math.isfinite(value) for run in runs for value in run.figures.values())
 
 
 def assert_in_range(record: dict) -> None:
@@ -450,7 +453,8 @@ def test_whole_commands_over_a_folder_of_hostile_records_print_no_traceback(temp
             preexec_fn=_limited,
         )
         assert "Traceback" not in done.stderr and "Traceback" not in done.stdout, (argv, done.stderr[-3000:])
-        assert done.returncode in (0, 1), (argv, done.returncode, done.stderr[-2000:])
+        # 3: some cell not ok, or a history collect could not check; 4: some cell still in flight
+        assert done.returncode in (0, 1, 3, 4), (argv, done.returncode, done.stderr[-2000:])
         errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
         assert len(errors) <= 1, errors
         if argv[0] == "collect":

@@ -298,7 +298,8 @@ def test_logs_build_no_path_from_a_job_id_that_is_none(tmp_path):
     spoil(record, slurm={"job_id": "1,2"})
     done = run_cli("logs", str(sweep), cell, "--stderr")
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stdout.startswith(f"{cell}: no Slurm job")
+    assert f"{cell}: no Slurm job and no local run's log" in done.stdout
+    assert "etc" not in done.stdout and "1,2" not in done.stdout
 
 
 @pytest.mark.parametrize("spec_changes", [{"nodes": "x"}, {"nodes": 10**12}, {"gpus_per_node": None}])
@@ -336,7 +337,7 @@ def test_an_odd_file_named_result_json_hangs_nothing_and_is_named_corrupt(tmp_pa
     ):
         done = run_cli(*argv)
         assert "Traceback" not in done.stderr, (argv, done.stderr)
-        assert done.returncode in (0, 1), (argv, done.returncode, done.stderr)
+        assert done.returncode in (0, 1, 3), (argv, done.returncode, done.stderr)  # 3: status of a corrupt cell
     done = run_cli("collect", str(sweep), "--no-plots", "--no-history")
     (line,) = [line for line in done.stderr.splitlines() if str(path) in line]
     assert line.startswith(f"warning: skipped {path}: ")
