@@ -33,6 +33,6 @@ $python bench/acceptance.py table --work "$work" --out "$out" | tee -a "$out/acc
 # table, machine.txt and the rows (the device gives back a few files per call).
 cp "$out"/*.log "$out"/*.txt "$out"/*.yaml "$work"/ 2>/dev/null
 tar -czf "$out/acceptance_logs.tar.gz" -C "$work" --exclude='*.pt' --exclude='*.pickle' . 2>/dev/null
-find "$out" -maxdepth 1 -type f ! -name acceptance.md ! -name machine.txt ! -name faults.jsonl ! -name sweep.json \
+find "$out" -maxdepth 1 -type f ! -name acceptance.md ! -name machine.txt ! -name faults.jsonl ! -name sweep.json ! -name run.log \
   ! -name acceptance_logs.tar.gz -delete
 echo "== done in $SECONDS s"
