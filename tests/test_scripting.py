@@ -307,6 +307,8 @@ def test_collect_of_a_cpu_sweep_speaks_of_processes_and_an_lr_of_1e30_stays_shor
     assert "tokens/s/process" in out and "process(es) x" in out and "process-hours per billion" in out
     assert "GPU" not in out and "tokens/s/gpu" not in out
     assert "1e+30" in out and "1000000000000000019884624838656" not in out
+    summary = (sweep / "report" / "summary.md").read_text()
+    assert "tokens/s per process" in summary and "per GPU" not in summary and "GPU-hours" not in summary
 
 
 def test_history_json_lists_the_runs_with_their_job_and_reason(tmp_path, capsys):

@@ -337,9 +337,10 @@ def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
         return Section("Best configuration", text="No cell finished ok.")
     top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
+    per = "process" if on_cpu(cells.frame) else "GPU"  # no GPU in a device: cpu sweep
     text = (
         f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
-        f"tokens/s per GPU (cell {top['cell_id']}). Per strategy, by tokens/s per GPU among ok cells:"
+        f"tokens/s per {per} (cell {top['cell_id']}). Per strategy, by tokens/s per {per} among ok cells:"
     )
     return Section("Best configuration", text=text, table=best_table(configs, cells))
 
@@ -353,9 +354,10 @@ def _baseline_section(configs: pd.DataFrame, cells: Cells, requested: str | None
     table = baseline_table(configs, cells, baseline)
     if table.empty:
         return Section(title, text=f"No ok {baseline} cell shares a workload with another strategy's ok cell.")
+    per = "process" if on_cpu(cells.frame) else "GPU"
     text = (
         f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
-        f"resources. Speed-up = tokens/s per GPU / baseline's; memory saving = 1 - peak / baseline's peak."
+        f"resources. Speed-up = tokens/s per {per} / baseline's; memory saving = 1 - peak / baseline's peak."
     )
     return Section(title, text=text, table=table)
 
