@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..files import read_json_object
 from ..record import MISSING, SPEC_NAME
 from ..spec import SpecError
 from .layout import cell_dir, read_manifest, slurm_jobs, sweep_comment
@@ -117,8 +116,7 @@ def _wait_until_gone(jobs: dict[str, str], cluster: str, timeout_s: float) -> di
 
 def _record_cancelled(sweep_dir: Path, cell_id: str, job_id: str, when: str) -> None:
     directory = cell_dir(sweep_dir, cell_id)
-    spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
-    logs = slurm_logs(sweep_dir, job_id, spec["nodes"] * spec["gpus_per_node"])
+    logs = slurm_logs(sweep_dir, job_id)  # listed from the job's folder: no count taken from spec.json
     record_launch_failure(
         directory, f"Slurm job {job_id} cancelled by `hpcfsdp cancel` {when}", log_tails(logs), "cancelled"
     )
