@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from hpcfsdp.sweep.local import processes_under
+
 FAULTS = ("oom", "error", "hang", "timeout")
 EXPECTED = {"oom": "oom", "error": "error", "hang": "hang", "timeout": "timeout"}
 TRAIN_TIMEOUT_S = 15  # the hang cells' train_timeout_s: a hang is declared this long past the slowest step
@@ -70,17 +72,6 @@ def gpu_pids() -> set[int]:
     return {int(line) for line in out.split() if line.strip().isdigit()}
 
 
-def children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -118,7 +109,7 @@ class FaultCell:
 
     def poll(self, limit_s: float) -> bool:
         """True once the cell has ended (or was killed at limit_s)."""
-        self.ranks |= children(self.proc.pid)
+        self.ranks |= set(processes_under(self.proc.pid))  # the ranks, and whatever they started
         if self.proc.poll() is None and time.time() - self.started < limit_s:
             return False
         if self.proc.poll() is None:
