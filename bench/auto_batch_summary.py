@@ -20,6 +20,7 @@ from pathlib import Path
 
 from memory_prediction import spec_of  # bench/, beside this script
 
+from hpcfsdp.sources import model_source
 from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.memory import largest_fitting_batch, load_shape, predict
 
@@ -59,7 +60,7 @@ def rows(sweep_dir: Path, timings: dict[str, tuple[float, int]], capacity: float
         label = label_of(spec)
         seen.add(label)
         wall, _ = timings.get(label, (0.0, 0))
-        shape = load_shape(spec.model)
+        shape = load_shape(model_source(spec.model))
         predicted_b = (
             str(largest_fitting_batch(spec.replace(batch_size=search["first_batch"]), shape, capacity))
             if search and capacity

@@ -18,6 +18,7 @@ import time
 import torch
 
 from hpcfsdp.cell.models import build_model, resolve_model
+from hpcfsdp.sources import model_source
 from hpcfsdp.spec import RunSpec
 
 
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     started = time.monotonic()
-    model = build_model(resolve_model(args.preset), torch.float32, torch.device(args.device), args.seed)
+    model = build_model(resolve_model(model_source(args.preset)), torch.float32, torch.device(args.device), args.seed)
     model.save_pretrained(args.folder, safe_serialization=True)
     count = sum(p.numel() for p in model.parameters())
     print(

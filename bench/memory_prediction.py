@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from hpcfsdp.sources import model_source
 from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.memory import load_shape, predict
 
@@ -79,7 +80,7 @@ def table(paths: list[Path]) -> tuple[list[tuple], float]:
     rows: dict[tuple, list] = {}
     for _, record in records(paths):
         for spec, measured, source in measurements(record):
-            prediction = predict(spec, load_shape(spec.model))
+            prediction = predict(spec, load_shape(model_source(spec.model)))
             key = (
                 spec.model,
                 spec.strategy,

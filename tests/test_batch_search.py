@@ -106,11 +106,11 @@ from hpcfsdp.cell.distributed import init_distributed
 from hpcfsdp.spec import RunSpec
 env = init_distributed("cpu", 300)
 for strategy in ("ddp", "fsdp2_zero3"):
-    spec = RunSpec.from_dict({"batch_size": "auto", "device": "cpu", "precision": "fp32", "seq_len": 32,
-                              "strategy": strategy, "activation_checkpointing": "full"})
+    spec, sources = RunSpec.resolved({"batch_size": "auto", "device": "cpu", "precision": "fp32", "seq_len": 32,
+                                      "strategy": strategy, "activation_checkpointing": "full"})
     built = []
     def build(probe):
-        model, optimizer, vocab = building.build_probe(probe, env)
+        model, optimizer, vocab = building.build_probe(probe, sources, env)
         built.extend([weakref.ref(model), weakref.ref(optimizer)])
         return model, optimizer, vocab
     search = BatchSearch(1, spec.batch_cap, 0.0, 2)

@@ -16,6 +16,7 @@ from conftest import run_torchrun_cell
 from hpcfsdp.cache.hub import CacheMissError, lookup_dataset, lookup_model
 from hpcfsdp.cell.data import open_data, pack, rank_indices, training_batches
 from hpcfsdp.fields import SpecError
+from hpcfsdp.sources import data_source, model_source
 from hpcfsdp.spec import RunSpec
 from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
 
@@ -64,16 +65,16 @@ def test_text_column_names_the_field_documents_are_in(model_dir: Path, tmp_path:
     datasets.Dataset.from_dict({"body": STORIES}).save_to_disk(str(tmp_path / "saved"))
     expected = _expected_blocks(model_dir, STORIES)
     for data in ("rows", "saved"):
-        blocks = open_data(str(tmp_path / data), str(model_dir), SEQ_LEN, text_column="body")
+        blocks = open_data(data_source(str(tmp_path / data)), model_source(str(model_dir)), SEQ_LEN, text_column="body")
         assert (
             torch.equal(blocks.read(list(range(blocks.count))), expected) and blocks.provenance["text_column"] == "body"
         )
     with pytest.raises(ValueError, match="saved: no 'text' column \\(columns: body\\); set text_column"):
-        open_data(str(tmp_path / "saved"), str(model_dir), SEQ_LEN)
+        open_data(data_source(str(tmp_path / "saved")), model_source(str(model_dir)), SEQ_LEN)
 
 
 def test_text_folder_is_tokenised_and_packed(model_dir: Path, text_folder: SimpleNamespace) -> None:
-    blocks = open_data(str(text_folder.path), str(model_dir), SEQ_LEN)
+    blocks = open_data(data_source(str(text_folder.path)), model_source(str(model_dir)), SEQ_LEN)
     expected = _expected_blocks(model_dir, text_folder.documents)
     assert blocks.count == len(expected) > 10
     assert torch.equal(blocks.read(list(range(blocks.count))), expected)
@@ -87,13 +88,13 @@ def test_saved_dataset_gives_the_same_blocks(model_dir: Path, text_folder: Simpl
     import datasets
 
     datasets.Dataset.from_dict({"text": text_folder.documents}).save_to_disk(str(tmp_path / "saved"))
-    blocks = open_data(str(tmp_path / "saved"), str(model_dir), SEQ_LEN)
+    blocks = open_data(data_source(str(tmp_path / "saved")), model_source(str(model_dir)), SEQ_LEN)
     assert blocks.provenance["kind"] == "saved_dataset" and blocks.provenance["documents"] == 12
     assert torch.equal(blocks.read(list(range(blocks.count))), _expected_blocks(model_dir, text_folder.documents))
 
 
 def test_ranks_draw_disjoint_blocks_deterministically_and_cycle(model_dir: Path, text_folder: SimpleNamespace) -> None:
-    blocks = open_data(str(text_folder.path), str(model_dir), SEQ_LEN)
+    blocks = open_data(data_source(str(text_folder.path)), model_source(str(model_dir)), SEQ_LEN)
     per_rank = blocks.count // 2
 
     def take(seed: int, rank: int, n: int) -> list[int]:
@@ -120,7 +121,7 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
     bad.mkdir()
     (bad / "x.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: expected a JSON object with a 'text' field of text"):
-        open_data(str(bad), str(model_dir), SEQ_LEN)
+        open_data(data_source(str(bad)), model_source(str(model_dir)), SEQ_LEN)
     with pytest.raises(SpecError, match="text_column: synthetic data has no documents"):
         RunSpec.from_dict({"text_column": "body"})
     with pytest.raises(SpecError, match=r"tokenizer: data .* needs one, and model 'tiny' is a preset"):
@@ -154,7 +155,7 @@ def tokenized_cache(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace
 
 def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     offline(monkeypatch, tokenized_cache)
-    blocks = open_data(DATASET, MODEL, SEQ_LEN)
+    blocks = open_data(data_source(DATASET), model_source(MODEL), SEQ_LEN)
     manifest = json.loads((tokenized_cache.cache / "manifest.json").read_text())
     entry = manifest["items"][f"tokenized:{DATASET}:default@train|{MODEL}@main|seq_len={SEQ_LEN}"]
     p = blocks.provenance
@@ -174,7 +175,7 @@ def test_cached_tokenized_dataset(tokenized_cache: SimpleNamespace, monkeypatch:
     assert torch.equal(blocks.read(list(range(blocks.count))), expected)
     started = time.monotonic()
     with pytest.raises(CacheMissError, match="--tokenize-for acme/tiny-qwen --seq-len 32"):
-        open_data(DATASET, MODEL, 32)
+        open_data(data_source(DATASET), model_source(MODEL), 32)
     assert time.monotonic() - started < 5
 
 

@@ -24,7 +24,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hpcfsdp.cache.hub import CacheMissError, lookup_tokenized
 from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep
-from hpcfsdp.hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
+from hpcfsdp.hubrefs import DatasetRef, ModelRef, TokenizedRef
+from hpcfsdp.sources import model_source
 from hpcfsdp.sweep.matrix import load_sweep, parse_sweep
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files
 
@@ -582,7 +583,7 @@ def test_names_presets_and_plans() -> None:
             ModelRef.parse(bad)
     with pytest.raises(ValueError):
         DatasetRef.parse("org/name@")
-    assert not is_hub_model("tiny") and not is_hub_model("qwen2.5-1.5b") and is_hub_model("org/model")
+    assert [model_source(m).kind for m in ("tiny", "qwen2.5-1.5b", "org/model")] == ["preset", "preset", "hub"]
 
     sweep = parse_sweep({"base": {"device": "cpu"}, "matrix": {"model": ["tiny", "org/a", "org/b@dev"]}})
     plan = plan_from_sweep(sweep)

@@ -18,6 +18,7 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import apply_activation_checkpointing
 from hpcfsdp.cli import main
 from hpcfsdp.fields import SpecError
+from hpcfsdp.sources import model_source
 from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.matrix import cell_id, load_sweep
 from test_equivalence import assert_same_training
@@ -97,7 +98,7 @@ def test_a_missing_package_is_one_line_naming_the_extra():
 def _tiny_backward(**fields) -> tuple[float, float, torch.Tensor]:
     """Loss, backward FLOPs and the embedding's gradient of one step of the tiny model (fp32, CPU)."""
     spec = RunSpec(device="cpu", precision="fp32", **fields)
-    model = build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), seed=0)
+    model = build_model(resolve_model(model_source("tiny")), torch.float32, torch.device("cpu"), seed=0)
     install_loss(model, spec, torch.device("cpu"))
     apply_activation_checkpointing(model, spec)
     tokens = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -142,7 +143,7 @@ def test_a_cce_variant_the_installed_release_lacks_is_one_line_naming_the_releas
     monkeypatch.setattr(cut_cross_entropy, "LinearCrossEntropyImpl", enum.IntEnum("Impl", "CCE TORCH_COMPILE"))
     with pytest.raises(RuntimeError) as error:
         install_loss(
-            build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), seed=0),
+            build_model(resolve_model(model_source("tiny")), torch.float32, torch.device("cpu"), seed=0),
             RunSpec(device="cuda", loss="cce_kahan_full_c"),
             torch.device("cuda"),
         )
@@ -208,6 +209,6 @@ def test_weights_are_gathered_in_float8_only_where_there_is_something_to_gather(
     spec = RunSpec.from_dict({"device": "cuda", "float8": "tensorwise", "model": "qwen3-1.7b", **fields}, "t.yaml")
     assert spec.float8_all_gather is gathers_float8
     bf16 = RunSpec.from_dict({**spec.to_dict(), "float8": "none"}, "t.yaml")
-    shape = load_shape("qwen3-1.7b")
+    shape = load_shape(model_source("qwen3-1.7b"))
     # the memory prediction follows: float8 all-gather holds the gathered matmul weights in 1 byte, not 2
     assert (_gathered_bytes(spec, shape) < _gathered_bytes(bf16, shape)) is (gathers_float8 and spec.family == "fsdp2")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -52,12 +53,17 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
+    from hpcfsdp.sources import PRESETS_DIR
     from hpcfsdp.spec import RunSpec
     from hpcfsdp.sweep.job import write_cell_spec
 
-    spec = RunSpec(device="cpu").replace(model=str(tmp_path / "model-deleted-after-plan"))
+    model = tmp_path / "model-deleted-after-plan"
+    model.mkdir()
+    shutil.copy(PRESETS_DIR / "tiny.json", model / "config.json")
+    spec, sources = RunSpec.resolved({"device": "cpu", "model": str(model)})
     cell_dir = tmp_path / "cell"
-    write_cell_spec(cell_dir, spec, "c1", "s")
+    write_cell_spec(cell_dir, spec, "c1", "s", sources)
+    shutil.rmtree(model)
     with pytest.raises(SystemExit, match="model-deleted-after-plan"):
         main(["run", "--cell-dir", str(cell_dir)])
     record = json.loads((cell_dir / "result.json").read_text())

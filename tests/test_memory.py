@@ -14,7 +14,7 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import param_dtype
 from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
-from hpcfsdp.sources import preset_names
+from hpcfsdp.sources import model_source, preset_names
 from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.memory import (
     GIB,
@@ -33,8 +33,8 @@ import memory_prediction
 @pytest.mark.parametrize("preset", preset_names())
 def test_parameter_count_matches_the_model_transformers_builds(preset):
     with torch.device("meta"):
-        model = build_model(resolve_model(preset), torch.float32, torch.device("meta"), 0, meta=True)
-    assert load_shape(preset).params == sum(p.numel() for p in model.parameters())
+        model = build_model(resolve_model(model_source(preset)), torch.float32, torch.device("meta"), 0, meta=True)
+    assert load_shape(model_source(preset)).params == sum(p.numel() for p in model.parameters())
 
 
 def saved_bytes_per_token(model, vocab: int, autocast: bool) -> float:
@@ -69,8 +69,8 @@ def test_saved_activations_per_token_match_autograd_on_cpu(strategy, precision):
     residual stream stays fp32. In forward the loss saves log-softmax's fp32 output (4 bytes per
     vocabulary entry); backward adds two more fp32 logits-sized gradients (12 in the prediction)."""
     spec = RunSpec(device="cpu", strategy=strategy, precision=precision, seq_len=64)
-    shape = load_shape("tiny")
-    model = build_model(resolve_model("tiny"), param_dtype(spec), torch.device("cpu"), 0)
+    shape = load_shape(model_source("tiny"))
+    model = build_model(resolve_model(model_source("tiny")), param_dtype(spec), torch.device("cpu"), 0)
     measured = saved_bytes_per_token(model, shape.vocab, autocast=precision == "bf16_mixed")
     forward = shape.layers * layer_activation_bytes(shape, spec) + loss_bytes(shape, spec) - 8 * shape.vocab
     assert measured == pytest.approx(forward, rel=0.01)
@@ -78,7 +78,7 @@ def test_saved_activations_per_token_match_autograd_on_cpu(strategy, precision):
 
 def test_states_are_the_parameters_gradients_and_adamw_moments_torch_allocates():
     spec = RunSpec(device="cpu", strategy="fsdp2_zero3", precision="fp32", gpus_per_node=1, seq_len=64)
-    model = build_model(resolve_model("tiny"), torch.float32, torch.device("cpu"), 0)
+    model = build_model(resolve_model(model_source("tiny")), torch.float32, torch.device("cpu"), 0)
     optimizer = build_optimizer(model, spec)
     tokens = torch.randint(0, 512, (2, 64))
     model(input_ids=tokens, labels=tokens).loss.backward()
@@ -86,7 +86,7 @@ def test_states_are_the_parameters_gradients_and_adamw_moments_torch_allocates()
     tensors = [*model.parameters(), *(s for state in optimizer.state.values() for s in state.values() if s.dim())]
     states = sum(t.numel() * t.element_size() for t in tensors)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    prediction = predict(spec, load_shape("tiny"))
+    prediction = predict(spec, load_shape(model_source("tiny")))
     assert prediction.states_gib * GIB == states == 3 * grads  # parameters + exp_avg + exp_avg_sq, one shard
 
 
@@ -103,7 +103,7 @@ def test_the_peak_of_a_zero3_cell_by_hand():
     per_layer = 2 * norm + 2 * (2 * h + 2 * kv) + 4 * 12 + 4 * 2 * f  # norms, q/out/k/v + lse, MLP
     loss = norm + 8 + 12 * v
     expected = (states + gathered + 8192 * (layers * per_layer + loss)) / GIB + WORKSPACE_GIB
-    prediction = predict(spec, load_shape("qwen2.5-1.5b"))
+    prediction = predict(spec, load_shape(model_source("qwen2.5-1.5b")))
     assert prediction.peak_moment == "backward"
     assert prediction.peak_gib == pytest.approx(expected, rel=1e-9)
     assert prediction.peak_gib == pytest.approx(41.02, rel=0.02)
@@ -112,7 +112,8 @@ def test_the_peak_of_a_zero3_cell_by_hand():
 def test_checkpointing_keeps_each_layers_input_only():
     base = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, seq_len=4096, batch_size=4)
     none, full = (
-        predict(RunSpec(**base, activation_checkpointing=mode), load_shape("qwen2.5-1.5b")) for mode in ("none", "full")
+        predict(RunSpec(**base, activation_checkpointing=mode), load_shape(model_source("qwen2.5-1.5b")))
+        for mode in ("none", "full")
     )
     assert full.activations_gib * GIB == 4 * 4096 * 28 * 2 * 1536  # bf16 inputs of 28 layers
     assert full.loss_gib == none.loss_gib and full.peak_gib < none.peak_gib / 1.5

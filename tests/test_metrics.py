@@ -9,12 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hpcfsdp.cell.metrics import communication_breakdown, flops_per_token, peak_tflops
-from hpcfsdp.cell.models import load_config
+from hpcfsdp.cell.models import load_config, resolve_model
+from hpcfsdp.sources import model_source
 
 
 def meta_model(preset: str):
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(load_config(preset))
+        return AutoModelForCausalLM.from_config(load_config(resolve_model(model_source(preset))))
 
 
 def test_flops_per_token_qwen25_15b_by_hand():

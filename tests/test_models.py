@@ -29,6 +29,7 @@ from hpcfsdp.cache.hub import CacheMissError
 from hpcfsdp.cell.data import synthetic_batches
 from hpcfsdp.cell.models import build_model, materialize, resolve_model
 from hpcfsdp.fields import SpecError
+from hpcfsdp.sources import model_source
 from hpcfsdp.spec import RunSpec
 from tinyhub import MODEL, PRESET, download, offline
 
@@ -50,7 +51,7 @@ def _assert_saved_weights(model: nn.Module, folder: Path) -> None:
 
 
 def test_pretrained_local_folder_loads_the_saved_weights(cached: SimpleNamespace) -> None:
-    source = resolve_model(str(cached.repo))
+    source = resolve_model(model_source(str(cached.repo)))
     assert source.provenance == {"kind": "local", "path": str(cached.repo.resolve())}
     model = build_model(source, torch.float32, CPU, seed=123, pretrained=True)
     _assert_saved_weights(model, cached.repo)
@@ -59,7 +60,7 @@ def test_pretrained_local_folder_loads_the_saved_weights(cached: SimpleNamespace
 
 def test_hub_id_resolves_offline_from_the_cache(cached: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     offline(monkeypatch, cached)
-    source = resolve_model(MODEL, weights=True)
+    source = resolve_model(model_source(MODEL), weights=True)
     assert source.kind == "hub" and source.provenance["sha"] == cached.model_sha and source.provenance["item"] == MODEL
     _assert_saved_weights(build_model(source, torch.float32, CPU, seed=0, pretrained=True), cached.repo)
     random = build_model(source, torch.float32, CPU, seed=0)
@@ -75,7 +76,7 @@ def test_missing_hub_id_fails_fast_naming_the_download_command(
     )  # plan: no cache look-up
     started = time.monotonic()
     with pytest.raises(CacheMissError) as caught:
-        resolve_model("acme/absent", weights=True)
+        resolve_model(model_source("acme/absent"), weights=True)
     assert time.monotonic() - started < 5
     message = str(caught.value)
     assert "\n" not in message and "'acme/absent' is not in the cache" in message
@@ -111,7 +112,7 @@ def test_plan_time_model_checks(tmp_path: Path) -> None:
 
 def test_meta_init_equals_the_full_init_and_keeps_ties() -> None:
     """The unsharded meta path (as DDP uses it): the same bits as building on the device."""
-    source = resolve_model("tiny")
+    source = resolve_model(model_source("tiny"))
     full = build_model(source, torch.float32, CPU, seed=7)
     meta = build_model(source, torch.float32, CPU, seed=7, meta=True)
     assert all(p.is_meta for p in meta.parameters())
@@ -124,7 +125,7 @@ def test_meta_init_equals_the_full_init_and_keeps_ties() -> None:
 
 
 def test_meta_init_refuses_a_parameter_the_model_does_not_initialise() -> None:
-    meta = build_model(resolve_model("tiny"), torch.float32, CPU, seed=0, meta=True)
+    meta = build_model(resolve_model(model_source("tiny")), torch.float32, CPU, seed=0, meta=True)
     meta.model.register_parameter("extra", nn.Parameter(torch.empty(4, device="meta")))
     with pytest.raises(RuntimeError, match=r"model\.extra is not set by the model's own _init_weights"):
         materialize(meta, CPU, seed=0)
@@ -141,9 +142,9 @@ from hpcfsdp.spec import RunSpec
 from hpcfsdp.cell.strategies import parallelize
 from hpcfsdp.cell.train import build_optimizer, train
 
-spec = RunSpec.from_dict(dict(json.loads(sys.argv[1]), strategy="fsdp2_zero3", meta_init=True, gpus_per_node=2))
+spec, sources = RunSpec.resolved(dict(json.loads(sys.argv[1]), strategy="fsdp2_zero3", meta_init=True, gpus_per_node=2))
 env = init_distributed("cpu", 300)
-cpu, source = torch.device("cpu"), resolve_model(spec.model)
+cpu, source = torch.device("cpu"), resolve_model(sources.model)
 reference = build_model(source, torch.float32, cpu, spec.seed).state_dict()
 model = parallelize(build_model(source, torch.float32, cpu, spec.seed, meta=True), spec, env)
 materialize(model, cpu, spec.seed)
@@ -198,7 +199,7 @@ def test_meta_init_cell_trains_and_its_first_loss_is_the_full_init_loss(tmp_path
     assert record["status"] == "ok", record.get("error")
     assert record["spec"]["meta_init"] is True and record["model_source"]["kind"] == "preset"
     spec = RunSpec.from_dict(TINY_CPU)
-    model = build_model(resolve_model("tiny"), torch.float32, CPU, spec.seed)
+    model = build_model(resolve_model(model_source("tiny")), torch.float32, CPU, spec.seed)
     with torch.no_grad():
         losses = [
             model(input_ids=t, labels=t).loss.item()

@@ -20,7 +20,7 @@ import pytest
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
 from hpcfsdp.fields import SpecError
-from hpcfsdp.sources import PRESETS_DIR
+from hpcfsdp.sources import PRESETS_DIR, model_source
 from hpcfsdp.spec import RunSpec
 from hpcfsdp.sweep.cluster import Node, Partition, tres_counts
 from hpcfsdp.sweep.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
@@ -81,7 +81,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def node_gib(**fields) -> float:
     spec = RunSpec(**fields)
-    return predict_host(spec, load_shape(spec.model)).node_gib
+    return predict_host(spec, load_shape(model_source(spec.model))).node_gib
 
 
 OFFLOAD = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", cpu_offload=True, gpus_per_node=1)
@@ -222,7 +222,7 @@ def test_a_sweep_within_the_account_qos_features_and_memory_runs(enforcing_clust
     assert record["status"] == "ok", record.get("error")
     # A rank's host prediction against the largest rank's measured peak RSS (2 ranks on the node).
     measured = record["memory"]["end"]["cpu_max_rss_gib"]
-    predicted = predict_host(RunSpec(**TINY_2, strategy="ddp"), load_shape("tiny")).rank_gib
+    predicted = predict_host(RunSpec(**TINY_2, strategy="ddp"), load_shape(model_source("tiny"))).rank_gib
     assert abs(predicted - measured) / measured < 0.25 and 2 * measured < mem, (predicted, measured)
 
 
@@ -253,7 +253,7 @@ def test_host_prediction_is_within_15_percent_of_the_peaks_measured_on_the_gpu_m
     for fields, measured in MEASURED:
         fields = {"seq_len": 512, "gpus_per_node": 1, **fields}
         fields["model"] = fields["model"].format(pretrained=pretrained)
-        predicted = predict_host(RunSpec(**fields), load_shape(fields["model"])).rank_gib
+        predicted = predict_host(RunSpec(**fields), load_shape(model_source(fields["model"]))).rank_gib
         assert abs(predicted - measured) / measured < 0.15, (fields, predicted, measured)
 
 

@@ -34,6 +34,7 @@ def launches(sweep_dir: Path) -> dict[str, dict]:
 
 
 def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_error(tmp_path):
+    from hpcfsdp.sources import model_source
     from hpcfsdp.sweep.memory import load_shape, predict, usable_gib
     from hpcfsdp.tune.prune import PREDICTION_ERROR, prune
 
@@ -51,7 +52,7 @@ def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_e
     )
     sweep = load_sweep(jobs)
     pruning = prune(sweep)
-    shape = load_shape("qwen2.5-1.5b")
+    shape = load_shape(model_source("qwen2.5-1.5b"))
     for cell in sweep.cells:
         required = predict(cell.spec, shape).required_gib
         left_out = required / (1 + PREDICTION_ERROR) > usable_gib(80)

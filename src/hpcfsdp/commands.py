@@ -186,10 +186,10 @@ def _run_one_cell(args: argparse.Namespace) -> str:
             if not sep:
                 raise SpecError(f"run: {item!r}: expected KEY=VALUE")
             values[key] = yaml.safe_load(value)
-        spec = RunSpec.from_dict({**launched_shape(), **values}, where="run arguments")
-        cell = Cell.of(spec)
+        spec, sources = RunSpec.resolved({**launched_shape(), **values}, where="run arguments")
+        cell = Cell.of(spec, sources)
         check_folder_name("run", "--sweep", args.sweep)
-        status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep)
+        status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep, sources)
     return status
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 DEFAULT_REVISION = "main"
 DEFAULT_CONFIG = "default"
@@ -159,12 +158,3 @@ class TokenizedRef:
 def _safe(text: str) -> str:
     """A folder-safe form of a revision, config or split (slices like train[:10%] included)."""
     return re.sub(r"[^A-Za-z0-9._+-]", lambda m: f"%{ord(m.group()):02X}", text)
-
-
-def is_hub_model(model: str) -> bool:
-    """True when `model` (a RunSpec.model value) names a hub repo, not a shipped preset or local folder."""
-    # The shipped presets, as models.preset_names() lists them (not imported: it pulls in torch).
-    presets = {p.stem for p in (Path(__file__).parent / "presets").glob("*.json")}
-    if model.lower() in presets or Path(model).exists():
-        return False
-    return bool(_MODEL_RE.match(model))

@@ -1,15 +1,23 @@
 """What a RunSpec's model, tokenizer and data values name: a shipped preset, a local folder, or a
-hub item; and the checks a local one must pass (it exists, holds a config, weights, a tokenizer or
-text), so that a bad path is one line at plan time, not a failed cell.
+hub item, decided once, on the login node, into typed values (Source, Sources); and the checks a
+local one must pass (it exists, holds a config, weights, a tokenizer or text), so that a bad path
+is one line at plan time, not a failed cell.
+
+The user's own strings stay in the RunSpec (the cell id and history setups are made of them); the
+resolved form travels beside them in the cell's spec.json, and the cell reads that: a relative
+path means the folder it named where the sweep was loaded, whatever the compute node's working
+directory is.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .fields import SpecError, shown
 from .hubrefs import DatasetRef, ModelRef
@@ -23,6 +31,93 @@ WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 POSITION_KEYS = ("max_position_embeddings", "n_positions")
 # A model / data / tokenizer value written like this names a local path, which must exist.
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+SOURCES_KEY = "sources"  # spec.json's key for the resolved form, beside "spec"
+
+SourceKind = Literal["synthetic", "preset", "local", "hub"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one model, tokenizer or data value names, as the login node decided it.
+
+    preset: `name` (the file is looked up in this installation's presets). local: `path`, absolute.
+    hub: `repo_id` with `revision` (a model) or `config` and `split` (a dataset), as hubrefs parses
+    them; the cache holds it under that name. `given` is the user's string, for messages.
+    """
+
+    kind: SourceKind
+    given: str
+    name: str = ""
+    path: str = ""
+    repo_id: str = ""
+    revision: str = ""
+    config: str = ""
+    split: str = ""
+
+    @property
+    def model_ref(self) -> ModelRef:
+        return ModelRef(self.repo_id, self.revision)
+
+    @property
+    def dataset_ref(self) -> DatasetRef:
+        return DatasetRef(self.repo_id, self.config, self.split)
+
+    @property
+    def preset_file(self) -> Path:
+        return PRESETS_DIR / f"{self.name}.json"
+
+    @property
+    def shown(self) -> str:
+        """The user's string, and the absolute path it was resolved to when that reads otherwise."""
+        return self.given if self.path in ("", self.given) else f"{self.given} ({self.path})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {key: value for key, value in asdict(self).items() if value}
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str, key: str) -> Source:
+        names = {f.name for f in fields(cls)}
+        if not (
+            isinstance(values, dict)
+            and values.get("kind") in get_args(SourceKind)
+            and set(values) <= names
+            and all(isinstance(v, str) for v in values.values())
+        ):
+            raise SpecError(where, f"{SOURCES_KEY}.{key}", f"not a resolved source: {shown(str(values))}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """A RunSpec's model and data resolved, and `tokenizer`: what its text data is tokenised with
+    (the `tokenizer` value, else the model's own; None for a preset model without one)."""
+
+    model: Source
+    data: Source
+    tokenizer: Source | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            "data": self.data.to_dict(),
+            "tokenizer": self.tokenizer.to_dict() if self.tokenizer else None,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Any, where: str) -> Sources:
+        if not isinstance(values, dict) or set(values) != {"model", "data", "tokenizer"}:
+            raise SpecError(where, SOURCES_KEY, "expected model, data and tokenizer")
+        tokenizer = values["tokenizer"]
+        return cls(
+            Source.from_dict(values["model"], where, "model"),
+            Source.from_dict(values["data"], where, "data"),
+            None if tokenizer is None else Source.from_dict(tokenizer, where, "tokenizer"),
+        )
+
+    @classmethod
+    def of_cell_spec(cls, meta: Mapping[str, Any], where: str) -> Sources | None:
+        """The resolved form a cell's spec.json carries; None for one written before it did."""
+        return cls.from_dict(meta[SOURCES_KEY], where) if SOURCES_KEY in meta else None
 
 
 @functools.cache
@@ -30,26 +125,36 @@ def preset_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
 
 
-def model_kind(value: str) -> str:
-    """A model (or tokenizer) value: 'preset', 'local' (written as a path, or an existing folder),
-    'hub' (ORG/NAME[@REV]), or '' when it is none of these."""
-    return "preset" if value.lower() in preset_names() else _local_or_hub(value, ModelRef)
-
-
-def data_kind(value: str) -> str:
-    """A data value: 'synthetic', 'local', 'hub' (ORG/NAME[:config][@split] or a preset), or ''."""
-    return "synthetic" if value == "synthetic" else _local_or_hub(value, DatasetRef)
-
-
-def _local_or_hub(value: str, ref: type[ModelRef] | type[DatasetRef]) -> str:
-    """'local' for a path, 'hub' for what `ref` parses, else ''."""
+def model_source(value: str) -> Source | None:
+    """A model (or tokenizer) value: a preset, a local path (written as one, or an existing
+    folder here), a hub id ORG/NAME[@REV]; None when it is none of these."""
+    if value.lower() in preset_names():
+        return Source("preset", value, name=value.lower())
     if _is_local(value):
-        return "local"
+        return _local(value)
     try:
-        ref.parse(value)
+        ref = ModelRef.parse(value)
     except ValueError:
-        return ""
-    return "hub"
+        return None
+    return Source("hub", value, repo_id=ref.repo_id, revision=ref.revision)
+
+
+def data_source(value: str) -> Source | None:
+    """A data value: synthetic, a local path, a hub dataset ORG/NAME[:config][@split] or preset; None otherwise."""
+    if value == "synthetic":
+        return Source("synthetic", value)
+    if _is_local(value):
+        return _local(value)
+    try:
+        ref = DatasetRef.parse(value)
+    except ValueError:
+        return None
+    return Source("hub", value, repo_id=ref.repo_id, config=ref.config, split=ref.split)
+
+
+def _local(value: str) -> Source:
+    """A local path, absolute from this working directory (os.path: `..` folded, `~` expanded)."""
+    return Source("local", value, path=os.path.abspath(os.path.expanduser(value)))
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -86,24 +191,26 @@ def path_exists(path: Path, where: str = "", key: str = "") -> bool:
         return False
 
 
-def require_folder_with(where: str, key: str, value: str, patterns: tuple[str, ...], what: str = "") -> None:
+def require_folder_with(where: str, key: str, source: Source, patterns: tuple[str, ...], what: str = "") -> None:
     """A local folder holding at least one file matching one of `patterns`."""
-    path = Path(value).expanduser()
+    path = Path(source.path)
     if not (path_exists(path, where, key) and path.is_dir()):
-        raise SpecError(where, key, f"no such folder: {value}")
+        raise SpecError(where, key, f"no such folder: {source.shown}")
     if not any(next(path.glob(pattern), None) for pattern in patterns):
-        raise SpecError(where, key, f"folder {value} has no {' or '.join(patterns)}" + (f" ({what})" if what else ""))
+        raise SpecError(
+            where, key, f"folder {source.shown} has no {' or '.join(patterns)}" + (f" ({what})" if what else "")
+        )
 
 
-def require_text_data(where: str, value: str) -> None:
-    path = Path(value).expanduser()
+def require_text_data(where: str, source: Source) -> None:
+    path = Path(source.path)
     if not path_exists(path, where, "data"):
-        raise SpecError(where, "data", f"no such file or folder: {value}")
+        raise SpecError(where, "data", f"no such file or folder: {source.shown}")
     if not (is_saved_dataset(path) or next(text_files(path), None)):
         raise SpecError(
             where,
             "data",
-            f"{value}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
+            f"{source.shown}: expected {'/'.join(TEXT_SUFFIXES)} files with a 'text' field, "
             "or a folder written by datasets' save_to_disk",
         )
 
@@ -135,75 +242,86 @@ def model_config(path: str) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def check_model(where: str, spec: Any) -> None:
-    """The model, tokenizer and init of a RunSpec: a preset, a folder that holds what they need, or
-    a hub id; a preset or local model's config bounds seq_len."""
-    kind = model_kind(spec.model)
-    if not kind:
+def resolve_sources(where: str, spec: Any, resolved: Sources | None = None) -> Sources:
+    """A RunSpec's model, data and tokenizer as typed values, checked: decided here from its strings
+    (on the login node, where the sweep is loaded), or `resolved` as they were decided there and
+    are only checked again (in the cell: a path checked at plan time may be gone by now)."""
+    sources = resolved or _decided(where, spec)
+    check_model(where, spec, sources)
+    check_data(where, spec, sources)
+    return sources
+
+
+def _decided(where: str, spec: Any) -> Sources:
+    """The one place a model, tokenizer or data string is read for what it names."""
+    model = model_source(spec.model)
+    if model is None:
         raise SpecError(
             where,
             "model",
             f"expected a preset ({', '.join(preset_names())}), a folder with "
             f"config.json or a hub id ORG/NAME[@REV]; got {spec.model!r}",
         )
-    if kind == "local":
-        require_folder_with(where, "model", spec.model, ("config.json",))
-    if kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/run.py)
-        config = model_config(
-            str(PRESETS_DIR / f"{spec.model.lower()}.json")
-            if kind == "preset"
-            else str(Path(spec.model).expanduser() / "config.json")
-        )
-        check_seq_len(where, spec.seq_len, config)
-    if spec.init == "pretrained" and kind == "preset":
-        raise SpecError(
-            where,
-            "init",
-            f"pretrained needs weights, and model {spec.model!r} is a preset "
-            "(a config only); name a local folder or a hub id ORG/NAME",
-        )
-    if spec.init == "pretrained" and kind == "local":
-        require_folder_with(where, "model", spec.model, WEIGHT_GLOBS, "weights for init: pretrained")
-    if spec.tokenizer:
-        tokenizer_kind = model_kind(spec.tokenizer)
-        if tokenizer_kind not in ("local", "hub"):
-            raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {spec.tokenizer!r}")
-        if tokenizer_kind == "local":
-            require_folder_with(where, "tokenizer", spec.tokenizer, TOKENIZER_FILES)
-
-
-def check_data(where: str, spec: Any) -> None:
-    """The data of a RunSpec, and the tokenizer its text needs."""
-    kind = data_kind(spec.data)
-    if not kind:
+    tokenizer = model_source(spec.tokenizer) if spec.tokenizer else None
+    if spec.tokenizer and (tokenizer is None or tokenizer.kind == "preset"):
+        raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {spec.tokenizer!r}")
+    data = data_source(spec.data)
+    if data is None:
         raise SpecError(
             where,
             "data",
             f"expected synthetic, a local folder, or a hub dataset "
             f"ORG/NAME[:config][@split] or preset; got {spec.data!r}",
         )
-    if kind == "synthetic":
+    return Sources(model, data, tokenizer or (None if model.kind == "preset" else model))
+
+
+def check_model(where: str, spec: Any, sources: Sources) -> None:
+    """The model, tokenizer and init: a preset, a folder that holds what they need, or a hub id; a
+    preset or local model's config bounds seq_len."""
+    model = sources.model
+    if model.kind == "local":
+        require_folder_with(where, "model", model, ("config.json",))
+    if model.kind in ("preset", "local"):  # a hub model's config is read on the compute node (cell/build.py)
+        path = model.preset_file if model.kind == "preset" else Path(model.path) / "config.json"
+        check_seq_len(where, spec.seq_len, model_config(str(path)))
+    if spec.init == "pretrained" and model.kind == "preset":
+        raise SpecError(
+            where,
+            "init",
+            f"pretrained needs weights, and model {spec.model!r} is a preset "
+            "(a config only); name a local folder or a hub id ORG/NAME",
+        )
+    if spec.init == "pretrained" and model.kind == "local":
+        require_folder_with(where, "model", model, WEIGHT_GLOBS, "weights for init: pretrained")
+    if spec.tokenizer and sources.tokenizer and sources.tokenizer.kind == "local":
+        require_folder_with(where, "tokenizer", sources.tokenizer, TOKENIZER_FILES)
+
+
+def check_data(where: str, spec: Any, sources: Sources) -> None:
+    """The data, and the tokenizer its text needs."""
+    data, tokenizer = sources.data, sources.tokenizer
+    if data.kind == "synthetic":
         if spec.text_column:
             raise SpecError(
                 where, "text_column", "synthetic data has no documents; set data to a folder or hub dataset"
             )
         return
-    if kind == "local":
-        require_text_data(where, spec.data)
-    tokenizer = spec.text_tokenizer
-    if not tokenizer:
+    if data.kind == "local":
+        require_text_data(where, data)
+    if tokenizer is None:
         raise SpecError(
             where,
             "tokenizer",
             f"data {spec.data!r} needs one, and model {spec.model!r} is a "
             "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
         )
-    if kind == "hub" and model_kind(tokenizer) != "hub":
+    if data.kind == "hub" and tokenizer.kind != "hub":
         raise SpecError(
             where,
             "tokenizer",
             f"hub data {spec.data!r} is read pre-tokenised from the cache, "
-            f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer!r}",
+            f"which is keyed by a hub tokenizer ORG/NAME; got the local {tokenizer.given!r}",
         )
-    if not spec.tokenizer and model_kind(spec.model) == "local":
-        require_folder_with(where, "model", spec.model, TOKENIZER_FILES, f"a tokenizer for data {spec.data!r}")
+    if not spec.tokenizer and sources.model.kind == "local":
+        require_folder_with(where, "model", sources.model, TOKENIZER_FILES, f"a tokenizer for data {spec.data!r}")

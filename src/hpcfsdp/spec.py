@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_args
 
 from .fields import SpecError, coerce_fields, require_choices, require_no_control_characters, text_fields
-from .sources import check_data, check_model, model_kind
+from .sources import Sources, resolve_sources
 
 StrategyName = Literal[
     "single",
@@ -213,20 +213,22 @@ class RunSpec:
         (docs/levers.md): there the compiled layer casts its weights itself."""
         return self.float8 == "tensorwise" and self.family == "fsdp2" and self.world_size > 1
 
-    @property
-    def text_tokenizer(self) -> str:
-        """What text data is tokenised with: `tokenizer`, else the model's own ("" for a preset: it has none)."""
-        if self.tokenizer or model_kind(self.model) == "preset":
-            return self.tokenizer
-        return self.model
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> RunSpec:
+        return cls.resolved(values, where)[0]
+
+    @classmethod
+    def resolved(
+        cls, values: Mapping[str, Any], where: str = "spec", sources: Sources | None = None
+    ) -> tuple[RunSpec, Sources]:
+        """The spec, validated, with what its model, data and tokenizer name (sources.py): decided
+        now from its strings, or `sources` as the login node decided them, checked again."""
         coerced = coerce_fields(cls, values, where)
-        return cls(**coerced)._validated(where, grad_accum_given="grad_accum" in coerced)
+        spec = cls(**coerced)._validated(where, grad_accum_given="grad_accum" in coerced)
+        return spec, resolve_sources(where, spec, sources)
 
     def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
@@ -254,8 +256,6 @@ class RunSpec:
         # batch_size: auto derives grad_accum once the search has chosen a batch (with_batch_size).
         spec = self if self.auto_batch else self._with_derived_grad_accum(where, grad_accum_given)
         spec._check_combinations(where)
-        check_model(where, spec)
-        check_data(where, spec)
         return spec
 
     def _check_optimizer(self, where: str) -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UserError
-from ..hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
-from ..sources import data_kind
+from ..hubrefs import DatasetRef, ModelRef, TokenizedRef
+from ..sources import model_source
 from .hub import CacheMissError, lookup_model, lookup_tokenized
 
 
@@ -43,7 +43,7 @@ class Plan:
 
 
 def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
-    """The hub items a sweep's cells need.
+    """The hub items a sweep's cells need, from their resolved sources (Cell.sources).
 
     model: a hub id (not a preset or local folder) -> config + tokenizer; with `init: pretrained`
     also the weights. data: a hub dataset ORG/NAME[:config][@split] or preset -> that split, plus
@@ -52,16 +52,13 @@ def plan_from_sweep(sweep: Any, plan: Plan | None = None) -> Plan:
     """
     plan = Plan() if plan is None else plan
     for cell in sweep.cells:
-        spec, where = cell.spec, f"{sweep.source}: cell {cell.id}"
-        if is_hub_model(spec.model):
-            plan.add_model(_parse(ModelRef, spec.model, where), weights=spec.init == "pretrained")
-        if data_kind(spec.data) == "hub":
+        spec, sources = cell.spec, cell.sources
+        if sources.model.kind == "hub":
+            plan.add_model(sources.model.model_ref, weights=spec.init == "pretrained")
+        if sources.data.kind == "hub" and sources.tokenizer is not None:
             plan.add_tokenized(
                 TokenizedRef(
-                    _parse(DatasetRef, spec.data, where),
-                    _parse(ModelRef, spec.text_tokenizer, where),
-                    spec.seq_len,
-                    spec.text_column or None,
+                    sources.data.dataset_ref, sources.tokenizer.model_ref, spec.seq_len, spec.text_column or None
                 )
             )
     return plan
@@ -110,15 +107,14 @@ def build_plan(request: Request, text_column: str | None = None) -> Plan:
             if n < 1:
                 raise DownloadError(f"--seq-len: expected a positive integer, got {n}")
         for text in request.tokenize_for:
-            if not is_hub_model(text):
+            if (source := model_source(text)) is None or source.kind != "hub":
                 raise DownloadError(
                     f"--tokenize-for: {text!r}: expected a hub model id ORG/NAME[@REV] "
                     "(shipped presets have no tokenizer)"
                 )
-            model = _parse(ModelRef, text, "--tokenize-for")
             for ds in dataset_refs:
                 for n in request.seq_lens:
-                    plan.add_tokenized(TokenizedRef(ds, model, n, text_column))
+                    plan.add_tokenized(TokenizedRef(ds, source.model_ref, n, text_column))
     return plan
 
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from ..sources import check_seq_len
+from ..sources import Sources, check_seq_len
 from ..spec import RunSpec
 from .distributed import DistEnv
 from .levers import install_loss
@@ -31,11 +31,11 @@ class Built:
     vocab_size: int
 
 
-def build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], None]) -> Built:
-    """Model, strategy and optimizer for `spec`; memory is read after each stage."""
+def build(spec: RunSpec, sources: Sources, env: DistEnv, memory: dict, enter: Callable[[str], None]) -> Built:
+    """Model, strategy and optimizer for `spec`, its model from `sources`; memory is read after each stage."""
     enter("model")
     pretrained = spec.init == "pretrained"
-    source = resolve_model(spec.model, weights=pretrained)
+    source = resolve_model(sources.model, weights=pretrained)
     model = build_model(source, param_dtype(spec), env.device, spec.seed, spec.kernels, pretrained, meta=spec.meta_init)
     if spec.meta_init and spec.family != "fsdp2":
         materialize(
@@ -52,9 +52,9 @@ def build(spec: RunSpec, env: DistEnv, memory: dict, enter: Callable[[str], None
     return Built(model, optimizer, tracks, flops, source, vocab_size)
 
 
-def build_probe(spec: RunSpec, env: DistEnv):
+def build_probe(spec: RunSpec, sources: Sources, env: DistEnv):
     """What a batch-search probe trains: the cell's own set-up at the probe's batch."""
-    built = build(spec, env, {}, enter=lambda stage: None)
+    built = build(spec, sources, env, {}, enter=lambda stage: None)
     return built.model, built.optimizer, built.vocab_size
 
 

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ..cache.hub import resolve_tokenized
 from ..cache.tokenize import document_text, packed_blocks
-from ..sources import data_kind, is_saved_dataset, text_files
+from ..sources import Source, is_saved_dataset, text_files
 from .models import resolve_model
 
 TEXT_FIELD = "text"  # where documents are unless RunSpec.text_column names another field
@@ -37,15 +37,16 @@ class TokenBlocks:
     provenance: dict[str, Any]
 
 
-def open_data(data: str, tokenizer: str, seq_len: int, text_column: str = "") -> TokenBlocks | None:
-    """A RunSpec.data value -> its token blocks (None for synthetic); `tokenizer` is RunSpec.text_tokenizer,
+def open_data(data: Source, tokenizer: Source | None, seq_len: int, text_column: str = "") -> TokenBlocks | None:
+    """Resolved data -> its token blocks (None for synthetic); `tokenizer` is Sources.tokenizer,
     `text_column` RunSpec.text_column ("": a hub preset's own column, else `text`)."""
-    kind = data_kind(data)
-    if kind == "synthetic":
+    if data.kind == "synthetic":
         return None
-    if kind == "hub":
+    if tokenizer is None:
+        raise ValueError(f"data: {data.given!r} needs a tokenizer, and the model has none")
+    if data.kind == "hub":
         return _cached_blocks(data, tokenizer, seq_len, text_column or None)
-    path = Path(data).expanduser().resolve()
+    path = Path(data.path).resolve()
     column = text_column or TEXT_FIELD
     if is_saved_dataset(path):
         source: dict[str, Any] = {"kind": "saved_dataset", "path": str(path)}
@@ -161,7 +162,7 @@ def _saved_dataset_texts(path: Path, column: str) -> list[str]:
     return [document_text(value) for value in loaded[column]]
 
 
-def _packed_blocks(documents: list[str], tokenizer: str, seq_len: int, source: dict[str, Any]) -> TokenBlocks:
+def _packed_blocks(documents: list[str], tokenizer: Source, seq_len: int, source: dict[str, Any]) -> TokenBlocks:
     tokenizer_source = resolve_model(tokenizer)
     encoder = AutoTokenizer.from_pretrained(tokenizer_source.path)
     encoded = (
@@ -184,10 +185,10 @@ def _packed_blocks(documents: list[str], tokenizer: str, seq_len: int, source: d
     return TokenBlocks(len(blocks), lambda indices: blocks[indices], provenance)
 
 
-def _cached_blocks(data: str, tokenizer: str, seq_len: int, text_column: str | None) -> TokenBlocks:
+def _cached_blocks(data: Source, tokenizer: Source, seq_len: int, text_column: str | None) -> TokenBlocks:
     import datasets
 
-    item = resolve_tokenized(data, tokenizer, seq_len, text_column=text_column)
+    item = resolve_tokenized(data.dataset_ref.name, tokenizer.model_ref.name, seq_len, text_column=text_column)
     table = datasets.load_from_disk(str(item.path)).with_format("numpy", columns=["input_ids"])
     provenance = {k: v for k, v in item.provenance().items() if k != "kind"}
     provenance.update(kind="hub", path=str(item.path), tokens=table.num_rows * seq_len, blocks=table.num_rows)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..cache.hub import resolve_cached_model
-from ..sources import PRESETS_DIR, model_kind, preset_names
+from ..sources import PRESETS_DIR, Source, preset_names
 
 __all__ = [
     "PRESETS_DIR",
@@ -48,26 +48,23 @@ class ModelSource:
     provenance: dict[str, Any]
 
 
-def resolve_model(model: str, weights: bool = False) -> ModelSource:
-    """A RunSpec.model value -> its source; hub ids offline from the cache (CacheMissError if absent)."""
-    kind = model_kind(model)
-    if kind == "preset":
-        path = PRESETS_DIR / f"{model.lower()}.json"
-        return ModelSource(kind, path, {"kind": kind, "name": model.lower(), "path": str(path)})
-    if kind == "local":
-        path = Path(model).expanduser().resolve()
-        return ModelSource(kind, path, {"kind": kind, "path": str(path)})
-    if kind == "hub":
-        item = resolve_cached_model(model, weights=weights)
-        return ModelSource(kind, item.path, {"kind": kind, "item": item.item, "sha": item.sha, "path": str(item.path)})
-    raise ValueError(
-        f"model: {model!r} is neither a preset ({', '.join(preset_names())}), a folder with config.json, "
-        "nor a hub id ORG/NAME[@REV]"
-    )
+def resolve_model(model: Source, weights: bool = False) -> ModelSource:
+    """A resolved model (or tokenizer) -> the files to read; hub ids offline from the cache
+    (CacheMissError if absent)."""
+    if model.kind == "preset":
+        path = model.preset_file
+        return ModelSource("preset", path, {"kind": "preset", "name": model.name, "path": str(path)})
+    if model.kind == "local":
+        path = Path(model.path).resolve()
+        return ModelSource("local", path, {"kind": "local", "path": str(path)})
+    if model.kind == "hub":
+        item = resolve_cached_model(model.model_ref.name, weights=weights)
+        provenance = {"kind": "hub", "item": item.item, "sha": item.sha, "path": str(item.path)}
+        return ModelSource("hub", item.path, provenance)
+    raise ValueError(f"model: {model.given!r} is {model.kind} data, not a model")
 
 
-def load_config(model: str | ModelSource) -> PretrainedConfig:
-    source = resolve_model(model) if isinstance(model, str) else model
+def load_config(source: ModelSource) -> PretrainedConfig:
     if source.kind == "preset":
         return AutoConfig.for_model(**json.loads(source.path.read_text()))
     return AutoConfig.from_pretrained(source.path, local_files_only=True)

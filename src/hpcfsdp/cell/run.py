@@ -33,6 +33,7 @@ from ..record import (
     read_record,
     write_record,
 )
+from ..sources import Sources, resolve_sources
 from ..spec import RunSpec
 from . import early_signals
 from .batch_search import BatchSearch, is_oom, search_batch_size
@@ -77,9 +78,11 @@ COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout
 
 def run_cell_dir(cell_dir: Path) -> str:
     meta = read_json_object(cell_dir / SPEC_NAME, kind="cell spec")
+    where = str(cell_dir / SPEC_NAME)
     try:
-        # Validated again on the compute node: a path checked at plan time may be gone by now.
-        spec = RunSpec.from_dict(meta["spec"], where=str(cell_dir / SPEC_NAME))
+        # Validated again on the compute node, with the sources as the login node resolved them
+        # (never decided again here): a path checked at plan time may be gone by now.
+        spec, sources = RunSpec.resolved(meta["spec"], where, Sources.of_cell_spec(meta, where))
     except SpecError as exc:
         write_record(cell_dir / RECORD_NAME, failure_record("error", "setup", str(exc), cell=meta, **provenance()))
         raise SystemExit(f"cell {meta['cell_id']} failed: {exc}") from None
@@ -95,11 +98,13 @@ def run_cell_dir(cell_dir: Path) -> str:
             return read_record(cell_dir / RECORD_NAME)["status"]
         except (RecordError, FileNotFoundError):
             return "missing"
-    return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"])
+    return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"], sources=sources)
 
 
-def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
-    """Train one cell on this process's rank and write the record; returns the status."""
+def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: Sources | None = None) -> str:
+    """Train one cell on this process's rank and write the record; returns the status. `sources`:
+    the spec's model, data and tokenizer as resolved where the cell was planned; None (a spec given
+    here): resolved in this process, at the cell's stage setup."""
     started = time.time()
     if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
@@ -137,7 +142,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
     # Started while the entry point still holds the signals: its thread never takes them itself.
     progress.watchdog = Watchdog(env.rank, end, lambda signum: signal_outcome(signum, requeue))
     try:
-        record, spec = _trained_record(spec, env, cell_dir, cell_id, progress)
+        record, spec = _trained_record(spec, sources, env, cell_dir, cell_id, progress)
         status = record["status"]
         hosts = all_gather_objects(node) if status == "ok" else [node]
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
@@ -165,7 +170,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str) -> str:
 
 
 def _trained_record(
-    spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
+    spec: RunSpec, sources: Sources | None, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
 ) -> tuple[OkRecord | FailedRecord, RunSpec]:
     """The cell trained (or its failure as a record), and the spec it measured: with batch_size:
     auto, the batch the search chose."""
@@ -174,7 +179,7 @@ def _trained_record(
         # A signal held since the entry point reaches handle_time_limit's handler here: CellTimeout,
         # CellCancelled (recorded at stage setup) or a requeue.
         early_signals.release()
-        record = _train_cell(spec, env, cell_dir, cell_id, progress)
+        record = _train_cell(spec, sources, env, cell_dir, cell_id, progress)
     except Exception as exc:  # every failure must become a record
         failure = _record_exception(exc, progress.stage, env)
         if failure["status"] == "oom" and (snapshot := memory_snapshot(spec, env, cell_dir)):
@@ -195,7 +200,9 @@ class _Progress:
     watchdog: Watchdog | None = None  # ends the rank when a step hangs or it cannot end itself
 
 
-def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress) -> OkRecord:
+def _train_cell(
+    spec: RunSpec, sources: Sources | None, env: DistEnv, cell_dir: Path, cell_id: str, progress: _Progress
+) -> OkRecord:
     """The whole cell on this rank, stage by stage (set-up, data, batch search, model, shard, train,
     then the optional profiles): the ok record's fields. Memory is read after each stage (max over
     ranks later); `progress` says which stage a failure happened at."""
@@ -211,8 +218,9 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
             f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
         )
     check_device(spec, env.device)
+    sources = sources or resolve_sources(f"cell {cell_id}", spec)
     enter("data")
-    blocks = open_data(spec.data, spec.text_tokenizer, spec.seq_len, spec.text_column)
+    blocks = open_data(sources.data, sources.tokenizer, spec.seq_len, spec.text_column)
     if spec.auto_batch:
         enter("batch_search")
 
@@ -226,14 +234,14 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
             spec,
             env,
             blocks,
-            lambda probe: build_probe(probe, env),
+            lambda probe: build_probe(probe, sources, env),
             on_first_step=lambda batch: inject_fault("train_step", env, batch),
             log=say,
         )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
-    built = build(spec, env, memory, enter)
+    built = build(spec, sources, env, memory, enter)
     model, optimizer, flops = built.model, built.optimizer, built.flops
     enter("train")
     reset_peak_memory(env.device)

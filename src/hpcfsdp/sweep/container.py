@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..cache.hub import CACHE_ENV
 from ..fields import SpecError, coerce_fields, require_choices, require_no_control_characters, shown
-from ..sources import data_kind, model_kind
 from .secret_shapes import require_no_secret
 
 if TYPE_CHECKING:
@@ -164,10 +163,8 @@ def binds(sweep: Sweep, sweep_dir: Path) -> list[tuple[str, str, str]]:
     if cache:
         folders.append(Path(cache).absolute())
     for cell in sweep.cells:
-        spec = cell.spec
-        paths = [path for path in (spec.model, spec.tokenizer) if path and model_kind(path) == "local"]
-        paths += [spec.data] if data_kind(spec.data) == "local" else []
-        folders += [Path(path).expanduser().absolute() for path in paths]
+        sources = (cell.sources.model, cell.sources.tokenizer, cell.sources.data)
+        folders += [Path(source.path) for source in sources if source and source.kind == "local"]
     found = {str(folder): (str(folder), str(folder), "") for folder in folders}
     container = sweep.resources.container
     for mount in container.mounts if container else ():

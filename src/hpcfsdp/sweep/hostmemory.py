@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..sources import Source
 from ..spec import RunSpec
 from .memory import (
     GIB,
@@ -101,12 +102,12 @@ def auto_mem_gb(node_gib: float) -> int:
 
 
 def predict_host_cells(cells, cache_dir: str | None = None) -> dict[str, HostPrediction | None]:
-    """Cell id -> its host prediction (cells: anything with .id and .spec); None where the model's
-    config is not at hand (a hub model not in the cache)."""
-    shapes: dict[str, Shape | None] = {}
+    """Cell id -> its host prediction (cells: anything with .id, .spec and .sources); None where the
+    model's config is not at hand (a hub model not in the cache)."""
+    shapes: dict[Source, Shape | None] = {}
     out: dict[str, HostPrediction | None] = {}
     for cell in cells:
-        model = cell.spec.model
+        model = cell.sources.model
         if model not in shapes:
             try:
                 shapes[model] = load_shape(model, cache_dir)

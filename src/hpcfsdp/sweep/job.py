@@ -14,6 +14,7 @@ import submitit
 
 from ..files import write_text
 from ..record import SPEC_NAME
+from ..sources import SOURCES_KEY, Sources
 from ..spec import RunSpec
 
 
@@ -36,8 +37,11 @@ class CellJob(submitit.helpers.Checkpointable):
             return run_cell_dir(Path(self.cell_dir))
 
 
-def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
+def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
+    """spec.json: the spec as the user wrote it, and beside it its sources as resolved here (the
+    cell uses those, not its strings)."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
-    write_text(path, json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
+    meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), SOURCES_KEY: sources.to_dict()}
+    write_text(path, json.dumps(meta, indent=2))
     return path

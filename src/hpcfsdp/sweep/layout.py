@@ -2,7 +2,7 @@
 
     matrix.yaml                    the matrix as submitted
     manifest.json                  cell id -> executor, job id, cluster, submit time, sweep id and folder
-    cells/<id>/spec.json           the resolved spec of the cell (job.write_cell_spec)
+    cells/<id>/spec.json           the cell's spec and its resolved sources (job.write_cell_spec)
     cells/<id>/result.json         written by the cell (record.py): its current record
     cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
     cells/<id>/log.txt             the local executor's log of the cell
@@ -224,7 +224,7 @@ def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> N
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name)
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources)
 
 
 @contextmanager

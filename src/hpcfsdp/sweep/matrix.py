@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ..fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ..sources import Sources, resolve_sources
 from ..spec import RunSpec
 from .resources import Resources
 from .secret_shapes import require_no_secret
@@ -36,14 +37,17 @@ _SETUP_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of the sweep: its spec and an id that is a stable hash of the resolved spec."""
+    """One run of the sweep: its spec, an id that is a stable hash of the spec (the user's own
+    strings), and what the spec's model, data and tokenizer name, resolved where it was loaded."""
 
     spec: RunSpec
     id: str
+    sources: Sources
 
     @classmethod
-    def of(cls, spec: RunSpec) -> Cell:
-        return cls(spec=spec, id=cell_id(spec))
+    def of(cls, spec: RunSpec, sources: Sources | None = None) -> Cell:
+        """The cell of a spec; `sources` None: resolved now, from this working directory."""
+        return cls(spec=spec, id=cell_id(spec), sources=sources or resolve_sources("spec", spec))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -220,10 +224,10 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
         if origin is None and any([e.drops(values) for e in exclusions]):  # a list: every match counts
             continue
         try:
-            spec = RunSpec.from_dict(values, where=source)
+            spec, sources = RunSpec.resolved(values, where=source)
         except SpecError as exc:
             raise _cell_error(exc, source, raw, base, axes, include, origin, values) from None
-        cell = Cell.of(spec)
+        cell = Cell.of(spec, sources)
         cells.setdefault(cell.id, cell)
     for exclusion in exclusions:
         if not exclusion.matched:

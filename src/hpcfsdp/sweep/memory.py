@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..gpus import gpu_memory_gib
-from ..sources import PRESETS_DIR, model_kind
+from ..sources import Source
 from ..spec import STRATEGIES, RunSpec
 
 GIB = 1024**3
@@ -132,18 +132,17 @@ class Shape:
         return self.layers * self.layer_params + self.root_params
 
 
-def load_shape(model: str, cache_dir: str | None = None) -> Shape:
-    """The Shape of a RunSpec.model value: a preset, a local folder, or a hub id in the cache."""
-    kind = model_kind(model)
-    if kind == "preset":
-        path = PRESETS_DIR / f"{model.lower()}.json"
-    elif kind == "local":
-        path = Path(model).expanduser() / "config.json"
+def load_shape(model: Source, cache_dir: str | None = None) -> Shape:
+    """The Shape of a resolved model: a preset, a local folder, or a hub id in the cache."""
+    if model.kind == "preset":
+        path = model.preset_file
+    elif model.kind == "local":
+        path = Path(model.path) / "config.json"
     else:
         from ..cache.hub import CacheMissError, lookup_model
 
         try:
-            path = lookup_model(model, cache_dir).path / "config.json"
+            path = lookup_model(model.model_ref.name, cache_dir).path / "config.json"
         except (CacheMissError, ValueError) as exc:
             raise ModelConfigError(str(exc)) from None
     try:
@@ -383,18 +382,18 @@ class CellPrediction:
 
 
 def predict_cells(cells, capacity: float | None, cache_dir: str | None = None) -> list[CellPrediction]:
-    """Predictions for cells (anything with .id and .spec); a model whose config is not at hand
-    gets a row with the reason instead."""
-    shapes: dict[str, Shape | ModelConfigError] = {}
+    """Predictions for cells (anything with .id, .spec and .sources); a model whose config is not
+    at hand gets a row with the reason instead."""
+    shapes: dict[Source, Shape | ModelConfigError] = {}
     rows = []
     for cell in cells:
-        spec = cell.spec
-        if spec.model not in shapes:
+        spec, model = cell.spec, cell.sources.model
+        if model not in shapes:
             try:
-                shapes[spec.model] = load_shape(spec.model, cache_dir)
+                shapes[model] = load_shape(model, cache_dir)
             except ModelConfigError as exc:
-                shapes[spec.model] = exc
-        shape = shapes[spec.model]
+                shapes[model] = exc
+        shape = shapes[model]
         if isinstance(shape, ModelConfigError):
             rows.append(CellPrediction(cell.id, spec, spec.batch_size, None, "", str(shape)))
             continue

@@ -145,8 +145,8 @@ def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, et
     name = f"stage{rung}"
     runs = {}
     for cell in cells:
-        probe = Cell.of(probe_spec(cell.spec, rung, eta))
-        write_cell_spec(cell_dir(stage_dir(sweep_dir, name), probe.id), probe.spec, probe.id, sweep.name)
+        probe = Cell.of(probe_spec(cell.spec, rung, eta), cell.sources)
+        write_cell_spec(cell_dir(stage_dir(sweep_dir, name), probe.id), probe.spec, probe.id, sweep.name, probe.sources)
         runs[probe.id] = cell.id
     return Stage(name, runs)
 
@@ -181,10 +181,8 @@ def run_stage(
         for run, grid_id in stage.runs.items():
             if is_done(sweep_dir, stage.name, run):
                 continue
-            spec = cells[grid_id].spec if stage.final else _spec_of(directory, run)
-            out.append(
-                (Cell(spec, run), Planned(str(cell_dir(directory, run).absolute()), spec.world_size, stage.name))
-            )
+            cell = cells[grid_id] if stage.final else _cell_of(directory, run)
+            out.append((cell, Planned(str(cell_dir(directory, run).absolute()), cell.spec.world_size, stage.name)))
         return out
 
     pending = todo()
@@ -223,13 +221,17 @@ def run_stage(
         write_launch(launches, Launch(cell.id, stage.name, 0.0, 0.0, planned.processes, None, "slurm", jobs[-1]))
 
 
-def _spec_of(directory: Path, run: str):
+def _cell_of(directory: Path, run: str) -> Cell:
+    """A probe run as its spec.json says: its spec, and its sources as resolved at load time."""
     from ..files import read_json_object
     from ..record import SPEC_NAME
+    from ..sources import Sources
     from ..spec import RunSpec
 
+    where = str(cell_dir(directory, run) / SPEC_NAME)
     meta = read_json_object(cell_dir(directory, run) / SPEC_NAME, kind="cell spec")
-    return RunSpec.from_dict(meta["spec"], where=str(cell_dir(directory, run) / SPEC_NAME))
+    spec, sources = RunSpec.resolved(meta["spec"], where, Sources.of_cell_spec(meta, where))
+    return Cell(spec, run, sources)
 
 
 def _count_array_launches(sweep_dir: Path, stage: Stage, cells: dict[str, Cell]) -> None:
