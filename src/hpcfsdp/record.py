@@ -303,7 +303,7 @@ def failure_record(
 ) -> FailedRecord:
     """The fields every failed cell's record has: its status, the stage it failed at, the error on
     one line and, where there is one, the traceback (or a log's tail). `cell`: the cell's spec.json
-    ({cell_id, sweep, spec}), for a record written where the run's own context is not known (a
+    ({cell_id, sweep, spec, sources}), for a record written where the run's own context is not known (a
     spec the compute node rejects, a launch that never ran): its identity and size. The callers
     add their own fields."""
     record: FailedRecord = {"status": status, "stage": stage, "error": error}
