@@ -133,8 +133,8 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
         RunSpec.from_dict({"data": str(tmp_path / "empty"), "model": str(model_dir)})
     with pytest.raises(SpecError, match="hub data 'tinystories' is read pre-tokenised from the cache"):
         RunSpec.from_dict({"data": "tinystories", "model": str(model_dir)})
-    spec = RunSpec.from_dict({"data": "tinystories", "model": "tiny", "tokenizer": "acme/tok"})
-    assert spec.text_tokenizer == "acme/tok"
+    _, sources = RunSpec.resolved({"data": "tinystories", "model": "tiny", "tokenizer": "acme/tok"})
+    assert sources.tokenizer is not None and sources.tokenizer.model_ref.name == "acme/tok"
 
 
 @pytest.fixture(scope="module")
