@@ -30,8 +30,10 @@ def _own_cluster_per_worker() -> None:
     index = int(worker.removeprefix("gw"))
     os.environ["HPCFSDP_SLURM_DIR"] = os.environ.get("HPCFSDP_SLURM_DIR", "/tmp/hpcfsdp-slurm") + f"-{worker}"
     os.environ["HPCFSDP_SLURM_PORT"] = str(int(os.environ.get("HPCFSDP_SLURM_PORT", "6817")) + 40 * index)
-    # a cell derives its MASTER_PORT from its job id (cell/distributed.py): two clusters must not share job ids
-    os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + 1)
+    # a cell derives its MASTER_PORT from its job id (cell/distributed.py): two clusters must not share job ids,
+    # nor two checkouts' workers on one machine (each has its own HPCFSDP_SLURM_FIRST_JOB_ID)
+    first = int(os.environ.get("HPCFSDP_SLURM_FIRST_JOB_ID", "1"))
+    os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + first)
 
 
 _own_cluster_per_worker()
