@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from hpcfsdp.sweep.local import processes_under
+from hpcfsdp.sweep.launch.local import processes_under
 
 FAULTS = ("oom", "error", "hang", "timeout")
 EXPECTED = {"oom": "oom", "error": "error", "hang": "hang", "timeout": "timeout"}

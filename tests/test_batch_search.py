@@ -8,10 +8,10 @@ import pytest
 
 from conftest import run_torchrun_cell
 from hpcfsdp.cell.batch_search import Probe, largest_batch_for, next_batch
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results.read import label_cells, load_records
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import frontier_table
-from hpcfsdp.spec import RunSpec
 
 
 def search(
@@ -100,10 +100,10 @@ import gc, os, sys, weakref
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   HPCFSDP_FAULT="train_step:oom>3")
 from hpcfsdp.cell import build as building
-from hpcfsdp.cell import faults
+from hpcfsdp.cell.stopping import faults
 from hpcfsdp.cell.batch_search import BatchSearch, search_batch_size
-from hpcfsdp.cell.distributed import init_distributed
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.cell.ranks.distributed import init_distributed
+from hpcfsdp.contracts.spec import RunSpec
 env = init_distributed("cpu", 300)
 for strategy in ("ddp", "fsdp2_zero3"):
     spec = RunSpec.from_dict({"batch_size": "auto", "device": "cpu", "precision": "fp32", "seq_len": 32,

@@ -39,7 +39,7 @@ def loaded_by(args: list[str], cwd: Path = ROOT) -> dict:
 def printed(tmp_path_factory) -> tuple[Path, dict]:
     """`submit --executor print` of the smoke sweep: its folder (plus one record written by hand) and
     what the command loaded."""
-    from hpcfsdp.record import write_record
+    from hpcfsdp.contracts.record import write_record
 
     results = tmp_path_factory.mktemp("layout") / "results"
     submitted = loaded_by(["submit", "jobs/smoke.yaml", "--executor", "print", "--results-dir", str(results)])
@@ -74,7 +74,7 @@ def test_status_collect_and_history_load_no_torch(printed):
 def test_the_cache_side_loads_no_torch_outside_tokenising():
     probe = (
         "import sys, hpcfsdp.cache.download, hpcfsdp.cache.fetch, hpcfsdp.cache.hub, hpcfsdp.cache.manifest, "
-        "hpcfsdp.cache.plan, hpcfsdp.cache.tokenize, hpcfsdp.cache.verify, hpcfsdp.sweep.job;"
+        "hpcfsdp.cache.plan, hpcfsdp.cache.tokenize, hpcfsdp.cache.verify, hpcfsdp.sweep.launch.job;"
         "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -93,7 +93,7 @@ TABLE_HEADER = "| part | may import (of hpcfsdp) | torch, transformers |"
 def import_table() -> dict[str, tuple[set[str], set[str]]]:
     """part -> (the parts and modules it may import, the heavy libraries it may import), from the
     table under TABLE_HEADER. A part is a module (`spec`), a folder (`sweep`) or one file of a folder
-    (`sweep/job.py`, which adds to its folder's row); `everything` allows every part."""
+    (`sweep/launch/job.py`, which adds to its folder's row); `everything` allows every part."""
     lines = (ROOT / "docs" / "design.md").read_text().splitlines()
     start = lines.index(TABLE_HEADER) + 2
     table = {}
@@ -107,7 +107,7 @@ def import_table() -> dict[str, tuple[set[str], set[str]]]:
 
 
 def part_of(module: str) -> str:
-    """hpcfsdp.sweep.job -> sweep; hpcfsdp.spec -> spec; hpcfsdp -> hpcfsdp (the package: its version)."""
+    """hpcfsdp.sweep.launch.job -> sweep; hpcfsdp.contracts.spec -> spec; hpcfsdp -> hpcfsdp (the package: its version)."""
     names = module.split(".")
     return names[1] if len(names) > 1 else names[0]
 
@@ -173,4 +173,7 @@ def test_the_import_check_names_a_forbidden_import_lazy_or_not(tmp_path):
         spec.write("\n\ndef _late():\n    from .sweep.matrix import Cell\n\n    return Cell\n")
     with (copy / "results" / "read.py").open("a") as read:
         read.write("\nimport torch  # noqa\n")
-    assert violations(copy, import_table()) == ["results/read.py imports torch", "spec.py imports hpcfsdp.sweep.matrix"]
+    assert violations(copy, import_table()) == [
+        "results/read.py imports torch",
+        "spec.py imports hpcfsdp.sweep.define.matrix",
+    ]

@@ -8,9 +8,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UserError
-from ..hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
-from ..sources import data_kind
+from ..contracts.errors import UserError
+from ..contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef, is_hub_model
+from ..contracts.sources import data_kind
 from .hub import CacheMissError, lookup_model, lookup_tokenized
 
 

@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..record import BatchProbe, BatchSearchRecord
-from ..spec import RunSpec
+from ..contracts.record import BatchProbe, BatchSearchRecord
+from ..contracts.spec import RunSpec
 from .data import training_batches
-from .distributed import DistEnv
-from .metrics import median, memory_reading, reset_peak_memory
+from .measure.metrics import median, memory_reading, reset_peak_memory
+from .ranks.distributed import DistEnv
 from .train import train
 
 ProbeStatus = Literal["ok", "oom", "over_margin"]

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..spec import RunSpec
-from .distributed import DistEnv
+from ..contracts.spec import RunSpec
 from .levers import add_float8_scale_hook, attention_backend
+from .ranks.distributed import DistEnv
 from .strategies import autocast, clip_gradients, gradient_sync
 
 

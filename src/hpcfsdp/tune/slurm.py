@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UserError
-from ..sweep import container
-from ..sweep.environment import slurm_environment_only
-from ..sweep.interrupts import interrupts_deferred
-from ..sweep.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
-from ..sweep.matrix import Cell, Sweep
-from ..sweep.sbatch import SubmitError, slurm_parameters, submit_arrays
-from ..sweep.scheduler import SchedulerError, queued_states
+from ..contracts.errors import UserError
+from ..sweep.define import container
+from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.folder.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
+from ..sweep.launch.environment import slurm_environment_only
+from ..sweep.launch.interrupts import interrupts_deferred
+from ..sweep.launch.sbatch import SubmitError, slurm_parameters, submit_arrays
+from ..sweep.track.scheduler import SchedulerError, queued_states
 from .probe import Planned
 from .state import Stage
 
