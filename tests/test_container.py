@@ -25,7 +25,7 @@ import yaml
 from conftest import ROOT, slurm
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.define.container import PODMAN_TASK
+from hpcfsdp.sweep.launch.container_command import PODMAN_TASK
 
 IMAGE = "localhost/hpcfsdp-test:latest"
 CPU_CELL = {

@@ -45,7 +45,7 @@ from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.jsontypes import INT64_MAX, INT64_MIN
 from hpcfsdp.contracts.record import CHECKED_FIELDS, CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, STATUSES, record_state
-from hpcfsdp.results.exports.export import exported_runs
+from hpcfsdp.results.exports.runs import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows
 from hpcfsdp.results.read import label_cells, load_records, ok_configs

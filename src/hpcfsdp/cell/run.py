@@ -40,6 +40,7 @@ from .data import open_data, training_batches
 from .levers import check_device, float8_linear_count
 from .measure.metrics import (
     NvmlSampler,
+    TrainLog,
     device_name,
     energy,
     full_param_norm,
@@ -73,7 +74,7 @@ from .stopping.signals import (
     submitit_requeues,
 )
 from .stopping.watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
-from .train import Diverged, TrainLog, train
+from .train import Diverged, train
 
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.

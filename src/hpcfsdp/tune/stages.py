@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sweep.define.matrix import Cell, Sweep
-from ..sweep.folder.layout import cell_dir, slurm_jobs, update_manifest, write_sweep_files
+from ..sweep.folder.layout import cell_dir, slurm_jobs, update_manifest, write_cell_spec, write_sweep_files
 from ..sweep.launch.environment import job_environment, without_secrets
-from ..sweep.launch.job import write_cell_spec
 from ..sweep.track.lost import record_launch_failure
 from .accumulation import computed_speed
 from .probe import Planned, probe_rungs, probe_spec, run_launches

@@ -7,8 +7,8 @@ import resource
 import statistics
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +18,21 @@ from ...contracts.record import OkRecord
 from ...contracts.spec import RunSpec
 from ..ranks.distributed import DistEnv, all_gather_objects, all_reduce_max
 
-if TYPE_CHECKING:
-    from ..train import TrainLog
+
+@dataclass
+class TrainLog:
+    """Per-step measurements on this rank. Losses are averaged over ranks and micro-batches."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+    data_times_s: list[float] = field(default_factory=list)
+    window_s: float = 0.0  # wall time of the steps after warm-up, between two device syncs
+    # stop_when_stable (tune's probes): each step's clipping and optimizer step, between two device
+    # syncs, so that other gradient accumulations can be computed from one (tune/accumulation.py)
+    optimizer_times_s: list[float] = field(default_factory=list)
+
+    def timed(self, warmup: int) -> tuple[list[float], list[float]]:
+        return self.step_times_s[warmup:], self.data_times_s[warmup:]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .export import FIGURES, FINAL_PREFIX, ExportedRun, import_extra
+from .runs import FIGURES, FINAL_PREFIX, ExportedRun, import_extra
 
 
 def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ...contracts.files import atomic_output
-from .export import ExportedRun, ExportError, import_extra
+from .runs import ExportedRun, ExportError, import_extra
 
 BLOCK = 32768  # a .wandb log is written in blocks of this size; no chunk header crosses one
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # the file's first bytes: ident, magic, version

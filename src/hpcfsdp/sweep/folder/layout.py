@@ -2,7 +2,7 @@
 
     matrix.yaml                    the matrix as submitted
     manifest.json                  cell id -> executor, job id, cluster, submit time, sweep id and folder
-    cells/<id>/spec.json           the resolved spec of the cell (job.write_cell_spec)
+    cells/<id>/spec.json           the resolved spec of the cell (write_cell_spec)
     cells/<id>/result.json         written by the cell (record.py): its current record
     cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
     cells/<id>/log.txt             the local executor's log of the cell
@@ -15,6 +15,7 @@ Submit writes it; status, collect, export and the accounting read it. No torch, 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -32,6 +33,7 @@ from ...contracts.names import slurm_name_problem
 from ...contracts.record import SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
+    from ...contracts.spec import RunSpec
     from ..define.matrix import Cell, Sweep
 
 CELLS_DIR = "cells"
@@ -219,8 +221,6 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
 
 def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
     """matrix.yaml, and the spec.json of each cell about to run."""
-    from ..launch.job import write_cell_spec
-
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
@@ -240,3 +240,11 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
         for cell_id, path in kept.items():
             restore_attempt(cell_dir(sweep_dir, cell_id), path)
         raise
+
+
+def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
+    """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node)."""
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    path = cell_dir / SPEC_NAME
+    write_text(path, json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
+    return path

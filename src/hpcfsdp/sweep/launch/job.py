@@ -1,4 +1,4 @@
-"""The job object of one array task, and the spec file it reads.
+"""The job object of one array task (the spec file it reads: folder/layout.py's write_cell_spec).
 
 Lives on the login side so that `submit` pickles it without importing torch; the task imports
 the compute side (`cell/`) only when it runs.
@@ -6,15 +6,10 @@ the compute side (`cell/`) only when it runs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import submitit
-
-from ...contracts.files import write_text
-from ...contracts.record import SPEC_NAME
-from ...contracts.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -34,10 +29,3 @@ class CellJob(submitit.helpers.Checkpointable):
             from ...cell.run import run_cell_dir
 
             return run_cell_dir(Path(self.cell_dir))
-
-
-def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str) -> Path:
-    cell_dir.mkdir(parents=True, exist_ok=True)
-    path = cell_dir / SPEC_NAME
-    write_text(path, json.dumps({"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict()}, indent=2))
-    return path

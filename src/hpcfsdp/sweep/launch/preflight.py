@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..define.matrix import Cell, Sweep, by_shape
-from ..predict.hostmemory import auto_mem_gb, predict_host_cells
+from ..predict.hostmemory import predict_host_cells, requested_mem_gb
 from ..track.cluster import (
     ANSWER_TIMEOUT_S,
     Partition,
@@ -38,6 +38,8 @@ from ..track.cluster import (
     read_qos,
     tres_counts,
 )
+from .environment import slurm_environment
+from .sbatch import sbatch_script  # submitit's script text
 
 
 def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[str]:
@@ -94,18 +96,6 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
     chosen = list(sweep.cells if cells is None else cells)
     problems = host_memory_problems(sweep, chosen, partitions[names[0]]) + qos_problems(sweep, chosen)
     return problems or sbatch_refusals(sweep, chosen)
-
-
-def requested_mem_gb(sweep: Sweep, nodes: int, gpus: int) -> int:
-    """--mem in GiB of the arrays of one shape: slurm.mem_gb, or with mem_gb: auto the largest
-    predicted host memory per node of the sweep's cells of that shape plus the margin (the same
-    for every array of the shape); 0: no --mem."""
-    res = sweep.resources
-    if not res.mem_auto:
-        return res.mem_gb
-    shaped = [cell for cell in sweep.cells if cell.shape == (nodes, gpus)]
-    needs = [p.node_gib for p in predict_host_cells(shaped, res.cache_dir or None).values() if p]
-    return auto_mem_gb(max(needs)) if needs else 0
 
 
 def memory_given_mb(sweep: Sweep, partition: Partition, nodes: int, gpus: int) -> tuple[int, str] | None:
@@ -224,9 +214,6 @@ REFUSAL_KEYS = (
 def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
     """`sbatch --test-only` of the first array of each shape, as submit would queue it: one line
     per shape that Slurm refuses; none when sbatch is not here or does not answer."""
-    from .environment import slurm_environment
-    from .sbatch import sbatch_script  # submitit's script text
-
     size = array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters)
     folder = Path(tempfile.gettempdir()) / "hpcfsdp-test-only" / sweep.name  # named in the script only
     env = slurm_environment(sweep)  # as submit's sbatch runs

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from ...contracts.errors import UserError
 from ...contracts.spec import JOB_END_ENV, MAX_REQUEUE_ENV
-from ..define import container
 from ..define.matrix import Cell, Sweep, arrays
 from ..define.resources import Resources
 from ..folder.layout import (
@@ -26,10 +25,11 @@ from ..folder.layout import (
     sweep_comment,
     update_manifest,
 )
+from ..predict.hostmemory import requested_mem_gb
 from ..track.cluster import array_size_limit, jobs_in_queue
+from . import container_command
 from .environment import HF_TOKEN_ENV, job_environment, slurm_environment_only, slurm_parameters_for_environment
 from .interrupts import interrupts_deferred
-from .preflight import requested_mem_gb
 
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
 # SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
@@ -69,10 +69,10 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
             f"unset {' '.join(HF_TOKEN_ENV)}",
             JOB_END_SETUP,
             *sweep.setup,
-            *container.env_lines(sweep),
+            *container_command.env_lines(sweep),
         ],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
-        srun_args=["--kill-on-bad-exit=1", *container.srun_args(sweep, sweep_dir)],
+        srun_args=["--kill-on-bad-exit=1", *container_command.srun_args(sweep, sweep_dir)],
         additional_parameters=additional,
     )
     if uid:
@@ -100,7 +100,7 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
     from submitit.slurm.slurm import _make_sbatch_string
 
     folder = slurm_folder(sweep_dir)
-    python = container.job_python(sweep, sweep_dir)
+    python = container_command.job_python(sweep, sweep_dir)
     command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(
         command=command,
@@ -173,7 +173,7 @@ def _submit_array(
     executor = submitit.SlurmExecutor(
         folder=slurm_folder(sweep_dir),
         max_num_timeout=sweep.resources.max_requeue,
-        python=container.job_python(sweep, sweep_dir),
+        python=container_command.job_python(sweep, sweep_dir),
     )
     executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir, uid))
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ...contracts.spec import RunSpec
+from ..define.matrix import Sweep
 from .memory import (
     GIB,
     ModelConfigError,
@@ -115,3 +116,15 @@ def predict_host_cells(cells, cache_dir: str | None = None) -> dict[str, HostPre
         shape = shapes[model]
         out[cell.id] = predict_host(cell.spec, shape) if shape else None
     return out
+
+
+def requested_mem_gb(sweep: Sweep, nodes: int, gpus: int) -> int:
+    """--mem in GiB of the arrays of one shape: slurm.mem_gb, or with mem_gb: auto the largest
+    predicted host memory per node of the sweep's cells of that shape plus the margin (the same
+    for every array of the shape); 0: no --mem."""
+    res = sweep.resources
+    if not res.mem_auto:
+        return res.mem_gb
+    shaped = [cell for cell in sweep.cells if cell.shape == (nodes, gpus)]
+    needs = [p.node_gib for p in predict_host_cells(shaped, res.cache_dir or None).values() if p]
+    return auto_mem_gb(max(needs)) if needs else 0
