@@ -164,7 +164,7 @@ def _safe(text: str) -> str:
 def is_hub_model(model: str) -> bool:
     """True when `model` (a RunSpec.model value) names a hub repo, not a shipped preset or local folder."""
     # The shipped presets, as models.preset_names() lists them (not imported: it pulls in torch).
-    presets = {p.stem for p in (Path(__file__).parent / "presets").glob("*.json")}
+    presets = {p.stem for p in (Path(__file__).parents[1] / "presets").glob("*.json")}
     if model.lower() in presets or Path(model).exists():
         return False
     return bool(_MODEL_RE.match(model))

@@ -14,7 +14,7 @@ from typing import Any
 from .fields import SpecError, shown
 from .hubrefs import DatasetRef, ModelRef
 
-PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS_DIR = Path(__file__).parents[1] / "presets"
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -11,7 +11,7 @@ from typing import cast
 
 from ...contracts.record import Record, SlurmJob
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../hpcfsdp
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # .../hpcfsdp
 UNKNOWN = "unknown"
 # The settings that steer the communication library and PyTorch, recorded with their values.
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
