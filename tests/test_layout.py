@@ -92,6 +92,8 @@ HEAVY = ("torch", "transformers")
 TABLE_HEADER = "| part | may import (of hpcfsdp) | torch, transformers |"
 TREE_ROOT = "src/hpcfsdp/"
 MAX_MODULES_PER_FOLDER = 15
+# A line of the tree: a folder (`launch/`) or its modules (`matrix, yamlfile`), then what they do.
+ENTRY = re.compile(r"([\w.]+(?:, [\w.]+)*/?)(?:\s|$)")
 
 
 def import_table(page: Path = DESIGN) -> dict[str, tuple[set[str], set[str]]]:
@@ -128,12 +130,13 @@ def module_tree(page: Path = DESIGN) -> set[str]:
             folders.pop()
         if indent > folders[-1][0] + 2:  # a description going on
             continue
-        words = line.strip().split("  ")[0]
+        words = ENTRY.match(line.strip())
+        assert words, f"design.md's tree: {line.strip()!r} names no module or folder"
         folder = folders[-1][1]
-        if words.endswith("/"):
-            folders.append((indent, f"{folder}{words}"))
+        if words[1].endswith("/"):
+            folders.append((indent, f"{folder}{words[1]}"))
             continue
-        listed |= {folder + name.strip().removesuffix(".py") for name in words.split(",")}
+        listed |= {folder + name.strip().removesuffix(".py") for name in words[1].split(",")}
     return listed
 
 

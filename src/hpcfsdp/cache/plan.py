@@ -72,7 +72,7 @@ class Request:
     """What to fetch, as the command line names it: the cells of a jobs YAML and/or explicit items
     (tokenized: every dataset x tokenize_for model x seq_len)."""
 
-    sweep: Any = None  # a loaded sweep (sweep.matrix.Sweep: .cells, .source), loaded by the command
+    sweep: Any = None  # a loaded sweep (sweep.define.matrix.Sweep: .cells, .source), loaded by the command
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     weights: bool = False
