@@ -30,7 +30,7 @@ class Resources:
 
     partition: str = "gpu"
     # sbatch -M: the one cluster the sweep runs on (its name in slurmdbd); "" the login node's own.
-    # status, cancel, collect and the preflight ask the same cluster (sweep/cluster.on_cluster).
+    # status, cancel, collect and the preflight ask the same cluster (slurm.on_cluster).
     clusters: str = ""
     time_min: int = 30
     cpus_per_task: int = 1

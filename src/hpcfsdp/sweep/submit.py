@@ -9,8 +9,6 @@ and never by two submits at once (the lock).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,7 @@ from ..fields import SpecError
 from ..files import RecordError
 from ..names import sbatch_word_problem
 from ..record import MISSING
-from .cluster import on_cluster
+from ..slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
 from .interrupts import Interrupted, interrupts_raise
 from .layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, sweep_comment, write_sweep_files
 from .local import print_command, run_local
@@ -28,7 +26,7 @@ from .lock import sweep_lock
 from .matrix import Cell, Sweep
 from .preflight import cluster_problems, place
 from .sbatch import SubmitError, submit_arrays
-from .scheduler import SchedulerError, queued_states
+from .scheduler import queued_states
 from .status import (
     IN_FLIGHT,
     STALE,
@@ -67,18 +65,14 @@ def default_executor(cluster: str = "") -> tuple[str, str]:
     Slurm is not installed (a laptop, a workstation), and why; NoController where sbatch is
     installed but no controller answers (`--executor local` is then the user's explicit choice,
     never a fallback)."""
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+    if not installed("sbatch", "sinfo"):
         return "local", "no Slurm here (sbatch is not on PATH)"
-    command = ["sinfo", *on_cluster(cluster), "--noheader", "--format=%P"]
     try:
-        probe = subprocess.run(command, capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        raise NoController(_no_controller("sbatch is installed but sinfo did not answer within 15 s")) from None
-    if probe.returncode != 0:
-        reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]  # its fatal line
+        ask("sinfo", "--noheader", "--format=%P", cluster=cluster, timeout_s=ANSWER_TIMEOUT_S)
+    except SlurmError as exc:  # no answer in time, or its fatal line (Unable to contact slurm controller)
         raise NoController(
-            _no_controller(f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)")
-        )
+            _no_controller(f"sbatch is installed but no Slurm controller answers ({exc}; is SLURM_CONF set?)")
+        ) from None
     return "slurm", ""
 
 
@@ -173,7 +167,7 @@ def submit(
     try:
         with interrupts_raise(), sweep_lock(sweep_dir, log):
             return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
-    except SchedulerError as exc:
+    except SlurmError as exc:
         raise UserError(f"cannot tell which cells are still queued ({exc}); nothing submitted") from None
     except SubmitError as exc:
         raise UserError(

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UserError
+from ..slurm import SlurmError
 from ..sweep import container
 from ..sweep.environment import slurm_environment_only
 from ..sweep.interrupts import interrupts_deferred
 from ..sweep.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
 from ..sweep.matrix import Cell, Sweep
 from ..sweep.sbatch import SubmitError, slurm_parameters, submit_arrays
-from ..sweep.scheduler import SchedulerError, queued_states
+from ..sweep.scheduler import queued_states
 from .probe import Planned
 from .state import Stage
 
@@ -101,7 +102,7 @@ def wait_for_jobs(job_ids: list[str], cluster: str, poll_s: float, log: Callable
     while True:
         try:
             queued = queued_states(job_ids, cluster)
-        except SchedulerError as exc:
+        except SlurmError as exc:
             raise UserError(
                 f"cannot tell whether the probe jobs still run ({exc}); run the same command again"
             ) from None
