@@ -57,9 +57,9 @@ def _queued_job(line: str) -> tuple[str, QueuedJob]:
     )
 
 
-def scancel(job_ids: list[str], cluster: str = "", watcher: Watcher | None = None) -> None:
+def scancel(job_ids: list[str], cluster: str = "") -> None:
     """scancel these jobs (array tasks); one that ended meanwhile is no error."""
-    (watcher or Watcher()).cancel(job_ids, cluster)
+    Watcher().cancel(job_ids, cluster)
 
 
 @dataclass(frozen=True)
