@@ -32,7 +32,8 @@ from typing import Any
 
 from ..gpus import gpu_memory_gib
 from ..sources import PRESETS_DIR, model_kind
-from ..spec import STRATEGIES, RunSpec
+from ..spec import RunSpec
+from ..strategies import STRATEGIES
 
 GIB = 1024**3
 # What the allocator never gets of a GPU: the CUDA context, NCCL's and cuBLAS's buffers, and the
