@@ -37,10 +37,10 @@ Init = Literal["random", "pretrained"]
 Group = Literal["fsdp1", "fsdp2", "hybrid", "measurement", "searched", "batch_search"]
 
 
-def option(default: Any, doc: str, *groups: Group) -> Any:
+def option(default: Any, doc: str, *groups: Group, default_means: str = "") -> Any:
     """A RunSpec field: its default, its short doc (fields.documented: docs/submit.md and
     `hpcfsdp run --help` are written from it), and the groups it belongs to (fields_in)."""
-    return documented(default, doc, groups=groups)
+    return documented(default, doc, default_means=default_means, groups=groups)
 
 
 # The dtype the weights and the compute take under each precision, and its largest finite value
@@ -76,29 +76,26 @@ class RunSpec:
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("batch_size", "auto_batch")  # `batch_size: auto` sets auto_batch
 
     # model and data (docs/models_and_data.md)
-    model: str = option(
-        "tiny", "a preset (`tiny`, `qwen2.5-1.5b`, ...), a local folder with `config.json`, or a hub ORG/NAME@REVISION"
-    )
+    model: str = option("tiny", "a preset (`tiny`, ...), a folder with `config.json`, or a hub ORG/NAME@REVISION")
     seq_len: int = option(128, "tokens per sequence (at most the model's `max_position_embeddings`)")
     data: str = option("synthetic", "synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset")
-    tokenizer: str = option("", 'for text data: a folder or hub id; "": the model\'s own (presets have none)')
+    tokenizer: str = option("", "for text data: a folder or hub id", default_means="the model's own; presets have none")
     text_column: str = option(
-        "", 'the field / column documents are in; "": the hub preset\'s (chess: Moves), else text'
+        "", "the field / column documents are in", default_means="the hub preset's (chess: Moves), else text"
     )
     init: Init = option("random", "pretrained: the model's weights (a local folder or a cached hub id)")
     meta_init: bool = option(False, "build on the meta device, materialise each rank's shard after sharding")
     # parallelism
     strategy: StrategyName = option(
-        "fsdp2_zero3", "single (one process), ddp, fsdp1_* (GPU only) or fsdp2_*: the README's Strategies"
+        "fsdp2_zero3", "single, ddp, fsdp1_* (GPU only) or fsdp2_*: the README's Strategies"
     )
     nodes: int = option(1, "nodes of the cell (a matrix axis: cells of one shape share a job array)")
     gpus_per_node: int = option(1, "GPUs (ranks) per node")
-    hsdp_shard_size: int = option(0, "hybrid strategies: 0: shard within a node, replicate across nodes", "hybrid")
+    hsdp_shard_size: int = option(
+        0, "ranks per shard group", "hybrid", default_means="shard within a node, replicate across nodes"
+    )
     cpu_offload: bool = option(
-        False,
-        "the rank's shard of the parameters, gradients and AdamW's states in pinned host memory",
-        "fsdp1",
-        "fsdp2",
+        False, "the rank's shard of parameters, gradients and AdamW states in pinned host memory", "fsdp1", "fsdp2"
     )
     # FSDP1 knobs
     backward_prefetch: BackwardPrefetch = option("pre", "FSDP1's BackwardPrefetch: pre | post | none", "fsdp1")
@@ -110,7 +107,9 @@ class RunSpec:
     )
     min_num_params: int = option(100_000_000, "with wrap_policy: size, the parameters of a wrapped unit", "fsdp1")
     # FSDP2 knobs
-    prefetch_depth: int = option(0, "0: FSDP2's implicit prefetch; k > 0: explicit, k layers ahead", "fsdp2")
+    prefetch_depth: int = option(
+        0, "k > 0: explicit prefetch, k layers ahead", "fsdp2", default_means="FSDP2's implicit prefetch"
+    )
     reduce_dtype: ReduceDtype = option("fp32", "with bf16_mixed: the dtype gradients are reduced in", "fsdp1", "fsdp2")
     optimizer_order: OptimizerOrder = option(
         "after_shard",
@@ -121,7 +120,7 @@ class RunSpec:
     # batch shape
     batch_size: int = option(1, "per device; with auto_batch, the first batch the search tries", "searched")
     grad_accum: int = option(1, "micro-batches per optimizer step", "searched")
-    global_batch_size: int = option(0, "0: derived; > 0: grad_accum derived from it")
+    global_batch_size: int = option(0, "> 0: grad_accum derived from it", default_means="derived")
     # batch_size: auto (cell/batch_search.py): the largest per-device batch that fits, found in the cell
     auto_batch: bool = option(False, "set by `batch_size: auto`", "batch_search")
     max_batch_size: int = option(
@@ -139,15 +138,13 @@ class RunSpec:
     sync_every_microbatch: bool = option(False, "reduce gradients on every micro-batch, not only the window's last")
     # compute
     activation_checkpointing: Checkpointing = option(
-        "none", "full | selective (every k-th layer) | op (op-level policy); docs/levers.md"
+        "none", "full | selective (every k-th layer) | op (op-level policy)"
     )
     checkpoint_every: int = option(2, "for selective: checkpoint every k-th decoder layer")
     precision: Precision = option("bf16_mixed", "fp32 | bf16_mixed (bf16 compute, fp32 weights) | bf16")
     compile: bool = option(False, "torch.compile each decoder layer (one compilation, reused)")
     kernels: Kernels = option("none", "liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`")
-    attention: Attention = option(
-        "sdpa", "sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: that one (GPU)"
-    )
+    attention: Attention = option("sdpa", "sdpa: PyTorch picks the backend; cudnn | flash | efficient: that one (GPU)")
     loss: Loss = option(
         "default",
         "the model's own; compiled: the same loss, LM head and cross-entropy in one compiled function "
@@ -168,7 +165,7 @@ class RunSpec:
     lr_min_ratio: float = option(0.0, "where the decay ends, as a fraction of lr (reached one step after the last)")
     weight_decay: float = option(0.0, "AdamW's weight decay")
     max_grad_norm: float = option(
-        0.0, "clip the gradients' total norm (over every rank) to this before each step; 0: off"
+        0.0, "clip the gradients' total norm (over every rank) to this before each step", default_means="off"
     )
     device: Device = option("auto", "auto: a GPU where torch sees one, else the CPU")
     # measurement
@@ -179,13 +176,15 @@ class RunSpec:
     sync_each_step: bool = option(True, "false: one device sync around the timed window (measures sync overhead)")
     nvml: bool = option(True, "sample GPU utilisation during timed steps", "measurement")
     comm_profile_steps: int = option(
-        2, "extra steps under torch.profiler for communication time; 0: off", "measurement"
+        2, "extra steps under torch.profiler for communication time", "measurement", default_means="off"
     )
     profile: bool = option(False, "TensorBoard trace of a window of steps in the cell folder", "measurement")
     memory_snapshot: bool = option(
         False, "CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM"
     )
-    peak_tflops: float = option(0.0, "dense bf16 peak per GPU for MFU; 0: looked up from the GPU name", "measurement")
+    peak_tflops: float = option(
+        0.0, "dense bf16 peak per GPU for MFU", "measurement", default_means="looked up from the GPU name"
+    )
     record_param_norm: bool = option(False, "gathers the whole model at the end: tests, small models", "measurement")
     init_timeout_s: float = option(300.0, "set-up's collectives and the first step may wait this long", "measurement")
     train_timeout_s: float = option(100.0, "then a step this long past the slowest is hung (watchdog)", "measurement")
