@@ -37,7 +37,7 @@ class Resources:
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("mem_gb", "mem_auto")  # `mem_gb: auto` sets mem_auto
 
     partition: str = documented("gpu", "`--partition`")
-    # status, cancel, collect and the preflight ask the same cluster (sweep/cluster.on_cluster).
+    # The one cluster every command of the sweep asks (sweep/cluster.on_cluster).
     clusters: str = documented(
         "",
         "`--clusters` (`-M`): one cluster name; status, cancel, collect and the preflight ask the same "
