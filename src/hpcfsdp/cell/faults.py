@@ -18,7 +18,8 @@ FAULT_ENV = "HPCFSDP_FAULT"
 def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     """Test-only hook: HPCFSDP_FAULT=stage:kind[>N][:rank] raises a real exception (or signal) there.
 
-    kind is oom (torch.OutOfMemoryError), error (RuntimeError), timeout (SIGTERM to itself), hang
+    kind is oom (torch.OutOfMemoryError), cuda_oom (torch.AcceleratorError saying out of memory),
+    error (RuntimeError), timeout (SIGTERM to itself), hang
     (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell) or hostmem
     (takes 3 GiB of host memory and holds it: a leak that no prediction sees, for Slurm's memory
     limit to end). With >N
@@ -36,6 +37,8 @@ def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     print(f"[hpcfsdp] fault {kind} at {stage} on rank {env.rank} at {time.time():.3f}", flush=True)
     if kind == "oom":
         raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
+    if kind == "cuda_oom":  # what a kernel launch or cuBLAS raises when the device has no memory left
+        raise torch.AcceleratorError("CUDA error: out of memory")
     if kind == "timeout":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends

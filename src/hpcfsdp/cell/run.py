@@ -35,8 +35,9 @@ from ..record import (
 )
 from ..spec import RunSpec
 from . import early_signals
-from .batch_search import BatchSearch, is_oom, search_batch_size
-from .build import build, build_probe
+from .batch_probe import is_oom
+from .batch_search import BatchSearch, ProbeHung, search_batch_size
+from .build import build
 from .data import open_data, training_batches
 from .distributed import DistEnv, StartupError, all_gather_objects, init_distributed, set_collective_timeout, shutdown
 from .faults import inject_fault
@@ -221,15 +222,7 @@ def _train_cell(spec: RunSpec, env: DistEnv, cell_dir: Path, cell_id: str, progr
                 print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
 
         progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
-        spec = progress.measured = search_batch_size(
-            progress.batch_search,
-            spec,
-            env,
-            blocks,
-            lambda probe: build_probe(probe, env),
-            on_first_step=lambda batch: inject_fault("train_step", env, batch),
-            log=say,
-        )
+        spec = progress.measured = search_batch_size(progress.batch_search, spec, env, cell_dir, log=say)
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
@@ -322,8 +315,8 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
         status = "oom"
     elif isinstance(exc, Diverged):
         status = "diverged"
-    elif any(marker in str(exc) for marker in COLLECTIVE_TIMEOUT_MARKERS):
-        status = "hang"  # the process group's own timeout came before the watchdog's
+    elif isinstance(exc, ProbeHung) or any(marker in str(exc) for marker in COLLECTIVE_TIMEOUT_MARKERS):
+        status = "hang"  # a probe past its deadline; the process group's own timeout before the watchdog's
     else:
         status = "error"
     record = failure_record(

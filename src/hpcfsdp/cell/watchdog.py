@@ -186,7 +186,14 @@ def end_with_launcher(sig: int) -> None:
     """Under torchrun: `sig` when the launcher dies (SIGKILLed, or its node lost), so that no
     rank outlives it holding the GPU. It reaches the cell's handler or the watchdog, which record
     `cancelled`. A launcher already gone means the rank leaves at once."""
-    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        set_parent_death_signal(sig)
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux sends `sig` to this process when its parent dies; a parent already gone (this
+    process was re-parented to init) means it leaves at once."""
+    if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() == 1:
