@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from hpcfsdp.sweep.local import processes_under
+from hpcfsdp.sweep.launch.local import processes_under
 
 FAULTS = ("oom", "error", "hang", "timeout")
 # batch_size: auto with rank 1 alone out of memory above batch 2 (the allocator's OutOfMemoryError,

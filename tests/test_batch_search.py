@@ -10,10 +10,10 @@ import pytest
 
 from conftest import run_torchrun_cell, torchrun_cell
 from hpcfsdp.cell.batch_search import Probe, largest_batch_for, next_batch
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results.read import label_cells, load_records
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import frontier_table
-from hpcfsdp.spec import RunSpec
 
 
 def search(

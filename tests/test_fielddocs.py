@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from hpcfsdp.cli import main
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.container import Container
-from hpcfsdp.sweep.fielddocs import PAGES, TABLES, field_doc, rewrite
-from hpcfsdp.sweep.resources import Resources
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.define.container import Container
+from hpcfsdp.sweep.define.fielddocs import PAGES, TABLES, field_doc, rewrite
+from hpcfsdp.sweep.define.resources import Resources
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -31,7 +31,7 @@ def test_the_field_tables_of_the_docs_are_the_declarations(page):
     text = (DOCS / page).read_text()
     for table in PAGES[page]:
         assert text.count(f"<!-- fields: {table} -->") == 1, f"{page} lacks the table {table}"
-    assert rewrite(text) == text, f"docs/{page} drifted: run `python -m hpcfsdp.sweep.fielddocs docs`"
+    assert rewrite(text) == text, f"docs/{page} drifted: run `python -m hpcfsdp.sweep.define.fielddocs docs`"
 
 
 def test_every_table_sits_in_one_page():
@@ -49,7 +49,7 @@ def test_a_row_edited_by_hand_is_drift_that_the_generator_writes_back(tmp_path):
     submit.write_text(edited)
 
     def generator(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "hpcfsdp.sweep.fielddocs", str(docs), *args]
+        command = [sys.executable, "-m", "hpcfsdp.sweep.define.fielddocs", str(docs), *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
     check = generator("--check")

@@ -23,15 +23,15 @@ from typing import Literal, TypedDict
 
 import torch
 
-from ..files import write_json
-from ..spec import RunSpec
+from ..contracts.files import write_json
+from ..contracts.spec import RunSpec
 from .build import build_probe
 from .data import open_data, training_batches
-from .distributed import DistEnv, init_distributed, shutdown
-from .faults import inject_fault
-from .metrics import median, memory_reading, reset_peak_memory
+from .measure.metrics import median, memory_reading, reset_peak_memory
+from .ranks.distributed import DistEnv, init_distributed, shutdown
+from .stopping.faults import inject_fault
+from .stopping.watchdog import leave, set_parent_death_signal
 from .train import train
-from .watchdog import leave, set_parent_death_signal
 
 PROBE_SPEC_ENV = "HPCFSDP_PROBE_SPEC"  # the cell's spec (JSON) and the batch to try
 # Errors that mean a device (or host) allocation failed, beside the allocator's own OutOfMemoryError:

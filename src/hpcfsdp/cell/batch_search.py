@@ -40,11 +40,11 @@ from typing import Literal, cast
 import torch
 import torch.distributed as dist
 
-from ..files import RecordError, read_json_object
-from ..record import BatchProbe, BatchSearchRecord
-from ..spec import RunSpec
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.record import BatchProbe, BatchSearchRecord
+from ..contracts.spec import RunSpec
 from .batch_probe import PROBE_SPEC_ENV, ProbeOutcome, ProbeResult
-from .distributed import DistEnv
+from .ranks.distributed import DistEnv
 
 ProbeStatus = Literal["ok", "oom", "over_margin"]
 GIB = 1024**3

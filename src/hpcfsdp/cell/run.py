@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..attempts import keep_as_attempt
-from ..fields import SpecError
-from ..files import RecordError, read_json_object
-from ..record import (
+from ..contracts.attempts import keep_as_attempt
+from ..contracts.fields import SpecError
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.record import (
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -33,17 +33,15 @@ from ..record import (
     read_record,
     write_record,
 )
-from ..spec import RunSpec
-from . import early_signals
+from ..contracts.spec import RunSpec
 from .batch_probe import is_oom
 from .batch_search import BatchSearch, ProbeHung, search_batch_size
 from .build import build
 from .data import open_data, training_batches
-from .distributed import DistEnv, StartupError, all_gather_objects, init_distributed, set_collective_timeout, shutdown
-from .faults import inject_fault
 from .levers import check_device, float8_linear_count
-from .metrics import (
+from .measure.metrics import (
     NvmlSampler,
+    TrainLog,
     device_name,
     energy,
     full_param_norm,
@@ -52,10 +50,21 @@ from .metrics import (
     ok_record,
     reset_peak_memory,
 )
+from .measure.provenance import launch_id, launch_rank, provenance
+from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
-from .provenance import launch_id, launch_rank, provenance
-from .requeue import done_before, name_requeued_run, requeued_too_often
-from .signals import (
+from .ranks.distributed import (
+    DistEnv,
+    StartupError,
+    all_gather_objects,
+    init_distributed,
+    set_collective_timeout,
+    shutdown,
+)
+from .stopping import early_signals
+from .stopping.faults import inject_fault
+from .stopping.requeue import done_before, name_requeued_run, requeued_too_often
+from .stopping.signals import (
     LAUNCHER_GONE,
     CellCancelled,
     CellTimeout,
@@ -65,9 +74,8 @@ from .signals import (
     signal_outcome,
     submitit_requeues,
 )
-from .summary import summary_line
-from .train import Diverged, TrainLog, train
-from .watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+from .stopping.watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+from .train import Diverged, train
 
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.

@@ -18,11 +18,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import RunSpec
-from ..strategies import Family
-from .distributed import DistEnv, build_mesh
+from ..contracts.spec import RunSpec
+from ..contracts.strategies import Family
 from .levers import convert_float8, op_checkpoint_context
 from .models import decoder_layers
+from .ranks.distributed import DistEnv, build_mesh
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 

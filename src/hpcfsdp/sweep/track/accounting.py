@@ -1,0 +1,132 @@
+"""Slurm accounting of finished cells: elapsed time, queue wait and consumed energy, from sacct.
+
+`collect` and `status` add it to a record (key `slurm_accounting`, docs/record.md) once the record's
+job has ended; a record that has it is not asked about again by collect. Where there is no
+accounting (no sacct, or sacct fails: a cluster without slurmdbd) one line says so and nothing else
+changes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ...contracts.endings import ENDINGS, ending_fields
+from ...contracts.files import RecordError
+from ...contracts.record import ACCOUNTING_KEY, RECORD_NAME, read_record, slurm_job_of, write_record
+from ..folder.layout import cell_dir, manifest_cluster
+from .cluster import on_cluster
+
+SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw"
+IDS_PER_CALL = 500  # a command line has a length limit
+
+
+class AccountingUnavailable(RuntimeError):
+    """sacct is not installed or does not answer (no slurmdbd)."""
+
+
+def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
+    """`sacct --noheader --parsable2 --format=SACCT_FORMAT` output -> job id -> accounting, for the
+    jobs that have ended (an End that is a time; a running job's is Unknown)."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) != len(SACCT_FORMAT.split(",")):
+            continue
+        job, state, submit, start, end, elapsed, energy = parts
+        try:
+            submitted, started, _ = (datetime.fromisoformat(moment) for moment in (submit, start, end))
+        except ValueError:
+            continue
+        out[job] = {
+            "state": state.split()[0] if state else None,  # "CANCELLED by 1000" -> CANCELLED
+            "submit": submit,
+            "start": start,
+            "end": end,  # the cluster's local time, as sacct prints it
+            "elapsed_s": int(elapsed) if elapsed.isdigit() else None,
+            "queue_wait_s": (started - submitted).total_seconds(),
+            # 0 or empty: the cluster does not gather energy (AcctGatherEnergyType=none)
+            "consumed_energy_j": int(energy) if energy.isdigit() and int(energy) > 0 else None,
+        }
+    return out
+
+
+def sacct(job_ids: Iterable[str], cluster: str = "") -> dict[str, dict[str, Any]]:
+    """Accounting of the jobs that have ended, by job id; AccountingUnavailable when sacct cannot tell."""
+    ids = sorted(set(job_ids))
+    if not shutil.which("sacct"):
+        raise AccountingUnavailable("sacct not found")
+    found: dict[str, dict[str, Any]] = {}
+    for first in range(0, len(ids), IDS_PER_CALL):
+        command = [
+            "sacct",
+            *on_cluster(cluster),
+            "--noheader",
+            "--parsable2",
+            "--allocations",
+            f"--format={SACCT_FORMAT}",
+            f"--jobs={','.join(ids[first : first + IDS_PER_CALL])}",
+        ]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise AccountingUnavailable(f"sacct: {exc}") from None
+        if proc.returncode != 0:
+            reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0]
+            raise AccountingUnavailable(reason if reason.startswith("sacct") else f"sacct: {reason}")
+        found.update(parse_sacct(proc.stdout))
+    return found
+
+
+def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
+    """Ask sacct about the jobs (cell id -> job id) and add what it says of each ended one to that
+    cell's record, unless the record has it already or is from another job (a rerun).
+
+    Returns cell id -> the accounting added, and a one-line note when sacct cannot tell ("" else)."""
+    if not jobs:
+        return {}, ""
+    try:
+        answers = sacct(jobs.values(), manifest_cluster(sweep_dir) or "")
+    except AccountingUnavailable as exc:
+        return {}, (
+            f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to {len(jobs)} record(s)"
+        )
+    added = {}
+    for cell_id, job in jobs.items():
+        if job not in answers:
+            continue
+        path = cell_dir(sweep_dir, cell_id) / RECORD_NAME
+        try:
+            record = read_record(path)
+        except (RecordError, OSError):  # unreadable, or gone since: collect and status name it themselves
+            continue
+        if ACCOUNTING_KEY in record or slurm_job_of(record.get("slurm")) != job:
+            continue
+        record[ACCOUNTING_KEY] = answers[job]
+        record.update(_ending_slurm_saw(record, answers[job]["state"]))
+        write_record(path, record)
+        added[cell_id] = answers[job]
+    return added, ""
+
+
+def note_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """add_accounting for `status` and `collect`: what was added; where there is no accounting, one
+    `note:` line on stderr."""
+    added, note = add_accounting(sweep_dir, jobs)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return added
+
+
+def _ending_slurm_saw(record: dict[str, Any], state: str | None) -> dict[str, Any]:
+    """A rank that got an early SIGTERM records `cancelled` when squeue did not answer it in time
+    (a busy controller, a short KillWait); sacct's final state then tells a failed node or a
+    preemption from a cancel: the record's status, slurm_state and advice follow it."""
+    if record.get("status") != "cancelled" or state not in ("NODE_FAIL", "PREEMPTED"):
+        return {}
+    return {"status": ENDINGS[state].status, **ending_fields(state, ENDINGS[state])}
