@@ -18,7 +18,7 @@ import time
 import torch
 
 from hpcfsdp.cell.models import build_model, resolve_model
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.spec import RunSpec
 
 
 def main() -> None:

@@ -142,7 +142,7 @@ def test_the_optimizer_steps_at_torchtitans_scheduled_learning_rates(fields, fac
     import torch
 
     from hpcfsdp.cell.train import build_optimizer
-    from hpcfsdp.spec import RunSpec
+    from hpcfsdp.contracts.spec import RunSpec
 
     spec = RunSpec.from_dict({"model": "tiny", "device": "cpu", "warmup_steps": 0, "lr": 8e-4, **fields})
     layer = torch.nn.Linear(4, 4)

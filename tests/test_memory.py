@@ -1,4 +1,4 @@
-"""The memory prediction (hpcfsdp/sweep/memory.py): its parts by hand and against torch on the CPU, its
+"""The memory prediction (hpcfsdp/sweep/predict/memory.py): its parts by hand and against torch on the CPU, its
 accuracy on the project's GPU records, and `plan --memory` / `submit --skip-predicted-oom`."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import param_dtype
 from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
-from hpcfsdp.sources import preset_names
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.memory import (
+from hpcfsdp.contracts.sources import preset_names
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.predict.memory import (
     GIB,
     WORKSPACE_GIB,
     layer_activation_bytes,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcfsdp.cell.metrics import communication_breakdown, flops_per_token, peak_tflops
+from hpcfsdp.cell.measure.metrics import communication_breakdown, flops_per_token, peak_tflops
 from hpcfsdp.cell.models import load_config
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpcfsdp.cell.watchdog import StepDeadlines
+from hpcfsdp.cell.stopping.watchdog import StepDeadlines
 from hpcfsdp.cli import main
-from hpcfsdp.sweep import local
+from hpcfsdp.sweep.launch import local
 
 TINY = [
     "model=tiny",

@@ -1,6 +1,6 @@
 """The one way the login side asks Slurm: every sbatch, squeue, sacct, sinfo, scontrol, sacctmgr and
 scancel that hpcfsdp runs on the login node is run here (`ask`); the cell's reading of its own job
-on the compute node (cell/requeue.py) is the only other (tests/test_layout.py checks both).
+on the compute node (cell/stopping/requeue.py) is the only other (tests/test_layout.py checks both).
 
 `ask` gives each command
 - the cluster to ask (`on_cluster`: -M, explicit, never an exported variable);
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import UserError
+from .contracts.errors import UserError
 
 SlurmCommand = Literal["sbatch", "squeue", "sacct", "sinfo", "scontrol", "sacctmgr", "scancel"]
 SLURM_COMMANDS: tuple[SlurmCommand, ...] = ("sbatch", "squeue", "sacct", "sinfo", "scontrol", "sacctmgr", "scancel")
@@ -37,7 +37,7 @@ ANSWER_TIMEOUT_S = 15.0  # the cluster's configuration, sbatch's options and --t
 IDS_PER_CALL = 500  # job ids on one command line, which has a length limit
 # squeue's fields of a job: the reason last, since a job name may hold '|' and a reason spaces.
 SQUEUE_FORMAT = "%i|%T|%D|%P|%k|%j|%r"
-# sacct's fields of a job and its steps: accounting.py reads the first seven, scheduler.py MaxRSS.
+# sacct's fields of a job and its steps: sweep/track/accounting.py reads the first seven, scheduler.py MaxRSS.
 SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw,MaxRSS"
 # Final states: a job sacct shows in one of them is never asked about again (Watcher). PREEMPTED
 # and NODE_FAIL are not among them: Slurm may requeue such a job under the same id.
