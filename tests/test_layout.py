@@ -354,3 +354,62 @@ def test_the_layout_checks_name_a_circle_an_unused_permission_a_crowded_folder_a
     assert "cache: sweep" in unused_permissions(copy, import_table(page))
     assert crowded_folders(copy) == ["contracts: 16 modules"]
     assert "contracts/extra0" in modules_of(copy) - module_tree(page)
+
+
+# Only the runner (slurm.py) and the cell's reading of its own job (cell/stopping/requeue.py) run Slurm's
+# commands as the program of a subprocess (docs/design.md).
+SLURM_RUNNERS = {"slurm.py", "cell/stopping/requeue.py"}
+SLURM_PROGRAMS = {"sbatch", "squeue", "sacct", "sinfo", "scontrol", "sacctmgr", "scancel", "srun", "salloc", "sstat"}
+SPAWNERS = {("subprocess", name) for name in ("run", "Popen", "call", "check_call", "check_output", "getoutput")} | {
+    ("os", name) for name in ("system", "popen", "execv", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnvp")
+}
+
+
+def slurm_runs(src: Path) -> list[str]:
+    """'<file>: <what>' for each module outside SLURM_RUNNERS that starts a Slurm command: a process
+    call whose program is one (a literal list, tuple or command string), or, where the program is
+    not a literal, a process call in a module that names one as a string of its own."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        relative = path.relative_to(src).as_posix()
+        if relative in SLURM_RUNNERS:
+            continue
+        tree = ast.parse(path.read_text())
+        named = {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in SLURM_PROGRAMS
+        }
+        for node in ast.walk(tree):
+            func = node.func if isinstance(node, ast.Call) else None
+            if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+                continue
+            if (func.value.id, func.attr) not in SPAWNERS or not node.args:  # type: ignore[union-attr]
+                continue
+            program = node.args[0]  # type: ignore[union-attr]
+            if isinstance(program, (ast.List, ast.Tuple)) and program.elts:
+                program = program.elts[0]
+            if isinstance(program, ast.Constant) and isinstance(program.value, str):
+                words = program.value.split()
+                if words and words[0] in SLURM_PROGRAMS:
+                    found.append(f"{relative}:{node.lineno}: runs {words[0]}")
+            elif named:
+                found.append(f"{relative}:{node.lineno}: runs a command, and names {', '.join(sorted(named))}")
+    return found
+
+
+def test_only_the_runner_and_the_cells_own_reading_of_its_job_run_slurm_commands():
+    assert slurm_runs(SRC) == []
+
+
+def test_the_slurm_command_check_names_a_module_that_runs_one(tmp_path):
+    """The check above can fail: a copy of the package whose status.py runs squeue itself, and whose
+    local.py runs a command held in a variable while naming sacct, has both named."""
+    copy = tmp_path / "hpcfsdp"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("presets", "__pycache__"))
+    with (copy / "sweep" / "track" / "status.py").open("a") as status:
+        status.write('\n\ndef _ask():\n    import subprocess\n\n    return subprocess.run(["squeue", "--me"])\n')
+    with (copy / "sweep" / "launch" / "local.py").open("a") as local:
+        local.write('\n\ndef _accounted():\n    command = ["sacct"]\n    return subprocess.check_output(command)\n')
+    lines = {line.split(":", 2)[0] + ":" + line.split(":", 2)[2] for line in slurm_runs(copy)}
+    assert lines == {"sweep/launch/local.py: runs a command, and names sacct", "sweep/track/status.py: runs squeue"}

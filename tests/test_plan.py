@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -404,6 +405,40 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(slurm_cluster, tmp_path
     assert "cannot tell which cells are still queued (squeue: slurm_load_jobs error: Unable to contact" in err
     assert main(["status", str(sweep_dir)]) == 3
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
+
+
+def logged_clients(tmp_path: Path, *programs: str) -> tuple[Path, Path]:
+    """A folder for the front of PATH whose `programs` write each call (the program and its
+    arguments) as a line of a log, then run the real program; the folder and the log."""
+    folder, log = tmp_path / "logged", tmp_path / "calls.log"
+    folder.mkdir()
+    for program in programs:
+        script = folder / program
+        script.write_text(f'#!/bin/sh\necho "{program} $*" >> {log}\nexec {shutil.which(program)} "$@"\n')
+        script.chmod(0o755)
+    return folder, log
+
+
+@pytest.mark.slurm
+def test_watch_asks_squeue_and_sacct_once_per_look_for_the_whole_sweep(flight, tmp_path, monkeypatch):
+    """Each look asks squeue once about the sweep's array; sacct is asked about a job that left the
+    queue without a record until it has settled, never again (the failed task 3 on the first look,
+    the running task 2 once it is cancelled)."""
+    _, _sweep, sweep_dir, array = flight
+    folder, log = logged_clients(tmp_path, "squeue", "sacct")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    cancel = threading.Timer(2.0, slurm, ("scancel", f"{array}_2"))
+    cancel.start()
+    try:
+        report = watch(sweep_dir, 0.1, stream=io.StringIO())
+    finally:
+        cancel.cancel()
+    assert not report.in_flight and not report.note
+    calls = log.read_text().splitlines()
+    looks = [call for call in calls if call.startswith("squeue ")]
+    assert len(looks) >= 5 and all(call.endswith(f" --jobs={array}") for call in looks), calls
+    asked = [call.rsplit("--jobs=", 1)[1] for call in calls if call.startswith("sacct ")]
+    assert asked == [f"{array}_3", f"{array}_2"], calls
 
 
 def cell_status_of(sweep_dir: Path, cell) -> str:

@@ -435,13 +435,6 @@ def _positive_int(text: str) -> int:
 
 
 def _run_fields_help() -> str:
-    import textwrap
+    from .sweep.define.fielddocs import help_listing
 
-    from .contracts.fields import field_names
-    from .sweep.define.matrix import plain_value
-
-    defaults = RunSpec().to_dict()
-    listing = ", ".join(f"{name}={plain_value(defaults[name]) or chr(34) * 2}" for name in field_names(RunSpec))
-    return "RunSpec fields and defaults (docs/submit.md, src/hpcfsdp/contracts/spec.py):\n" + textwrap.fill(
-        listing, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
-    )
+    return "RunSpec fields, their defaults and what they mean (docs/submit.md):\n" + help_listing(RunSpec)

@@ -1,10 +1,11 @@
 """Typed fields of the dataclasses a user fills in (RunSpec, Resources, a references entry): their
-names, YAML values coerced to the field types, Literal choices, and bad input as one line
-(SpecError: where, key, what).
+names, the short doc each carries beside its declaration, YAML values coerced to the field types,
+Literal choices, and bad input as one line (SpecError: where, key, what).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -12,7 +13,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import fields
+from dataclasses import field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from .errors import EXIT_USAGE, UserError
@@ -44,6 +45,17 @@ class SpecError(UserError, ValueError):
 
 def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
+
+
+def documented(default: Any, doc: str, *, default_means: str = "", **metadata: Any) -> Any:
+    """A dataclass field: its default, and its short doc beside it, from which docs/submit.md's
+    tables and `hpcfsdp run --help` are written (sweep/define/fielddocs.py). `default_means` says what a
+    default of 0 or "" stands for ("the partition's default"). A mutable default is copied for
+    each instance."""
+    meta = {"doc": doc, "default_means": default_means, **metadata}
+    if isinstance(default, (dict, list, set)):
+        return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def unknown_key(where: str, key: str, known: tuple[str, ...], section: str = "") -> SpecError:

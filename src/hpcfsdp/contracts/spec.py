@@ -1,33 +1,21 @@
 """What one cell runs (RunSpec): the contract between the sweep that plans a cell, the cell that runs it
-and the record that reports it; and the registry of strategies.
+and the record that reports it.
 
-Every user-settable option is a field here, with a default, validated once in this module, and
-copied whole into the result record so the collector can group by it.
+Every user-settable option is a field here, with a default and a short doc beside it, validated
+once in this module, and copied whole into the result record so the collector can group by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, get_args
 
-from .fields import SpecError, coerce_fields, require_choices, require_no_control_characters, text_fields
+from .fields import SpecError, coerce_fields, documented, require_choices, require_no_control_characters, text_fields
 from .sources import check_data, check_model, model_kind
+from .strategies import STRATEGIES, Family, StrategyInfo, StrategyName
 
-StrategyName = Literal[
-    "single",
-    "ddp",
-    "fsdp1_full_shard",
-    "fsdp1_shard_grad_op",
-    "fsdp1_hybrid_shard",
-    "fsdp1_hybrid_zero2",
-    "fsdp1_no_shard",
-    "fsdp2_zero3",
-    "fsdp2_zero2",
-    "fsdp2_hsdp",
-]
-Family = Literal["single", "ddp", "fsdp1", "fsdp2"]
 Checkpointing = Literal["none", "full", "selective", "op"]
 Precision = Literal["fp32", "bf16_mixed", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -43,47 +31,17 @@ Float8 = Literal["none", "tensorwise", "rowwise"]
 LRDecay = Literal["none", "linear", "cosine"]
 Init = Literal["random", "pretrained"]
 
-# The groups a RunSpec field may belong to, said once, on the field (grouped): a strategy family
+# The groups a RunSpec field may belong to, said once, on the field (option): a strategy family
 # that reads it (fsdp1, fsdp2; hybrid: the hybrid strategies), measurement-only, searched by
 # batch_size: auto, or how that search runs.
 Group = Literal["fsdp1", "fsdp2", "hybrid", "measurement", "searched", "batch_search"]
 
 
-def grouped(default: Any, *groups: Group) -> Any:
-    """A RunSpec field's default, with the groups it belongs to in its metadata (fields_in)."""
-    return field(default=default, metadata={"groups": groups})
+def option(default: Any, doc: str, *groups: Group, default_means: str = "") -> Any:
+    """A RunSpec field: its default, its short doc (fields.documented: docs/submit.md and
+    `hpcfsdp run --help` are written from it), and the groups it belongs to (fields_in)."""
+    return documented(default, doc, default_means=default_means, groups=groups)
 
-
-@dataclass(frozen=True)
-class StrategyInfo:
-    """What a strategy name means: its family (which wrapper applies it) and how it shards."""
-
-    family: Family
-    hybrid: bool = False  # replicate across shard groups (a 2-D mesh; reads hsdp_shard_size)
-    reshard_after_forward: bool = True  # False: ZeRO-2 (parameters stay gathered until backward)
-    fsdp1_sharding: str = ""  # torch.distributed.fsdp.ShardingStrategy member
-
-    @property
-    def knobs(self) -> tuple[str, ...]:
-        return FAMILY_KNOBS[self.family] + (fields_in("hybrid") if self.hybrid else ())
-
-
-# The one registry of strategies: validation, the wrappers (cell/strategies.py) and the collector read it.
-STRATEGIES: dict[StrategyName, StrategyInfo] = {
-    "single": StrategyInfo("single"),  # one process, no wrapper: the plain model (torchtitan on one GPU)
-    "ddp": StrategyInfo("ddp"),
-    "fsdp1_full_shard": StrategyInfo("fsdp1", fsdp1_sharding="FULL_SHARD"),
-    "fsdp1_shard_grad_op": StrategyInfo("fsdp1", reshard_after_forward=False, fsdp1_sharding="SHARD_GRAD_OP"),
-    "fsdp1_hybrid_shard": StrategyInfo("fsdp1", hybrid=True, fsdp1_sharding="HYBRID_SHARD"),
-    "fsdp1_hybrid_zero2": StrategyInfo(
-        "fsdp1", hybrid=True, reshard_after_forward=False, fsdp1_sharding="_HYBRID_SHARD_ZERO2"
-    ),
-    "fsdp1_no_shard": StrategyInfo("fsdp1", fsdp1_sharding="NO_SHARD"),
-    "fsdp2_zero3": StrategyInfo("fsdp2"),
-    "fsdp2_zero2": StrategyInfo("fsdp2", reshard_after_forward=False),
-    "fsdp2_hsdp": StrategyInfo("fsdp2", hybrid=True),
-}
-assert set(STRATEGIES) == set(get_args(StrategyName)), "every StrategyName needs a registry entry"
 
 # The dtype the weights and the compute take under each precision, and its largest finite value
 # (torch.finfo(...).max; spec.py imports no torch); AdamW's beta1 as cell/train.py leaves it.
@@ -117,81 +75,119 @@ class RunSpec:
 
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("batch_size", "auto_batch")  # `batch_size: auto` sets auto_batch
 
-    # model and data
-    model: str = "tiny"
-    seq_len: int = 128
-    data: str = "synthetic"  # synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset
-    tokenizer: str = ""  # for text data: a folder or hub id; "": the model's own (presets have none)
-    text_column: str = ""  # the field / column documents are in; "": the hub preset's (chess: Moves), else text
-    init: Init = "random"  # pretrained: the model's weights (a local folder or a cached hub id)
-    meta_init: bool = False  # build on the meta device, materialise each rank's shard after sharding
+    # model and data (docs/models_and_data.md)
+    model: str = option("tiny", "a preset (`tiny`, ...), a folder with `config.json`, or a hub ORG/NAME@REVISION")
+    seq_len: int = option(128, "tokens per sequence (at most the model's `max_position_embeddings`)")
+    data: str = option("synthetic", "synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset")
+    tokenizer: str = option("", "for text data: a folder or hub id", default_means="the model's own; presets have none")
+    text_column: str = option(
+        "", "the field / column documents are in", default_means="the hub preset's (chess: Moves), else text"
+    )
+    init: Init = option("random", "pretrained: the model's weights (a local folder or a cached hub id)")
+    meta_init: bool = option(False, "build on the meta device, materialise each rank's shard after sharding")
     # parallelism
-    strategy: StrategyName = "fsdp2_zero3"
-    nodes: int = 1
-    gpus_per_node: int = 1
-    hsdp_shard_size: int = grouped(0, "hybrid")  # 0: shard within a node, replicate across nodes
-    cpu_offload: bool = grouped(False, "fsdp1", "fsdp2")
+    strategy: StrategyName = option(
+        "fsdp2_zero3", "single, ddp, fsdp1_* (GPU only) or fsdp2_*: the README's Strategies"
+    )
+    nodes: int = option(1, "nodes of the cell (a matrix axis: cells of one shape share a job array)")
+    gpus_per_node: int = option(1, "GPUs (ranks) per node")
+    hsdp_shard_size: int = option(
+        0, "ranks per shard group", "hybrid", default_means="shard within a node, replicate across nodes"
+    )
+    cpu_offload: bool = option(
+        False, "the rank's shard of parameters, gradients and AdamW states in pinned host memory", "fsdp1", "fsdp2"
+    )
     # FSDP1 knobs
-    backward_prefetch: BackwardPrefetch = grouped("pre", "fsdp1")
-    forward_prefetch: bool = grouped(False, "fsdp1")
-    limit_all_gathers: bool = grouped(True, "fsdp1")
-    use_orig_params: bool = grouped(True, "fsdp1")
-    wrap_policy: WrapPolicy = grouped("layer", "fsdp1")
-    min_num_params: int = grouped(100_000_000, "fsdp1")
+    backward_prefetch: BackwardPrefetch = option("pre", "FSDP1's BackwardPrefetch: pre | post | none", "fsdp1")
+    forward_prefetch: bool = option(False, "FSDP1's forward_prefetch", "fsdp1")
+    limit_all_gathers: bool = option(True, "FSDP1's limit_all_gathers", "fsdp1")
+    use_orig_params: bool = option(True, "FSDP1's use_orig_params", "fsdp1")
+    wrap_policy: WrapPolicy = option(
+        "layer", "FSDP1's auto wrap: layer (each decoder layer) | size (min_num_params) | none", "fsdp1"
+    )
+    min_num_params: int = option(100_000_000, "with wrap_policy: size, the parameters of a wrapped unit", "fsdp1")
     # FSDP2 knobs
-    prefetch_depth: int = grouped(0, "fsdp2")  # 0: FSDP2's implicit prefetch; k > 0: explicit, k layers ahead
-    reduce_dtype: ReduceDtype = grouped("fp32", "fsdp1", "fsdp2")
-    optimizer_order: OptimizerOrder = grouped("after_shard", "fsdp2")
+    prefetch_depth: int = option(
+        0, "k > 0: explicit prefetch, k layers ahead", "fsdp2", default_means="FSDP2's implicit prefetch"
+    )
+    reduce_dtype: ReduceDtype = option("fp32", "with bf16_mixed: the dtype gradients are reduced in", "fsdp1", "fsdp2")
+    optimizer_order: OptimizerOrder = option(
+        "after_shard",
+        "build the optimizer after sharding; before_shard: before it (the known broken way); "
+        "before_shard_fixed: before it, its parameters remapped to the sharded ones",
+        "fsdp2",
+    )
     # batch shape
-    batch_size: int = grouped(1, "searched")  # per device; with auto_batch, the first batch the search tries
-    grad_accum: int = grouped(1, "searched")
-    global_batch_size: int = 0  # 0: derived; > 0: grad_accum derived from it
+    batch_size: int = option(1, "per device; with auto_batch, the first batch the search tries", "searched")
+    grad_accum: int = option(1, "micro-batches per optimizer step", "searched")
+    global_batch_size: int = option(0, "> 0: grad_accum derived from it", default_means="derived")
     # batch_size: auto (cell/batch_search.py): the largest per-device batch that fits, found in the cell
-    # set by `batch_size: auto`; the record's batch_size is then the one found
-    auto_batch: bool = grouped(False, "batch_search")
-    max_batch_size: int = grouped(256, "batch_search")  # the search never tries a larger batch
-    # a batch fits only if its peak reserved memory stays this fraction below the GPU's
-    batch_margin: float = grouped(0.0, "batch_search")
-    batch_probe_steps: int = grouped(2, "batch_search")  # steps per probe; the second one holds the optimizer states
-    sync_every_microbatch: bool = False
+    auto_batch: bool = option(False, "set by `batch_size: auto`", "batch_search")
+    max_batch_size: int = option(
+        256, "no batch above this is tried (nor above `global_batch_size` / world size)", "batch_search"
+    )
+    batch_margin: float = option(
+        0.0,
+        "a batch fits only if its peak reserved GPU memory stays this fraction below the memory free "
+        "when the search started (`0.05`: 5% headroom)",
+        "batch_search",
+    )
+    batch_probe_steps: int = option(
+        2, "steps per probe (at least 2: the optimizer states exist from the second step)", "batch_search"
+    )
+    sync_every_microbatch: bool = option(False, "reduce gradients on every micro-batch, not only the window's last")
     # compute
-    activation_checkpointing: Checkpointing = "none"  # full | selective (every k-th layer) | op (op-level policy)
-    checkpoint_every: int = 2  # for selective: checkpoint every k-th decoder layer
-    precision: Precision = "bf16_mixed"
-    compile: bool = False
-    kernels: Kernels = "none"  # liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`
-    attention: Attention = "sdpa"  # sdpa: PyTorch picks the SDPA backend; cudnn | flash | efficient: that one (GPU)
-    # the model's own; compiled: the same loss, LM head and cross-entropy in one compiled function
-    # (no fp32 copy of the logits); cce* (cut-cross-entropy: cce filters small gradients and sums them in bf16,
-    # cce_kahan_full_c sums in fp32 and keeps every LM-head gradient, cce_exact filters nothing)
-    # | liger (GPU): fused, no logits in memory
-    loss: Loss = "default"
-    float8: Float8 = "none"  # tensorwise | rowwise: torchao float8 matmuls in the decoder layers (GPU, SM89+)
-    expandable_segments: bool = False  # PYTORCH_ALLOC_CONF=expandable_segments:True
-    adamw_impl: AdamWImpl = "foreach"
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0  # the lr rises linearly over the first n steps: lr/n, 2 lr/n, ..., lr (torchtitan's)
-    lr_decay: LRDecay = "none"  # after the warm-up: none (constant) | linear | cosine, towards lr x lr_min_ratio
-    lr_min_ratio: float = 0.0  # where the decay ends, as a fraction of lr (reached one step after the last)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.0  # clip the gradients' total norm (over every rank) to this before each step; 0: off
-    device: Device = "auto"
+    activation_checkpointing: Checkpointing = option(
+        "none", "full | selective (every k-th layer) | op (op-level policy)"
+    )
+    checkpoint_every: int = option(2, "for selective: checkpoint every k-th decoder layer")
+    precision: Precision = option("bf16_mixed", "fp32 | bf16_mixed (bf16 compute, fp32 weights) | bf16")
+    compile: bool = option(False, "torch.compile each decoder layer (one compilation, reused)")
+    kernels: Kernels = option("none", "liger: Liger's RMSNorm, SwiGLU and RoPE kernels (GPU); the loss is `loss`")
+    attention: Attention = option("sdpa", "sdpa: PyTorch picks the backend; cudnn | flash | efficient: that one (GPU)")
+    loss: Loss = option(
+        "default",
+        "the model's own; compiled: the same loss, LM head and cross-entropy in one compiled function "
+        "(no fp32 copy of the logits); cce* (cut-cross-entropy: cce filters small gradients and sums them "
+        "in bf16, cce_kahan_full_c sums in fp32 and keeps every LM-head gradient, cce_exact filters nothing) "
+        "| liger (GPU): fused, no logits in memory",
+    )
+    float8: Float8 = option("none", "tensorwise | rowwise: torchao float8 matmuls in the decoder layers (GPU, SM89+)")
+    expandable_segments: bool = option(False, "PYTORCH_ALLOC_CONF=expandable_segments:True")
+    adamw_impl: AdamWImpl = option("foreach", "AdamW's implementation: plain (a for-loop) | foreach | fused")
+    lr: float = option(1e-4, "AdamW's learning rate")
+    lr_warmup_steps: int = option(
+        0, "the lr rises linearly over the first n steps: lr/n, 2 lr/n, ..., lr (torchtitan's)"
+    )
+    lr_decay: LRDecay = option(
+        "none", "after the warm-up: none (constant) | linear | cosine, towards lr x lr_min_ratio"
+    )
+    lr_min_ratio: float = option(0.0, "where the decay ends, as a fraction of lr (reached one step after the last)")
+    weight_decay: float = option(0.0, "AdamW's weight decay")
+    max_grad_norm: float = option(
+        0.0, "clip the gradients' total norm (over every rank) to this before each step", default_means="off"
+    )
+    device: Device = option("auto", "auto: a GPU where torch sees one, else the CPU")
     # measurement
-    steps: int = grouped(10, "measurement")
-    warmup_steps: int = grouped(2, "measurement")
-    seed: int = grouped(0, "measurement")
-    stop_when_stable: bool = grouped(False, "measurement")  # cell/train.py: tune's probes stop once tokens/s holds
-    sync_each_step: bool = True  # false: one device sync around the timed window (measures sync overhead)
-    nvml: bool = grouped(True, "measurement")  # sample GPU utilisation during timed steps
-    # extra steps under torch.profiler for communication time; 0: off
-    comm_profile_steps: int = grouped(2, "measurement")
-    profile: bool = grouped(False, "measurement")  # TensorBoard trace of a window of steps in the cell folder
-    # CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM
-    memory_snapshot: bool = False
-    peak_tflops: float = grouped(0.0, "measurement")  # dense bf16 peak per GPU for MFU; 0: looked up from the GPU name
-    record_param_norm: bool = grouped(False, "measurement")  # gathers the whole model at the end: tests, small models
-    init_timeout_s: float = grouped(300.0, "measurement")  # set-up's collectives and the first step may wait this long
-    train_timeout_s: float = grouped(100.0, "measurement")  # then a step this long past the slowest is hung (watchdog)
+    steps: int = option(10, "training steps, the warm-up included", "measurement")
+    warmup_steps: int = option(2, "steps before the timed ones", "measurement")
+    seed: int = option(0, "seeds the random init and each rank's data order", "measurement")
+    stop_when_stable: bool = option(False, "cell/train.py: tune's probes stop once tokens/s holds", "measurement")
+    sync_each_step: bool = option(True, "false: one device sync around the timed window (measures sync overhead)")
+    nvml: bool = option(True, "sample GPU utilisation during timed steps", "measurement")
+    comm_profile_steps: int = option(
+        2, "extra steps under torch.profiler for communication time", "measurement", default_means="off"
+    )
+    profile: bool = option(False, "TensorBoard trace of a window of steps in the cell folder", "measurement")
+    memory_snapshot: bool = option(
+        False, "CUDA allocator history pickle (pytorch.org/memory_viz) in the cell folder, after the run or at an OOM"
+    )
+    peak_tflops: float = option(
+        0.0, "dense bf16 peak per GPU for MFU", "measurement", default_means="looked up from the GPU name"
+    )
+    record_param_norm: bool = option(False, "gathers the whole model at the end: tests, small models", "measurement")
+    init_timeout_s: float = option(300.0, "set-up's collectives and the first step may wait this long", "measurement")
+    train_timeout_s: float = option(100.0, "then a step this long past the slowest is hung (watchdog)", "measurement")
 
     @property
     def world_size(self) -> int:

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..contracts.errors import UserError
+from ..slurm import SlurmError
 from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
 from ..sweep.launch import container_command
 from ..sweep.launch.environment import slurm_environment_only
 from ..sweep.launch.interrupts import interrupts_deferred
 from ..sweep.launch.sbatch import SubmitError, slurm_parameters, submit_arrays
-from ..sweep.track.scheduler import SchedulerError, queued_states
+from ..sweep.track.scheduler import queued_states
 from .probe import Planned
 from .state import Stage
 
@@ -103,7 +104,7 @@ def wait_for_jobs(job_ids: list[str], cluster: str, poll_s: float, log: Callable
     while True:
         try:
             queued = queued_states(job_ids, cluster)
-        except SchedulerError as exc:
+        except SlurmError as exc:
             raise UserError(
                 f"cannot tell whether the probe jobs still run ({exc}); run the same command again"
             ) from None

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ...contracts.fields import SpecError, coerce_fields, require_choices, require_no_control_characters, shown
+from ...contracts.fields import (
+    SpecError,
+    coerce_fields,
+    documented,
+    require_choices,
+    require_no_control_characters,
+    shown,
+)
 from .secret_shapes import require_no_secret
 
 ContainerRuntime = Literal["apptainer", "singularity", "podman", "pyxis"]
@@ -21,13 +28,28 @@ class Container:
     folder), the cache folder and the cells' local model / data / tokenizer paths are bound at
     their own paths; `mounts` adds more."""
 
-    runtime: ContainerRuntime = "apptainer"
-    image: str = ""  # a .sif file or docker:// reference (apptainer), an image name (podman), a .sqsh or name (pyxis)
-    mounts: tuple[str, ...] = ()  # "SRC", "SRC:DST" or "SRC:DST:OPTIONS" (e.g. ro), absolute paths
-    env: dict[str, str] = field(default_factory=dict)  # set inside the container, over what the job passes in
-    python: str = ""  # the Python that runs the cell inside the image; "": the one you submit with (bind it)
-    gpus: bool = True  # pass the node's GPUs in: --nv (apptainer), --device nvidia.com/gpu=all (podman)
-    options: tuple[str, ...] = ()  # more flags of `apptainer exec`, `podman run`, or srun (pyxis)
+    runtime: ContainerRuntime = documented("apptainer", "`apptainer`, `singularity`, `pyxis` or `podman`")
+    image: str = documented(
+        "",
+        "a `.sif` file or `docker://` reference (Apptainer/Singularity), an image name (podman), a `.sqsh` file "
+        "or `registry#image` (pyxis)",
+        default_means="required",
+    )
+    mounts: tuple[str, ...] = documented(
+        (),
+        "more folders to bind: `SRC`, `SRC:DST` or `SRC:DST:OPTIONS` (`ro`, `rw`, ...); absolute paths (`~` is "
+        "your home folder where you submit; `$VARS` are not expanded), no `,`",
+    )
+    env: dict[str, str] = documented({}, "variables set inside the container, over what the job passes in")
+    python: str = documented(
+        "", "the Python that runs the cell inside the image", default_means="the Python you submit with"
+    )
+    gpus: bool = documented(
+        True,
+        "pass the node's GPUs in: `--nv` (Apptainer/Singularity), `--device=nvidia.com/gpu=all` (podman, "
+        "through CDI); pyxis passes the job's GPUs itself",
+    )
+    options: tuple[str, ...] = documented((), "more flags of `apptainer exec` / `podman run`, or of `srun` (pyxis)")
 
     @classmethod
     def from_dict(cls, values: Any, where: str) -> Container:

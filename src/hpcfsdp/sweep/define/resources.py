@@ -7,13 +7,14 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from ...contracts.fields import (
     SpecError,
     coerce_fields,
+    documented,
     require_choices,
     require_no_control_characters,
     shown,
@@ -35,38 +36,83 @@ class Resources:
 
     AUTO_FIELD: ClassVar[tuple[str, str]] = ("mem_gb", "mem_auto")  # `mem_gb: auto` sets mem_auto
 
-    partition: str = "gpu"
-    # sbatch -M: the one cluster the sweep runs on (its name in slurmdbd); "" the login node's own.
-    # status, cancel, collect and the preflight ask the same cluster (sweep/cluster.on_cluster).
-    clusters: str = ""
-    time_min: int = 30
-    cpus_per_task: int = 1
-    mem_gb: int = 0  # 0: the partition's default
-    mem_auto: bool = (
-        False  # mem_gb: auto: the predicted host memory per node plus a margin (sweep/predict/hostmemory.py)
+    partition: str = documented("gpu", "`--partition`")
+    # The one cluster every command of the sweep asks (slurm.on_cluster).
+    clusters: str = documented(
+        "",
+        "`--clusters` (`-M`): one cluster name; status, cancel, collect and the preflight ask the same "
+        "cluster (`docs/clusters.md`)",
+        default_means="this login node's cluster",
     )
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    exclusive: bool = False
-    array_parallelism: int = 64
-    max_array_size: int = 0  # cells per array at most; 0: the cluster's MaxArraySize (scontrol show config)
-    max_jobs_in_queue: int = 0  # your jobs (array tasks) queued at once at most, e.g. MaxSubmitJobs; 0: no cap
-    gpu_request: GpuRequest = "gres"  # how GPUs are asked for: --gres=gpu:N, --gpus-per-node=N, or not at all
-    max_requeue: int = 0  # requeues (time limit, preemption, a failed node); the cell then starts over
-    signal_delay_s: int = 90  # SIGUSR2 this long before the time limit (Slurm may send it up to 60 s early)
-    cache_dir: str = ""  # exported as HPCFSDP_CACHE to the tasks; default: $HPCFSDP_CACHE where you submit
-    gpu_name: str = ""  # the partition's GPU model (e.g. H200): plan --memory looks up its memory size
-    gpu_memory_gib: float = 0.0  # GPU memory for plan --memory and submit --skip-predicted-oom; 0: from gpu_name
-    extra_sbatch: dict[str, Any] = field(default_factory=dict)  # passed through: {"reservation": "x"}
-    # Variables of the shell you submit from that the jobs get beside the allowlist (environment.py);
-    # slurmctld keeps their values with each job.
-    pass_env: tuple[str, ...] = ()
+    time_min: int = documented(30, "`--time` (minutes, per cell)")
+    cpus_per_task: int = documented(1, "`--cpus-per-task` (one task per GPU: `--ntasks-per-node` = `gpus_per_node`)")
+    mem_gb: int = documented(
+        0,
+        "`--mem=<N>G`; `auto`: the predicted host memory per node plus 25% (`docs/preflight.md`)",
+        default_means="the partition's default",
+    )
+    mem_auto: bool = documented(False, "set by `mem_gb: auto` (sweep/predict/hostmemory.py)")
+    account: str = documented("", "`--account`")
+    qos: str = documented("", "`--qos`")
+    constraint: str = documented("", "`--constraint`")
+    exclusive: bool = documented(False, "`--exclusive`")
+    array_parallelism: int = documented(64, "`--array=0-<N-1>%<parallelism>`")
+    max_array_size: int = documented(  # the cluster's: MaxArraySize (scontrol show config)
+        0,
+        "cells per array at most: a shape with more cells goes out as several arrays",
+        default_means="the cluster's",
+    )
+    max_jobs_in_queue: int = documented(
+        0,
+        "your jobs (array tasks) pending or running at once at most: set it to your `MaxSubmitJobs`",
+        default_means="no cap",
+    )
+    gpu_request: GpuRequest = documented(
+        "gres", "`gres`: `--gres=gpu:<gpus_per_node>`; `gpus_per_node`: `--gpus-per-node`; `none`: no GPU flag"
+    )
+    max_requeue: int = documented(
+        0,
+        "requeues after the time-limit signal, a preemption or a failed node (the cell then starts over); "
+        "`> 0` adds `--requeue`",
+    )
+    signal_delay_s: int = documented(  # Slurm may send it up to 60 s early
+        90, "`--signal=USR2@<s>`: SIGUSR2 this long before the time limit; must be below it"
+    )
+    cache_dir: str = documented(
+        "", "exported to the tasks as `HPCFSDP_CACHE`", default_means="`$HPCFSDP_CACHE` where you submit"
+    )
+    gpu_name: str = documented(
+        "",
+        "no sbatch flag: the partition's GPU model (`H200`, `H100`, `A100 80GB`, ...), whose memory "
+        "`plan --memory` looks up",
+    )
+    gpu_memory_gib: float = documented(
+        0.0,
+        "no sbatch flag: GPU memory for `plan --memory` and `submit --skip-predicted-oom`",
+        default_means="from `gpu_name`",
+    )
+    extra_sbatch: dict[str, Any] = documented(
+        {},
+        "passed through: `{reservation: maint, hold: true}` -> `--reservation=maint --hold`; a key is read "
+        "as sbatch reads it (`reserv` is `--reservation`)",
+    )
+    # The allowlist is environment.py's.
+    pass_env: tuple[str, ...] = documented(
+        (),
+        "names of variables the jobs get beside the allowlist, as set where you submit (`--export`); "
+        "slurmctld saves their values",
+    )
     # The collect job of `submit --then-collect` (sweep/launch/collect_job.py): where it runs, whom it mails.
-    collect_partition: str = ""  # default: partition
-    mail_user: str = ""  # sbatch --mail-user of the collect job
-    mail_type: str = ""  # sbatch --mail-type of the collect job: END, FAIL, ALL, ... (comma-separated)
-    container: Container | None = None  # run each cell inside this image (sweep/define/container.py)
+    collect_partition: str = documented(
+        "", "the collect job of `submit --then-collect` runs here (`--partition`)", default_means="`partition`"
+    )
+    mail_user: str = documented("", "the collect job's `--mail-user` (a user name or one e-mail address)")
+    mail_type: str = documented("", "the collect job's `--mail-type` (`END`, `FAIL`, `ALL`, ..., comma-separated)")
+    container: Container | None = documented(
+        None,
+        "run each cell inside an image: `runtime` (apptainer, singularity, pyxis, podman), `image`, `mounts`, "
+        "`env`, ... (`docs/containers.md`, sweep/define/container.py)",
+    )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "slurm") -> Resources:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-import subprocess
+
+from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask
 
 # Slurm 22.05's sbatch options (slurm-22-05-8-1).
 SBATCH_22_05 = frozenset(
@@ -82,10 +83,9 @@ def sbatch_options() -> frozenset[str]:
 
 def _ask_sbatch(flag: str) -> str | None:
     try:
-        proc = subprocess.run(["sbatch", flag], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
+        return ask("sbatch", flag, timeout_s=ANSWER_TIMEOUT_S)
+    except SlurmError:
         return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def resolve_option(key: str, options: frozenset[str] | None = None) -> tuple[str, str]:

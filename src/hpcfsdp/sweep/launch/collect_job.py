@@ -21,9 +21,10 @@ from pathlib import Path
 
 from ...contracts.errors import COLLECT_ENDINGS, COLLECT_UNCHECKED
 from ...contracts.files import RecordError, read_json_object, write_json
+from ...slurm import SlurmError
 from ..define.matrix import Sweep
 from ..folder.layout import slurm_folder
-from ..track.scheduler import SchedulerError, finished_states, queued_states
+from ..track.scheduler import finished_states, queued_states
 
 COLLECT_JOB_NAME = "collect_job.json"  # in the sweep folder: the job, then collect's exit status
 COLLECT_TIME_MIN = 30  # collect of 10,000 records with plots takes minutes, not half an hour
@@ -130,7 +131,7 @@ def collect_line(sweep_dir: Path) -> str | None:
         return f"collect job {job}: exit status {code} ({what}): {Path(sweep_dir) / 'report' / 'summary.md'}"
     try:
         queued = queued_states([job], cluster).get(job)
-    except SchedulerError as exc:
+    except SlurmError as exc:
         return f"collect job {job}: unknown ({exc})"
     if queued is not None:
         reason = f" ({queued.reason})" if queued.reason else ""

@@ -20,24 +20,15 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask
 from ..define.matrix import Cell, Sweep, by_shape
 from ..predict.hostmemory import predict_host_cells, requested_mem_gb
-from ..track.cluster import (
-    ANSWER_TIMEOUT_S,
-    Partition,
-    array_size_limit,
-    known_clusters,
-    on_cluster,
-    read_partitions,
-    read_qos,
-    tres_counts,
-)
+from ..track.cluster import Partition, array_size_limit, known_clusters, read_partitions, read_qos, tres_counts
 from .environment import slurm_environment
 from .sbatch import sbatch_script  # submitit's script text
 
@@ -222,19 +213,19 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
         count = min(len(group), size or len(group))
         script = sbatch_script(sweep, folder, nodes, gpus, count)
         try:
-            proc = subprocess.run(
-                ["sbatch", *on_cluster(sweep.resources.clusters), "--test-only"],
-                input=script,
-                capture_output=True,
-                text=True,
-                timeout=ANSWER_TIMEOUT_S,
+            ask(
+                "sbatch",
+                "--test-only",
+                cluster=sweep.resources.clusters,
+                timeout_s=ANSWER_TIMEOUT_S,
+                stdin=script,
                 env=env,
             )
-        except (OSError, subprocess.TimeoutExpired):
-            return []
-        if proc.returncode == 0:
             continue
-        why = refusal_text(proc.stderr)
+        except SlurmError as exc:
+            if not exc.answered:  # not here, or no answer: the preflight skips what it cannot ask
+                return []
+            why = refusal_text(exc.stderr)
         key = next((key for word, key in REFUSAL_KEYS if re.search(rf"\b{word}\b", why.lower())), "slurm")
         problems.append(
             f"{place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "

@@ -9,8 +9,6 @@ and never by two submits at once (the lock).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +18,10 @@ from ...contracts.fields import SpecError
 from ...contracts.files import RecordError
 from ...contracts.names import sbatch_word_problem
 from ...contracts.record import MISSING
+from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, sweep_comment, write_sweep_files
-from ..track.cluster import on_cluster
-from ..track.scheduler import SchedulerError, queued_states
+from ..track.scheduler import queued_states
 from ..track.status import (
     IN_FLIGHT,
     STALE,
@@ -67,18 +65,14 @@ def default_executor(cluster: str = "") -> tuple[str, str]:
     Slurm is not installed (a laptop, a workstation), and why; NoController where sbatch is
     installed but no controller answers (`--executor local` is then the user's explicit choice,
     never a fallback)."""
-    if not shutil.which("sbatch") or not shutil.which("sinfo"):
+    if not installed("sbatch", "sinfo"):
         return "local", "no Slurm here (sbatch is not on PATH)"
-    command = ["sinfo", *on_cluster(cluster), "--noheader", "--format=%P"]
     try:
-        probe = subprocess.run(command, capture_output=True, text=True, timeout=15)
-    except subprocess.TimeoutExpired:
-        raise NoController(_no_controller("sbatch is installed but sinfo did not answer within 15 s")) from None
-    if probe.returncode != 0:
-        reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]  # its fatal line
+        ask("sinfo", "--noheader", "--format=%P", cluster=cluster, timeout_s=ANSWER_TIMEOUT_S)
+    except SlurmError as exc:  # no answer in time, or its fatal line (Unable to contact slurm controller)
         raise NoController(
-            _no_controller(f"sbatch is installed but no Slurm controller answers (sinfo: {reason}; is SLURM_CONF set?)")
-        )
+            _no_controller(f"sbatch is installed but no Slurm controller answers ({exc}; is SLURM_CONF set?)")
+        ) from None
     return "slurm", ""
 
 
@@ -173,7 +167,7 @@ def submit(
     try:
         with interrupts_raise(), sweep_lock(sweep_dir, log):
             return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
-    except SchedulerError as exc:
+    except SlurmError as exc:
         raise UserError(f"cannot tell which cells are still queued ({exc}); nothing submitted") from None
     except SubmitError as exc:
         raise UserError(

@@ -32,7 +32,8 @@ from typing import Any
 
 from ...contracts.gpus import gpu_memory_gib
 from ...contracts.sources import PRESETS_DIR, model_kind
-from ...contracts.spec import STRATEGIES, RunSpec
+from ...contracts.spec import RunSpec
+from ...contracts.strategies import STRATEGIES
 
 GIB = 1024**3
 # What the allocator never gets of a GPU: the CUDA context, NCCL's and cuBLAS's buffers, and the

@@ -3,13 +3,11 @@
 `collect` and `status` add it to a record (key `slurm_accounting`, docs/record.md) once the record's
 job has ended; a record that has it is not asked about again by collect. Where there is no
 accounting (no sacct, or sacct fails: a cluster without slurmdbd) one line says so and nothing else
-changes.
+changes. sacct is asked through the runner (slurm.py).
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -19,24 +17,25 @@ from typing import Any
 from ...contracts.endings import ENDINGS, ending_fields
 from ...contracts.files import RecordError
 from ...contracts.record import ACCOUNTING_KEY, RECORD_NAME, read_record, slurm_job_of, write_record
+from ...slurm import SlurmError, Watcher
 from ..folder.layout import cell_dir, manifest_cluster
-from .cluster import on_cluster
 
-SACCT_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw"
-IDS_PER_CALL = 500  # a command line has a length limit
-
-
-class AccountingUnavailable(RuntimeError):
-    """sacct is not installed or does not answer (no slurmdbd)."""
+# The fields read here: the first seven of slurm.SACCT_FORMAT.
+ACCOUNTING_FIELDS = ("JobID", "State", "Submit", "Start", "End", "ElapsedRaw", "ConsumedEnergyRaw")
 
 
 def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
-    """`sacct --noheader --parsable2 --format=SACCT_FORMAT` output -> job id -> accounting, for the
-    jobs that have ended (an End that is a time; a running job's is Unknown)."""
+    """`sacct --noheader --parsable2 --format=JobID,State,Submit,Start,End,ElapsedRaw,ConsumedEnergyRaw`
+    output -> job id -> accounting, for the jobs that have ended (an End that is a time; a running
+    job's is Unknown)."""
+    return accounting_of(line.split("|") for line in text.splitlines())
+
+
+def accounting_of(rows: Iterable[list[str]]) -> dict[str, dict[str, Any]]:
+    """sacct rows (ACCOUNTING_FIELDS) -> job id -> accounting, for the jobs that have ended."""
     out: dict[str, dict[str, Any]] = {}
-    for line in text.splitlines():
-        parts = line.split("|")
-        if len(parts) != len(SACCT_FORMAT.split(",")):
+    for parts in rows:
+        if len(parts) != len(ACCOUNTING_FIELDS):
             continue
         job, state, submit, start, end, elapsed, energy = parts
         try:
@@ -57,30 +56,12 @@ def parse_sacct(text: str) -> dict[str, dict[str, Any]]:
 
 
 def sacct(job_ids: Iterable[str], cluster: str = "") -> dict[str, dict[str, Any]]:
-    """Accounting of the jobs that have ended, by job id; AccountingUnavailable when sacct cannot tell."""
-    ids = sorted(set(job_ids))
-    if not shutil.which("sacct"):
-        raise AccountingUnavailable("sacct not found")
-    found: dict[str, dict[str, Any]] = {}
-    for first in range(0, len(ids), IDS_PER_CALL):
-        command = [
-            "sacct",
-            *on_cluster(cluster),
-            "--noheader",
-            "--parsable2",
-            "--allocations",
-            f"--format={SACCT_FORMAT}",
-            f"--jobs={','.join(ids[first : first + IDS_PER_CALL])}",
-        ]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise AccountingUnavailable(f"sacct: {exc}") from None
-        if proc.returncode != 0:
-            reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[0]
-            raise AccountingUnavailable(reason if reason.startswith("sacct") else f"sacct: {reason}")
-        found.update(parse_sacct(proc.stdout))
-    return found
+    """Accounting of the jobs that have ended, by job id (each job's own row, not its steps');
+    SlurmError when sacct cannot tell."""
+    answers = Watcher().accounting(job_ids, cluster)
+    return accounting_of(
+        row[: len(ACCOUNTING_FIELDS)] for job, rows in answers.items() for row in rows if row[0] == job
+    )
 
 
 def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
@@ -92,7 +73,7 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
         return {}, ""
     try:
         answers = sacct(jobs.values(), manifest_cluster(sweep_dir) or "")
-    except AccountingUnavailable as exc:
+    except SlurmError as exc:
         return {}, (
             f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to {len(jobs)} record(s)"
         )

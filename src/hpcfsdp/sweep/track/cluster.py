@@ -8,20 +8,20 @@
 - `never_clears`: whether a pending job's reason (squeue %r) waits on a change that no amount of
   waiting brings.
 
-Each reader asks the cluster it is given (`slurm.clusters`, sbatch -M: `on_cluster`; "" the one
-this login node's configuration names), and returns None when no Slurm answers here (not
-installed, no controller, no answer within ANSWER_TIMEOUT_S): its callers then skip what they
-would check, as a plan on a laptop must.
+Each reader asks the cluster it is given (`slurm.clusters`, sbatch -M: slurm.on_cluster; "" the
+one this login node's configuration names) through the runner (slurm.py), and returns None when no
+Slurm answers here (not installed, no controller, no answer within slurm.ANSWER_TIMEOUT_S): its
+callers then skip what they would check, as a plan on a laptop must.
 """
 
 from __future__ import annotations
 
 import getpass
 import re
-import subprocess
 from dataclasses import dataclass
 
-ANSWER_TIMEOUT_S = 15.0
+from ...slurm import ANSWER_TIMEOUT_S, SlurmCommand, SlurmError, ask
+
 SLURM_MAX_ARRAY_SIZE = 1001  # Slurm's defaults, for a config that does not print them
 SLURM_MAX_JOB_COUNT = 10000
 # sinfo's short node states (suffixes such as '*' for not responding stripped) of a node that takes
@@ -93,14 +93,6 @@ class Qos:
     max_wall_text: str
     max_tres_per_job: dict[str, int]  # cpu, node, mem (MB), gres/gpu, ...
     max_tres_per_node: dict[str, int]
-
-
-def on_cluster(cluster: str) -> list[str]:
-    """The -M option that points a Slurm command (sbatch, squeue, sacct, scancel, scontrol, sinfo)
-    at `cluster`; none for "" (the default cluster). Every command that tracks a sweep's jobs is
-    given it explicitly: sacct ignores SLURM_CLUSTERS, and an exported variable would reach the
-    commands of every other sweep this process handles."""
-    return [f"--clusters={cluster}"] if cluster else []
 
 
 def read_limits(cluster: str = "") -> Limits | None:
@@ -239,15 +231,13 @@ def _number(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def _ask(program: str, *args: str, cluster: str = "") -> str | None:
+def _ask(command: SlurmCommand, *args: str, cluster: str = "") -> str | None:
     """stdout of a Slurm client asked of `cluster`, or None when it is not installed, fails or does
     not answer."""
-    command = [program, *on_cluster(cluster), *args]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=ANSWER_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
+        return ask(command, *args, cluster=cluster, timeout_s=ANSWER_TIMEOUT_S)
+    except SlurmError:
         return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def array_size_limit(override: int, cluster: str = "") -> int | None:

@@ -1,25 +1,20 @@
 """What Slurm says of a sweep's jobs, and scancel: squeue while they are queued, sacct once they
-left the queue.
+left the queue, read from the runner's answers (slurm.py: the command lines, timeouts, errors,
+and the Watcher that asks about many jobs at once).
 
 Every call asks the cluster the jobs were queued on (`cluster`: the manifest's, layout.py; "" the
-default one) with an explicit -M (cluster.on_cluster), so that nothing is tracked, or cancelled, on
+default one) with an explicit -M (slurm.on_cluster), so that nothing is tracked, or cancelled, on
 the wrong cluster. A job asks about itself without it: slurmd gives each job the configuration of
-its own cluster (SLURM_CONF).
+its own cluster (SLURM_CONF). A caller that looks again and again (status --watch) passes one
+Watcher and calls its poll() before each look; without one, each call asks Slurm afresh.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ...contracts.errors import UserError
-from .cluster import on_cluster
-
-
-class SchedulerError(UserError, RuntimeError):
-    """squeue did not answer, so whether a cell is still queued cannot be known."""
+from ...slurm import SlurmError, Watcher
 
 
 @dataclass(frozen=True)
@@ -34,31 +29,15 @@ class QueuedJob:
     comment: str = ""  # its --comment: hpcfsdp:<sweep id> for the sweep's own (layout.sweep_comment)
 
 
-def queued_states(job_ids: Iterable[str], cluster: str = "", comment: str = "") -> dict[str, QueuedJob]:
+def queued_states(
+    job_ids: Iterable[str], cluster: str = "", comment: str = "", watcher: Watcher | None = None
+) -> dict[str, QueuedJob]:
     """job id -> what squeue says of it, for those of the jobs still in the queue (pending, running,
     completing); given a comment (the sweep's, layout.sweep_comment), only the jobs that carry it:
     a job id that Slurm has since given to another job, or a job of another folder, is none of
-    the sweep's."""
-    arrays = sorted({jid.split("_")[0] for jid in job_ids})
-    if not arrays:
-        return {}
-    command = [
-        "squeue",
-        *on_cluster(cluster),
-        "--noheader",
-        "--array",
-        "--format=%i|%T|%D|%P|%k|%j|%r",
-        f"--jobs={','.join(arrays)}",
-    ]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"squeue: {exc}") from None
-    if proc.returncode != 0:
-        if "Invalid job id" in proc.stderr:  # every one of them has left the queue
-            return {}
-        raise SchedulerError(f"squeue: {proc.stderr.strip() or f'exit status {proc.returncode}'}")
-    queued = dict(_queued_job(line) for line in proc.stdout.splitlines() if line.count("|") >= 6)
+    the sweep's. SlurmError when squeue does not answer."""
+    lines = (watcher or Watcher()).queue(job_ids, cluster)
+    queued = dict(_queued_job(line) for line in lines.values())
     return {jid: job for jid, job in queued.items() if not comment or job.comment == comment}
 
 
@@ -80,14 +59,7 @@ def _queued_job(line: str) -> tuple[str, QueuedJob]:
 
 def scancel(job_ids: list[str], cluster: str = "") -> None:
     """scancel these jobs (array tasks); one that ended meanwhile is no error."""
-    try:
-        proc = subprocess.run(["scancel", *on_cluster(cluster), *job_ids], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SchedulerError(f"scancel: {exc}") from None
-    # A job that ended between squeue and scancel is not an error: it is no longer queued either way.
-    errors = [line for line in proc.stderr.splitlines() if line.strip() and "already completing" not in line]
-    if proc.returncode != 0 and not all("Invalid job id" in line or "Job/step already" in line for line in errors):
-        raise SchedulerError(f"scancel: {' '.join(errors) or f'exit status {proc.returncode}'}")
+    Watcher().cancel(job_ids, cluster)
 
 
 @dataclass(frozen=True)
@@ -99,38 +71,25 @@ class FinishedJob:
     max_rss_bytes: int = 0
 
 
-def finished_jobs(job_ids: Iterable[str], cluster: str = "") -> dict[str, FinishedJob]:
+def finished_jobs(job_ids: Iterable[str], cluster: str = "", watcher: Watcher | None = None) -> dict[str, FinishedJob]:
     """job id -> what sacct says of it; empty where there is no accounting (sacct fails)."""
-    ids = sorted(set(job_ids))
-    if not ids or not shutil.which("sacct"):
-        return {}
-    command = [
-        "sacct",
-        *on_cluster(cluster),
-        "--noheader",
-        "--parsable2",
-        "--format=JobID,State,MaxRSS",
-        f"--jobs={','.join(ids)}",
-    ]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+        answers = (watcher or Watcher()).accounting(job_ids, cluster)
+    except SlurmError:
         return {}
-    if proc.returncode != 0:
-        return {}
-    found: dict[str, FinishedJob] = {}
-    for line in proc.stdout.splitlines():
-        row = line.split("|")
-        if len(row) != 3 or not row[1]:
-            continue
-        job = row[0].split(".")[0]  # 12_3.batch -> 12_3
-        if job not in ids:
-            continue
-        known = found.get(job, FinishedJob([]))
-        state = row[1].split()[0]
-        states = [state, *known.states] if row[0] == job else [*known.states, state]
-        found[job] = FinishedJob(states, max(known.max_rss_bytes, _bytes(row[2])))
-    return {job: finished for job, finished in found.items() if finished.states}
+    found = {}
+    for job, rows in answers.items():
+        states: list[str] = []
+        max_rss = 0
+        for row in rows:  # slurm.SACCT_FORMAT: JobID, State, ..., MaxRSS
+            if not row[1]:
+                continue
+            state = row[1].split()[0]
+            states = [state, *states] if row[0] == job else [*states, state]
+            max_rss = max(max_rss, _bytes(row[-1]))
+        if states:
+            found[job] = FinishedJob(states, max_rss)
+    return found
 
 
 def finished_states(job_ids: Iterable[str], cluster: str = "") -> dict[str, str]:

@@ -1,6 +1,8 @@
 """The state of a sweep's cells: their records (record.py's one reader), the manifest of queued
 jobs, and what Slurm says of those jobs on the cluster they were queued on (scheduler.py). `hpcfsdp
 status`, `submit` (what to run, --wait) and `collect` (missing cells) read cells through here.
+A watch keeps one slurm.Watcher: each look asks squeue and sacct once for the whole sweep, and
+never asks sacct again about a job it saw settled.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
 from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ...contracts.spec import SEARCHED_FIELDS
+from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell
 from ..folder.layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
-from .cluster import never_clears, on_cluster, read_partitions, waits_for_nodes
+from .cluster import never_clears, read_partitions, waits_for_nodes
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .preemptions import preemption_note, preemptions
-from .scheduler import QueuedJob, SchedulerError, finished_jobs, queued_states
+from .scheduler import QueuedJob, finished_jobs, queued_states
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
@@ -115,8 +118,12 @@ def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
     return problems[:limit] + more
 
 
-def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> StatusReport:
-    """Every cell of the sweep folder (or those named): its record, else what the scheduler says."""
+def sweep_status(
+    sweep_dir: Path, cell_ids: Iterable[str] | None = None, watcher: Watcher | None = None
+) -> StatusReport:
+    """Every cell of the sweep folder (or those named): its record, else what the scheduler says
+    (asked through `watcher`, a watch's; else afresh)."""
+    watcher = watcher or Watcher()
     sweep_dir = Path(sweep_dir)
     if cell_ids is None:
         cell_ids = planned_cell_ids(sweep_dir)
@@ -134,13 +141,13 @@ def sweep_status(sweep_dir: Path, cell_ids: Iterable[str] | None = None) -> Stat
         )
     note = ""
     try:
-        queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "")
-    except SchedulerError as exc:
+        queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "", watcher)
+    except SlurmError as exc:
         queued, note = {}, f"{exc}; cells still queued show as missing"
     states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
-    finished = finished_jobs(unrecorded, cluster)
+    finished = finished_jobs(unrecorded, cluster, watcher)
     blocked = _blocked_jobs(queued, cluster)
     cells = []
     for cid in cell_ids:
@@ -230,6 +237,9 @@ def watch(
     A busy slurmctld can time out one squeue ("Socket timed out on send/recv"); taking that for
     "nothing queued" would end a wait while cells still run. So an unanswered squeue is asked again,
     with a warning, and watch gives up (the report then carries the note) only after patience_s.
+
+    One slurm.Watcher asks Slurm for every look: one squeue and at most one sacct per look for the
+    whole sweep, and sacct never again about a job it saw settled.
     """
     cell_ids = None if cell_ids is None else list(cell_ids)
     stream = stream or sys.stderr
@@ -237,8 +247,10 @@ def watch(
     last = ""
     unanswered_since: float | None = None
     stuck_before = False
+    watcher = Watcher()
     while True:
-        report = sweep_status(sweep_dir, cell_ids)
+        watcher.poll()
+        report = sweep_status(sweep_dir, cell_ids, watcher)
         if report.note:
             if unanswered_since is None:
                 unanswered_since = time.monotonic()
