@@ -3,7 +3,9 @@
   faults: each fault (oom, error, hang, timeout) on rank 1 under each strategy, tiny model, one
           torchrun per cell (up to ACCEPTANCE_PARALLEL at once): the status, the time from the
           fault to the cell's end, and the rank processes left afterwards (alive, or holding a GPU
-          in nvidia-smi --query-compute-apps). Leftovers are then ended by pid.
+          in nvidia-smi --query-compute-apps). Leftovers are then ended by pid. And `batch_size: auto`
+          cells where rank 1 alone runs out of memory above batch 2 (auto_oom; auto_cuda_oom: a
+          CUDA error that says so): the search must go on and measure batch 2.
   sweep:  a real sweep of Qwen2.5-1.5B through `hpcfsdp submit --executor local --wait` and
           collect: per strategy a batch that fits and the smallest batch `plan --memory` says will
           not fit this card, and one `batch_size: auto` cell.
@@ -28,10 +30,22 @@ from pathlib import Path
 
 import yaml
 
-from hpcfsdp.sweep.local import processes_under
+from hpcfsdp.sweep.launch.local import processes_under
 
 FAULTS = ("oom", "error", "hang", "timeout")
-EXPECTED = {"oom": "oom", "error": "error", "hang": "hang", "timeout": "timeout"}
+# batch_size: auto with rank 1 alone out of memory above batch 2 (the allocator's OutOfMemoryError,
+# or a CUDA error that says so): the search goes on, and the cell measures batch 2.
+SEARCH_FAULTS = {"auto_oom": "oom>2", "auto_cuda_oom": "cuda_oom>2"}
+SEARCH_STRATEGIES = {"auto_oom": ("fsdp1_full_shard", "fsdp2_zero3"), "auto_cuda_oom": ("fsdp2_zero2",)}
+EXPECTED = {
+    "oom": "oom",
+    "error": "error",
+    "hang": "hang",
+    "timeout": "timeout",
+    "auto_oom": "ok",
+    "auto_cuda_oom": "ok",
+}
+SEARCH_END_S = 150  # a searching cell: from its last probe's fault to its end (the measured run included)
 TRAIN_TIMEOUT_S = 15  # the hang cells' train_timeout_s: a hang is declared this long past the slowest step
 FAULT_END_S = 30  # every fault cell must end this soon after its fault (a hang: after its timeout too)
 SWEEP_LIMIT_S = 300
@@ -85,7 +99,9 @@ class FaultCell:
         self.dir = work / f"{strategy}-{fault}"
         self.dir.mkdir(parents=True)
         self.ranks: set[int] = set()
-        env = {**os.environ, "HPCFSDP_FAULT": f"train_step:{fault}:1", "OMP_NUM_THREADS": "1"}
+        injected = SEARCH_FAULTS.get(fault, fault)
+        env = {**os.environ, "HPCFSDP_FAULT": f"train_step:{injected}:1", "OMP_NUM_THREADS": "1"}
+        search = ["batch_size=auto", "max_batch_size=4"] if fault in SEARCH_FAULTS else []
         command = [
             sys.executable,
             "-m",
@@ -100,6 +116,7 @@ class FaultCell:
             "--sweep",
             "faults",
             *cell_fields(),
+            *search,
             f"strategy={strategy}",
         ]
         self.started = time.time()
@@ -125,13 +142,17 @@ class FaultCell:
         for pid in left_alive:  # processes we started, ended by pid
             os.kill(pid, signal.SIGKILL)
         log = (self.dir / "log.txt").read_text(errors="replace")
-        fault_at = re.search(r"\[hpcfsdp\] fault \w+ at \w+ on rank 1 at ([0-9.]+)", log)
+        faults = re.findall(r"\[hpcfsdp\] fault \w+ at \w+ on rank 1 at ([0-9.]+)", log)
         records = list((self.dir / "results").glob("*/cells/*/result.json"))
         record = json.loads(records[0].read_text()) if records else {}
-        end_after = (self.ended - float(fault_at.group(1))) if fault_at and self.ended else None
-        limit = FAULT_END_S + (TRAIN_TIMEOUT_S if self.fault == "hang" else 0)
+        end_after = (self.ended - float(faults[-1])) if faults and self.ended else None
+        limit = SEARCH_END_S if self.fault in SEARCH_FAULTS else FAULT_END_S
+        limit += TRAIN_TIMEOUT_S if self.fault == "hang" else 0
         status = record.get("status", "no record")
         ok = status == EXPECTED[self.fault] and end_after is not None and end_after <= limit
+        if self.fault in SEARCH_FAULTS:  # batches 1, 2 fit; 4 and 3 not (rank 1 alone); batch 2 measured
+            probes = [(p["batch_size"], p["status"]) for p in record.get("batch_search", {}).get("probes", [])]
+            ok = ok and probes == [(1, "ok"), (2, "ok"), (4, "oom"), (3, "oom")] and record["spec"]["batch_size"] == 2
         ok = ok and not left_alive and not on_gpu
         return {
             "part": "fault",
@@ -152,6 +173,9 @@ class FaultCell:
 def run_faults(work: Path, out: Path) -> None:
     parallel = int(os.environ.get("ACCEPTANCE_PARALLEL", "4"))
     todo = [(s, f) for s in strategies() for f in FAULTS]
+    todo += [(s, f) for f, among in SEARCH_STRATEGIES.items() for s in among if s in strategies()]
+    if only := os.environ.get("ACCEPTANCE_FAULTS", "").split():  # e.g. "auto_oom auto_cuda_oom"
+        todo = [(s, f) for s, f in todo if f in only]
     running: list[FaultCell] = []
     with open(out / "faults.jsonl", "w") as results:
         while todo or running:

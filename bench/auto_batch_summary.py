@@ -1,6 +1,6 @@
 """The table of bench/auto_batch.sh: per `batch_size: auto` cell, the batch found, the check that
 the next batch up does not fit, the search's wall time against a hand grid's, and the measured
-peak beside the predicted one (hpcfsdp.sweep.memory, as `plan --memory` prints it). Torch-free.
+peak beside the predicted one (hpcfsdp.sweep.predict.memory, as `plan --memory` prints it). Torch-free.
 
     PYTHONPATH=src python bench/auto_batch_summary.py SWEEP_DIR TIMINGS GPU_MEMORY_GIB
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from memory_prediction import spec_of  # bench/, beside this script
 
-from hpcfsdp.sources import model_source
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.memory import largest_fitting_batch, load_shape, predict
+from hpcfsdp.contracts.sources import model_source
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.predict.memory import largest_fitting_batch, load_shape, predict
 
 
 def grid_seconds(record: dict, cell_wall: float) -> float | None:

@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcfsdp.record import write_record
+from hpcfsdp.contracts.record import write_record
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import write_report
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.matrix import cell_id
+from hpcfsdp.sweep.define.matrix import cell_id
 
 STRATEGIES = {  # strategy -> (relative speed, model-state GiB per GPU at 8 GPUs)
     "ddp": (1.00, 24.0),

@@ -25,7 +25,7 @@ yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
 PY
     jobs="$copy"
   fi
-  name="$(python3 -c 'import sys; from hpcfsdp.sweep.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
+  name="$(python3 -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
   echo "[matrix] $(date -u +%T) $name${GPUS_PER_NODE:+ on $GPUS_PER_NODE GPU(s) per node}"
   timeout --kill-after=15 "${SWEEP_TIMEOUT_S:-0}" python3 -m hpcfsdp submit "$jobs" --executor local \
     --results-dir "$results" --force 2>&1 | tee "$out/$name.log"

@@ -18,8 +18,8 @@ import time
 import torch
 
 from hpcfsdp.cell.models import build_model, resolve_model
-from hpcfsdp.sources import model_source
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.sources import model_source
+from hpcfsdp.contracts.spec import RunSpec
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.config import LRScheduler
 
 from hpcfsdp.cell.train import build_optimizer
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.spec import RunSpec
 
 LR = 8e-4
 

@@ -1,4 +1,4 @@
-"""Predicted (hpcfsdp.sweep.memory, as `hpcfsdp plan --memory` prints it) against measured peak GPU memory.
+"""Predicted (hpcfsdp.sweep.predict.memory, as `hpcfsdp plan --memory` prints it) against measured peak GPU memory.
 
     PYTHONPATH=src python bench/memory_prediction.py [RECORD_OR_FOLDER ...]
 
@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from hpcfsdp.sources import model_source
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.memory import load_shape, predict
+from hpcfsdp.contracts.sources import model_source
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.predict.memory import load_shape, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "bench" / "results" / "2026-11-22-h200x2"

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.define.matrix import load_sweep
 
 # 4 x 5 x 5 x 5 x 2 x 2 x 5 = 10,000 cells, in 2 arrays (1 and 2 nodes).
 JOBS = """

@@ -1,6 +1,6 @@
 """Check the records of bench/record_check.sh: the fields only a GPU run fills (NVML energy and
 utilisation, float8 linears, the fused loss, the memory snapshot of an OOM) are there and of the
-record's declared types (hpcfsdp.record's TypedDicts, as read_record checks them).
+record's declared types (hpcfsdp.contracts.record's TypedDicts, as read_record checks them).
 
     python3 bench/record_check.py SWEEP_DIR [--cpu]    # exit 1 naming each missing field
 """
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpcfsdp.record import read_record
+from hpcfsdp.contracts.record import read_record
 
 # record status -> fields that must be set (not null) on a GPU / on the CPU
 GPU_FIELDS = {

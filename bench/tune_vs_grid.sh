@@ -48,7 +48,7 @@ yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
 PY
   jobs="$copy"
 fi
-name="$("$py" -c 'import sys; from hpcfsdp.sweep.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
+name="$("$py" -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
 grid="${GRID_DIR:-$out/grid}"
 if [[ "${SKIP_GRID:-0}" != 1 ]]; then
   echo "[tune_vs_grid] $(date -u +%T) grid: $name"

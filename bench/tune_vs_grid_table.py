@@ -9,8 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from hpcfsdp.files import RecordError
-from hpcfsdp.record import read_record
+from hpcfsdp.contracts.files import RecordError
+from hpcfsdp.contracts.record import read_record
 
 
 def grid_speeds(grid: Path) -> tuple[dict[str, float], dict[str, int]]:

@@ -30,8 +30,10 @@ def _own_cluster_per_worker() -> None:
     index = int(worker.removeprefix("gw"))
     os.environ["HPCFSDP_SLURM_DIR"] = os.environ.get("HPCFSDP_SLURM_DIR", "/tmp/hpcfsdp-slurm") + f"-{worker}"
     os.environ["HPCFSDP_SLURM_PORT"] = str(int(os.environ.get("HPCFSDP_SLURM_PORT", "6817")) + 40 * index)
-    # a cell derives its MASTER_PORT from its job id (cell/distributed.py): two clusters must not share job ids
-    os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + 1)
+    # a cell derives its MASTER_PORT from its job id (cell/ranks/distributed.py): two clusters must not share job ids,
+    # nor two checkouts' workers on one machine (each has its own HPCFSDP_SLURM_FIRST_JOB_ID)
+    first = int(os.environ.get("HPCFSDP_SLURM_FIRST_JOB_ID", "1"))
+    os.environ["HPCFSDP_SLURM_FIRST_JOB_ID"] = str(100_000 * index + first)
 
 
 _own_cluster_per_worker()
@@ -110,7 +112,7 @@ def free_port_block(size: int) -> int:
     """A port p with p .. p+size-1 all free (slurmctld on p, the slurmd of node i on p+i, ...), for
     a cluster of a test module's own beside the session's. The search starts at a random block, so
     that test runs beside each other (other checkouts) seldom race for the same one."""
-    blocks = list(range(10017, 19817, 97))  # below the cells' rendezvous ports (cell/distributed.py)
+    blocks = list(range(10017, 19817, 97))  # below the cells' rendezvous ports (cell/ranks/distributed.py)
     start = random.randrange(len(blocks))
     for base in blocks[start:] + blocks[:start]:
         try:

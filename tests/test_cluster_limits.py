@@ -20,8 +20,8 @@ import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.cluster import Node, Partition, gpus_in_gres, never_clears, slurm_minutes
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.track.cluster import Node, Partition, gpus_in_gres, never_clears, slurm_minutes
 
 TINY = (
     "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "

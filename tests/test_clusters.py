@@ -19,7 +19,7 @@ import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.layout import read_manifest
+from hpcfsdp.sweep.folder.layout import read_manifest
 
 TINY = (
     "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "

@@ -25,14 +25,14 @@ from matplotlib.patches import Patch
 from PIL import Image
 
 from hpcfsdp.cli import main
-from hpcfsdp.record import SCHEMA_VERSION, read_record, write_record
+from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import plots
 from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import reference_cells
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.matrix import cell_id
+from hpcfsdp.sweep.define.matrix import cell_id
 
 H100 = "NVIDIA H100 80GB HBM3"
 GPU_BASE = {"model": "qwen2.5-1.5b", "seq_len": 4096, "gpus_per_node": 2, "device": "cuda", "precision": "bf16_mixed"}

@@ -25,7 +25,7 @@ import yaml
 from conftest import ROOT, slurm
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.container import PODMAN_TASK
+from hpcfsdp.sweep.launch.container_command import PODMAN_TASK
 
 IMAGE = "localhost/hpcfsdp-test:latest"
 CPU_CELL = {
@@ -221,7 +221,7 @@ def started_containers(env: dict[str, str], since: float) -> list[str]:
     return out.split()
 
 
-# A cell that reaches its training loop and waits there (cell/faults.py) for Slurm's signal, set
+# A cell that reaches its training loop and waits there (cell/stopping/faults.py) for Slurm's signal, set
 # through container.env: it holds a CPU of the cluster but burns none while the smoke cells run.
 HANGS = {"HPCFSDP_FAULT": "train_step:hang"}
 

@@ -15,9 +15,9 @@ import torch
 from conftest import run_torchrun_cell
 from hpcfsdp.cache.hub import CacheMissError, lookup_dataset, lookup_model
 from hpcfsdp.cell.data import open_data, pack, rank_indices, training_batches
-from hpcfsdp.fields import SpecError
-from hpcfsdp.sources import data_source, model_source
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.fields import SpecError
+from hpcfsdp.contracts.sources import data_source, model_source
+from hpcfsdp.contracts.spec import RunSpec
 from tinyhub import DATASET, FAKE_TOKEN, MODEL, PRESET, build_model_folder, download, offline
 
 SEQ_LEN = 16

@@ -3,7 +3,7 @@ release on the package index, and env/environment.yml lists the same ones.
 
 submitit: the API the submitter uses holds for the installed version, and pyproject's bound says so.
 
-`sweep/sbatch.py` renders the sbatch script with submitit's private `_make_sbatch_string` (submitit
+`sweep/launch/sbatch.py` renders the sbatch script with submitit's private `_make_sbatch_string` (submitit
 has no public call for the script text) and reads logs through `JobPaths`; the job object is a
 `Checkpointable`. A submitit that changes these must fail here, not on a user's login node.
 """
@@ -42,10 +42,10 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     from submitit.core.utils import JobPaths
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from hpcfsdp.sweep.job import CellJob
-    from hpcfsdp.sweep.matrix import parse_sweep
-    from hpcfsdp.sweep.resources import Resources
-    from hpcfsdp.sweep.sbatch import slurm_parameters
+    from hpcfsdp.sweep.define.matrix import parse_sweep
+    from hpcfsdp.sweep.define.resources import Resources
+    from hpcfsdp.sweep.launch.job import CellJob
+    from hpcfsdp.sweep.launch.sbatch import slurm_parameters
 
     sweep = parse_sweep(
         {
@@ -58,7 +58,7 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     accepted = set(inspect.signature(_make_sbatch_string).parameters)
     parameters = slurm_parameters(sweep, nodes=1, gpus_per_node=2, sweep_dir=Path("results"))
     assert set(parameters) | {"command", "folder", "map_count"} <= accepted
-    # slurm.container wraps the job's Python through the executor's own `python` (sweep/container.py).
+    # slurm.container wraps the job's Python through the executor's own `python` (sweep/define/container.py).
     assert "python" in inspect.signature(submitit.SlurmExecutor).parameters
     requeued = CellJob("/cells/a").checkpoint()  # what submitit pickles again at the time-limit signal
     assert isinstance(requeued, submitit.helpers.DelayedSubmission) and requeued.function == CellJob("/cells/a")

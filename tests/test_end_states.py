@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
-from hpcfsdp.cell.requeue import JobView
+from hpcfsdp.cell.stopping.requeue import JobView
 from hpcfsdp.cli import main
-from hpcfsdp.endings import ended_by, memory_to_ask
-from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.preemptions import preemption_note
-from hpcfsdp.sweep.status import record_lost_cells, sweep_status
+from hpcfsdp.contracts.endings import ended_by, memory_to_ask
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.track.preemptions import preemption_note
+from hpcfsdp.sweep.track.status import record_lost_cells, sweep_status
 
 TINY = (
     "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0, "
@@ -208,7 +208,7 @@ def test_a_preempted_cell_is_requeued_by_slurm_until_its_max_requeue_is_used_up(
     """Two sweeps with slurm.max_requeue 1, both preempted: the one whose requeued run may train
     ends ok; the other, preempted again, ends `preempted` (its third run does not train). Each
     preempted run records `preempted`, whether or not the controller answered its ranks in time:
-    the requeued run names it from sacct's earlier runs (cell/requeue.py)."""
+    the requeued run names it from sacct's earlier runs (cell/stopping/requeue.py)."""
     sweeps = {}
     # The second sweep's ranks get no answer from the controller at SIGTERM (as on a busy machine):
     # they record `cancelled`, and the next run names it.

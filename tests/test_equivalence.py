@@ -23,13 +23,28 @@ def assert_same_training(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_2(tmp_path_factory):
-    return run_torchrun_cell(tmp_path_factory.mktemp("ddp"), 2, strategy="ddp", record_param_norm=True)
+def trained(tmp_path_factory):
+    """Train a cell (nprocs, fields) once for this module: the tests that compare against the same
+    cell share its record, whichever of them runs first."""
+    records: dict[tuple, dict] = {}
+
+    def train(nprocs: int, **fields) -> dict:
+        key = (nprocs, tuple(sorted(fields.items())))
+        if key not in records:
+            records[key] = run_torchrun_cell(tmp_path_factory.mktemp("cell"), nprocs, **fields)
+        return records[key]
+
+    return train
+
+
+@pytest.fixture(scope="module")
+def ddp_2(trained):
+    return trained(2, strategy="ddp", record_param_norm=True)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2_zero2", "fsdp2_zero3"])
-def test_fsdp2_matches_ddp_on_2_processes(tmp_path, ddp_2, strategy):
-    record = run_torchrun_cell(tmp_path, 2, strategy=strategy, record_param_norm=True)
+def test_fsdp2_matches_ddp_on_2_processes(trained, ddp_2, strategy):
+    record = trained(2, strategy=strategy, record_param_norm=True)
     assert record["world_size"] == 2 and record["backend"] == "gloo"
     assert_same_training(ddp_2, record)
     # Training really happened: the loss moved and every timed step was measured.
@@ -63,10 +78,11 @@ def test_activation_checkpointing_changes_no_loss(tmp_path, ddp_2):
     assert_same_training(ddp_2, full)
 
 
-def test_optimizer_before_sharding_shows_its_symptom(tmp_path):
-    right = run_torchrun_cell(tmp_path / "after", 2, strategy="fsdp2_zero3", optimizer_order="after_shard")
+def test_optimizer_before_sharding_shows_its_symptom(tmp_path, trained):
+    right = trained(2, strategy="fsdp2_zero3", record_param_norm=True)  # optimizer_order: after_shard, the default
     broken = run_torchrun_cell(tmp_path / "before", 2, strategy="fsdp2_zero3", optimizer_order="before_shard")
     fixed = run_torchrun_cell(tmp_path / "fixed", 2, strategy="fsdp2_zero3", optimizer_order="before_shard_fixed")
+    assert right["spec"]["optimizer_order"] == "after_shard"
     assert right["optimizer_tracks_model"] and fixed["optimizer_tracks_model"]
     assert broken["status"] == "ok" and broken["optimizer_tracks_model"] is False
     # The broken optimizer updates tensors the model no longer uses: the model does not learn.
@@ -142,7 +158,7 @@ def test_the_optimizer_steps_at_torchtitans_scheduled_learning_rates(fields, fac
     import torch
 
     from hpcfsdp.cell.train import build_optimizer
-    from hpcfsdp.spec import RunSpec
+    from hpcfsdp.contracts.spec import RunSpec
 
     spec = RunSpec.from_dict({"model": "tiny", "device": "cpu", "warmup_steps": 0, "lr": 8e-4, **fields})
     layer = torch.nn.Linear(4, 4)

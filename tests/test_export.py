@@ -19,7 +19,7 @@ import torch
 
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_record
+from hpcfsdp.contracts.record import write_record
 from hpcfsdp.results.history_rows import setup_key
 
 SETTINGS = {"NCCL_DEBUG": "WARN", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTORCH_JIT": "1"}
@@ -432,11 +432,11 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
 
 
 def test_a_wandb_log_read_and_written_again_is_the_same_bytes(tmp_path):
-    """The frames export_wandb writes back are wandb's own: a log wandb wrote (one record longer
+    """The frames exports/wandb.py writes back are wandb's own: a log wandb wrote (one record longer
     than a 32 KiB block among them) read and written again is byte for byte what wandb wrote."""
     import wandb
 
-    from hpcfsdp.results.export_wandb import read_log, write_log
+    from hpcfsdp.results.exports.wandb import read_log, write_log
 
     settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True)
     run = wandb.init(mode="offline", dir=str(tmp_path), project="p", id="frames", settings=settings)

@@ -18,9 +18,9 @@ import pytest
 
 from conftest import TINY_CPU, run_torchrun_cell, torchrun_cell
 from hpcfsdp.results.report import write_report
-from hpcfsdp.sweep.matrix import parse_sweep
-from hpcfsdp.sweep.status import sweep_status
-from hpcfsdp.sweep.submit import select_cells
+from hpcfsdp.sweep.define.matrix import parse_sweep
+from hpcfsdp.sweep.launch.submit import select_cells
+from hpcfsdp.sweep.track.status import sweep_status
 
 
 @pytest.mark.parametrize(
@@ -137,4 +137,6 @@ def test_the_profilers_warning_about_cycles_is_filtered_where_the_cell_profiles(
 
     # torch 2.13 warns when a schedule repeats; 2.11 (the GPU machines) with any schedule at all.
     assert "Profiler clears events at the end of each cycle" in stderr("")
-    assert "Profiler clears events" not in stderr("from hpcfsdp.cell.metrics import quiet_profiler; quiet_profiler()")
+    assert "Profiler clears events" not in stderr(
+        "from hpcfsdp.cell.measure.metrics import quiet_profiler; quiet_profiler()"
+    )

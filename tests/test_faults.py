@@ -32,9 +32,9 @@ import yaml
 
 from conftest import slurm
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_record
-from hpcfsdp.sweep.local import processes_under
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.contracts.record import write_record
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.launch.local import processes_under
 
 CPU_CELL = {
     "model": "tiny",
@@ -452,7 +452,7 @@ NOT_SECRETS = {"I21_CANARY": "visible", "KEYBOARD_LAYOUT": "visible-us", "PASSAG
 
 
 def test_every_common_shape_of_secret_is_told_from_ordinary_variables():
-    from hpcfsdp.sweep.environment import is_secret
+    from hpcfsdp.sweep.launch.environment import is_secret
 
     assert all(is_secret(name, value) for name, value in SECRETS.items())
     ordinary = {**NOT_SECRETS, "PATH": "/usr/bin", "PWD": "/home/me", "OLDPWD": "/", "LD_LIBRARY_PATH": "/opt/lib"}

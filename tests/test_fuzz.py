@@ -43,14 +43,14 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.jsontypes import INT64_MAX, INT64_MIN
-from hpcfsdp.record import CHECKED_FIELDS, CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, STATUSES, record_state
-from hpcfsdp.results.export import exported_runs
+from hpcfsdp.contracts.jsontypes import INT64_MAX, INT64_MIN
+from hpcfsdp.contracts.record import CHECKED_FIELDS, CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, STATUSES, record_state
+from hpcfsdp.results.exports.runs import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import recommendation, report_folder, write_tables
-from hpcfsdp.sweep.logs import print_logs
+from hpcfsdp.sweep.track.logs import print_logs
 from test_history import write_sweep
 
 SEED = int(os.environ.get("HPCFSDP_FUZZ_SEED") or random.SystemRandom().randrange(2**32))

@@ -21,11 +21,11 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_record
+from hpcfsdp.contracts.record import write_record
 from hpcfsdp.results import defaults, references, regressions
 from hpcfsdp.results.history_rows import setup_key
-from hpcfsdp.sweep.accounting import parse_sacct
-from hpcfsdp.sweep.matrix import cell_id
+from hpcfsdp.sweep.define.matrix import cell_id
+from hpcfsdp.sweep.track.accounting import parse_sacct
 from test_collect import GPU_BASE, H100, failed_record, ok_record, spec_of
 
 H200 = "NVIDIA H200"

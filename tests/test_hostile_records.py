@@ -21,11 +21,11 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.record import RECORD_NAME, SPEC_NAME, write_record
+from hpcfsdp.contracts.record import RECORD_NAME, SPEC_NAME, write_record
 from hpcfsdp.results import history
-from hpcfsdp.sweep.collect_job import COLLECT_JOB_NAME, collect_line
-from hpcfsdp.sweep.layout import MANIFEST_NAME
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import MANIFEST_NAME
+from hpcfsdp.sweep.launch.collect_job import COLLECT_JOB_NAME, collect_line
 from test_history import EARLIER, write_sweep
 from test_refusals import spoil
 

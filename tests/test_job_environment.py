@@ -20,8 +20,8 @@ import yaml
 
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.environment import is_allowed
-from hpcfsdp.sweep.secret_shapes import is_secret
+from hpcfsdp.sweep.define.secret_shapes import is_secret
+from hpcfsdp.sweep.launch.environment import is_allowed
 
 MARK = "i33secret"
 # Secret-like names and values in the submitting shell, each value holding MARK so that one grep

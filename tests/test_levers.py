@@ -17,10 +17,10 @@ from hpcfsdp.cell.levers import install_loss, require
 from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import apply_activation_checkpointing
 from hpcfsdp.cli import main
-from hpcfsdp.fields import SpecError
-from hpcfsdp.sources import model_source
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.matrix import cell_id, load_sweep
+from hpcfsdp.contracts.fields import SpecError
+from hpcfsdp.contracts.sources import model_source
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.define.matrix import cell_id, load_sweep
 from test_equivalence import assert_same_training
 
 CPU = {"device": "cpu"}
@@ -204,7 +204,7 @@ def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):
     ],
 )
 def test_weights_are_gathered_in_float8_only_where_there_is_something_to_gather(fields, gathers_float8):
-    from hpcfsdp.sweep.memory import _gathered_bytes, load_shape
+    from hpcfsdp.sweep.predict.memory import _gathered_bytes, load_shape
 
     spec = RunSpec.from_dict({"device": "cuda", "float8": "tensorwise", "model": "qwen3-1.7b", **fields}, "t.yaml")
     assert spec.float8_all_gather is gathers_float8

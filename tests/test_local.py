@@ -53,9 +53,9 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
-    from hpcfsdp.sources import PRESETS_DIR
-    from hpcfsdp.spec import RunSpec
-    from hpcfsdp.sweep.job import write_cell_spec
+    from hpcfsdp.contracts.sources import PRESETS_DIR
+    from hpcfsdp.contracts.spec import RunSpec
+    from hpcfsdp.sweep.folder.layout import write_cell_spec
 
     model = tmp_path / "model-deleted-after-plan"
     model.mkdir()

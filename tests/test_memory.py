@@ -1,4 +1,4 @@
-"""The memory prediction (hpcfsdp/sweep/memory.py): its parts by hand and against torch on the CPU, its
+"""The memory prediction (hpcfsdp/sweep/predict/memory.py): its parts by hand and against torch on the CPU, its
 accuracy on the project's GPU records, and `plan --memory` / `submit --skip-predicted-oom`."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import param_dtype
 from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
-from hpcfsdp.sources import model_source, preset_names
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.memory import (
+from hpcfsdp.contracts.sources import model_source, preset_names
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.predict.memory import (
     GIB,
     WORKSPACE_GIB,
     layer_activation_bytes,
@@ -111,10 +111,8 @@ def test_the_peak_of_a_zero3_cell_by_hand():
 
 def test_checkpointing_keeps_each_layers_input_only():
     base = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, seq_len=4096, batch_size=4)
-    none, full = (
-        predict(RunSpec(**base, activation_checkpointing=mode), load_shape(model_source("qwen2.5-1.5b")))
-        for mode in ("none", "full")
-    )
+    shape = load_shape(model_source("qwen2.5-1.5b"))
+    none, full = (predict(RunSpec(**base, activation_checkpointing=mode), shape) for mode in ("none", "full"))
     assert full.activations_gib * GIB == 4 * 4096 * 28 * 2 * 1536  # bf16 inputs of 28 layers
     assert full.loss_gib == none.loss_gib and full.peak_gib < none.peak_gib / 1.5
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcfsdp.cell.metrics import communication_breakdown, flops_per_token, peak_tflops
+from hpcfsdp.cell.measure.metrics import communication_breakdown, flops_per_token, peak_tflops
 from hpcfsdp.cell.models import load_config, resolve_model
-from hpcfsdp.sources import model_source
+from hpcfsdp.contracts.sources import model_source
 
 
 def meta_model(preset: str):

@@ -28,9 +28,9 @@ from conftest import ROOT, TINY_CPU, run_torchrun_cell
 from hpcfsdp.cache.hub import CacheMissError
 from hpcfsdp.cell.data import synthetic_batches
 from hpcfsdp.cell.models import build_model, materialize, resolve_model
-from hpcfsdp.fields import SpecError
-from hpcfsdp.sources import model_source
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.fields import SpecError
+from hpcfsdp.contracts.sources import model_source
+from hpcfsdp.contracts.spec import RunSpec
 from tinyhub import MODEL, PRESET, download, offline
 
 CPU = torch.device("cpu")
@@ -136,9 +136,9 @@ import json, sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from hpcfsdp.cell.data import synthetic_batches
-from hpcfsdp.cell.distributed import init_distributed, shutdown
+from hpcfsdp.cell.ranks.distributed import init_distributed, shutdown
 from hpcfsdp.cell.models import build_model, materialize, resolve_model
-from hpcfsdp.spec import RunSpec
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.cell.strategies import parallelize
 from hpcfsdp.cell.train import build_optimizer, train
 

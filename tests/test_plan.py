@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,10 +23,10 @@ import pytest
 
 from conftest import ROOT, slurm
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_record
-from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.status import record_lost_cells, sweep_status, watch
-from hpcfsdp.sweep.submit import select_cells
+from hpcfsdp.contracts.record import write_record
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.launch.submit import select_cells
+from hpcfsdp.sweep.track.status import record_lost_cells, sweep_status, watch
 
 BAD_YAML = sorted((ROOT / "tests" / "bad_yaml").glob("*.yaml"))
 EXPECT = re.compile(r"^# expect(?: line (\d+))?: (.+)$")
@@ -406,6 +407,40 @@ def test_unanswered_squeue_stops_a_submit_but_not_status(slurm_cluster, tmp_path
     assert "warning: squeue: slurm_load_jobs error" in capsys.readouterr().err
 
 
+def logged_clients(tmp_path: Path, *programs: str) -> tuple[Path, Path]:
+    """A folder for the front of PATH whose `programs` write each call (the program and its
+    arguments) as a line of a log, then run the real program; the folder and the log."""
+    folder, log = tmp_path / "logged", tmp_path / "calls.log"
+    folder.mkdir()
+    for program in programs:
+        script = folder / program
+        script.write_text(f'#!/bin/sh\necho "{program} $*" >> {log}\nexec {shutil.which(program)} "$@"\n')
+        script.chmod(0o755)
+    return folder, log
+
+
+@pytest.mark.slurm
+def test_watch_asks_squeue_and_sacct_once_per_look_for_the_whole_sweep(flight, tmp_path, monkeypatch):
+    """Each look asks squeue once about the sweep's array; sacct is asked about a job that left the
+    queue without a record until it has settled, never again (the failed task 3 on the first look,
+    the running task 2 once it is cancelled)."""
+    _, _sweep, sweep_dir, array = flight
+    folder, log = logged_clients(tmp_path, "squeue", "sacct")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    cancel = threading.Timer(2.0, slurm, ("scancel", f"{array}_2"))
+    cancel.start()
+    try:
+        report = watch(sweep_dir, 0.1, stream=io.StringIO())
+    finally:
+        cancel.cancel()
+    assert not report.in_flight and not report.note
+    calls = log.read_text().splitlines()
+    looks = [call for call in calls if call.startswith("squeue ")]
+    assert len(looks) >= 5 and all(call.endswith(f" --jobs={array}") for call in looks), calls
+    asked = [call.rsplit("--jobs=", 1)[1] for call in calls if call.startswith("sacct ")]
+    assert asked == [f"{array}_3", f"{array}_2"], calls
+
+
 def cell_status_of(sweep_dir: Path, cell) -> str:
     return json.loads((sweep_dir / "cells" / cell.id / "result.json").read_text())["status"]
 
@@ -484,7 +519,7 @@ def test_cells_whose_job_left_the_queue_without_a_record_get_an_error_record(fli
 
 
 def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
-    from hpcfsdp.cell import signals
+    from hpcfsdp.cell.stopping import signals
 
     calls = []
 
@@ -541,13 +576,13 @@ def test_a_wrong_folder_is_one_line(tmp_path, capsys, argv, message):
     assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
-    # `run` holds Slurm's signals for its cell (cell/early_signals.py): a refusal holds none after it
+    # `run` holds Slurm's signals for its cell (cell/stopping/early_signals.py): a refusal holds none after it
     assert handlers == {sig: signal.getsignal(sig) for sig in handlers}
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
 
 
 def test_default_executor_is_local_where_slurm_is_not_installed(tmp_path, monkeypatch):
-    from hpcfsdp.sweep.submit import default_executor
+    from hpcfsdp.sweep.launch.submit import default_executor
 
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no Slurm client on it
     assert default_executor() == ("local", "no Slurm here (sbatch is not on PATH)")
@@ -557,7 +592,7 @@ def test_default_executor_is_local_where_slurm_is_not_installed(tmp_path, monkey
 def test_default_executor_is_slurm_where_a_controller_answers_and_refused_where_none_does(
     slurm_cluster, tmp_path, monkeypatch
 ):
-    from hpcfsdp.sweep.submit import NoController, default_executor
+    from hpcfsdp.sweep.launch.submit import NoController, default_executor
 
     assert default_executor() == ("slurm", "")
     monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
@@ -620,7 +655,7 @@ def test_status_takes_the_final_state_of_a_job_that_left_the_queue_from_sacct(ar
     arrange(array, cancel=(2,))  # cancelled while it runs
     assert main(["status", str(sweep_dir)]) == 3
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
-    # Slurm's word, then what to do about it (src/hpcfsdp/endings.py)
+    # Slurm's word, then what to do about it (src/hpcfsdp/contracts/endings.py)
     assert rows[cancelled.id][:4] == ["fsdp2_zero3", "missing", f"{array}_2", "CANCELLED:"]
     assert rows[failed.id][:4] in (
         ["fsdp2_zero3", "missing", f"{array}_3", "FAILED"],

@@ -19,15 +19,15 @@ import pytest
 
 from conftest import free_port_block, slurm, start_slurm, stop_slurm
 from hpcfsdp.cli import main
-from hpcfsdp.fields import SpecError
-from hpcfsdp.sources import PRESETS_DIR, model_source
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.cluster import Node, Partition, tres_counts
-from hpcfsdp.sweep.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
-from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.memory import load_shape
-from hpcfsdp.sweep.preflight import memory_given_mb, refusal_text
-from hpcfsdp.sweep.resources import Resources
+from hpcfsdp.contracts.fields import SpecError
+from hpcfsdp.contracts.sources import PRESETS_DIR, model_source
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.define.resources import Resources
+from hpcfsdp.sweep.launch.preflight import memory_given_mb, refusal_text
+from hpcfsdp.sweep.predict.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
+from hpcfsdp.sweep.predict.memory import load_shape
+from hpcfsdp.sweep.track.cluster import Node, Partition, tres_counts
 
 TINY = "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0"
 DEF_MEM_PER_CPU_MB = 1000  # above a CPU rank's host memory, below a GPU rank's
@@ -270,7 +270,7 @@ def test_mem_gb_auto_is_read_once_and_asks_for_the_prediction_plus_its_margin(tm
         tmp_path, f"name: site\nbase: {{{TINY}}}\nmatrix: {{gpus_per_node: [1, 2]}}\nslurm: {{mem_gb: auto}}\n"
     )
     sweep = load_sweep(jobs)
-    from hpcfsdp.sweep.sbatch import slurm_parameters
+    from hpcfsdp.sweep.launch.sbatch import slurm_parameters
 
     for gpus in (1, 2):
         expected = auto_mem_gb(node_gib(**{**TINY_2, "gpus_per_node": gpus}))

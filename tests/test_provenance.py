@@ -29,7 +29,9 @@ def copy_package(to: Path) -> None:
 
 def recorded_commit(import_root: Path, cwd: Path) -> str:
     """What run.py's provenance would record, for the package imported from `import_root`."""
-    code = "import hpcfsdp; from hpcfsdp.cell.provenance import git_commit; print(hpcfsdp.__file__, git_commit())"
+    code = (
+        "import hpcfsdp; from hpcfsdp.cell.measure.provenance import git_commit; print(hpcfsdp.__file__, git_commit())"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,

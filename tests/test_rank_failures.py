@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpcfsdp.cell.watchdog import StepDeadlines
+from hpcfsdp.cell.stopping.watchdog import StepDeadlines
 from hpcfsdp.cli import main
-from hpcfsdp.sweep import local
+from hpcfsdp.sweep.launch import local
 
 TINY = [
     "model=tiny",
@@ -86,6 +86,25 @@ def wait_for_line(tmp_path: Path, text: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def wait_until_blocked(pid: int, timeout_s: float) -> None:
+    """Until the process's main thread sleeps and has used no CPU for 1 s (a wait in a collective),
+    rather than a fixed pause that a loaded machine may not give it time to get there in."""
+
+    def state_and_cpu() -> tuple[str, int]:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime in clock ticks
+
+    deadline = time.monotonic() + timeout_s
+    still = 0
+    state, cpu = state_and_cpu()
+    while still < 4:
+        assert time.monotonic() < deadline, f"process {pid} never blocked (state {state})"
+        time.sleep(0.25)
+        state, now = state_and_cpu()
+        still = still + 1 if (state == "S" and now == cpu) else 0
+        cpu = now
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -126,9 +145,9 @@ def test_a_rank_blocked_in_a_collective_ends_within_10_s_of_its_sigterm(tmp_path
     proc = start_cell(tmp_path, "strategy=fsdp2_zero3", fault="train_step:hang:1")
     try:
         wait_for_line(tmp_path, "step 1/5", timeout_s=120)
-        time.sleep(3)  # rank 0 is inside the second step's collective, waiting for rank 1
         ranks = ranks_of(proc.pid)
         assert set(ranks) == {0, 1}, ranks
+        wait_until_blocked(ranks[0], timeout_s=120)  # inside the second step's collective, waiting for rank 1
         signalled = time.monotonic()
         os.kill(ranks[0], signal.SIGTERM)
         proc.wait(timeout=30)

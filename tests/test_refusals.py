@@ -20,10 +20,10 @@ import pytest
 from hpcfsdp.cache.hub import CacheMissError, lookup_model, read_cache_manifest
 from hpcfsdp.cache.verify import verify_cache
 from hpcfsdp.cli import main
-from hpcfsdp.files import write_json
-from hpcfsdp.record import write_record
+from hpcfsdp.contracts.files import write_json
+from hpcfsdp.contracts.record import write_record
 from hpcfsdp.results import history
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.define.matrix import load_sweep
 from test_history import EARLIER, write_sweep
 
 # ---------------------------------------------------------------------------------------------

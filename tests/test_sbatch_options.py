@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from hpcfsdp.cli import main
-from hpcfsdp.sweep import sbatch_options
-from hpcfsdp.sweep.sbatch_options import release_options, resolve_option
+from hpcfsdp.sweep.define import sbatch_options
+from hpcfsdp.sweep.define.sbatch_options import release_options, resolve_option
 
 OPTIONS = release_options((22, 5))
 
@@ -91,7 +91,7 @@ def test_the_packaged_options_are_the_local_sbatchs_and_it_reads_prefixes_as_res
 
 
 def test_a_job_requeued_with_max_requeue_0_does_not_train_again(monkeypatch):
-    from hpcfsdp.cell.requeue import requeued_too_often
+    from hpcfsdp.cell.stopping.requeue import requeued_too_often
 
     monkeypatch.setenv("HPCFSDP_MAX_REQUEUE", "0")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict
 
 from conftest import ROOT, slurm
 from hpcfsdp.cli import main
-from hpcfsdp.record import STATUSES, CellState, write_record
-from hpcfsdp.sweep.matrix import load_sweep
-from hpcfsdp.sweep.status import cells_exit_status
+from hpcfsdp.contracts.record import STATUSES, CellState, write_record
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.track.status import cells_exit_status
 from test_collect import CPU_BASE, GPU_BASE, failed_record, ok_record, put, spec_of
 
 Number = float | None

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.record import slurm_job_of
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.contracts.record import slurm_job_of
+from hpcfsdp.sweep.define.matrix import load_sweep
 
 pytestmark = pytest.mark.slurm
 

@@ -12,9 +12,9 @@ import sys
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.sources import PRESETS_DIR
-from hpcfsdp.sweep.layout import cell_dir, write_sweep_files
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.contracts.sources import PRESETS_DIR
+from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import cell_dir, write_sweep_files
 
 JOBS = """name: relative
 base: {device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1}

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.fields import SpecError
-from hpcfsdp.spec import RunSpec
-from hpcfsdp.sweep.matrix import cell_id, load_sweep
+from hpcfsdp.contracts.fields import SpecError
+from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.sweep.define.matrix import cell_id, load_sweep
 
 
 def write(tmp_path, text: str):
@@ -200,9 +200,9 @@ def test_batch_search_settings_are_validated(values, key, message):
 
 
 def test_a_searched_cells_record_is_not_stale_for_the_batch_it_chose(tmp_path):
-    from hpcfsdp.record import write_record
-    from hpcfsdp.sweep.matrix import Cell
-    from hpcfsdp.sweep.status import cell_status
+    from hpcfsdp.contracts.record import write_record
+    from hpcfsdp.sweep.define.matrix import Cell
+    from hpcfsdp.sweep.track.status import cell_status
 
     cell = Cell.of(
         RunSpec.from_dict({"batch_size": "auto", "global_batch_size": 16, "gpus_per_node": 2, "device": "cpu"})

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import slurm
 from hpcfsdp.cli import main
-from hpcfsdp.record import write_record
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.contracts.record import write_record
+from hpcfsdp.sweep.define.matrix import load_sweep
 
 pytestmark = pytest.mark.slurm
 
@@ -163,7 +163,7 @@ def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tm
         (cell,) = load_sweep(tmp_path / f"{name}.yaml").cells
         got = record(sweep_dir, cell.id)
         # stage setup where the signal came while the cell still imported torch (a loaded machine),
-        # held until its handlers were in place (cell/early_signals.py)
+        # held until its handlers were in place (cell/stopping/early_signals.py)
         assert got["status"] == "timeout" and got["stage"] in ("setup", "train"), got.get("traceback", "")[-2000:]
         assert "SIGUSR2 (time limit)" in got["error"]
         assert got["launch_id"] == f"slurm-{arrays[name]}-{restarts}"

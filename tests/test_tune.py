@@ -18,7 +18,7 @@ import pytest
 
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.matrix import load_sweep
+from hpcfsdp.sweep.define.matrix import load_sweep
 
 CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0"
 
@@ -34,8 +34,8 @@ def launches(sweep_dir: Path) -> dict[str, dict]:
 
 
 def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_error(tmp_path):
-    from hpcfsdp.sources import model_source
-    from hpcfsdp.sweep.memory import load_shape, predict, usable_gib
+    from hpcfsdp.contracts.sources import model_source
+    from hpcfsdp.sweep.predict.memory import load_shape, predict, usable_gib
     from hpcfsdp.tune.prune import PREDICTION_ERROR, prune
 
     jobs = write(

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from hpcfsdp.sweep.environment import OFFLINE_ENV
+from hpcfsdp.sweep.launch.environment import OFFLINE_ENV
 from hub_server import HubServer, build_model_folder, dataset_files
 from test_download import DATASET, FAKE_TOKEN, MODEL, _env, _run
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from . import __version__, commands
-from .errors import UserError
-from .fields import one_line
-from .record import STATUSES
+from .contracts.errors import UserError
+from .contracts.fields import one_line
+from .contracts.record import STATUSES
+from .contracts.spec import RunSpec
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
-from .spec import RunSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,13 +435,6 @@ def _positive_int(text: str) -> int:
 
 
 def _run_fields_help() -> str:
-    import textwrap
+    from .sweep.define.fielddocs import help_listing
 
-    from .fields import field_names
-    from .sweep.matrix import plain_value
-
-    defaults = RunSpec().to_dict()
-    listing = ", ".join(f"{name}={plain_value(defaults[name]) or chr(34) * 2}" for name in field_names(RunSpec))
-    return "RunSpec fields and defaults (docs/submit.md, src/hpcfsdp/spec.py):\n" + textwrap.fill(
-        listing, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
-    )
+    return "RunSpec fields, their defaults and what they mean (docs/submit.md):\n" + help_listing(RunSpec)

@@ -13,23 +13,23 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
-from .errors import Stopped, UserError
-from .fields import SpecError, check_folder_name
-from .record import SPEC_NAME, STATUSES
+from .contracts.errors import Stopped, UserError
+from .contracts.fields import SpecError, check_folder_name
+from .contracts.record import SPEC_NAME, STATUSES
+from .contracts.spec import RunSpec
 from .results.defaults import REFERENCES_NAME
-from .spec import RunSpec
 
 if TYPE_CHECKING:  # for annotations only: each command imports what it uses
-    from .sweep.matrix import Sweep
+    from .sweep.define.matrix import Sweep
 
 WAIT_POLL_S = 3.0  # submit --wait: seconds between looks at squeue
 
 
 def _load_sweep(args: argparse.Namespace) -> Sweep:
     """The jobs YAML, refused in one line where a cell asks for a lever whose package is missing."""
-    from .sweep.examples import jobs_file
-    from .sweep.matrix import MAX_CELLS, load_sweep
-    from .sweep.packages import package_problems
+    from .sweep.define.examples import jobs_file
+    from .sweep.define.matrix import MAX_CELLS, load_sweep
+    from .sweep.launch.packages import package_problems
 
     sweep = load_sweep(jobs_file(args.jobs), args.max_cells or MAX_CELLS)
     missing = package_problems(sweep)
@@ -39,7 +39,7 @@ def _load_sweep(args: argparse.Namespace) -> Sweep:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from .sweep.plan import print_plan, print_sbatch_scripts
+    from .sweep.launch.plan import print_plan, print_sbatch_scripts
 
     sweep = _load_sweep(args)
     if args.sbatch:
@@ -47,7 +47,7 @@ def plan(args: argparse.Namespace) -> int:
             raise SpecError("plan: --json and --sbatch: give one (--sbatch prints shell scripts)")
         return print_sbatch_scripts(sweep, Path(args.results_dir))
     if args.json:
-        from .sweep.plan import plan_document
+        from .sweep.launch.plan import plan_document
 
         document = plan_document(sweep, memory=args.memory)
         print_json(document)
@@ -58,9 +58,9 @@ def plan(args: argparse.Namespace) -> int:
 def submit(args: argparse.Namespace) -> int:
     from .cache.plan import cache_misses
     from .results.collect import collect
-    from .sweep.plan import without_predicted_oom
-    from .sweep.status import blocked_message, cells_exit_status, print_status
-    from .sweep.submit import default_executor, still_queued, submit, wait_for
+    from .sweep.launch.plan import without_predicted_oom
+    from .sweep.launch.submit import default_executor, still_queued, submit, wait_for
+    from .sweep.track.status import blocked_message, cells_exit_status, print_status
 
     sweep = _load_sweep(args)
     misses = cache_misses(sweep, sweep.resources.cache_dir or None)
@@ -92,7 +92,7 @@ def submit(args: argparse.Namespace) -> int:
     )
     log(f"sweep folder: {sub.sweep_dir}")
     if args.then_collect:
-        from .sweep.collect_job import queue_collect
+        from .sweep.launch.collect_job import queue_collect
 
         queue_collect(sweep, sub.sweep_dir, [*sub.job_ids.values(), *sub.in_flight.values()], log)
     # Exit status 3 when a cell did not finish ok (errors.py): what a scheduled (cron, CI) run checks.
@@ -125,7 +125,7 @@ def submit(args: argparse.Namespace) -> int:
 def tune(args: argparse.Namespace) -> int:
     from .cache.plan import cache_misses
     from .results.collect import collect
-    from .sweep.submit import default_executor
+    from .sweep.launch.submit import default_executor
     from .tune.output import summary_lines
     from .tune.stages import Settings, tune
 
@@ -152,13 +152,13 @@ def _to_stderr(message: str) -> None:
 
 def print_json(document: dict) -> None:
     """A `--json` answer: one strict JSON document on stdout (NaN as null)."""
-    from .jsontypes import strict_json
+    from .contracts.jsontypes import strict_json
 
     print(strict_json(document))
 
 
 def run(args: argparse.Namespace) -> NoReturn:
-    from .cell import early_signals
+    from .cell.stopping import early_signals
 
     with early_signals.held():  # from before torch is imported: a signal now still ends in a record
         status = _run_one_cell(args)
@@ -166,10 +166,10 @@ def run(args: argparse.Namespace) -> NoReturn:
 
 
 def _run_one_cell(args: argparse.Namespace) -> str:
-    from .cell.distributed import launched_shape
+    from .cell.ranks.distributed import launched_shape
     from .cell.run import run_cell, run_cell_dir
-    from .sweep.layout import cell_dir
-    from .sweep.matrix import Cell
+    from .sweep.define.matrix import Cell
+    from .sweep.folder.layout import cell_dir
 
     if args.cell_dir:
         if args.fields:
@@ -207,10 +207,10 @@ def _exit_worker(code: int) -> NoReturn:
 
 
 def status(args: argparse.Namespace) -> int:
-    from .sweep.accounting import note_accounting
-    from .sweep.collect_job import collect_line
-    from .sweep.layout import require_sweep_folder
-    from .sweep.status import blocked_message, print_status, status_document, sweep_status, watch
+    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.launch.collect_job import collect_line
+    from .sweep.track.accounting import note_accounting
+    from .sweep.track.status import blocked_message, print_status, status_document, sweep_status, watch
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
@@ -234,8 +234,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def logs(args: argparse.Namespace) -> int:
-    from .sweep.layout import require_sweep_folder
-    from .sweep.logs import Stream, cell_index, find_cell, follow, print_logs
+    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.track.logs import Stream, cell_index, find_cell, follow, print_logs
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
@@ -248,8 +248,8 @@ def logs(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    from .sweep.cancel import cancel_sweep
-    from .sweep.layout import require_sweep_folder
+    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.track.cancel import cancel_sweep
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)
@@ -333,8 +333,8 @@ def history(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from .results.export import TARGETS, export_sweep
-    from .sweep.layout import require_sweep_folder
+    from .results.exports.export import TARGETS, export_sweep
+    from .sweep.folder.layout import require_sweep_folder
 
     target, destination = args.to
     if target not in TARGETS:
@@ -348,7 +348,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def examples(args: argparse.Namespace) -> int:
-    from .sweep.examples import copy_example, example, listing
+    from .sweep.define.examples import copy_example, example, listing
 
     if args.copy_to and not args.name:
         raise SpecError("examples", "--copy-to", "name the example to copy (`hpcfsdp examples` lists them)")

@@ -3,7 +3,7 @@ which package, and whether this environment has it, found without importing anyt
 
 A cell runs with the Python that submitted it (the sbatch script and the local executor call
 `sys.executable`), so a package missing from the login node's environment is missing on the compute
-node too. `plan` and `submit` ask here (sweep/packages.py) and stop before anything is queued;
+node too. `plan` and `submit` ask here (sweep/launch/packages.py) and stop before anything is queued;
 cell/levers.py imports the packages when a lever is on and names the same requirements when that
 fails. Torch-free: `importlib.util.find_spec` on top-level names and `importlib.metadata` only.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from .spec import RunSpec
+from .contracts.spec import RunSpec
 
 EXTRA = "gpu"  # pyproject.toml's optional extra that holds the packages below
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..names import name_problem
+from ..contracts.names import name_problem
 from .fetch import HUB_DIR, auth_source, download_dataset, download_model, hub_endpoint
 from .hub import (
     MANIFEST_NAME,

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..errors import UserError
-from ..fields import unknown_home
-from ..files import RecordError, read_json_object
-from ..hubrefs import DatasetRef, ModelRef, TokenizedRef
+from ..contracts.errors import UserError
+from ..contracts.fields import unknown_home
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef
 
 CACHE_ENV = "HPCFSDP_CACHE"
 MANIFEST_NAME = "manifest.json"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..files import write_json
+from ..contracts.files import write_json
 from .hub import (
     MANIFEST_NAME,
     MANIFEST_VERSION,

@@ -8,9 +8,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UserError
-from ..hubrefs import DatasetRef, ModelRef, TokenizedRef
-from ..sources import model_source
+from ..contracts.errors import UserError
+from ..contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef
+from ..contracts.sources import model_source
 from .hub import CacheMissError, lookup_model, lookup_tokenized
 
 
@@ -69,7 +69,7 @@ class Request:
     """What to fetch, as the command line names it: the cells of a jobs YAML and/or explicit items
     (tokenized: every dataset x tokenize_for model x seq_len)."""
 
-    sweep: Any = None  # a loaded sweep (sweep.matrix.Sweep: .cells, .source), loaded by the command
+    sweep: Any = None  # a loaded sweep (sweep.define.matrix.Sweep: .cells, .source), loaded by the command
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     weights: bool = False

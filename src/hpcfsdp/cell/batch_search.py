@@ -9,53 +9,57 @@ with the batch), else the midpoint; a wrong guess only narrows the gap like a mi
 a right one saves the probes that halving would spend. The limit is the device memory free when
 the search starts, less `batch_margin` of it; on a CPU there is none, and the midpoint is used.
 
-A probe is a fresh model, optimizer and data iterator at that batch, run for `batch_probe_steps`
-steps of the one training loop (train.py): the second step holds the optimizer states, so its peak
-is the steady state's. After a probe, whether it fitted or ran out of memory, everything it
-allocated is released (its objects dropped and garbage-collected, compiled graphs reset, the CUDA
-cache emptied), so one probe's OOM leaves nothing behind for the next. The ranks then agree on the
-probe (out of memory if any rank was, the largest peak, the slowest step) over a gloo group with
-a timeout: a rank that did not run out of memory while another did is waiting in a collective,
-and the search then fails with an error instead of hanging.
+A probe runs in processes of its own, one per rank (batch_probe.py), with a process group of
+their own: a rank that runs out of memory mid-step leaves its peers inside a collective that,
+under NCCL, nothing in their process could end. Here, each rank waits for its probe process and
+watches the cell's store: when one rank's probe fails, every rank ends its own probe process
+(SIGKILL; the driver frees its memory), and the cell's processes, which never entered the
+probe's collectives, agree on the outcome over a gloo group and go on to the next probe. A probe
+that runs past its deadline (`init_timeout_s` plus `train_timeout_s` per step) ends the cell as a
+`hang`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..record import BatchProbe, BatchSearchRecord
-from ..spec import RunSpec
-from .data import training_batches
-from .distributed import DistEnv
-from .metrics import median, memory_reading, reset_peak_memory
-from .train import train
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.record import BatchProbe, BatchSearchRecord
+from ..contracts.sources import Sources
+from ..contracts.spec import RunSpec
+from .batch_probe import PROBE_SPEC_ENV, ProbeOutcome, ProbeResult
+from .ranks.distributed import DistEnv
 
 ProbeStatus = Literal["ok", "oom", "over_margin"]
 GIB = 1024**3
 AGREE_TIMEOUT_S = 60  # how long a rank waits for the others' outcome of a probe
-# Errors that mean a device (or host) allocation failed, beside the allocator's own OutOfMemoryError.
-OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory")
-
-# build(spec at the probe's batch) -> (model, optimizer, vocabulary size): run.py's own set-up.
-Build = Callable[[RunSpec], tuple[nn.Module, torch.optim.Optimizer, int]]
+POLL_S = 0.1
+PROBE_FOLDER = "batch_search"  # in the cell folder: each probe's result, per rank
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Out of memory: the caching allocator's OutOfMemoryError, or cuBLAS / NCCL / the host
-    allocator failing to allocate (a RuntimeError that says so)."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS)
-    )
+class ProbeHung(RuntimeError):
+    """A probe ran past its deadline: the cell records `hang` at stage batch_search."""
+
+
+class ProbeFailed(RuntimeError):
+    """A probe failed for another reason than memory: the cell records `error`."""
 
 
 @dataclass(frozen=True)
@@ -154,21 +158,18 @@ def largest_batch_for(spec: RunSpec, fitting: int) -> int:
 
 
 def search_batch_size(
-    search: BatchSearch,
-    spec: RunSpec,
-    env: DistEnv,
-    blocks,
-    build: Build,
-    on_first_step: Callable[[int], None],
-    log: Callable[[str], None],
+    search: BatchSearch, spec: RunSpec, sources: Sources, env: DistEnv, cell_dir: Path, log: Callable[[str], None]
 ) -> RunSpec:
     """Probe batches into `search` (the caller keeps it, so a failure record still has the probes);
-    return the spec to measure. Raises torch.OutOfMemoryError when not even the smallest batch fits."""
+    return the spec to measure. Raises torch.OutOfMemoryError when not even the smallest batch
+    fits, ProbeFailed / ProbeHung when a probe fails otherwise."""
     started = time.perf_counter()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
     search.capacity_gib = _free_device_memory(env.device)
+    folder = cell_dir / PROBE_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
     while (batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib)) is not None:
-        probe = _probe(spec, env, blocks, build, on_first_step, batch, search.limit_gib, group)
+        probe = _probe(spec, sources, env, folder, len(search.probes), batch, search.limit_gib, group)
         search.probes.append(probe)
         speed = f", {probe.tokens_per_s_per_gpu:,.0f} tokens/s/gpu" if probe.tokens_per_s_per_gpu else ""
         log(f"batch {batch}: {probe.status} (peak {probe.peak_memory_gib:.2f} GiB{speed}, {probe.wall_s:.1f} s)")
@@ -185,36 +186,28 @@ def search_batch_size(
 
 
 def _probe(
-    spec: RunSpec,
-    env: DistEnv,
-    blocks,
-    build: Build,
-    on_first_step: Callable[[int], None],
-    batch: int,
-    limit_gib: float | None,
-    group,
+    spec: RunSpec, sources: Sources, env: DistEnv, folder: Path, index: int, batch: int, limit_gib: float | None, group
 ) -> Probe:
+    """One probe: this rank's probe process, then the ranks' agreement on what it found (out of
+    memory if any rank was, the largest peak, the slowest step)."""
     started = time.perf_counter()
-    oom, error, step_time = 0.0, "", 0.0
-    try:
-        reading, step_time = _train_probe(spec, env, blocks, build, on_first_step, batch)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        oom, error = 1.0, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-        reading = memory_reading(env.device)  # the peak up to the allocation that failed
-    peak = reading.get("peak_allocated_gib", reading["cpu_max_rss_gib"])
-    reserved = reading.get("peak_reserved_gib", -1.0)
-    # Agree before releasing: a rank stuck in a collective its peer left by an OOM would also
-    # block the release's device synchronisation, and then this times out instead.
-    agreed = torch.tensor([oom, peak, reserved, step_time], dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    oom, peak, reserved, step_time = agreed.tolist()
-    _release(spec, env.device)
-    if oom:
+    result = _run_probe_process(spec, sources, env, folder, index, batch)
+    outcomes: list[ProbeResult | None] = [None] * env.world_size
+    dist.all_gather_object(outcomes, result, group=group)
+    seen = [o for o in outcomes if o is not None]
+    failures = sorted((o for o in seen if o["status"] != "ok"), key=lambda o: o["failed_at"] or math.inf)
+    failed = next((o for o in failures if o["status"] == "oom"), None)  # a peer's error may follow an OOM
+    if failed is None and failures:
+        failed = failures[0]  # the first to fail: the others' errors (a peer gone) follow from it
+        if failed["status"] == "hang":
+            raise ProbeHung(f"batch_size: auto: the probe at batch {batch} {failed['error']}")
+        raise ProbeFailed(f"batch_size: auto: the probe at batch {batch} failed: {failed['error']}")
+    peak = max(o["peak_memory_gib"] for o in seen)
+    reserved = max((o["peak_reserved_gib"] for o in seen if o["peak_reserved_gib"] is not None), default=None)
+    step_s = max(o["step_s"] for o in seen)
+    if failed is not None:
         status: ProbeStatus = "oom"
-        error = error or "another rank ran out of memory"
-    elif limit_gib is not None and reserved > limit_gib:
+    elif limit_gib is not None and reserved is not None and reserved > limit_gib:
         status = "over_margin"
     else:
         status = "ok"
@@ -222,43 +215,98 @@ def _probe(
         batch_size=batch,
         status=status,
         peak_memory_gib=peak,
-        peak_reserved_gib=reserved if reserved >= 0 else None,
-        tokens_per_s_per_gpu=batch * spec.seq_len / step_time if status != "oom" and step_time > 0 else None,
+        peak_reserved_gib=reserved,
+        tokens_per_s_per_gpu=batch * spec.seq_len / step_s if status != "oom" and step_s > 0 else None,
         wall_s=time.perf_counter() - started,
-        error=error,
+        error=failed["error"] if failed is not None else "",
     )
 
 
-def _train_probe(
-    spec: RunSpec, env: DistEnv, blocks, build: Build, on_first_step: Callable[[int], None], batch: int
-) -> tuple[dict[str, float], float]:
-    """Build at `batch` and train the probe's steps; returns the memory reading and the median
-    time of the steps after the first."""
-    probe = spec.replace(batch_size=batch, grad_accum=1, steps=spec.batch_probe_steps, warmup_steps=1)
-    reset_peak_memory(env.device)
-    model, optimizer, vocab_size = build(probe)
-    reset_peak_memory(env.device)  # like a measured cell: the peak of training, not of building
-    batches = training_batches(blocks, vocab_size, batch, spec.seq_len, spec.seed, env.rank, env.world_size, env.device)
+def _run_probe_process(
+    spec: RunSpec, sources: Sources, env: DistEnv, folder: Path, index: int, batch: int
+) -> ProbeResult | None:
+    """Start this rank's probe process and wait until every rank's has ended, or one failed (then
+    end ours). Its result, or an error result; None when it was ended for a peer's failure."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hpcfsdp/batch_search/{index}"
+    if env.rank == 0:  # the probe's rendezvous: a free port on rank 0's node
+        host = "127.0.0.1" if env.world_size == env.local_world_size else socket.gethostname()
+        store.set(f"{key}/rendezvous", f"{host}:{_free_port()}")
+    host, port = store.get(f"{key}/rendezvous").decode().rsplit(":", 1)
+    path = folder / f"{index}-rank{env.rank}.json"
+    path.unlink(missing_ok=True)
+    child_env = {
+        **os.environ,
+        "MASTER_ADDR": host,
+        "MASTER_PORT": port,
+        "RANK": str(env.rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_RANK": str(env.local_rank),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "TORCHELASTIC_USE_AGENT_STORE": "False",  # the probe's rank 0 holds its own store
+        PROBE_SPEC_ENV: json.dumps({"spec": spec.to_dict(), "sources": sources.to_dict(), "batch": batch}),
+    }
+    deadline = time.monotonic() + spec.init_timeout_s + spec.batch_probe_steps * spec.train_timeout_s
+    failed_key, done_keys = f"{key}/failed", [f"{key}/done/{rank}" for rank in range(env.world_size)]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "hpcfsdp.cell.batch_probe", str(path)], env=child_env, start_new_session=True
+    )
+    result: ProbeResult | None = None
+    try:
+        while (code := child.poll()) is None and not store.check([failed_key]) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if code is None:  # a peer's probe failed, or ours is past its deadline
+            _end(child)
+            if time.monotonic() >= deadline:
+                result = _error_result(f"ran past its deadline ({_deadline_text(spec)})", "hang")
+                store.set(failed_key, str(env.rank))
+        else:
+            result = _read_result(path, code)
+            if result["status"] != "ok":
+                store.set(failed_key, str(env.rank))
+        store.set(done_keys[env.rank], "")
+        while not store.check(done_keys) and not store.check([failed_key]) and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # every rank's probe ended, or one failed: then agree
+    finally:
+        _end(child)  # a signal (time limit, cancel) ends this rank: its probe goes with it
+    return result
 
-    def on_step_end(step: int, _log: object) -> None:
-        if step == 0:
-            on_first_step(batch)
 
-    log = train(model, optimizer, batches, probe, env, probe.steps, warmup=1, on_step_end=on_step_end)
-    step_times, _ = log.timed(1)
-    return memory_reading(env.device), median(step_times)
+def _deadline_text(spec: RunSpec) -> str:
+    steps = f"{spec.batch_probe_steps} x train_timeout_s {spec.train_timeout_s:g}"
+    return f"init_timeout_s {spec.init_timeout_s:g} + {steps}"
 
 
-def _release(spec: RunSpec, device: torch.device) -> None:
-    """Free what a probe left: its objects are unreachable once its frames are gone (an OOM's
-    traceback too, after the except block), but FSDP's and DDP's modules hold reference cycles."""
-    if spec.compile:
-        torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    reset_peak_memory(device)
+def _end(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # its session: compile workers too
+    child.wait()
+
+
+def _read_result(path: Path, code: int) -> ProbeResult:
+    try:
+        return cast(ProbeResult, read_json_object(path, kind="batch-search probe result"))
+    except (RecordError, FileNotFoundError):
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        return _error_result(f"the probe process {how} before writing its result")
+
+
+def _error_result(error: str, status: ProbeOutcome = "error") -> ProbeResult:
+    return {
+        "status": status,
+        "peak_memory_gib": 0.0,
+        "peak_reserved_gib": None,
+        "step_s": 0.0,
+        "error": error,
+        "failed_at": time.time(),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def _free_device_memory(device: torch.device) -> float | None:

@@ -11,12 +11,12 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from ..sources import Sources, check_seq_len
-from ..spec import RunSpec
-from .distributed import DistEnv
+from ..contracts.sources import Sources, check_seq_len
+from ..contracts.spec import RunSpec
 from .levers import install_loss
-from .metrics import FlopCount, flops_per_token, memory_reading
+from .measure.metrics import FlopCount, flops_per_token, memory_reading
 from .models import ModelSource, build_model, materialize, resolve_model
+from .ranks.distributed import DistEnv
 from .strategies import parallelize, param_dtype
 from .train import build_optimizer
 

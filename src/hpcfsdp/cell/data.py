@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ..cache.hub import resolve_tokenized
 from ..cache.tokenize import document_text, packed_blocks
-from ..sources import Source, is_saved_dataset, text_files
+from ..contracts.sources import Source, is_saved_dataset, text_files
 from .models import resolve_model
 
 TEXT_FIELD = "text"  # where documents are unless RunSpec.text_column names another field

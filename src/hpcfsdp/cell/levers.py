@@ -18,8 +18,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..contracts.spec import RunSpec
 from ..extras import CCE_FP32_VERSION, CCE_REQUIREMENT, EXTRA, PACKAGES, installed_version
-from ..spec import RunSpec
 
 FLOAT8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper and later
 GPU_ONLY_LEVERS = ("attention", "loss", "float8")

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..cache.hub import resolve_cached_model
-from ..sources import PRESETS_DIR, Source, preset_names
+from ..contracts.sources import PRESETS_DIR, Source, preset_names
 
 __all__ = [
     "PRESETS_DIR",

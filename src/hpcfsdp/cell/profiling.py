@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from ..record import OkRecord
-from ..spec import RunSpec
-from .distributed import DistEnv, all_reduce_max
-from .metrics import (
+from ..contracts.record import OkRecord
+from ..contracts.spec import RunSpec
+from .measure.metrics import (
     communication_breakdown,
     quiet_profiler,
 )
+from .ranks.distributed import DistEnv, all_reduce_max
 from .train import train
 
 

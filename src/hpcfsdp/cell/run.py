@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ..attempts import keep_as_attempt
-from ..fields import SpecError
-from ..files import RecordError, read_json_object
-from ..record import (
+from ..contracts.attempts import keep_as_attempt
+from ..contracts.fields import SpecError
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.record import (
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -33,17 +33,16 @@ from ..record import (
     read_record,
     write_record,
 )
-from ..sources import Sources, resolve_sources
-from ..spec import RunSpec
-from . import early_signals
-from .batch_search import BatchSearch, is_oom, search_batch_size
-from .build import build, build_probe
+from ..contracts.sources import Sources, resolve_sources
+from ..contracts.spec import RunSpec
+from .batch_probe import is_oom
+from .batch_search import BatchSearch, ProbeHung, search_batch_size
+from .build import build
 from .data import open_data, training_batches
-from .distributed import DistEnv, StartupError, all_gather_objects, init_distributed, set_collective_timeout, shutdown
-from .faults import inject_fault
 from .levers import check_device, float8_linear_count
-from .metrics import (
+from .measure.metrics import (
     NvmlSampler,
+    TrainLog,
     device_name,
     energy,
     full_param_norm,
@@ -52,10 +51,21 @@ from .metrics import (
     ok_record,
     reset_peak_memory,
 )
+from .measure.provenance import launch_id, launch_rank, provenance
+from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
-from .provenance import launch_id, launch_rank, provenance
-from .requeue import done_before, name_requeued_run, requeued_too_often
-from .signals import (
+from .ranks.distributed import (
+    DistEnv,
+    StartupError,
+    all_gather_objects,
+    init_distributed,
+    set_collective_timeout,
+    shutdown,
+)
+from .stopping import early_signals
+from .stopping.faults import inject_fault
+from .stopping.requeue import done_before, name_requeued_run, requeued_too_often
+from .stopping.signals import (
     LAUNCHER_GONE,
     CellCancelled,
     CellTimeout,
@@ -65,9 +75,8 @@ from .signals import (
     signal_outcome,
     submitit_requeues,
 )
-from .summary import summary_line
-from .train import Diverged, TrainLog, train
-from .watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+from .stopping.watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+from .train import Diverged, train
 
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.
@@ -218,8 +227,8 @@ def _train_cell(
             f"{spec.nodes} x {spec.gpus_per_node}; launch {spec.world_size} processes"
         )
     check_device(spec, env.device)
-    sources = sources or resolve_sources(f"cell {cell_id}", spec)
     enter("data")
+    sources = sources or resolve_sources(f"cell {cell_id}", spec)
     blocks = open_data(sources.data, sources.tokenizer, spec.seq_len, spec.text_column)
     if spec.auto_batch:
         enter("batch_search")
@@ -229,15 +238,7 @@ def _train_cell(
                 print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
 
         progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
-        spec = progress.measured = search_batch_size(
-            progress.batch_search,
-            spec,
-            env,
-            blocks,
-            lambda probe: build_probe(probe, sources, env),
-            on_first_step=lambda batch: inject_fault("train_step", env, batch),
-            log=say,
-        )
+        spec = progress.measured = search_batch_size(progress.batch_search, spec, sources, env, cell_dir, log=say)
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
@@ -330,8 +331,8 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
         status = "oom"
     elif isinstance(exc, Diverged):
         status = "diverged"
-    elif any(marker in str(exc) for marker in COLLECTIVE_TIMEOUT_MARKERS):
-        status = "hang"  # the process group's own timeout came before the watchdog's
+    elif isinstance(exc, ProbeHung) or any(marker in str(exc) for marker in COLLECTIVE_TIMEOUT_MARKERS):
+        status = "hang"  # a probe past its deadline; the process group's own timeout before the watchdog's
     else:
         status = "error"
     record = failure_record(

@@ -18,10 +18,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import Family, RunSpec
-from .distributed import DistEnv, build_mesh
+from ..contracts.spec import RunSpec
+from ..contracts.strategies import Family
 from .levers import convert_float8, op_checkpoint_context
 from .models import decoder_layers
+from .ranks.distributed import DistEnv, build_mesh
 
 Strategy = Callable[[nn.Module, RunSpec, DistEnv], nn.Module]
 
@@ -131,7 +132,7 @@ def fsdp1(model: nn.Module, spec: RunSpec, env: DistEnv) -> nn.Module:
     )
 
 
-# One wrapper per family; how each strategy of a family shards is in spec.STRATEGIES.
+# One wrapper per family; how each strategy of a family shards is in strategies.STRATEGIES.
 WRAPPERS: dict[Family, Strategy] = {"single": single, "ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2}
 
 

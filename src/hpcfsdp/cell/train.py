@@ -5,34 +5,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..spec import RunSpec
-from .distributed import DistEnv
+from ..contracts.spec import RunSpec
 from .levers import add_float8_scale_hook, attention_backend
+from .measure.metrics import TrainLog
+from .ranks.distributed import DistEnv
 from .strategies import autocast, clip_gradients, gradient_sync
-
-
-@dataclass
-class TrainLog:
-    """Per-step measurements on this rank. Losses are averaged over ranks and micro-batches."""
-
-    losses: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    data_times_s: list[float] = field(default_factory=list)
-    window_s: float = 0.0  # wall time of the steps after warm-up, between two device syncs
-    # stop_when_stable (tune's probes): each step's clipping and optimizer step, between two device
-    # syncs, so that other gradient accumulations can be computed from one (tune/accumulation.py)
-    optimizer_times_s: list[float] = field(default_factory=list)
-
-    def timed(self, warmup: int) -> tuple[list[float], list[float]]:
-        return self.step_times_s[warmup:], self.data_times_s[warmup:]
-
 
 # stop_when_stable: a run stops once its last timed steps, half of those it may take and at least
 # STABLE_MIN_STEPS, lie within this fraction of their median ((max - min) / median).

@@ -10,14 +10,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
-from ..fields import SpecError
-from ..files import RecordError
-from ..jsontypes import strict_json
+from ..contracts.errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
+from ..contracts.fields import SpecError
+from ..contracts.files import RecordError
+from ..contracts.jsontypes import strict_json
+from ..contracts.record import RECORD_NAME
 from ..progress import Progress
-from ..record import RECORD_NAME
-from ..sweep.accounting import note_accounting
-from ..sweep.layout import cell_files, read_manifest, slurm_jobs
+from ..sweep.folder.layout import cell_files, read_manifest, slurm_jobs
+from ..sweep.track.accounting import note_accounting
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 
@@ -134,7 +134,7 @@ def collect(
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
     None when squeue does not answer (collect then says it does not know)."""
-    from ..sweep.status import sweep_status
+    from ..sweep.track.status import sweep_status
 
     recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..files import write_text
-from ..record import MISSING
+from ..contracts.files import write_text
+from ..contracts.record import MISSING
 from .read import METRICS, Collection, load_records, value_text
 from .render import Section, to_markdown
 from .report import report_folder

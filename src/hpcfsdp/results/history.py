@@ -27,8 +27,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..errors import UserError
-from ..fields import SpecError
+from ..contracts.errors import UserError
+from ..contracts.fields import SpecError
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"

@@ -24,8 +24,8 @@ from typing import Any
 
 import pandas as pd
 
-from ..record import ACCOUNTING_KEY, slurm_job_of
-from ..spec import MEASUREMENT_FIELDS, RunSpec
+from ..contracts.record import ACCOUNTING_KEY, slurm_job_of
+from ..contracts.spec import MEASUREMENT_FIELDS, RunSpec
 from .read import Collection
 
 KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder

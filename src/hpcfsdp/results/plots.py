@@ -30,8 +30,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
-from ..files import atomic_output
-from ..gpus import gpu_memory_gib
+from ..contracts.files import atomic_output
+from ..contracts.gpus import gpu_memory_gib
 
 DPI = 100
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept

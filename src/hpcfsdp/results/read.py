@@ -15,11 +15,11 @@ from typing import Any
 
 import pandas as pd
 
-from ..files import RecordError, read_json_object
+from ..contracts.files import RecordError, read_json_object
+from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
+from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..progress import Progress
-from ..record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
-from ..spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
-from ..sweep.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
+from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
-from ..errors import UserError
-from ..fields import SpecError, coerce_fields, unknown_key
-from ..files import read_regular_file, write_text
-from ..spec import RunSpec
+from ..contracts.errors import UserError
+from ..contracts.fields import SpecError, coerce_fields, unknown_key
+from ..contracts.files import read_regular_file, write_text
+from ..contracts.spec import RunSpec
 
 TOP_KEYS = ("tolerance", "references")
 MAX_REFERENCES_BYTES = 16 << 20  # a file of some 50,000 entries

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..fields import SpecError
-from ..files import atomic_output, write_text
-from ..gpus import gpu_memory_gib
+from ..contracts.fields import SpecError
+from ..contracts.files import atomic_output, write_text
+from ..contracts.gpus import gpu_memory_gib
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown

@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..record import (
+from ..contracts.record import (
     MISSING,
     STATUSES,
 )

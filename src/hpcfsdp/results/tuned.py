@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..files import RecordError, read_json_object
-from ..sweep.layout import TUNE_NAME
+from ..contracts.files import RecordError, read_json_object
+from ..sweep.folder.layout import TUNE_NAME
 from .render import Section
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sweep.matrix import Cell
+from ..sweep.define.matrix import Cell
 
 
 def accumulation_sources(cells: list[Cell]) -> dict[str, str]:

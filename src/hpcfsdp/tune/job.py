@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..sweep.environment import without_secrets
+from ..sweep.launch.environment import without_secrets
 from .probe import Planned, run_launches
 
 

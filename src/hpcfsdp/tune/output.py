@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..files import RecordError, write_json
-from ..record import RECORD_NAME, read_record
-from ..sweep.layout import TUNE_NAME, cell_dir
-from ..sweep.matrix import Cell, Sweep
-from ..sweep.plan import PLAN_FIELDS
+from ..contracts.files import RecordError, write_json
+from ..contracts.record import RECORD_NAME, read_record
+from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.folder.layout import TUNE_NAME, cell_dir
+from ..sweep.launch.plan import PLAN_FIELDS
 from .accumulation import computed_speed
 from .prune import prune
 from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
@@ -154,8 +154,8 @@ def best_only(sweep: Sweep, results_dir: Path, log) -> Sweep:
     """`submit --only-best`: the sweep less every cell but the one tune.json names."""
     import dataclasses
 
-    from ..fields import SpecError
-    from ..files import read_json_object
+    from ..contracts.fields import SpecError
+    from ..contracts.files import read_json_object
 
     path = Path(results_dir) / sweep.name / TUNE_NAME
     try:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import RunSpec
-from ..sweep.local import LOG_NAME, launch_cell
-from ..sweep.lost import log_tails, record_launch_failure
+from ..contracts.spec import RunSpec
+from ..sweep.launch.local import LOG_NAME, launch_cell
+from ..sweep.track.lost import log_tails, record_launch_failure
 from .state import INTERRUPTED, Launch, run_status, write_launch
 
 FIRST_RUNG_TIMED_STEPS = 6  # rung 0's budget of timed steps; a probe stops after half of them once stable

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sweep.matrix import Cell, Sweep
-from ..sweep.memory import predict_cells, usable_gib
-from ..sweep.plan import capacity_of
+from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.launch.plan import capacity_of
+from ..sweep.predict.memory import predict_cells, usable_gib
 from .accumulation import accumulation_sources
 
 # The memory prediction's largest error on whole cells measured on GPUs (docs/benchmarks.md,

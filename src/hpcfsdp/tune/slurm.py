@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UserError
-from ..sweep import container
-from ..sweep.environment import slurm_environment_only
-from ..sweep.interrupts import interrupts_deferred
-from ..sweep.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
-from ..sweep.matrix import Cell, Sweep
-from ..sweep.sbatch import SubmitError, slurm_parameters, submit_arrays
-from ..sweep.scheduler import SchedulerError, queued_states
+from ..contracts.errors import UserError
+from ..slurm import SlurmError
+from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.folder.layout import folder_uid, new_uid, owned_entry, slurm_folder, update_manifest
+from ..sweep.launch import container_command
+from ..sweep.launch.environment import slurm_environment_only
+from ..sweep.launch.interrupts import interrupts_deferred
+from ..sweep.launch.sbatch import SubmitError, slurm_parameters, submit_arrays
+from ..sweep.track.scheduler import queued_states
 from .probe import Planned
 from .state import Stage
 
@@ -62,7 +63,9 @@ def _submit_probe_array(
     from .job import ProbeJob
 
     res = sweep.resources
-    executor = submitit.SlurmExecutor(folder=slurm_folder(directory), python=container.job_python(sweep, directory))
+    executor = submitit.SlurmExecutor(
+        folder=slurm_folder(directory), python=container_command.job_python(sweep, directory)
+    )
     uid = folder_uid(directory) or new_uid()  # the folder's sweep id, as submit's arrays carry it
     params = slurm_parameters(sweep, 1, gpus, directory, uid)
     # One task holds the node's GPUs and CPUs; the torchruns it starts are the ranks.
@@ -101,7 +104,7 @@ def wait_for_jobs(job_ids: list[str], cluster: str, poll_s: float, log: Callable
     while True:
         try:
             queued = queued_states(job_ids, cluster)
-        except SchedulerError as exc:
+        except SlurmError as exc:
             raise UserError(
                 f"cannot tell whether the probe jobs still run ({exc}); run the same command again"
             ) from None

@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..sweep.environment import job_environment, without_secrets
-from ..sweep.job import write_cell_spec
-from ..sweep.layout import cell_dir, slurm_jobs, update_manifest, write_sweep_files
-from ..sweep.lost import record_launch_failure
-from ..sweep.matrix import Cell, Sweep
+from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.folder.layout import cell_dir, slurm_jobs, update_manifest, write_cell_spec, write_sweep_files
+from ..sweep.launch.environment import job_environment, without_secrets
+from ..sweep.track.lost import record_launch_failure
 from .accumulation import computed_speed
 from .probe import Planned, probe_rungs, probe_spec, run_launches
 from .prune import prune
@@ -55,9 +54,9 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     """Search (or resume the search in) the sweep's folder; write and return tune.json's content.
     Holds the folder's submit lock; an interrupt ends the running probe (local) or stops waiting
     (slurm: the jobs run on), and the next run of the same command goes on from there."""
-    from ..errors import Stopped, UserError
-    from ..sweep.interrupts import Interrupted, interrupts_raise
-    from ..sweep.lock import sweep_lock
+    from ..contracts.errors import Stopped, UserError
+    from ..sweep.launch.interrupts import Interrupted, interrupts_raise
+    from ..sweep.launch.lock import sweep_lock
     from .output import outcome, write_outcome
 
     sweep_dir = Path(results_dir) / sweep.name
@@ -90,8 +89,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
 
 def _check_cluster(sweep: Sweep) -> None:
     """The shapes the partition can never run, before anything is queued (as submit checks)."""
-    from ..fields import SpecError
-    from ..sweep.preflight import cluster_problems
+    from ..contracts.fields import SpecError
+    from ..sweep.launch.preflight import cluster_problems
 
     problems = cluster_problems(sweep, list(sweep.cells))
     if problems:
@@ -223,10 +222,10 @@ def run_stage(
 
 def _cell_of(directory: Path, run: str) -> Cell:
     """A probe run as its spec.json says: its spec, and its sources as resolved at load time."""
-    from ..files import read_json_object
-    from ..record import SPEC_NAME
-    from ..sources import Sources
-    from ..spec import RunSpec
+    from ..contracts.files import read_json_object
+    from ..contracts.record import SPEC_NAME
+    from ..contracts.sources import Sources
+    from ..contracts.spec import RunSpec
 
     where = str(cell_dir(directory, run) / SPEC_NAME)
     meta = read_json_object(cell_dir(directory, run) / SPEC_NAME, kind="cell spec")
@@ -238,8 +237,8 @@ def _count_array_launches(sweep_dir: Path, stage: Stage, cells: dict[str, Cell])
     """Runs of several nodes ran as array tasks (no launcher of ours around them): their launch
     is the record's own span, started_at to started_at + duration_s (start-up before the cell
     began is not in it)."""
-    from ..files import RecordError
-    from ..record import RECORD_NAME, read_record
+    from ..contracts.files import RecordError
+    from ..contracts.record import RECORD_NAME, read_record
 
     for job_id, runs in stage.jobs.items():
         for run in runs:

@@ -17,9 +17,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..files import RecordError, read_json_object, write_json
-from ..record import RECORD_NAME, read_record
-from ..sweep.layout import cell_dir
+from ..contracts.files import RecordError, read_json_object, write_json
+from ..contracts.record import RECORD_NAME, read_record
+from ..sweep.folder.layout import cell_dir
 
 STATE_VERSION = 1
 TUNE_DIR = "tune"

@@ -1,0 +1,1 @@
+"""What a cell measures and records: metrics, provenance, the summary."""

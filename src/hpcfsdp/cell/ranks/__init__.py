@@ -1,0 +1,1 @@
+"""The ranks of a cell: torch.distributed set-up and collectives."""

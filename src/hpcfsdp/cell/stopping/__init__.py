@@ -1,0 +1,1 @@
+"""How a cell stops: signals, requeues, injected faults, the watchdog."""

@@ -1,0 +1,160 @@
+"""Slurm's signals to a running cell: the time limit (SIGUSR2, or SIGTERM near the job's end)
+becomes CellTimeout, or a requeue through submitit's handler while requeues are left; an early
+SIGTERM becomes CellCancelled (scancel, a failed node, or preemption).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import datetime
+
+from ...contracts.endings import ENDINGS
+from ...contracts.record import FailedRecord
+from ...contracts.spec import JOB_END_ENV
+from .requeue import ask_s, job_view, requeue_note, requeues_left
+
+
+class CellTimeout(Exception):
+    """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
+
+
+class CellCancelled(Exception):
+    """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
+    Slurm ending the job because one of its nodes went down (`node_fail`), or preempting it for a
+    job of a higher priority (`preempted`). `fields`: the record's slurm_state and advice, for one
+    of Slurm's endings."""
+
+    def __init__(self, message: str, status: str, slurm_state: str | None = None, advice: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.fields: FailedRecord = {} if slurm_state is None else {"slurm_state": slurm_state, "advice": advice}
+
+
+# Linux's parent-death signal of a rank under torchrun (watchdog.end_with_launcher): not SIGTERM, which
+# would read as a cancel or the time limit, while this says the launcher died (SIGKILLed, its node lost).
+LAUNCHER_GONE = signal.SIGHUP
+LAUNCHER_GONE_TEXT = "received SIGHUP: the rank's launcher (torchrun) is gone"
+# Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
+# never before it; a SIGTERM more than this before the job's end is something else.
+EARLY_SIGTERM_S = 30.0
+
+
+def signal_cause(exc: BaseException) -> BaseException:
+    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
+    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
+    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (CellTimeout, CellCancelled)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def handle_time_limit() -> dict:
+    """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`.
+
+    Except while the sweep allows another requeue (HPCFSDP_MAX_REQUEUE > SLURM_RESTART_COUNT, the
+    same count on every rank): then SIGUSR2 goes to submitit's handler, which on rank 0 calls
+    CellJob.checkpoint and requeues the task, while the other ranks train on; the SIGTERM of the
+    requeue then ends every rank without a record, and the requeued run writes it.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2, LAUNCHER_GONE)}
+    submitit_handler = previous[signal.SIGUSR2] if callable(previous[signal.SIGUSR2]) else None
+    requeue = submitit_requeues(previous)
+    requeued = ended = False
+
+    def handler(signum, frame):
+        nonlocal requeued, ended
+        name = signal.Signals(signum).name
+        if requeued:
+            if signum == signal.SIGUSR2:  # the same signal again (podman passes it on twice): requeued once
+                return
+            raise SystemExit(f"requeued after {name}")
+        if ended:  # Slurm may signal twice (preemption does): the record of the first is being written
+            return
+        if signum == signal.SIGUSR2 and requeue and submitit_handler is not None:
+            requeued = True
+            try:
+                submitit_handler(signum, frame)  # rank 0: requeue, then SystemExit; other ranks: returns
+            except Exception as exc:  # submitit declined to requeue: a plain timeout
+                raise CellTimeout(f"received {name} (time limit); not requeued: {exc}") from None
+            return
+        ended = True
+        if signum == LAUNCHER_GONE:
+            raise CellCancelled(LAUNCHER_GONE_TEXT, "cancelled")
+        if signum == signal.SIGTERM:
+            _raise_if_not_time_limit()
+        raise CellTimeout(f"received {name} (time limit)")
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return previous
+
+
+def submitit_requeues(previous: dict) -> bool:
+    """Whether the time limit's SIGUSR2 goes to submitit's handler (found in `previous`), which
+    requeues the task while the sweep allows another requeue."""
+    return callable(previous[signal.SIGUSR2]) and requeues_left()
+
+
+def signal_outcome(signum: int, requeue: bool) -> tuple[str, str] | None:
+    """The status and error a signal gives the record, as the handler would raise them, for a rank
+    whose main thread cannot run the handler (blocked in CUDA or NCCL: watchdog.py). None for the
+    time limit's SIGUSR2 while submitit requeues the task: the requeued run writes the record."""
+    if signum == signal.SIGUSR2 and requeue:
+        return None
+    name = signal.Signals(signum).name
+    if signum == LAUNCHER_GONE:
+        return "cancelled", LAUNCHER_GONE_TEXT
+    if signum == signal.SIGTERM:
+        try:
+            _raise_if_not_time_limit()
+        except CellCancelled as exc:
+            return exc.status, str(exc)
+    return "timeout", f"received {name} (time limit)"
+
+
+def _raise_if_not_time_limit() -> None:
+    """CellCancelled when SIGTERM came well before the job's end (JOB_END_ENV, set by the batch
+    script from squeue, or by the local executor); then Slurm's word on the job (requeue.job_view)
+    tells preemption and a failed node from a cancel. Without a known end time, SIGTERM counts as
+    the time limit."""
+    left = _seconds_to_job_end()
+    if left is None or left <= EARLY_SIGTERM_S:
+        return
+    view = job_view()
+    found = view.ending()
+    if found is None:
+        unsure = f"; Slurm's controller did not answer within {ask_s():g} s" if view.unanswered else ""
+        raise CellCancelled(
+            f"received SIGTERM {left:.0f} s before the time limit (scancel, or an interrupted local submit){unsure}",
+            "cancelled",
+        )
+    state, why = found
+    ending = ENDINGS[state]
+    raise CellCancelled(
+        f"received SIGTERM: {ending.meaning} ({why}){requeue_note()}",
+        ending.status,
+        slurm_state=state,
+        advice=ending.advice,
+    )
+
+
+def _seconds_to_job_end() -> float | None:
+    value = os.environ.get(JOB_END_ENV, "").strip()
+    try:
+        end = float(value)
+    except ValueError:
+        try:
+            end = datetime.fromisoformat(value).timestamp()  # squeue's %e, in this node's time zone
+        except ValueError:  # unset, or squeue did not answer when the job started
+            return None
+    return end - time.time()
+
+
+def restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

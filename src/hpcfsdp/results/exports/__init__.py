@@ -1,0 +1,1 @@
+"""`hpcfsdp export`: a record to MLflow, TensorBoard and W&B."""

@@ -1,0 +1,1 @@
+"""The jobs YAML -> a Sweep of cells: the matrix, `slurm:` resources, the container value."""

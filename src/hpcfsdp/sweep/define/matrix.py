@@ -1,0 +1,401 @@
+"""A jobs YAML file -> a Sweep -> cells (RunSpec + stable id), grouped by resource shape.
+
+Sections of the YAML: name, base (defaults for every cell), slurm (Resources), matrix (cartesian
+axes: lists of values), include / exclude (lists of partial cells), setup (shell lines run before
+each array task).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...contracts.fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ...contracts.sources import Sources, resolve_sources
+from ...contracts.spec import RunSpec
+from .resources import Resources
+from .secret_shapes import require_no_secret
+from .yamlfile import BoundedLoader, read_text
+
+SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
+_SPEC_FIELDS = field_names(RunSpec)
+_DEFAULTS = RunSpec().to_dict()
+MAX_CELLS = 100_000  # a sweep larger than this is refused before it is expanded; plan / submit --max-cells N
+# Setup lines are shell the user writes: a newline or tab may be meant; other control characters
+# (NUL, carriage return, escape sequences) would corrupt the batch script unseen.
+_SETUP_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the sweep: its spec, an id that is a stable hash of the spec (the user's own
+    strings), and what the spec's model, data and tokenizer name, resolved where it was loaded."""
+
+    spec: RunSpec
+    id: str
+    sources: Sources
+
+    @classmethod
+    def of(cls, spec: RunSpec, sources: Sources | None = None) -> Cell:
+        """The cell of a spec; `sources` None: resolved now, from this working directory."""
+        return cls(spec=spec, id=cell_id(spec), sources=sources or resolve_sources("spec", spec))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The resource shape that decides which job array a cell goes to."""
+        return (self.spec.nodes, self.spec.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    source: str
+    cells: tuple[Cell, ...]
+    resources: Resources = field(default_factory=Resources)
+    setup: tuple[str, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)  # 'section.key' / 'include[i].key' -> its YAML line
+
+    def groups(self) -> dict[tuple[int, int], list[Cell]]:
+        """Cells by resource shape (nodes, GPUs per node); arrays() splits each into job arrays."""
+        return by_shape(self.cells)
+
+
+def by_shape(cells: Iterable[Cell]) -> dict[tuple[int, int], list[Cell]]:
+    """Cells grouped by resource shape (nodes, GPUs per node), in order of first appearance."""
+    out: dict[tuple[int, int], list[Cell]] = {}
+    for cell in cells:
+        out.setdefault(cell.shape, []).append(cell)
+    return out
+
+
+def arrays(cells: Iterable[Cell], max_size: int | None) -> list[tuple[tuple[int, int], list[Cell]]]:
+    """The job arrays of these cells: one per shape, split into arrays of at most max_size cells
+    (the cluster's MaxArraySize or slurm.max_array_size; None: no limit)."""
+    out = []
+    for shape, group in by_shape(cells).items():
+        size = max_size or len(group)
+        out += [(shape, group[start : start + size]) for start in range(0, len(group), size)]
+    return out
+
+
+def cell_id(spec: RunSpec) -> str:
+    """A readable prefix plus a hash of the fields that differ from their defaults.
+
+    The same cell gets the same id in a re-run, and keeps it when a later hpcfsdp adds a RunSpec
+    field (whose default keeps the old behaviour): resubmitting skips its record and `collect
+    --compare` pairs it across versions. A changed default is caught by submit, which reruns a
+    cell whose record was made with other values (submit.select_cells).
+    """
+    # Shallow field values give the same JSON as spec.to_dict() at a fraction of the cost.
+    values = {name: value for name in _SPEC_FIELDS if (value := getattr(spec, name)) != _DEFAULTS[name]}
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
+    batch = "auto" if spec.auto_batch else spec.batch_size
+    return f"{spec.strategy}-b{batch}-a{spec.grad_accum}-{digest}"
+
+
+class _LineLoader(BoundedLoader):
+    """A SafeLoader, with bounds, that remembers the line of every mapping key, for error messages."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LinedDict:
+    """A mapping that knows its keys' lines, refuses a duplicate key, and takes YAML merge keys
+    (`<<: *defaults`, `<<: [*a, *b]`): merged keys come first, so that the mapping's own keys
+    override them (the YAML merge rules); a key the mapping itself repeats is still a duplicate.
+    The loader's bounds (depth, values once aliases are expanded) were checked on the node graph,
+    merges included, before this runs."""
+    own = sum(not _is_merge(key_node) for key_node, _ in node.value)
+    loader.flatten_mapping(node)  # SafeLoader's: the merged pairs, then the mapping's own
+    merged = len(node.value) - own
+    mapping = _LinedDict()
+    for position, (key_node, value_node) in enumerate(node.value):
+        key = loader.construct_object(key_node)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
+                key_node.start_mark,
+            ) from None
+        if key in mapping and (position < merged or key not in mapping.own):
+            mapping.pop(key)  # a merged value: a later merge or the mapping's own key overrides it
+        if key in mapping:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark
+            )
+        mapping[key] = loader.construct_object(value_node, deep=True)
+        mapping.lines[key] = key_node.start_mark.line + 1
+        if position >= merged:
+            mapping.own.add(key)
+    return mapping
+
+
+def _is_merge(key_node: yaml.Node) -> bool:
+    return key_node.tag == "tag:yaml.org,2002:merge"
+
+
+class _LinedDict(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[Any, int] = {}
+        self.own: set[Any] = set()  # keys the mapping itself writes (not merged into it)
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such jobs file")
+    try:
+        text = read_text(path)
+        raw = yaml.load(text, Loader=_LineLoader)
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow; it has a position, not a mark
+        line = text.count("\n", 0, exc.position) + 1
+        raise SpecError(
+            f"{path}:{line}", "", f"not valid YAML (unacceptable character #x{exc.character:04x}: {exc.reason})"
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}{at}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except OSError as exc:
+        raise SpecError(str(path), "", f"cannot read the jobs file ({exc.strerror})") from None
+    if raw is None:  # nothing but comments and blank lines: a mistake, never a sweep of one default cell
+        raise SpecError(str(path), "", "empty jobs file")
+    return parse_sweep(raw, source=str(path), default_name=path.stem, max_cells=max_cells)
+
+
+def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", max_cells: int = MAX_CELLS) -> Sweep:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected a mapping with sections {', '.join(SECTIONS)}")
+    for key in raw:
+        if key not in SECTIONS:
+            raise unknown_key(_where(source, raw, key), key, SECTIONS)
+    name = raw.get("name", default_name)
+    check_folder_name(_where(source, raw, "name"), "name", name)
+    base = _mapping(raw, "base", source)
+    axes = _mapping(raw, "matrix", source)
+    for axis, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise SpecError(_where(source, axes, axis), f"matrix.{axis}", "expected a non-empty list of values")
+    for section, mapping in (("base", base), ("matrix", axes)):
+        for key in mapping:
+            if key not in _SPEC_FIELDS:
+                raise unknown_key(_where(source, mapping, key), key, _SPEC_FIELDS, section)
+    include = _partials(raw, "include", source)
+    exclude = _partials(raw, "exclude", source)
+    slurm = _mapping(raw, "slurm", source)
+    try:
+        resources = Resources.from_dict(slurm, where=source)
+    except SpecError as exc:
+        raise _located(exc, source, [("slurm", slurm)], _where(source, raw, "slurm"), prefix="slurm.") from None
+    setup = raw.get("setup", [])
+    if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
+        raise SpecError(_where(source, raw, "setup"), "setup", "expected a list of shell lines")
+    for index, line in enumerate(setup):
+        if _SETUP_CONTROL.search(line):
+            raise SpecError(
+                _where(source, raw, "setup"),
+                f"setup[{index}]",
+                f"expected no control characters other than newline and tab, got {shown(line)}",
+            )
+        require_no_secret(_where(source, raw, "setup"), f"setup[{index}]", line)  # it goes into the batch script
+    _check_cell_count(source, raw, axes, include, max_cells)
+
+    exclusions = [_Exclusion(source, index, partial) for index, partial in enumerate(exclude)]
+    cells: dict[str, Cell] = {}
+    for origin, values in _expand(base, axes, include):
+        if origin is None and any([e.drops(values) for e in exclusions]):  # a list: every match counts
+            continue
+        try:
+            spec, sources = RunSpec.resolved(values, where=source)
+        except SpecError as exc:
+            raise _cell_error(exc, source, raw, base, axes, include, origin, values) from None
+        cell = Cell.of(spec, sources)
+        cells.setdefault(cell.id, cell)
+    for exclusion in exclusions:
+        if not exclusion.matched:
+            raise SpecError(
+                f"{exclusion.where}: exclude[{exclusion.index}]: matches no cell of the matrix "
+                f"({_plain_partial(exclusion.values)}); check its keys and values"
+            )
+    if not cells:
+        raise SpecError(_where(source, raw, "exclude"), "exclude", "no cells left after exclude")
+    return Sweep(
+        name=name,
+        source=source,
+        cells=tuple(cells.values()),
+        resources=resources,
+        setup=tuple(setup),
+        raw=_plain(raw),
+        lines=_key_lines(raw),
+    )
+
+
+def _key_lines(raw: dict) -> dict[str, int]:
+    """The YAML line of every key of base, matrix, slurm and the include entries, for messages
+    about a value found later (preflight.py)."""
+    lines = {}
+    for section in ("base", "matrix", "slurm"):
+        for key, line in getattr(raw.get(section), "lines", {}).items():
+            lines[f"{section}.{key}"] = line
+    for index, entry in enumerate(raw.get("include") or []):
+        for key, line in getattr(entry, "lines", {}).items():
+            lines[f"include[{index}].{key}"] = line
+    return lines
+
+
+def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cells: int) -> None:
+    """Refuse a sweep of more than `max_cells` cells from the axis lengths, before expanding it."""
+    product = math.prod(len(values) for values in axes.values())
+    if product + len(include) > max_cells:
+        sizes = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items()) or "1 base cell"
+        extra = f" + {len(include):,} include" if include else ""
+        raise SpecError(
+            _where(source, raw, "matrix" if product > 1 else "include"),
+            "matrix",
+            f"{product + len(include):,} cells ({sizes}{extra}) is more than the limit of {max_cells:,}; "
+            "split the sweep, or raise the limit with --max-cells",
+        )
+
+
+def _expand(base: dict, axes: dict, include: list[dict]) -> Iterator[tuple[int | None, dict]]:
+    """(None, values) for each cell of the product, then (i, values) for include entry i."""
+    keys = list(axes)
+    for combo in itertools.product(*(axes[k] for k in keys)):
+        yield None, {**base, **dict(zip(keys, combo))}
+    for index, partial in enumerate(include):
+        yield index, {**base, **partial}
+
+
+class _Exclusion:
+    """One `exclude` entry. Values are compared after the same type coercion as a cell's (so
+    `activation_checkpointing: true` drops `full` cells), before validation (so an entry can drop a
+    combination that would not validate); an entry that drops nothing is an error, since a typo in
+    it would otherwise leave every cell in."""
+
+    def __init__(self, source: str, index: int, partial: dict):
+        self.index = index
+        self.values = partial
+        lines = getattr(partial, "lines", None)
+        self.where = f"{source}:{min(lines.values())}" if lines else source
+        label = f"{source}: exclude[{index}]"
+        try:
+            self._coerced = coerce_fields(RunSpec, partial, label)
+        except SpecError as exc:
+            raise SpecError(_where(source, partial, exc.key), f"exclude[{index}].{exc.key}", exc.what) from None
+        self.matched = False
+
+    def drops(self, values: dict) -> bool:
+        cell = {**_DEFAULTS, **values}
+        try:
+            hit = coerce_fields(RunSpec, {k: cell[k] for k in self.values}, "cell") == self._coerced
+        except SpecError:  # the cell's own bad value: RunSpec.from_dict reports it, with its line
+            return False
+        self.matched |= hit
+        return hit
+
+
+def _plain_partial(values: dict) -> str:
+    return ", ".join(f"{k}: {plain_value(v)}" for k, v in values.items())
+
+
+def plain_value(value: object) -> str:
+    """YAML's spelling: true / false, not Python's."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _cell_error(
+    exc: SpecError,
+    source: str,
+    raw: dict,
+    base: dict,
+    axes: dict,
+    include: list[dict],
+    origin: int | None,
+    values: dict,
+) -> SpecError:
+    """Point a cell's error at the YAML line that set the offending key: its include entry or
+    matrix axis, else base; the cell's distinguishing values follow in parentheses."""
+    if origin is None:
+        places = [("matrix", axes), ("base", base)]
+        fallback = _where(source, raw, "matrix" if axes else "base")
+    else:
+        entry = include[origin]
+        places = [(f"include[{origin}]", entry), ("base", base)]
+        line = min(getattr(entry, "lines", {}).values(), default=None)
+        fallback = f"{source}:{line}" if line else _where(source, raw, "include")
+    cell = ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
+    return _located(exc, source, places, fallback, suffix=f" (cell {cell})")
+
+
+def _located(
+    exc: SpecError, source: str, places: list[tuple[str, dict]], fallback: str, prefix: str = "", suffix: str = ""
+) -> SpecError:
+    """Name the line and section where the error's key was set, or else (a default value) the
+    `fallback` place, with `prefix` before the key."""
+    if exc.where != source or not exc.key:
+        return exc
+    for section, mapping in places:
+        line = _line_of(mapping, exc.key)
+        if line:
+            return SpecError(f"{source}:{line}", f"{section}.{exc.key}", exc.what + suffix)
+    return SpecError(fallback, prefix + exc.key, exc.what + suffix)
+
+
+def _line_of(mapping: Any, dotted_key: str) -> int | None:
+    """The line of a (possibly nested, 'a.b') key: the innermost one the loader recorded."""
+    line = None
+    for part in dotted_key.split("."):
+        if not isinstance(mapping, dict) or part not in mapping:
+            break
+        line = getattr(mapping, "lines", {}).get(part, line)
+        mapping = mapping[part]
+    return line
+
+
+def _mapping(raw: dict, key: str, source: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise SpecError(_where(source, raw, key), key, f"expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _partials(raw: dict, key: str, source: str) -> list[dict]:
+    value = raw.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise SpecError(_where(source, raw, key), key, "expected a list of mappings (partial cells)")
+    for index, item in enumerate(value):
+        for k in item:
+            if k not in _SPEC_FIELDS:
+                raise unknown_key(_where(source, item, k), k, _SPEC_FIELDS, f"{key}[{index}]")
+    return value
+
+
+def _where(source: str, mapping: Any, key: Any) -> str:
+    line = getattr(mapping, "lines", {}).get(key)
+    return f"{source}:{line}" if line else source
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,111 @@
+"""Read a jobs file within bounds: size, encoding, nesting depth and alias expansion.
+
+A careless or hostile file (a YAML "billion laughs", thousands of nested brackets, Latin-1 or
+UTF-16 text, a generated file of megabytes) becomes one SpecError naming the file, instead of a
+hang, a memory blow-up or a traceback.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+import yaml
+from yaml.composer import ComposerError
+from yaml.nodes import MappingNode, Node, SequenceNode
+
+from ...contracts.fields import SpecError
+
+MAX_BYTES = 1024**2  # a hand-written jobs file is a few KiB; pure-Python YAML parses ~0.25 MiB/s here
+MAX_DEPTH = 64  # a jobs file nests 4 levels; Python's recursion limit is hit near 300
+MAX_VALUES = 1_000_000  # nodes of the document with every alias expanded
+FOREIGN_BOMS = {
+    "UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE),  # first: its LE mark starts like UTF-16's
+    "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE),
+}
+
+
+def read_text(path: Path) -> str:
+    """The file's text: at most MAX_BYTES, UTF-8 (a UTF-8 byte-order mark is allowed)."""
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        raise SpecError(
+            str(path),
+            "",
+            f"jobs file of {size:,} bytes, more than the limit of {MAX_BYTES:,}; "
+            "write a generated sweep as matrix axes (with include / exclude) instead",
+        )
+    data = path.read_bytes()[: MAX_BYTES + 1]  # the file may grow between stat and read
+    for encoding, boms in FOREIGN_BOMS.items():
+        if data.startswith(boms):
+            raise SpecError(str(path), "", f"not UTF-8 (a {encoding} byte-order mark); save it as UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SpecError(
+            f"{path}:{line}", "", f"not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); save it as UTF-8"
+        ) from None
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses documents nested deeper than MAX_DEPTH, or holding more than
+    MAX_VALUES nodes once aliases are expanded (checked on the node graph, before any Python
+    object is built), or an alias inside the node it names."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _expanded_size(node)
+        return node
+
+
+def _expanded_size(root: Node) -> int:
+    """Nodes under `root` with aliases expanded, counted once per distinct node (memoised), so an
+    alias bomb of a few lines is measured in a few steps and refused."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ComposerError(None, None, "an alias refers to a node that contains it", node.start_mark)
+        open_nodes.add(key)
+        if isinstance(node, SequenceNode):
+            children = node.value
+        elif isinstance(node, MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_VALUES:
+                raise ComposerError(
+                    None,
+                    None,
+                    f"more than {MAX_VALUES:,} values once its aliases are expanded (an alias bomb?)",
+                    node.start_mark,
+                )
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)

@@ -1,0 +1,1 @@
+"""The sweep folder's layout, read by launch, track and results."""

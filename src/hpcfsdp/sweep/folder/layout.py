@@ -1,0 +1,254 @@
+"""The layout of a sweep folder (results/<sweep>/), in one place:
+
+    matrix.yaml                    the matrix as submitted
+    manifest.json                  cell id -> executor, job id, cluster, submit time, sweep id and folder
+    cells/<id>/spec.json           the cell's spec and its resolved sources (write_cell_spec)
+    cells/<id>/result.json         written by the cell (record.py): its current record
+    cells/<id>/attempts/<n>.json   the records reruns (--retry-failed, --force) replaced, oldest first
+    cells/<id>/log.txt             the local executor's log of the cell
+    slurm/<job>/                   submitit's scripts and logs
+    .submit.lock                   held by the submit running now (lock.py)
+    tune.json, tune/               what `hpcfsdp tune` found, and its search's state (tune/state.py)
+
+Submit writes it; status, collect, export and the accounting read it. No torch, no pandas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import yaml
+
+from ...contracts.attempts import keep_as_attempt, restore_attempt
+from ...contracts.fields import SpecError
+from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
+from ...contracts.names import slurm_name_problem
+from ...contracts.record import SPEC_NAME, is_job_id
+
+if TYPE_CHECKING:
+    from ...contracts.sources import Sources
+    from ...contracts.spec import RunSpec
+    from ..define.matrix import Cell, Sweep
+
+CELLS_DIR = "cells"
+MANIFEST_NAME = "manifest.json"
+MATRIX_NAME = "matrix.yaml"
+SLURM_DIR = "slurm"
+LOG_NAME = "log.txt"  # a cell's output under the local executor, in its cell folder
+TUNE_NAME = "tune.json"
+LOG_TAIL_BYTES = 8 << 20  # what is read of one log at most: its end, where a failure shows
+
+
+def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
+    """cells/<id> of the cell (a Cell or its id)."""
+    return Path(sweep_dir) / CELLS_DIR / (cell if isinstance(cell, str) else cell.id)
+
+
+def cell_files(sweep_dir: Path, name: str) -> list[Path]:
+    """The file `name` (result.json, spec.json) of every cell that has one, by cell id."""
+    return sorted(Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}"))
+
+
+def planned_cell_ids(sweep_dir: Path) -> list[str]:
+    """The cells of the folder: those with a spec.json, sorted."""
+    return [path.parent.name for path in cell_files(sweep_dir, SPEC_NAME)]
+
+
+LOG_SUFFIXES = {"stdout": "_log.out", "stderr": "_log.err"}  # submitit's names: slurm/<job>/<job>_<rank>_log.out
+
+
+def job_log_files(sweep_dir: Path, job_id: str, stream: str) -> list[tuple[int, Path]]:
+    """(rank, path) of each log file of one job (stream: stdout or stderr) in rank order: the files
+    in the job's folder, not a count of ranks from a spec.json (a hand-edited one may say
+    nodes: 10**12). A job id that is none (from a file) names no folder. Links are listed as they
+    are: read them through read_log."""
+    if not is_job_id(job_id):
+        return []
+    folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
+    name = re.compile(re.escape(job_id) + r"_([0-9]{1,9})" + re.escape(LOG_SUFFIXES[stream]))
+    try:
+        entries = list(os.scandir(folder)) if folder.is_dir() else []
+    except OSError:
+        return []
+    return sorted((int(m.group(1)), Path(e.path)) for e in entries if (m := name.fullmatch(e.name)))
+
+
+def log_out_of_folder(sweep_dir: Path, path: Path) -> str:
+    """Why a log is not read ("" where it may be): a link that leads out of the sweep folder."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(sweep_dir)):
+        return f"not shown: a link to {real}, out of the sweep folder"
+    return ""
+
+
+def read_log(sweep_dir: Path, path: Path, limit: int = LOG_TAIL_BYTES) -> tuple[str, str]:
+    """(the log's text, "") or ("", why it is not read): a link out of the sweep folder (to
+    /etc/shadow, say) or anything but a regular file (a FIFO, /dev/zero) is not read, and of a
+    long log only its last `limit` bytes, from the first whole line."""
+    why = log_out_of_folder(sweep_dir, path)
+    if why:
+        return "", why
+    try:
+        data = read_regular_file(path, limit, tail=True)
+    except OSError as exc:
+        return "", f"not shown: {exc.strerror or exc}"
+    text = data.decode(errors="replace")
+    if len(data) == limit and os.path.getsize(path) > limit:
+        text = f"[... only its last {limit:,} bytes]\n" + text.split("\n", 1)[-1]
+    return text, ""
+
+
+def require_sweep_folder(sweep_dir: Path) -> None:
+    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path)."""
+    if not (Path(sweep_dir) / CELLS_DIR).is_dir():
+        raise SpecError(f"{sweep_dir}: not a sweep folder (no {CELLS_DIR}/ inside; e.g. results/<name> of a jobs YAML)")
+
+
+def slurm_folder(sweep_dir: Path) -> Path:
+    """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
+    return (Path(sweep_dir) / SLURM_DIR / "%j").expanduser().absolute()
+
+
+def read_manifest(sweep_dir: Path) -> dict[str, dict]:
+    """cell id -> {executor, job_id, cluster, submitted_at}; {} before the first submit; RecordError (one
+    line) when the file cannot be read."""
+    path = Path(sweep_dir) / MANIFEST_NAME
+    try:
+        manifest = read_json_object(path, root=sweep_dir, kind="manifest")
+    except FileNotFoundError:
+        return {}
+    for cell_id, entry in manifest.items():
+        if cell_id in ("", ".", "..") or "/" in cell_id or "\\" in cell_id or "\0" in cell_id:
+            # A cell id becomes the folder cells/<id>/ that status and submit write records into.
+            raise RecordError(f"{path}: {cell_id!r}: not a cell folder name; not followed")
+        if not isinstance(entry, dict):
+            raise RecordError(
+                f"{path}: {cell_id}: expected an object (executor, job_id, submitted_at), got {type(entry).__name__}"
+            )
+    return manifest
+
+
+class SlurmJobs(NamedTuple):
+    """A sweep's Slurm jobs, from one read of its manifest."""
+
+    ids: dict[str, str]  # cell id -> its latest job id (ARRAY_TASK, or JOB for a one-cell array)
+    cluster: str  # the cluster they were queued on (slurm.clusters); "" the default one
+    uid: str = ""  # the folder's sweep id, each job's --comment (sweep_comment); "" before issue 33
+    elsewhere: str = ""  # the folder another manifest's jobs were queued from (this one is a copy)
+
+
+# Each Slurm entry of the manifest names the sweep id its jobs carry in --comment and the folder
+# that queued them (resolved): a copy of the folder, made while its jobs run, holds the same
+# manifest, and must never take the original's jobs for its own (cancel them, record them lost).
+UID_KEY = "sweep_uid"
+FOLDER_KEY = "folder"
+
+
+def sweep_comment(uid: str) -> str:
+    """The --comment of a sweep's jobs: squeue shows it (%k), and cancel and status check it."""
+    return f"hpcfsdp:{uid}"
+
+
+def slurm_jobs(sweep_dir: Path, cell_ids: Iterable[str]) -> SlurmJobs:
+    """The latest Slurm job of each of these cells that this folder queued, and the sweep's cluster
+    and id; jobs queued from another folder (this one a copy of it) are left out and named."""
+    manifest = read_manifest(sweep_dir)
+    here = str(Path(sweep_dir).resolve())
+    own = {cid: e for cid, e in manifest.items() if e.get(FOLDER_KEY, here) == here}
+    entries = {cid: own.get(cid, {}) for cid in cell_ids}
+    ids = {
+        cid: str(e["job_id"])
+        for cid, e in entries.items()
+        if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
+    }
+    elsewhere = next((str(e[FOLDER_KEY]) for e in manifest.values() if e.get(FOLDER_KEY, here) != here), "")
+    return SlurmJobs(ids, _queued_on(own) or "", folder_uid(sweep_dir, own), elsewhere)
+
+
+def folder_uid(sweep_dir: Path, own: dict[str, dict] | None = None) -> str:
+    """The sweep id of the jobs this folder queued ("" before its first Slurm submit)."""
+    if own is None:
+        here = str(Path(sweep_dir).resolve())
+        own = {cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY) == here}
+    found = [e[UID_KEY] for e in own.values() if isinstance(e.get(UID_KEY), str) and e[UID_KEY].isalnum()]
+    return found[-1] if found else ""
+
+
+def new_uid() -> str:
+    """A sweep id, made at a folder's first Slurm submit."""
+    return secrets.token_hex(8)
+
+
+def owned_entry(sweep_dir: Path, uid: str) -> dict[str, str]:
+    """The manifest fields that bind a queued cell to this folder."""
+    return {UID_KEY: uid, FOLDER_KEY: str(Path(sweep_dir).resolve())}
+
+
+def manifest_cluster(sweep_dir: Path) -> str | None:
+    """The cluster the sweep's Slurm jobs were queued on (slurm.clusters; "" the default one), from
+    the manifest; None before any cell was queued from this folder."""
+    here = str(Path(sweep_dir).resolve())
+    return _queued_on({cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY, here) == here})
+
+
+def _queued_on(manifest: dict[str, dict]) -> str | None:
+    """The latest Slurm entry's cluster (submit never queues one folder's cells on two clusters)."""
+    entries = [e for e in manifest.values() if e.get("executor") == "slurm"]
+    if not entries:
+        return None
+    latest = max(
+        entries, key=lambda e: float(e["submitted_at"]) if isinstance(e.get("submitted_at"), (int, float)) else 0.0
+    )
+    cluster = str(latest.get("cluster") or "")
+    if "," in cluster or cluster.lower() == "all" or slurm_name_problem(cluster):
+        # -M all (or a list) would ask, and scancel, every cluster: a manifest never names one.
+        raise RecordError(f"manifest.json: cluster {cluster!r}: not one cluster name; not followed")
+    return cluster
+
+
+def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
+    """Add or replace the entries of these cells (atomically: the file names the sweep's jobs)."""
+    manifest = read_manifest(sweep_dir)
+    manifest.update(entries)
+    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
+
+
+def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
+    """matrix.yaml, and the spec.json of each cell about to run."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
+    for cell in cells:
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources)
+
+
+@contextmanager
+def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
+    """Keep the cells' current records as attempts (record.keep_as_attempt) for a rerun: status
+    then reads the new run's state. If the block fails or is interrupted (sbatch refused, Ctrl-C,
+    a local run cut short), each earlier record is current again, and whatever the cut-short run
+    recorded is kept as an attempt too."""
+    kept = {cell.id: path for cell in cells if (path := keep_as_attempt(cell_dir(sweep_dir, cell)))}
+    try:
+        yield
+    except BaseException:
+        for cell_id, path in kept.items():
+            restore_attempt(cell_dir(sweep_dir, cell_id), path)
+        raise
+
+
+def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
+    """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
+    spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
+    not its strings)."""
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    path = cell_dir / SPEC_NAME
+    meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
+    write_text(path, json.dumps(meta, indent=2))
+    return path

@@ -1,0 +1,263 @@
+"""The local executor: one cell at a time on this machine, each a torchrun with the cell's world
+size, within the sweep's time limit as under Slurm; the print executor's shell line per cell; and
+the process-tree handling that ends a cell's every process when its time is up or submit is
+interrupted (or killed)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ...contracts.record import MISSING
+from ...contracts.spec import JOB_END_ENV
+from ..define.matrix import Cell, Sweep
+from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
+from ..track.lost import log_tails, record_launch_failure
+from ..track.status import cell_status
+from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
+
+LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
+GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
+    """torchrun for one cell: --standalone on one machine; on several, run the same command on each
+    node with MASTER_ADDR set to the first one (c10d rendezvous)."""
+    if nnodes == 1:
+        launch = ["--standalone"]
+    else:
+        launch = [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=${MASTER_ADDR:?}:29500",
+            f"--rdzv-id={directory.name}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        f"--nproc-per-node={nprocs}",
+        "-m",
+        "hpcfsdp",
+        "run",
+        "--cell-dir",
+        str(directory),
+    ]
+
+
+def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
+    """One runnable shell line for the cell: `env` without the tokens of the shell it runs in
+    (the Hugging Face ones always, and any other set here), the cell's environment, then torchrun."""
+    unset = dict.fromkeys([*HF_TOKEN_ENV, *secret_names(os.environ)])
+    env = [f"{k}={shlex.quote(v)}" for k, v in job_environment(sweep).items()]
+    args = torchrun_command(cell_dir(sweep_dir, cell).absolute(), cell.spec.gpus_per_node, cell.spec.nodes)
+    return " ".join(
+        [
+            "env",
+            *(f"-u {shlex.quote(name)}" for name in unset),
+            *env,
+            *(f'"{a}"' if "${" in a else shlex.quote(a) for a in args),
+        ]
+    )
+
+
+def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None]) -> dict[str, str]:
+    """Run the cells one at a time; cell id -> the status each recorded. Interrupted (Ctrl-C,
+    SIGTERM, SIGHUP): the running cell's processes are ended, and its earlier record is current
+    again. A cell that ended without a record gets one (timeout or error) with its log's tail."""
+    env = without_secrets(os.environ) | job_environment(sweep)
+    limit_s = sweep.resources.time_min * 60
+    if sweep.resources.container:
+        log("note: slurm.container is for Slurm jobs; the local executor runs the cells here, outside it")
+    outcomes: dict[str, str] = {}
+    for index, cell in enumerate(cells, 1):
+        directory = cell_dir(sweep_dir, cell)
+        if cell.spec.nodes > 1:
+            log(
+                f"note: {cell.id} asks for {cell.spec.nodes} nodes; the local executor runs its "
+                f"{cell.spec.world_size} ranks on this machine"
+            )
+        log(f"[{index}/{len(cells)}] {cell.id} ({cell.spec.world_size} process(es))")
+        update_manifest(sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
+        if cell.spec.device != "cpu" and (held := _wait_for_gpus(env, log)):
+            error = f"not started: its GPUs are still held by {held} after {GPU_WAIT_S:.0f} s"
+            record_launch_failure(directory, error, "", status="error")
+            outcomes[cell.id] = "error"
+            log(f"    error ({error})")
+            continue
+        with records_set_aside(sweep_dir, [cell]):
+            returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
+        status = outcomes[cell.id] = cell_status(sweep_dir, cell)
+        if status == MISSING:
+            timed_out = returncode is None
+            ended = (
+                f"was killed at the {sweep.resources.time_min} min time limit" if timed_out else f"exited {returncode}"
+            )
+            status = outcomes[cell.id] = "timeout" if timed_out else "error"
+            record_launch_failure(
+                directory,
+                f"torchrun {ended} without a record",
+                log_tails([directory / LOG_NAME], chars=4000),
+                status=status,
+            )
+            status += f" ({ended} without a record; see {directory / LOG_NAME})"
+        log(f"    {status}")
+    return outcomes
+
+
+def gpus_held(env: dict[str, str]) -> str:
+    """The processes that hold the GPUs a cell here would use (CUDA_VISIBLE_DEVICES, else all), as
+    one phrase ("pid 123 (python, 30.1 GiB) on GPU 0, ..."); "" when none, or no nvidia-smi."""
+    if shutil.which("nvidia-smi", path=env.get("PATH")) is None:
+        return ""
+
+    def query(*args: str) -> list[list[str]]:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=env,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[part.strip() for part in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    gpus = {row[1]: row[0] for row in query("--query-gpu=index,uuid") if len(row) == 2}
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    held = []
+    for row in query("--query-compute-apps=pid,process_name,used_memory,gpu_uuid"):
+        if len(row) != 4 or row[3] not in gpus or (visible and not {gpus[row[3]], row[3]} & set(visible)):
+            continue
+        pid, name, used_mib, uuid = row
+        memory = f"{float(used_mib) / 1024:.1f} GiB" if used_mib.replace(".", "", 1).isdigit() else used_mib
+        held.append(f"pid {pid} ({os.path.basename(name)}, {memory}) on GPU {gpus[uuid]}")
+    return ", ".join(held)
+
+
+def _wait_for_gpus(env: dict[str, str], log: Callable[[str], None]) -> str:
+    """Wait up to GPU_WAIT_S for other processes to leave the GPUs (ranks of an earlier run that
+    are still ending); what still holds them then, or ""."""
+    held = gpus_held(env)
+    if held:
+        log(f"    its GPUs are held by {held}: waiting up to {GPU_WAIT_S:.0f} s for them to be free")
+    deadline = time.monotonic() + GPU_WAIT_S
+    while held and time.monotonic() < deadline:
+        time.sleep(2)
+        held = gpus_held(env)
+    return held
+
+
+def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
+    """One torchrun of the cell in `directory` on this machine, its output in the cell's log.txt:
+    its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
+    Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
+    with open(directory / LOG_NAME, "w") as out:
+        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
+        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
+        proc = subprocess.Popen(
+            torchrun_command(directory, processes),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env | limits,
+            start_new_session=True,
+            preexec_fn=_end_with_parent(os.getpid()),
+        )
+        return _wait_within(proc, limit_s)
+
+
+def _end_with_parent(parent: int) -> Callable[[], None]:
+    """For torchrun's process, between fork and exec: ask Linux for SIGTERM when submit dies, so
+    that a submit killed by SIGKILL (which runs none of its handlers) leaves no cell training.
+    torchrun passes the SIGTERM to its ranks, which record `cancelled`; the earlier record stays
+    in attempts/. A parent that died before the request was made means exit at once."""
+
+    def request() -> None:
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return request
+
+
+def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
+    """The cell's exit status; None when it reached its time limit. Then, as Slurm does, the cell
+    gets SIGTERM (torchrun passes it to each rank, which records `timeout`: the time limit's end
+    has come), and SIGKILL after grace_s. An interrupt of submit (Ctrl-C, SIGTERM, SIGHUP: its
+    own session no longer gets the terminal's signals) ends the cell the same way, before its end
+    time, so that each rank records `cancelled`."""
+    try:
+        return proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        _end_session(proc, grace_s)
+        return None
+    except KeyboardInterrupt:
+        _end_session(proc, grace_s)
+        raise
+
+
+def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to torchrun's session, which passes it on to the ranks; SIGKILL after grace_s, or
+    at once on a second interrupt, to torchrun and to every process that was under it (the ranks
+    run in sessions of their own, and outlive a killed torchrun)."""
+    under = processes_under(proc.pid)  # now: once torchrun has ended, its ranks are no longer under it
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+        under |= processes_under(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _kill_survivors(under)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+    _kill_survivors(under)
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from /proc (Linux)."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def processes_under(pid: int) -> dict[int, str]:
+    """The processes under pid (children, theirs, ...): pid -> start time, which tells a process
+    from a later one that reuses its pid."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
+def _kill_survivors(processes: dict[int, str]) -> None:
+    table = _proc_table()
+    for pid, started in processes.items():
+        if pid in table and table[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

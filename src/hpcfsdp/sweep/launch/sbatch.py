@@ -1,0 +1,211 @@
+"""The Slurm executor: one job array per resource shape (submitit's SlurmExecutor), split at the
+most cells an array may hold (cluster.array_size_limit) and at the room slurm.max_jobs_in_queue
+leaves; the sbatch parameters and script of an array (`plan --sbatch` prints the same)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ...contracts.errors import UserError
+from ...contracts.spec import JOB_END_ENV, MAX_REQUEUE_ENV
+from ..define.matrix import Cell, Sweep, arrays
+from ..define.resources import Resources
+from ..folder.layout import (
+    cell_dir,
+    folder_uid,
+    new_uid,
+    owned_entry,
+    records_set_aside,
+    slurm_folder,
+    sweep_comment,
+    update_manifest,
+)
+from ..predict.hostmemory import requested_mem_gb
+from ..track.cluster import array_size_limit, jobs_in_queue
+from . import container_command
+from .environment import HF_TOKEN_ENV, job_environment, slurm_environment_only, slurm_parameters_for_environment
+from .interrupts import interrupts_deferred
+
+# The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
+# SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
+JOB_END_SETUP = f'export {JOB_END_ENV}="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e 2>/dev/null)"'
+
+
+class SubmitError(UserError, RuntimeError):
+    """sbatch refused an array; the cells not queued keep the records they had."""
+
+
+def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path, uid: str = "") -> dict:
+    """submitit SlurmExecutor parameters for one array: resources, the allowlisted environment
+    (environment.py), setup lines, offline switches, pyxis's srun flags (the other container
+    runtimes wrap the job's Python: job_python), and the sweep id as the jobs' comment."""
+    res: Resources = sweep.resources
+    env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
+    export, export_setup = slurm_parameters_for_environment(sweep)
+    additional = {**res.extra_sbatch, **export}
+    # Clusters with JobRequeue=0 refuse `scontrol requeue` without --requeue; with JobRequeue=1 (the
+    # default) Slurm would requeue a preempted job, or one whose node failed, without end.
+    additional["requeue" if res.max_requeue else "no_requeue"] = True
+    if res.clusters:  # sbatch -M; status, cancel and collect ask the cluster the manifest names
+        additional["clusters"] = res.clusters
+    params: dict = dict(
+        job_name=f"hpcfsdp-{sweep.name}",
+        partition=res.partition or None,
+        time=res.time_min,
+        nodes=nodes,
+        ntasks_per_node=gpus_per_node,
+        cpus_per_task=res.cpus_per_task,
+        array_parallelism=res.array_parallelism,
+        signal_delay_s=res.signal_delay_s,
+        # The unset is for a script submitted by hand (plan --sbatch): submit's sbatch never has them.
+        setup=[
+            *export_setup,
+            *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+            f"unset {' '.join(HF_TOKEN_ENV)}",
+            JOB_END_SETUP,
+            *sweep.setup,
+            *container_command.env_lines(sweep),
+        ],
+        # One failed rank must end the whole step, never leave the others hanging in a collective.
+        srun_args=["--kill-on-bad-exit=1", *container_command.srun_args(sweep, sweep_dir)],
+        additional_parameters=additional,
+    )
+    if uid:
+        params["comment"] = sweep_comment(uid)
+    if res.gpu_request == "gres":
+        params["gres"] = f"gpu:{gpus_per_node}"
+    elif res.gpu_request == "gpus_per_node":
+        params["gpus_per_node"] = gpus_per_node
+    for key in ("account", "qos", "constraint"):
+        if getattr(res, key):
+            params[key] = getattr(res, key)
+    mem_gb = requested_mem_gb(sweep, nodes, gpus_per_node)
+    if mem_gb:
+        params["mem"] = f"{mem_gb}G"
+    if res.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int, uid: str = "") -> str:
+    """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for
+    one); without the sweep id (its comment) before the folder's first submit."""
+    # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
+    # from the same parameters and its _submitit_command_str, which the command below repeats.
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = slurm_folder(sweep_dir)
+    python = container_command.job_python(sweep, sweep_dir)
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return _make_sbatch_string(
+        command=command,
+        folder=folder,
+        map_count=count if count > 1 else None,
+        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid),
+    )
+
+
+def submit_arrays(
+    sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None], room_poll_s: float | None
+) -> tuple[dict[str, str], list[Cell]]:
+    """Queue the cells, one array per shape, split at the most cells an array may hold; returns
+    cell id -> job id of those queued, and the cells left out. Under slurm.max_jobs_in_queue only
+    as many cells go out as there is room for: the rest wait for room (room_poll_s seconds between
+    looks) or, without room_poll_s, stay out."""
+    cap = sweep.resources.max_jobs_in_queue
+    uid = folder_uid(sweep_dir) or new_uid()  # made at the folder's first Slurm submit
+    todo = arrays(cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
+    job_ids: dict[str, str] = {}
+    last_note = ""
+    while todo:
+        (nodes, gpus), shape_cells = todo[0]
+        room = _queue_room(cap, sweep.resources.clusters)
+        if room is not None and room < 1:
+            if room_poll_s is None:
+                break
+            note = (
+                f"waiting for room in the queue (slurm.max_jobs_in_queue {cap}, {cap - room} of your jobs queued): "
+                f"{sum(len(c) for _, c in todo)} of {len(cells)} cell(s) still to submit"
+            )
+            if note != last_note:
+                log(note)
+                last_note = note
+            time.sleep(room_poll_s)
+            continue
+        take = len(shape_cells) if room is None else min(room, len(shape_cells))
+        todo[0:1] = [((nodes, gpus), shape_cells[take:])] if take < len(shape_cells) else []
+        job_ids.update(_submit_array(sweep, sweep_dir, nodes, gpus, shape_cells[:take], uid, log))
+    not_queued = [cell for _, left in todo for cell in left]
+    if not_queued:
+        log(
+            f"queued {len(job_ids)} of {len(cells)} cell(s): the queue is full (slurm.max_jobs_in_queue {cap}); "
+            f"submit the same YAML again once jobs have finished to queue the other {len(not_queued)} "
+            "(it skips cells with a record or in flight), or add --wait to wait for room"
+        )
+    return job_ids, not_queued
+
+
+def _queue_room(cap: int, cluster: str) -> int | None:
+    """How many more cells slurm.max_jobs_in_queue lets into the queue now; None: no cap."""
+    if not cap:
+        return None
+    queued = jobs_in_queue(cluster)
+    if queued is None:
+        raise SubmitError(
+            f"squeue did not answer, so your queued jobs cannot be counted against slurm.max_jobs_in_queue {cap}"
+        )
+    return cap - queued
+
+
+def _submit_array(
+    sweep: Sweep, sweep_dir: Path, nodes: int, gpus: int, cells: list[Cell], uid: str, log: Callable[[str], None]
+) -> dict[str, str]:
+    import submitit
+    from submitit.core.utils import FailedJobError
+
+    from .job import CellJob
+
+    executor = submitit.SlurmExecutor(
+        folder=slurm_folder(sweep_dir),
+        max_num_timeout=sweep.resources.max_requeue,
+        python=container_command.job_python(sweep, sweep_dir),
+    )
+    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir, uid))
+    # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
+    # sbatch queues the array and the manifest names it, or neither happens: signals wait until
+    # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
+    # is reported once, by SubmitError, with sbatch's message: submitit's own echo of it is dropped.
+    with interrupts_deferred(), records_set_aside(sweep_dir, cells), slurm_environment_only(sweep):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
+        except FailedJobError as exc:
+            reason = " ".join(str(exc).split()) or "no message"
+            raise SubmitError(
+                f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s): {reason}"
+            ) from None
+        job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
+        update_manifest(
+            sweep_dir,
+            {
+                cid: {
+                    "executor": "slurm",
+                    "job_id": jid,
+                    "cluster": sweep.resources.clusters,
+                    "submitted_at": time.time(),
+                    **owned_entry(sweep_dir, uid),
+                }
+                for cid, jid in job_ids.items()
+            },
+        )
+    where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
+    log(
+        f"submitted array {jobs[0].job_id.split('_')[0]}{where}: "
+        f"{len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)"
+    )
+    return job_ids

@@ -1,0 +1,131 @@
+"""Predicted host memory (RAM) per node of a cell, before anything is queued (`plan --memory`, and
+the preflight's check against what Slurm will give the job: sweep/launch/preflight.py).
+
+Like memory.py (the GPU side, whose prediction it reuses for cells that train on the CPU) it reads
+the model's config.json and the cell's RunSpec and imports no torch. Units are GiB. Per rank:
+
+  runtime   the process itself: Python, torch, transformers and gloo, measured as the peak RSS
+            of a rank of the tiny model; a GPU rank's includes the CUDA context and the code the
+            CUDA libraries load into host memory
+  model     what the rank holds of the model in host memory: on the CPU the whole training peak
+            (memory.py's prediction); on a GPU the pretrained weights, which are loaded whole on
+            the host before they move to the GPU: the checkpoint's pages (mapped, bf16) and the
+            copy in the storage dtype (a random init is built on the GPU)
+  offload   cpu_offload: the rank's shard of the parameters, gradients and AdamW's two states in
+            pinned host memory, half a shard more of gradients on their way to it, and the
+            optimizer step's temporary (foreach AdamW's, as on the GPU: memory.py)
+
+and once per job, on the first node: record_param_norm gathers the full model into rank 0's host
+memory at the end. No DataLoader workers: the data is tokenised before the cell runs and each
+rank reads its batches in the training process (the packed tokens of a real data set are not
+counted: their size is known only once tokenised). A node holds gpus_per_node ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...contracts.sources import Source
+from ...contracts.spec import RunSpec
+from ..define.matrix import Sweep
+from .memory import (
+    GIB,
+    ModelConfigError,
+    Shape,
+    load_shape,
+    optimizer_temporary,
+    precision_bytes,
+    predict,
+    shard_degree,
+)
+
+# Peak RSS of one rank of the tiny model (whose own memory is negligible), as the record's
+# memory.end.cpu_max_rss_gib reports it: on the CPU (torch 2.13 CPU, transformers 5, gloo, this
+# project's CI machine), and on a GPU (torch 2.11 CUDA 13, H100, 2026-11-23).
+CPU_RUNTIME_GIB = 0.42
+GPU_RUNTIME_GIB = 1.9
+CHECKPOINT_BYTES = 2  # per parameter of a pretrained checkpoint (bf16, as hub checkpoints mostly are)
+# Gradients on their way to the pinned CPU copy under cpu_offload, in parameter shards: measured on
+# Qwen2.5-1.5B, FSDP2 ZeRO-3, 1 x H100 (27.8 GiB peak RSS with fused AdamW: 4.5 shards + runtime).
+OFFLOAD_STAGING_SHARDS = 0.5
+# slurm.mem_gb: auto asks for the prediction plus this share of it (the allocator's free lists,
+# the page cache of the files the rank reads, what the prediction leaves out), in whole GiB.
+AUTO_MEM_MARGIN = 0.25
+
+
+@dataclass(frozen=True)
+class HostPrediction:
+    """Host memory of one cell, GiB: per rank, and per node (the first node's, which is the largest)."""
+
+    runtime_gib: float
+    model_gib: float
+    offload_gib: float
+    rank0_gib: float  # on the first node only: record_param_norm's full model
+    ranks_per_node: int
+
+    @property
+    def rank_gib(self) -> float:
+        return self.runtime_gib + self.model_gib + self.offload_gib
+
+    @property
+    def node_gib(self) -> float:
+        return self.ranks_per_node * self.rank_gib + self.rank0_gib
+
+
+def predict_host(spec: RunSpec, shape: Shape) -> HostPrediction:
+    storage = precision_bytes(spec)[0]
+    params = shape.params * storage / GIB
+    on_cpu = spec.device == "cpu"
+    if on_cpu:
+        model = predict(spec, shape).required_gib
+    elif spec.init == "pretrained":
+        model = shape.params * (storage + CHECKPOINT_BYTES) / GIB
+    else:
+        model = 0.0
+    offload = 0.0
+    if spec.cpu_offload and not on_cpu:
+        shard = params / shard_degree(spec)
+        step = optimizer_temporary(spec.replace(cpu_offload=False), shape, shard * GIB) / GIB
+        offload = (4 + OFFLOAD_STAGING_SHARDS) * shard + step
+    return HostPrediction(
+        runtime_gib=CPU_RUNTIME_GIB if on_cpu else GPU_RUNTIME_GIB,
+        model_gib=model,
+        offload_gib=offload,
+        rank0_gib=params if spec.record_param_norm else 0.0,
+        ranks_per_node=spec.gpus_per_node,
+    )
+
+
+def auto_mem_gb(node_gib: float) -> int:
+    """What slurm.mem_gb: auto asks for a node predicted to need `node_gib`: whole GiB, with the margin."""
+    return max(1, math.ceil(node_gib * (1 + AUTO_MEM_MARGIN)))
+
+
+def predict_host_cells(cells, cache_dir: str | None = None) -> dict[str, HostPrediction | None]:
+    """Cell id -> its host prediction (cells: anything with .id, .spec and .sources); None where the
+    model's config is not at hand (a hub model not in the cache)."""
+    shapes: dict[Source, Shape | None] = {}
+    out: dict[str, HostPrediction | None] = {}
+    for cell in cells:
+        model = cell.sources.model
+        if model not in shapes:
+            try:
+                shapes[model] = load_shape(model, cache_dir)
+            except ModelConfigError:
+                shapes[model] = None
+        shape = shapes[model]
+        out[cell.id] = predict_host(cell.spec, shape) if shape else None
+    return out
+
+
+def requested_mem_gb(sweep: Sweep, nodes: int, gpus: int) -> int:
+    """--mem in GiB of the arrays of one shape: slurm.mem_gb, or with mem_gb: auto the largest
+    predicted host memory per node of the sweep's cells of that shape plus the margin (the same
+    for every array of the shape); 0: no --mem."""
+    res = sweep.resources
+    if not res.mem_auto:
+        return res.mem_gb
+    shaped = [cell for cell in sweep.cells if cell.shape == (nodes, gpus)]
+    needs = [p.node_gib for p in predict_host_cells(shaped, res.cache_dir or None).values() if p]
+    return auto_mem_gb(max(needs)) if needs else 0

@@ -1,0 +1,1 @@
+"""What happened to queued cells: scheduler, cluster, status, accounting, lost cells, cancel."""

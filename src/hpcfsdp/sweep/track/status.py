@@ -1,0 +1,373 @@
+"""The state of a sweep's cells: their records (record.py's one reader), the manifest of queued
+jobs, and what Slurm says of those jobs on the cluster they were queued on (scheduler.py). `hpcfsdp
+status`, `submit` (what to run, --wait) and `collect` (missing cells) read cells through here.
+A watch keeps one slurm.Watcher: each look asks squeue and sacct once for the whole sweep, and
+never asks sacct again about a job it saw settled.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
+from ...contracts.files import RecordError, read_json_object
+from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
+from ...contracts.spec import SEARCHED_FIELDS
+from ...slurm import SlurmError, Watcher, on_cluster
+from ..define.matrix import Cell
+from ..folder.layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
+from .cluster import never_clears, read_partitions, waits_for_nodes
+from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
+from .preemptions import preemption_note, preemptions
+from .scheduler import QueuedJob, finished_jobs, queued_states
+
+IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
+STALE = CellState.STALE
+SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
+
+
+@dataclass(frozen=True)
+class CellStatus:
+    cell_id: str
+    strategy: str
+    state: str  # pending / running (squeue), else the record's status, else missing
+    job_id: str = ""
+    slurm: str = ""  # the scheduler's word: squeue's state, or sacct's once the job left the queue
+    reason: str = ""  # why a pending cell waits (squeue %r)
+    blocked: bool = False  # pending with a reason that cannot clear as the cluster stands (cluster.never_clears)
+    advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
+    preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
+    error: str = ""  # the first line of its record's error, for a cell that did not end ok
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    sweep_dir: Path
+    cells: list[CellStatus]
+    note: str = ""  # why the scheduler could not be asked, if it could not
+    problems: list[str] = field(default_factory=list)  # one line per corrupt record or manifest
+    cluster: str = ""  # the cluster its jobs were queued on (slurm.clusters); "" the default one
+
+    def counts(self) -> Counter:
+        return Counter(c.state for c in self.cells)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(c.state in IN_FLIGHT for c in self.cells)
+
+    @property
+    def blocked(self) -> list[CellStatus]:
+        return [c for c in self.cells if c.blocked]
+
+    @property
+    def exit_status(self) -> int:
+        return cells_exit_status(c.state for c in self.cells)
+
+    @property
+    def stuck(self) -> bool:
+        """Cells are in flight and every one of them waits on a reason that cannot clear."""
+        flying = [c for c in self.cells if c.state in IN_FLIGHT]
+        return bool(flying) and all(c.blocked for c in flying)
+
+
+def cells_exit_status(states: Iterable[str]) -> int:
+    """What `status` and `submit` exit with (errors.py): 3 when a cell is in any state but ok,
+    pending or running (a record that is not ok, none, a corrupt or stale one), else 4 while a
+    cell is pending or running, else 0."""
+    seen = set(states)
+    if seen - {CellState.OK, *IN_FLIGHT}:
+        return EXIT_NOT_OK
+    return EXIT_IN_FLIGHT if seen & set(IN_FLIGHT) else EXIT_OK
+
+
+def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
+    """The cell's record as status, submit and collect all read it (record.record_state): its
+    status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
+    record was made with other values of its fields."""
+    state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
+    if (
+        state.record is not None
+        and isinstance(cell, Cell)
+        and _made_with_other_values(state.record["spec"], cell.spec.to_dict())
+    ):
+        return state._replace(status=STALE)
+    return state
+
+
+def cell_status(sweep_dir: Path, cell: Cell | str) -> str:
+    return cell_state(sweep_dir, cell).status
+
+
+def _made_with_other_values(recorded: dict, spec: dict) -> bool:
+    """A cell id hashes only non-default fields, so a changed default keeps the id: the record then
+    holds another value of a field both know. (A field the record lacks is newer than it: its
+    default is the behaviour the record was made with.)"""
+    searched = SEARCHED_FIELDS if spec.get("auto_batch") else ()  # the record holds the batch found
+    return any(recorded[name] != spec[name] for name in recorded.keys() & spec.keys() if name not in searched)
+
+
+def problem_lines(problems: list[str], limit: int = 10) -> list[str]:
+    """The first `limit` problems, then how many more there are."""
+    more = [f"... and {len(problems) - limit} more"] if len(problems) > limit else []
+    return problems[:limit] + more
+
+
+def sweep_status(
+    sweep_dir: Path, cell_ids: Iterable[str] | None = None, watcher: Watcher | None = None
+) -> StatusReport:
+    """Every cell of the sweep folder (or those named): its record, else what the scheduler says
+    (asked through `watcher`, a watch's; else afresh)."""
+    watcher = watcher or Watcher()
+    sweep_dir = Path(sweep_dir)
+    if cell_ids is None:
+        cell_ids = planned_cell_ids(sweep_dir)
+    cell_ids = list(cell_ids)
+    problems = []
+    try:
+        jobs, cluster, uid, elsewhere = slurm_jobs(sweep_dir, cell_ids)
+    except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
+        jobs, cluster, uid, elsewhere = {}, "", "", ""
+        problems.append(f"{exc}; queued cells show as missing")
+    if elsewhere:
+        problems.append(
+            f"{sweep_dir / MANIFEST_NAME} names jobs queued from {elsewhere} (this folder is a copy of it): "
+            "they are that folder's, and not followed here"
+        )
+    note = ""
+    try:
+        queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "", watcher)
+    except SlurmError as exc:
+        queued, note = {}, f"{exc}; cells still queued show as missing"
+    states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
+    problems += [state.problem for state in states.values() if state.problem]
+    unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
+    finished = finished_jobs(unrecorded, cluster, watcher)
+    blocked = _blocked_jobs(queued, cluster)
+    cells = []
+    for cid in cell_ids:
+        jid = jobs.get(cid, "")
+        job = queued.get(jid)
+        if job is None:
+            ended = finished.get(jid)
+            record = states[cid].record or {}
+            advice = record.get("advice") or (lost_ending(sweep_dir, cid, jid, ended)[2].get("advice") if ended else "")
+            cells.append(
+                CellStatus(
+                    cid,
+                    _strategy(sweep_dir, cid),
+                    states[cid].status,
+                    jid,
+                    ended.states[0] if ended else "",
+                    advice=advice if isinstance(advice, str) else "",
+                    preempted=preemptions(cell_dir(sweep_dir, cid)),
+                    error=_first_line(record.get("error")) if states[cid].status != CellState.OK else "",
+                )
+            )
+        else:
+            cells.append(
+                CellStatus(
+                    cid,
+                    _strategy(sweep_dir, cid),
+                    _scheduler_state(job.state),
+                    jid,
+                    job.state,
+                    job.reason,
+                    jid in blocked,
+                    preempted=preemptions(cell_dir(sweep_dir, cid)),
+                )
+            )
+    return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def _first_line(error: object) -> str:
+    return error.strip().splitlines()[0] if isinstance(error, str) and error.strip() else ""
+
+
+def _scheduler_state(slurm_state: str) -> str:
+    return CellState.PENDING if slurm_state.startswith(("PENDING", "REQUEUE")) else CellState.RUNNING
+
+
+def _blocked_jobs(queued: dict[str, QueuedJob], cluster: str) -> set[str]:
+    """The pending jobs whose reason cannot clear as the cluster stands; the partitions are read
+    only when a reason depends on which nodes are up."""
+    waiting = {jid: job for jid, job in queued.items() if job.reason}
+    partitions = read_partitions(cluster) if any(waits_for_nodes(job.reason) for job in waiting.values()) else None
+    return {
+        jid
+        for jid, job in waiting.items()
+        if never_clears(job.reason, job.nodes, (partitions or {}).get(job.partition))
+    }
+
+
+def _strategy(sweep_dir: Path, cell_id: str) -> str:
+    try:
+        spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir, kind="cell spec").get("spec")
+    except (FileNotFoundError, RecordError):
+        return "?"
+    strategy = spec.get("strategy") if isinstance(spec, dict) else None
+    return strategy if isinstance(strategy, str) else "?"
+
+
+def progress_line(report: StatusReport, width: int = 30) -> str:
+    counts = report.counts()
+    total = len(report.cells)
+    finished = total - sum(counts[s] for s in IN_FLIGHT)
+    filled = width * finished // max(1, total)
+    states = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+
+
+def watch(
+    sweep_dir: Path,
+    interval_s: float,
+    cell_ids: Iterable[str] | None = None,
+    stream: TextIO | None = None,
+    patience_s: float = SCHEDULER_PATIENCE_S,
+) -> StatusReport:
+    """Redraw a progress bar (on stderr) every interval_s until no cell is pending or running, or
+    until every one still in flight waits on a reason that cannot clear (report.stuck), two looks
+    in a row (a reason seen once may be the scheduler's passing word).
+
+    A busy slurmctld can time out one squeue ("Socket timed out on send/recv"); taking that for
+    "nothing queued" would end a wait while cells still run. So an unanswered squeue is asked again,
+    with a warning, and watch gives up (the report then carries the note) only after patience_s.
+
+    One slurm.Watcher asks Slurm for every look: one squeue and at most one sacct per look for the
+    whole sweep, and sacct never again about a job it saw settled.
+    """
+    cell_ids = None if cell_ids is None else list(cell_ids)
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    last = ""
+    unanswered_since: float | None = None
+    stuck_before = False
+    watcher = Watcher()
+    while True:
+        watcher.poll()
+        report = sweep_status(sweep_dir, cell_ids, watcher)
+        if report.note:
+            if unanswered_since is None:
+                unanswered_since = time.monotonic()
+            if time.monotonic() - unanswered_since >= patience_s:
+                return report
+            clear = "\r\033[K" if tty else ""
+            stream.write(f"{clear}warning: {report.note} (asking again in {interval_s:g} s)\n")
+            stream.flush()
+            last = ""
+            time.sleep(interval_s)
+            continue
+        unanswered_since = None
+        line = progress_line(report)
+        if tty:
+            stream.write(f"\r\033[K{line}")
+        elif line != last:
+            stream.write(f"{line}\n")
+        stream.flush()
+        last = line
+        if not report.in_flight or (report.stuck and stuck_before):
+            if tty:
+                stream.write("\n")
+            return report
+        stuck_before = report.stuck
+        time.sleep(interval_s)
+
+
+def print_status(report: StatusReport, summary: bool = True) -> None:
+    """Counts by state, then one row per cell that is not ok (yet) with Slurm's word for it (and
+    why it is pending), and where Slurm logs are; warnings on stderr."""
+    if report.note:
+        print(f"warning: {report.note}", file=sys.stderr)
+    for line in problem_lines(report.problems):
+        print(f"warning: {line}", file=sys.stderr)
+    if summary:
+        counts = report.counts()
+        print(
+            f"{report.sweep_dir}: {len(report.cells)} cell(s)"
+            + (f" on cluster {report.cluster}" if report.cluster else "")
+            + ": "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + preemption_note(c.preempted for c in report.cells)
+        )
+    rows = [c for c in report.cells if c.state != "ok" or c.preempted]
+    if not rows:
+        return
+    width = max(4, *(len(c.cell_id) for c in rows))
+    print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
+    for c in rows:
+        slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        slurm += f": {c.advice}" if c.advice else ""
+        slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
+        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
+    if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
+        files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
+        print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
+
+
+def status_document(report: StatusReport) -> dict:
+    """`status --json`: the counts and every cell (the table shows only those not ok)."""
+    return {
+        "sweep_dir": str(report.sweep_dir),
+        "cluster": report.cluster,
+        "exit_status": report.exit_status,
+        "counts": dict(sorted(report.counts().items())),
+        "cells": [
+            {
+                "cell_id": c.cell_id,
+                "strategy": c.strategy,
+                "status": str(c.state),
+                "job_id": c.job_id,
+                "slurm": c.slurm,
+                "reason": c.reason or c.error,  # why it waits (squeue), else why it failed (its record)
+                "advice": c.advice,
+                "blocked": c.blocked,
+                "preempted": c.preempted,
+            }
+            for c in report.cells
+        ],
+        "warnings": ([report.note] if report.note else []) + report.problems,
+    }
+
+
+def blocked_message(cells: list[CellStatus], cluster: str = "") -> str:
+    """One line for cells Slurm holds with a reason that cannot clear: which, why, how to cancel."""
+    by_reason: dict[str, list[str]] = {}
+    for cell in cells:
+        by_reason.setdefault(cell.reason, []).append(cell.cell_id)
+    why = "; ".join(
+        f"{reason}: {', '.join(ids[:3])}{f' and {len(ids) - 3} more' if len(ids) > 3 else ''}"
+        for reason, ids in by_reason.items()
+    )
+    jobs = " ".join(sorted({c.job_id.split("_")[0] for c in cells}, key=lambda j: (len(j), j)))
+    return (
+        f"{len(cells)} cell(s) can never start as the cluster stands; Slurm holds them pending ({why}); "
+        f"their jobs stay queued: `{' '.join(['scancel', *on_cluster(cluster), jobs])}` removes them"
+    )
+
+
+def record_lost_cells(report: StatusReport) -> list[CellStatus]:
+    """Give each cell whose Slurm job left the queue without a record a record of its own.
+
+    Such a cell was cancelled, killed with its node, killed for host memory, preempted, past its
+    deadline, or crashed before training began (a failed rendezvous, an import error); its record
+    names the job, how Slurm ended it where accounting or the logs tell (endings.py: the status
+    `cancelled`, `timeout`, `node_fail`, `preempted`, `host_oom`, `deadline` or `boot_fail`, with
+    `slurm_state` and `advice`; else `error`), and the tail of every rank's log, so that collect
+    shows why.
+    """
+    lost = [c for c in report.cells if c.state == MISSING and c.job_id]
+    if not lost:
+        return lost
+    finished = finished_jobs((c.job_id for c in lost), report.cluster)
+    for cell in lost:
+        status, error, fields = lost_ending(report.sweep_dir, cell.cell_id, cell.job_id, finished.get(cell.job_id))
+        directory = cell_dir(report.sweep_dir, cell.cell_id)
+        record_launch_failure(
+            directory, error, log_tails(cell_logs(report.sweep_dir, cell.cell_id, cell.job_id)), status, **fields
+        )
+    return lost
