@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.sources import PRESETS_DIR
@@ -72,10 +74,13 @@ def test_a_hub_dataset_preset_is_resolved_to_its_repo_config_and_split(tmp_path,
     assert cell.sources.tokenizer == cell.sources.model and cell.sources.model.model_ref.name == "acme/llm"
 
 
-def test_a_relative_model_path_is_the_folder_it_named_where_the_sweep_was_loaded(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", ["1", "auto"])
+def test_a_relative_model_path_is_the_folder_it_named_where_the_sweep_was_loaded(tmp_path, monkeypatch, batch):
     """The cell runs from another working directory (a compute node's), where ./models/m names
-    nothing: it trains the model the login node resolved, and records that folder."""
-    root = project(tmp_path, JOBS.replace("[./models/m, tiny, acme/llm@v1]", "[./models/m]") + "  strategy: [single]\n")
+    nothing: it trains the model the login node resolved, and records that folder; with
+    batch_size: auto its probe processes build that same model."""
+    jobs = JOBS.replace("[./models/m, tiny, acme/llm@v1]", "[./models/m]") + "  strategy: [single]\n"
+    root = project(tmp_path, jobs.replace("steps: 3,", f"steps: 3, batch_size: {batch}, max_batch_size: 1,"))
     monkeypatch.chdir(root)
     sweep = load_sweep("jobs.yaml")
     write_sweep_files(sweep, tmp_path / "results", sweep.cells)
@@ -96,6 +101,8 @@ def test_a_relative_model_path_is_the_folder_it_named_where_the_sweep_was_loaded
     assert proc.returncode == 0 and record["status"] == "ok", record.get("error") or proc.stderr[-2000:]
     assert record["spec"]["model"] == "./models/m"
     assert record["model_source"] == {"kind": "local", "path": str(root / "models" / "m")}
+    if batch == "auto":
+        assert [p["status"] for p in record["batch_search"]["probes"]] == ["ok"]
 
 
 def test_a_missing_model_path_is_one_line_naming_file_line_and_key_at_plan_time(tmp_path, monkeypatch, capsys):
