@@ -118,9 +118,23 @@ def srun_args(sweep: Sweep, sweep_dir: Path) -> list[str]:
     return [*args, *container.options]
 
 
+# podman run's --rm is done by podman run itself once its container exits; when a rank fails (exits
+# non-zero), srun ends the step's other tasks, and under load that can kill a podman run before its
+# removal, leaving an exited container. The batch shell removes this job's containers as it exits.
+PODMAN_CLEANUP = (
+    "trap 'podman rm --force --ignore $(podman ps --all --quiet "
+    "--filter name=^hpcfsdp-$SLURM_JOB_ID-) >/dev/null 2>&1' EXIT"
+)
+
+
 def env_lines(sweep: Sweep) -> list[str]:
-    """Batch script lines for pyxis's variables (the other runtimes take them as --env flags)."""
+    """Batch script lines: pyxis's variables (the other runtimes take them as --env flags); for
+    podman, the removal of the job's containers when the batch script ends."""
     container = sweep.resources.container
-    if container is None or container.runtime != "pyxis":
+    if container is None:
+        return []
+    if container.runtime == "podman":
+        return [PODMAN_CLEANUP]
+    if container.runtime != "pyxis":
         return []
     return [f"export {name}={shlex.quote(value)}" for name, value in container.env.items()]
