@@ -171,7 +171,7 @@ class FaultCell:
 
 
 def run_faults(work: Path, out: Path) -> None:
-    parallel = int(os.environ.get("ACCEPTANCE_PARALLEL", "4"))
+    parallel = int(os.environ.get("ACCEPTANCE_PARALLEL", "6"))
     todo = [(s, f) for s in strategies() for f in FAULTS]
     todo += [(s, f) for f, among in SEARCH_STRATEGIES.items() for s in among if s in strategies()]
     if only := os.environ.get("ACCEPTANCE_FAULTS", "").split():  # e.g. "auto_oom auto_cuda_oom"
