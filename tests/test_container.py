@@ -253,7 +253,8 @@ def podman_runs(local_slurm, podman_image, tmp_path_factory) -> Iterator[PodmanR
     smoke = yaml.safe_load((ROOT / "jobs" / "smoke.yaml").read_text())
     smoke["slurm"]["container"] = in_podman(env={"NCCL_DEBUG": "INFO"})
     smoke["setup"] = [*smoke.get("setup", []), "export TORCH_I33_FROM_SETUP=yes"]  # srun passes it on
-    hanging = {"base": {**CPU_CELL, "steps": 1000}}
+    # They wait for Slurm's signal, which may come 120 s in: no hang is declared before (train_timeout_s).
+    hanging = {"base": {**CPU_CELL, "steps": 1000, "train_timeout_s": 600}}
     sweeps = {
         "timeout": {**hanging, "slurm": {"time_min": 3, "signal_delay_s": 60, "container": in_podman(env=HANGS)}},
         "cancelled": {**hanging, "slurm": {"time_min": 10, "container": in_podman(env=HANGS)}},
