@@ -108,6 +108,25 @@ def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:
     return env, re.search(r"^\[hpcfsdp-slurm\] starting (slurm|mariadbd)", start.stderr, flags=re.M) is not None
 
 
+def client_conf(tmp_path: Path, name: str, **settings: str) -> str:
+    """A copy of the local cluster's slurm.conf with these settings changed, for the clients only
+    (squeue, sacct): e.g. a SlurmctldPort where no slurmctld listens."""
+    text = Path(os.environ["SLURM_CONF"]).read_text()
+    for key, value in settings.items():
+        text, found = re.subn(rf"(?m)^{key}=.*$", f"{key}={value}", text)
+        assert found == 1, key
+    path = tmp_path / f"{name}.conf"
+    path.write_text(text)
+    return str(path)
+
+
+def free_port() -> int:
+    """A port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def free_port_block(size: int) -> int:
     """A port p with p .. p+size-1 all free (slurmctld on p, the slurmd of node i on p+i, ...), for
     a cluster of a test module's own beside the session's. The search starts at a random block, so

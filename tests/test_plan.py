@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, slurm
+from conftest import ROOT, client_conf, free_port, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -232,33 +232,15 @@ def test_print_executor_prints_one_runnable_line_per_cell(tmp_path, capsys):
     assert proc.returncode == 0 and record["status"] == "ok", proc.stderr[-2000:]
 
 
-def conf_with(tmp_path: Path, name: str, **settings: str) -> str:
-    """A copy of the local cluster's slurm.conf with these settings changed, for the clients only
-    (squeue, sacct): e.g. a SlurmctldPort where no slurmctld listens."""
-    text = Path(os.environ["SLURM_CONF"]).read_text()
-    for key, value in settings.items():
-        text, found = re.subn(rf"(?m)^{key}=.*$", f"{key}={value}", text)
-        assert found == 1, key
-    path = tmp_path / f"{name}.conf"
-    path.write_text(text)
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def unanswering_controller(tmp_path: Path) -> str:
     """slurm.conf for clients whose slurmctld does not answer: nothing listens at its port. The
     short MessageTimeout keeps each unanswered squeue at about a second."""
-    return conf_with(tmp_path, "no-slurmctld", SlurmctldPort=str(free_port()), MessageTimeout="1")
+    return client_conf(tmp_path, "no-slurmctld", SlurmctldPort=str(free_port()), MessageTimeout="1")
 
 
 def unanswering_slurmdbd(tmp_path: Path) -> str:
     """slurm.conf for clients whose slurmdbd does not answer (sacct fails); squeue still works."""
-    return conf_with(tmp_path, "no-slurmdbd", AccountingStoragePort=str(free_port()))
+    return client_conf(tmp_path, "no-slurmdbd", AccountingStoragePort=str(free_port()))
 
 
 @pytest.fixture
@@ -466,7 +448,7 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
     threading.Thread(target=hold_connections, args=(stalled,), daemon=True).start()
     cluster_conf = os.environ["SLURM_CONF"]
     monkeypatch.setenv(
-        "SLURM_CONF", conf_with(tmp_path, "stalled", SlurmctldPort=str(stalled.getsockname()[1]), MessageTimeout="1")
+        "SLURM_CONF", client_conf(tmp_path, "stalled", SlurmctldPort=str(stalled.getsockname()[1]), MessageTimeout="1")
     )
 
     class Scheduler(io.StringIO):

@@ -6,27 +6,14 @@ without Slurm."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import slurm
+from conftest import client_conf, free_port, slurm
 from hpcfsdp.slurm import SlurmError, Watcher, ask
-
-
-def client_conf(tmp_path: Path, name: str, **settings: str) -> str:
-    """A copy of the local cluster's slurm.conf for the clients, with these settings changed."""
-    text = Path(os.environ["SLURM_CONF"]).read_text()
-    for key, value in settings.items():
-        text, found = re.subn(rf"(?m)^{key}=.*$", f"{key}={value}", text)
-        assert found == 1, key
-    path = tmp_path / f"{name}.conf"
-    path.write_text(text)
-    return str(path)
 
 
 def silent_controller() -> socket.socket:
@@ -44,12 +31,6 @@ def silent_controller() -> socket.socket:
 
     threading.Thread(target=hold, daemon=True).start()
     return server
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
