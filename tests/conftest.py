@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def silent_controller() -> socket.socket:
+    """A port that accepts connections and never answers them, until closed."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        try:
+            while True:
+                held.append(server.accept()[0])
+        except OSError:  # closed
+            for connection in held:
+                connection.close()
+
+    threading.Thread(target=hold, daemon=True).start()
+    return server
 
 
 def free_port_block(size: int) -> int:

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, client_conf, free_port, slurm
+from conftest import ROOT, client_conf, free_port, silent_controller, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -427,25 +426,13 @@ def cell_status_of(sweep_dir: Path, cell) -> str:
     return json.loads((sweep_dir / "cells" / cell.id / "result.json").read_text())["status"]
 
 
-def hold_connections(server: socket.socket) -> None:
-    """Accept connections and never answer them, until the server is closed."""
-    held = []
-    try:
-        while True:
-            held.append(server.accept()[0])
-    except OSError:  # closed
-        for connection in held:
-            connection.close()
-
-
 @pytest.mark.slurm
 def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, tmp_path, monkeypatch):
     """A busy slurmctld times out one squeue: the cell still runs, so the wait must go on."""
     _, sweep, sweep_dir, array = flight
     running = sweep.cells[2]
     # A controller that accepts connections and never answers: squeue times out.
-    stalled = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=hold_connections, args=(stalled,), daemon=True).start()
+    stalled = silent_controller()
     cluster_conf = os.environ["SLURM_CONF"]
     monkeypatch.setenv(
         "SLURM_CONF", client_conf(tmp_path, "stalled", SlurmctldPort=str(stalled.getsockname()[1]), MessageTimeout="1")

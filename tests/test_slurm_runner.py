@@ -6,31 +6,12 @@ without Slurm."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 
 import pytest
 
-from conftest import client_conf, free_port, slurm
+from conftest import client_conf, free_port, silent_controller, slurm
 from hpcfsdp.slurm import SlurmError, Watcher, ask
-
-
-def silent_controller() -> socket.socket:
-    """A port that accepts connections and never answers them, until closed."""
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-
-    def hold() -> None:
-        try:
-            while True:
-                held.append(server.accept()[0])
-        except OSError:  # closed
-            for connection in held:
-                connection.close()
-
-    threading.Thread(target=hold, daemon=True).start()
-    return server
 
 
 @pytest.fixture
