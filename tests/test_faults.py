@@ -230,6 +230,26 @@ def test_an_interrupted_local_submit_ends_its_cell_and_restores_the_ok_record(ok
     assert "before the time limit" in cancelled["error"]
 
 
+def test_a_cell_first_run_by_an_interrupted_local_submit_runs_again_with_the_same_command(ok_sweep, tmp_path):
+    """A cell that had no record before a local submit cut short by SIGTERM has none after it (its
+    `cancelled` record is kept in attempts/): the same command, without --retry-failed, runs it."""
+    jobs, results, cell = copy_of(ok_sweep, tmp_path)
+    (cell / "result.json").unlink()
+    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, cell_processes):
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1].startswith("interrupted (SIGTERM): the running cell was stopped, its record kept")
+    assert not (cell / "result.json").exists()
+    (attempt,) = (cell / "attempts").iterdir()
+    assert read(attempt)["status"] == "cancelled"
+    done = hpcfsdp("submit", str(jobs), "--executor", "local", "--results-dir", str(results))
+    out, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err
+    assert "skipping" not in out + err
+    assert read(cell / "result.json")["status"] == "ok"
+
+
 def test_a_cell_run_again_by_hand_keeps_its_earlier_record(tmp_path):
     """`hpcfsdp run` into a folder that has a record (a command --executor print printed, or a
     by-hand run of the same fields): the earlier record becomes an attempt, not overwritten."""

@@ -233,13 +233,18 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
     """Keep the cells' current records as attempts (record.keep_as_attempt) for a rerun: status
     then reads the new run's state. If the block fails or is interrupted (sbatch refused, Ctrl-C,
     a local run cut short), each earlier record is current again, and whatever the cut-short run
-    recorded is kept as an attempt too."""
-    kept = {cell.id: path for cell in cells if (path := keep_as_attempt(cell_dir(sweep_dir, cell)))}
+    recorded is kept as an attempt too: a cell that had no record has none again, so that the same
+    command runs it (its `cancelled` record would otherwise read as the cell's outcome)."""
+    folders = {cell.id: cell_dir(sweep_dir, cell) for cell in cells}
+    kept = {cell_id: keep_as_attempt(folder) for cell_id, folder in folders.items()}
     try:
         yield
     except BaseException:
-        for cell_id, path in kept.items():
-            restore_attempt(cell_dir(sweep_dir, cell_id), path)
+        for cell_id, folder in folders.items():
+            if (earlier := kept[cell_id]) is not None:
+                restore_attempt(folder, earlier)
+            else:
+                keep_as_attempt(folder)
         raise
 
 

@@ -181,7 +181,7 @@ def submit(
         ) from None
     except Interrupted as exc:
         done = (
-            "the running cell was stopped and its earlier record is current again"
+            "the running cell was stopped, its record kept in attempts/ and its earlier one (if any) current again"
             if executor == "local"
             else "arrays queued before it are in manifest.json; the cells not queued keep their records"
         )
