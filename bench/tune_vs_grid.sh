@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
 # issue 36: `hpcfsdp tune` against the whole grid of the same YAML, both with the local executor
 # on this machine, then one table (bench/tune_vs_grid_table.py): the grid's best and top three,
-# tune's pick and where the grid ranks it, and what each spent in GPU-hours, counted as wall time
-# per launch x its GPUs (tune: its launches; the grid: the whole submit's wall time x GPUs, which
-# is its launches one after another). Raw logs, records and the table go to $OUT (./bench-out).
+# tune's pick and where the grid ranks it, and what each spent in GPU-hours, counted per launch
+# (launcher start to end, x its GPUs): tune's from its launch files, the grid's from the manifest
+# (submitted_at to ended_at of each cell). Raw logs, records and the table go to $OUT (./bench-out).
 #   bash bench/tune_vs_grid.sh                                   # bench/jobs/tune_zero2_vs_zero3.yaml, GPUs
 #   SMOKE=1 bash bench/tune_vs_grid.sh                           # the tiny model on CPU, a small matrix
-#   SKIP_GRID=1 GRID_DIR=earlier/grid bash bench/tune_vs_grid.sh # the grid's records from an earlier run
 # TUNE_ARGS are passed on to `hpcfsdp tune` (e.g. "--top 3 --eta 3").
+#
 # Both halves go on where an earlier call stopped (the grid skips cells with a record, tune resumes
-# its search), so a grid longer than one sitting runs over several calls with the same OUT:
-# GRID_TIMEOUT_S / TUNE_TIMEOUT_S stop each half after that many seconds (default: none), and
-# SKIP_TUNE=1 runs the grid only. Each call's wall time is appended to grid_wall_s.txt /
-# tune_wall_s.txt and the table sums them; FRESH_TUNE=1 starts the search again.
+# its search), so a grid longer than one sitting runs over several calls with the same OUT.
+# STREAM_S stops the call's work after that many seconds (default: none); SKIP_TUNE=1 runs the grid
+# only; FRESH_TUNE=1 starts the search again; REQUIRE_GPU=H200 refuses other cards (records of
+# several calls may be combined only from one kind of card).
+#
+# Two streams: where the machine has GPUs for two cells at once (4 GPUs, cells of 2), or STREAMS=2
+# on CPU, stream 0 (the first GPUs) runs tune and then a share of the grid's cells, and stream 1
+# (the next GPUs) the rest of them, side by side; each stream's grid cells go to its own folder
+# (grid/, grid1/: one submit lock each), and the table reads both. The cells without a record are
+# shared by a rough cost (bench/tune_vs_grid_split.py), stream 0 behind by TUNE_HEAD_START_S
+# (default 850) while tune still has to run.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/bench-out}"
@@ -21,7 +28,7 @@ cd "$root"
 jobs="${1:-bench/jobs/tune_zero2_vs_zero3.yaml}"
 if [[ "${SMOKE:-0}" == 1 ]]; then
   py="${PYTHON:-python3}"
-  gpus=2
+  gpus=0
   jobs="$out/tune_smoke.yaml"
   cat > "$jobs" <<'YAML'
 name: tune_smoke
@@ -35,7 +42,12 @@ YAML
 else
   source bench/gpu_env.sh
   py=python3
-  write_machine_info "$out/machine.txt"
+  write_machine_info "$out/machine.$(date -u +%Y%m%dT%H%M%S).txt"
+  card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  if [[ -n ${REQUIRE_GPU:-} && $card != *"$REQUIRE_GPU"* ]]; then
+    echo "refused: this machine's cards are $card, not $REQUIRE_GPU (records are combined from one kind of card only)"
+    exit 2
+  fi
   gpus="$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)"
   memory_gib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print $1 / 1024}')"
   copy="$out/$(basename "$jobs")"  # the card's own memory for tune's pruning
@@ -48,28 +60,59 @@ yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
 PY
   jobs="$copy"
 fi
-name="$("$py" -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep; print(load_sweep(sys.argv[1]).name)' "$jobs")"
-grid="${GRID_DIR:-$out/grid}"
-if [[ "${SKIP_GRID:-0}" != 1 ]]; then
-  echo "[tune_vs_grid] $(date -u +%T) grid: $name"
-  start=$EPOCHREALTIME
-  timeout --kill-after=30 "${GRID_TIMEOUT_S:-0}" "$py" -m hpcfsdp submit "$jobs" --executor local \
-    --results-dir "$grid" >> "$out/grid.log" 2>&1
-  awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' >> "$out/grid_wall_s.txt"
+read -r name per_cell < <("$py" -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep
+s = load_sweep(sys.argv[1]); print(s.name, max(c.spec.world_size for c in s.cells))' "$jobs")
+streams="${STREAMS:-$(( gpus >= 2 * per_cell ? 2 : 1 ))}"
+deadline=$(( $(date +%s) + ${STREAM_S:-999999} ))
+left() { echo $(( deadline - $(date +%s) )); }
+log() { echo "[tune_vs_grid] $(date -u +%T) $*"; }
+tune_done() { [[ -f "$out/tune/$name/tune.json" ]]; }
+[[ "${FRESH_TUNE:-0}" == 1 ]] && rm -rf "$out/tune/$name"
+
+run_tune() {  # run_tune STREAM: tune on that stream's GPUs until done or the deadline
+  log "stream $1: tune $name"
+  # shellcheck disable=SC2086
+  timeout --kill-after=30 "$(left)" "$py" -m hpcfsdp tune "$jobs" --executor local \
+    --results-dir "$out/tune" ${TUNE_ARGS:-} >> "$out/tune.log" 2>&1
+}
+
+run_grid() {  # run_grid STREAM: that stream's share of the grid's cells (split below)
+  local part="$out/grid_part$1.yaml" folder="$out/grid"
+  (( $1 > 0 )) && folder="$out/grid$1"
+  [[ -f $part ]] || return 0
+  log "stream $1: grid cells of $part"
+  timeout --kill-after=30 "$(left)" "$py" -m hpcfsdp submit "$part" --executor local \
+    --results-dir "$folder" >> "$out/grid$1.log" 2>&1
+}
+
+stream() {  # stream K: on its own GPUs (CUDA_VISIBLE_DEVICES), tune first on stream 0
+  if (( gpus > 0 )); then
+    CUDA_VISIBLE_DEVICES="$(seq -s, $(( $1 * per_cell )) $(( ($1 + 1) * per_cell - 1 )))"
+    export CUDA_VISIBLE_DEVICES
+  fi
+  if (( $1 == 0 )) && [[ "${SKIP_TUNE:-0}" != 1 ]] && ! tune_done; then run_tune 0; fi
+  (( $(left) > 0 )) && run_grid "$1"
+}
+
+mkdir -p "$out/grid"
+# The split is made once, before either stream starts: stream 0 starts its cells behind by what
+# tune is expected to take (TUNE_HEAD_START_S) while tune still has to run.
+head_start=0
+if [[ "${SKIP_TUNE:-0}" != 1 ]] && ! tune_done; then head_start="${TUNE_HEAD_START_S:-850}"; fi
+shopt -s nullglob
+"$py" bench/tune_vs_grid_split.py "$jobs" "$out/grid_part" --streams "$streams" --head-start-s "$head_start" \
+  --grid "$out"/grid*/"$name" | tee -a "$out/split.log" || exit 1
+pids=()
+for (( k = 0; k < streams; k++ )); do
+  stream "$k" &
+  pids+=("$!")
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+log "both streams ended; $(left) s of STREAM_S left"
+grids=("$out"/grid "$out"/grid[0-9]*)
+tune_done || { echo "tune has not finished: run the same command again"; }
+if tune_done; then
+  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/$name" \
+    $(for g in "${grids[@]}"; do [[ -d $g/$name ]] && echo "--grid $g/$name"; done) | tee "$out/tune_vs_grid.md"
 fi
-[[ "${SKIP_TUNE:-0}" == 1 ]] && exit 0
-echo "[tune_vs_grid] $(date -u +%T) tune: $name"
-if [[ "${FRESH_TUNE:-0}" == 1 ]]; then
-  rm -rf "$out/tune/$name" "$out/tune_wall_s.txt"
-fi
-start=$EPOCHREALTIME
-# shellcheck disable=SC2086
-timeout --kill-after=30 "${TUNE_TIMEOUT_S:-0}" "$py" -m hpcfsdp tune "$jobs" --executor local \
-  --results-dir "$out/tune" ${TUNE_ARGS:-} >> "$out/tune.log" 2>&1
-awk -v a="$EPOCHREALTIME" -v b="$start" 'BEGIN { print a - b }' >> "$out/tune_wall_s.txt"
-[[ -f "$out/tune/$name/tune.json" ]] || { echo "tune has not finished: run the same command again"; exit 0; }
-sum() { awk '{ total += $1 } END { print total + 0 }' "$1" 2>/dev/null || echo 0; }
-"$py" bench/tune_vs_grid_table.py --grid "$grid/$name" --tune "$out/tune/$name" --gpus "$gpus" \
-  --grid-wall "$(sum "$out/grid_wall_s.txt")" --tune-wall "$(sum "$out/tune_wall_s.txt")" | tee "$out/tune_vs_grid.md"
-tar -czf "$out/$name.tar.gz" -C "$out" tune grid.log tune.log 2>/dev/null
-tar -czf "$out/$name.grid.tar.gz" -C "$(dirname "$grid")" "$(basename "$grid")" 2>/dev/null
+tar -czf "$out/$name.tar.gz" -C "$out" --exclude='*.tar.gz' . 2>/dev/null

@@ -1,6 +1,8 @@
 """The table of bench/tune_vs_grid.sh: the grid's records against tune's outcome (tune.json) for
-the same YAML. Spend is GPU-hours, wall time per launch x its GPUs: tune's from its launches (and
-its whole command's wall time), the grid's from its whole submit (its launches one after another)."""
+the same YAML. Spend is GPU-hours counted per launch, from the launcher's start to its end, x its
+GPUs: tune's from its launch files (tune.json's spend), the grid's from each cell's manifest entry
+(the local executor's submitted_at to ended_at). A cell whose entry has no ended_at (run before the
+executor wrote it) counts to its record's file time, the cell's end less torchrun's exit."""
 
 from __future__ import annotations
 
@@ -13,46 +15,51 @@ from hpcfsdp.contracts.files import RecordError
 from hpcfsdp.contracts.record import read_record
 
 
-def grid_speeds(grid: Path) -> tuple[dict[str, float], dict[str, int]]:
-    """cell id -> tokens/s per GPU of each ok cell (oom and failed cells left out); and how many
-    records came from each machine and day (a grid run over several sittings)."""
-    speeds, sources = {}, {}
-    for path in sorted(grid.glob("cells/*/result.json")):
-        try:
-            record = read_record(path)
-        except RecordError:
-            continue
-        day = time.strftime("%Y-%m-%d", time.gmtime(float(record.get("started_at") or 0)))
-        where = f"{','.join(record.get('hostnames') or ['?'])} ({record.get('device_name', '?')}, {day})"
-        sources[where] = sources.get(where, 0) + 1
-        if record["status"] == "ok":
-            speeds[path.parent.name] = float(record["tokens_per_s_per_gpu"])
-    return speeds, sources
+def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], float, int]:
+    """From the grid's folders (one per stream): cell id -> tokens/s per GPU of each ok cell (oom
+    and failed cells left out); how many records came from each card, day and commit; the GPU-hours
+    of the cells' launches; and how many of those were counted to their record's file time."""
+    speeds, sources, gpu_s, estimated = {}, {}, 0.0, 0
+    for grid in grids:
+        manifest = json.loads((grid / "manifest.json").read_text())
+        for path in sorted(grid.glob("cells/*/result.json")):
+            try:
+                record = read_record(path)
+            except RecordError:
+                continue
+            day = time.strftime("%Y-%m-%d", time.gmtime(float(record.get("started_at") or 0)))
+            commit = str(record.get("git_commit") or "?")[:7]
+            where = f"{record.get('device_name', '?')}, {day}, commit {commit}"
+            sources[where] = sources.get(where, 0) + 1
+            if record["status"] == "ok":
+                speeds[path.parent.name] = float(record["tokens_per_s_per_gpu"])
+            entry = manifest[path.parent.name]
+            ended = entry.get("ended_at")
+            if ended is None:
+                ended, estimated = path.stat().st_mtime, estimated + 1
+            gpu_s += (float(ended) - float(entry["submitted_at"])) * int(record["spec"]["world_size"])
+    return speeds, sources, gpu_s / 3600, estimated
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--grid", type=Path, required=True)
+    parser.add_argument("--grid", type=Path, action="append", required=True, help="a sweep folder of the grid")
     parser.add_argument("--tune", type=Path, required=True)
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--grid-wall", type=float, default=0.0)
-    parser.add_argument("--tune-wall", type=float, default=0.0)
     args = parser.parse_args()
     found = json.loads((args.tune / "tune.json").read_text())
-    speeds, sources = grid_speeds(args.grid)
+    speeds, sources, grid_h, estimated = grid_records(args.grid)
     ranked = sorted(speeds, key=lambda cell: -speeds[cell])
     pick = (found.get("best") or {}).get("cell_id")
     spend = found["spend"]
-    grid_h = args.grid_wall * args.gpus / 3600
+    tune_h = spend["tune_gpu_hours"]
     lines = [
         f"# tune vs grid: {found['sweep']}",
         "",
         "| | grid | tune |",
         "|:--|--:|--:|",
-        f"| cells / launches | {spend['grid_cells']} | {spend['launches']} |",
-        f"| GPU-hours, whole command (wall x {args.gpus}) | {grid_h:.4f} | {args.tune_wall * args.gpus / 3600:.4f} |",
-        f"| GPU-hours, sum of launches | - | {spend['tune_gpu_hours']:.4f} |",
-        f"| tune / grid (whole commands) | | {args.tune_wall / args.grid_wall:.3f} |" if args.grid_wall else "",
+        f"| cells with a record / launches | {sum(sources.values())} of {spend['grid_cells']} | {spend['launches']} |",
+        f"| GPU-hours, sum of launches | {grid_h:.4f} | {tune_h:.4f} |",
+        f"| tune / grid | | {tune_h / grid_h:.3f} |" if grid_h else "",
         f"| pick | {ranked[0] if ranked else '-'} | {pick or '-'} |",
     ]
     if ranked:
@@ -66,6 +73,8 @@ def main() -> None:
     lines = [line for line in lines if line]
     lines += ["", "The grid's top three (tokens/s per GPU): " + ", ".join(f"{c} {speeds[c]:,.1f}" for c in ranked[:3])]
     lines += ["", "The grid's records came from: " + "; ".join(f"{n} from {where}" for where, n in sources.items())]
+    if estimated:
+        lines += [f"{estimated} grid cell(s) ran before the manifest had ended_at: counted to their record's file time"]
     lines += ["", "tune's ranking (its furthest stage):"]
     lines += [
         f"- {row['cell_id']} {row['stage']} {row['status']}"

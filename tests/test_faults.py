@@ -243,6 +243,7 @@ def test_a_cell_first_run_by_an_interrupted_local_submit_runs_again_with_the_sam
     assert not (cell / "result.json").exists()
     (attempt,) = (cell / "attempts").iterdir()
     assert read(attempt)["status"] == "cancelled"
+    assert "ended_at" not in read(results / "kept" / "manifest.json")[cell.name]  # a launch cut short
     done = hpcfsdp("submit", str(jobs), "--executor", "local", "--results-dir", str(results))
     out, err = done.communicate(timeout=300)
     assert done.returncode == 0, err

@@ -38,6 +38,11 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
         for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))
     }
     assert records["fsdp2_zero3"]["status"] == "ok" and records["fsdp2_zero3"]["world_size"] == 2
+    # Each launch's wall time is in the manifest: from before torchrun started to after it ended.
+    manifest = json.loads((tmp_path / "local_e2e/manifest.json").read_text())
+    for record in records.values():
+        entry = manifest[record["cell_id"]]
+        assert entry["submitted_at"] < record["started_at"] < entry["ended_at"], entry
     failed = records["ddp"]
     assert failed["status"] == "error" and failed["stage"] == "model" and "no-such-architecture" in failed["error"]
     # The run ends in the comparison table, failed cell included.

@@ -117,8 +117,8 @@ def slurm_folder(sweep_dir: Path) -> Path:
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, dict]:
-    """cell id -> {executor, job_id, cluster, submitted_at}; {} before the first submit; RecordError (one
-    line) when the file cannot be read."""
+    """cell id -> {executor, job_id, cluster, submitted_at} (the local executor adds ended_at once
+    its launch ends); {} before the first submit; RecordError (one line) when the file cannot be read."""
     path = Path(sweep_dir) / MANIFEST_NAME
     try:
         manifest = read_json_object(path, root=sweep_dir, kind="manifest")

@@ -88,7 +88,8 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
                 f"{cell.spec.world_size} ranks on this machine"
             )
         log(f"[{index}/{len(cells)}] {cell.id} ({cell.spec.world_size} process(es))")
-        update_manifest(sweep_dir, {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()}})
+        entry = {"executor": "local", "job_id": None, "submitted_at": time.time()}
+        update_manifest(sweep_dir, {cell.id: entry})
         if cell.spec.device != "cpu" and (held := _wait_for_gpus(env, log)):
             error = f"not started: its GPUs are still held by {held} after {GPU_WAIT_S:.0f} s"
             record_launch_failure(directory, error, "", status="error")
@@ -97,6 +98,9 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             continue
         with records_set_aside(sweep_dir, [cell]):
             returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
+        # The launch's end: from submitted_at, its whole wall time (start-up included, which the
+        # record's duration_s leaves out), what the cell cost; a cell cut short by an interrupt has none.
+        update_manifest(sweep_dir, {cell.id: entry | {"ended_at": time.time()}})
         status = outcomes[cell.id] = cell_status(sweep_dir, cell)
         if status == MISSING:
             timed_out = returncode is None
