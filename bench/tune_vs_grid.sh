@@ -88,7 +88,8 @@ run_grid() {  # run_grid STREAM: that stream's share of the grid's cells (split 
 stream() {  # stream K: on its own GPUs (CUDA_VISIBLE_DEVICES), tune first on stream 0
   if (( gpus > 0 )); then
     CUDA_VISIBLE_DEVICES="$(seq -s, $(( $1 * per_cell )) $(( ($1 + 1) * per_cell - 1 )))"
-    export CUDA_VISIBLE_DEVICES
+    # nvidia-smi's indexes (the local executor asks it whether a cell's GPUs are free) are in PCI order.
+    export CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER=PCI_BUS_ID
   fi
   if (( $1 == 0 )) && [[ "${SKIP_TUNE:-0}" != 1 ]] && ! tune_done; then run_tune 0; fi
   (( $(left) > 0 )) && run_grid "$1"
