@@ -113,7 +113,7 @@ log "both streams ended; $(left) s of STREAM_S left"
 grids=("$out"/grid "$out"/grid[0-9]*)
 tune_done || { echo "tune has not finished: run the same command again"; }
 if tune_done; then
-  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/$name" \
+  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/$name" --jobs "$jobs" \
     $(for g in "${grids[@]}"; do [[ -d $g/$name ]] && echo "--grid $g/$name"; done) | tee "$out/tune_vs_grid.md"
 fi
 tar -czf "$out/$name.tar.gz" -C "$out" --exclude='*.tar.gz' . 2>/dev/null

@@ -15,11 +15,12 @@ from hpcfsdp.contracts.files import RecordError
 from hpcfsdp.contracts.record import read_record
 
 
-def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], float, int]:
+def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], float, int, dict[str, float]]:
     """From the grid's folders (one per stream): cell id -> tokens/s per GPU of each ok cell (oom
     and failed cells left out); how many records came from each card, day and commit; the GPU-hours
-    of the cells' launches; and how many of those were counted to their record's file time."""
-    speeds, sources, gpu_s, estimated = {}, {}, 0.0, 0
+    of the cells' launches; how many of those were counted to their record's file time; and cell
+    id -> launch wall time, for the cells whose manifest entry has ended_at."""
+    speeds, sources, gpu_s, estimated, walls = {}, {}, 0.0, 0, {}
     for grid in grids:
         manifest = json.loads((grid / "manifest.json").read_text())
         for path in sorted(grid.glob("cells/*/result.json")):
@@ -37,17 +38,43 @@ def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], f
             ended = entry.get("ended_at")
             if ended is None:
                 ended, estimated = path.stat().st_mtime, estimated + 1
-            gpu_s += (float(ended) - float(entry["submitted_at"])) * int(record["spec"]["world_size"])
-    return speeds, sources, gpu_s / 3600, estimated
+            else:
+                walls[path.parent.name] = float(ended) - float(entry["submitted_at"])
+            spec = record["spec"]
+            gpu_s += (float(ended) - float(entry["submitted_at"])) * int(spec["nodes"]) * int(spec["gpus_per_node"])
+    return speeds, sources, gpu_s / 3600, estimated, walls
+
+
+def estimate_check(tune: Path, jobs: Path, walls: dict[str, float]) -> str:
+    """tune's estimate of each grid cell's launch (tune/gridcost.py) against the grid's own, summed
+    over the cells both have that the final stage did not run (those it counts as measured)."""
+    from hpcfsdp.sweep.define.matrix import load_sweep
+    from hpcfsdp.tune.gridcost import launch_estimates
+    from hpcfsdp.tune.state import FINAL, load_state
+
+    state = load_state(tune)
+    cells = {cell.id: cell for cell in load_sweep(jobs).cells}
+    estimates = launch_estimates(cells, tune, state) or {}
+    final = set(next((s.runs for s in state.stages if s.name == FINAL), {}))
+    both = [c for c in walls if c in estimates and c not in final]
+    if not both:
+        return "tune's estimate of the grid: no cell to check it on"
+    measured, estimated = sum(walls[c] for c in both), sum(estimates[c] for c in both)
+    return (
+        f"tune's estimate of the grid, checked on the {len(both)} grid cell(s) with a timed launch that the final "
+        f"stage did not run: {estimated:,.0f} s estimated against {measured:,.0f} s measured "
+        f"({estimated / measured - 1:+.1%})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", type=Path, action="append", required=True, help="a sweep folder of the grid")
     parser.add_argument("--tune", type=Path, required=True)
+    parser.add_argument("--jobs", type=Path, help="the YAML: check tune's estimate of the grid cell by cell")
     args = parser.parse_args()
     found = json.loads((args.tune / "tune.json").read_text())
-    speeds, sources, grid_h, estimated = grid_records(args.grid)
+    speeds, sources, grid_h, estimated, walls = grid_records(args.grid)
     ranked = sorted(speeds, key=lambda cell: -speeds[cell])
     pick = (found.get("best") or {}).get("cell_id")
     spend = found["spend"]
@@ -59,6 +86,7 @@ def main() -> None:
         "|:--|--:|--:|",
         f"| cells with a record / launches | {sum(sources.values())} of {spend['grid_cells']} | {spend['launches']} |",
         f"| GPU-hours, sum of launches | {grid_h:.4f} | {tune_h:.4f} |",
+        f"| GPU-hours of the whole grid, tune's estimate | {spend['grid_estimate_gpu_hours'] or 0:.4f} | |",
         f"| tune / grid | | {tune_h / grid_h:.3f} |" if grid_h else "",
         f"| pick | {ranked[0] if ranked else '-'} | {pick or '-'} |",
     ]
@@ -75,6 +103,8 @@ def main() -> None:
     lines += ["", "The grid's records came from: " + "; ".join(f"{n} from {where}" for where, n in sources.items())]
     if estimated:
         lines += [f"{estimated} grid cell(s) ran before the manifest had ended_at: counted to their record's file time"]
+    if args.jobs:
+        lines += ["", estimate_check(args.tune, args.jobs, walls)]
     lines += ["", "tune's ranking (its furthest stage):"]
     lines += [
         f"- {row['cell_id']} {row['stage']} {row['status']}"

@@ -37,12 +37,20 @@ def accumulation_sources(cells: list[Cell]) -> dict[str, str]:
     return sources
 
 
-def computed_speed(record: dict[str, Any], grad_accum: int) -> float | None:
-    """tokens/s per GPU at grad_accum from a probe's ok record; None without its optimizer time."""
+def computed_step_time(record: dict[str, Any], grad_accum: int) -> float | None:
+    """A step's seconds at grad_accum from a probe's ok record; None without its optimizer time."""
     optimizer = record.get("optimizer_step_s")
     step = record.get("step_time_s")
     if optimizer is None or not step:
         return None
+    micro = max(0.0, step - optimizer) / record["spec"]["grad_accum"]
+    return grad_accum * micro + optimizer
+
+
+def computed_speed(record: dict[str, Any], grad_accum: int) -> float | None:
+    """tokens/s per GPU at grad_accum from a probe's ok record; None without its optimizer time."""
+    step = computed_step_time(record, grad_accum)
+    if not step:
+        return None
     spec = record["spec"]
-    micro = max(0.0, step - optimizer) / spec["grad_accum"]
-    return grad_accum * spec["batch_size"] * spec["seq_len"] / (grad_accum * micro + optimizer)
+    return grad_accum * spec["batch_size"] * spec["seq_len"] / step

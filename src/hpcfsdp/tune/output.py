@@ -1,9 +1,8 @@
 """What the search found and spent: tune.json in the sweep folder (its best.cell_id is the grid's
 cell id of the pick, so `submit --only-best` and the report find it) and the lines `tune` prints.
 
-Spend is GPU-hours from the launches (launcher start to end, times its GPUs). What the grid would
-have spent is estimated from the final stage's launches, which are grid cells: their mean wall
-time per GPU, for every cell of the grid, the pruned ones included (the grid would run them)."""
+Spend is GPU-hours from the launches (launcher start to end, times its GPUs); what the grid would
+have spent is estimated cell by cell from the probes' launches (gridcost.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from ..contracts.record import RECORD_NAME, read_record
 from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import TUNE_NAME, cell_dir
 from ..sweep.launch.plan import PLAN_FIELDS
+from . import gridcost
 from .accumulation import computed_speed
 from .prune import prune
 from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
@@ -41,11 +41,7 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     by_stage: dict[str, float] = {}
     for launch in launches:
         by_stage[launch.stage] = by_stage.get(launch.stage, 0.0) + launch.gpu_hours
-    final = [launch for launch in launches if launch.stage == FINAL and launch.ended > launch.started]
-    grid_estimate = None
-    if final:
-        per_gpu_s = sum((launch.ended - launch.started) for launch in final) / len(final)
-        grid_estimate = sum(cell.spec.world_size for cell in sweep.cells) * per_gpu_s / 3600
+    grid_estimate = gridcost.grid_estimate(cells, sweep_dir, state)
     spent = sum(by_stage.values())
     return {
         "sweep": sweep.name,
@@ -61,11 +57,7 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
             "launches": len(launches),
             "grid_cells": len(sweep.cells),
             "grid_estimate_gpu_hours": grid_estimate,
-            "grid_estimate_basis": (
-                f"mean wall time of the final stage's {len(final)} launch(es) (grid cells), x each grid cell's GPUs"
-                if final
-                else "no final-stage launch to estimate from"
-            ),
+            "grid_estimate_basis": gridcost.BASIS if grid_estimate else "no probe launched to estimate from",
             "fraction_of_grid": spent / grid_estimate if grid_estimate else None,
         },
         "stages": [{"name": s.name, "runs": len(s.runs), "jobs": sorted(s.jobs)} for s in state.stages],

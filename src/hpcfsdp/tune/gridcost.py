@@ -1,0 +1,97 @@
+"""What the whole grid would have spent, estimated cell by cell from what the search measured,
+so that `tune` can say what it saved without running the grid.
+
+A grid cell's launch is its start-up (torchrun, imports, the model's build) and its steps. Each
+probe's launch measured both: its wall time less its steps (warm-up and timed, at its step time)
+is the start-up. So a cell is estimated as
+
+    its probe's start-up + (steps + comm_profile_steps) x its step time
+
+where the step time is the probe's, or computed from the probe at the smallest accumulation
+(accumulation.py), plus what a grid cell does beyond its steps that a probe does not (the
+communication profile): the median difference between the final stage's launches, which are grid
+cells, and their own estimates. A cell the final stage ran counts as measured. A cell whose probe failed (out
+of memory, mostly at its first steps) counts as its probe's launch: the grid cell would fail the
+same way. A cell never launched (left out before running) counts as the median probe start-up: a
+launch that fails at its first step. bench/tune_vs_grid.sh checks the estimate against the grid."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from ..sweep.define.matrix import Cell
+from .accumulation import computed_step_time
+from .state import FINAL, Launch, TuneState, read_launches, run_record
+
+BASIS = "estimated cell by cell from the probes' launches and step times (tune/gridcost.py)"
+
+
+def grid_estimate(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) -> float | None:
+    """GPU-hours the grid's cells would take, or None before any probe has been launched."""
+    walls = launch_estimates(cells, sweep_dir, state)
+    if walls is None:
+        return None
+    return sum(wall * cells[grid_id].spec.world_size for grid_id, wall in walls.items()) / 3600
+
+
+def launch_estimates(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) -> dict[str, float] | None:
+    """Grid cell id -> the wall time its launch would take (measured, for the final stage's cells),
+    or None before any probe has been launched."""
+    launches = read_launches(sweep_dir)
+    launched = {(launch.stage, launch.run): launch for launch in launches if launch.ended > launch.started}
+    probes: dict[str, tuple[Launch, dict]] = {}  # grid id -> its deepest probe's launch and record
+    for stage in state.stages:
+        if stage.final:
+            continue
+        for run, grid_id in stage.runs.items():
+            record = run_record(sweep_dir, stage.name, run)
+            if (stage.name, run) in launched and record:
+                probes[grid_id] = (launched[stage.name, run], record)
+    if not probes:
+        return None
+    start_ups = {grid_id: _start_up(launch, record) for grid_id, (launch, record) in probes.items()}
+
+    def from_probe(grid_id: str, cell: Cell) -> float | None:
+        """The cell's launch from its probe's; None without a probe of its setup."""
+        source = grid_id if grid_id in probes else state.computed.get(grid_id)
+        if source not in probes:
+            return None
+        launch, record = probes[source]
+        step = computed_step_time(record, cell.spec.grad_accum) if record["status"] == "ok" else None
+        if step is None:
+            return launch.ended - launch.started
+        return start_ups[source] + (cell.spec.steps + cell.spec.comm_profile_steps) * step
+
+    # What a grid cell does that its probe does not (the communication profile's set-up and
+    # analysis, the record's extras): measured where a final-stage cell has a probe to compare with.
+    finals = {grid_id: launched[FINAL, grid_id] for grid_id in cells if (FINAL, grid_id) in launched}
+    extras = [
+        (launch.ended - launch.started) - estimate
+        for grid_id, launch in finals.items()
+        if (estimate := from_probe(grid_id, cells[grid_id])) is not None
+    ]
+    extra = max(0.0, statistics.median(extras)) if extras else 0.0
+    typical = statistics.median(start_ups.values())
+    walls = {}
+    for grid_id, cell in cells.items():
+        estimate = from_probe(grid_id, cell)
+        if grid_id in finals:
+            wall = finals[grid_id].ended - finals[grid_id].started
+        elif estimate is None:
+            wall = typical
+        elif probes[grid_id if grid_id in probes else state.computed[grid_id]][1]["status"] == "ok":
+            wall = estimate + extra
+        else:
+            wall = estimate
+        walls[grid_id] = wall
+    return walls
+
+
+def _start_up(launch: Launch, record: dict) -> float:
+    """The launch's wall time less its steps (all of it for a probe that did not finish ok)."""
+    wall = launch.ended - launch.started
+    if record["status"] != "ok" or not record.get("step_time_s"):
+        return wall
+    steps = int(record.get("warmup_steps") or 0) + int(record.get("timed_steps") or 0)
+    return max(0.0, wall - steps * float(record["step_time_s"]))
