@@ -235,7 +235,7 @@ def test_a_cell_first_run_by_an_interrupted_local_submit_runs_again_with_the_sam
     `cancelled` record is kept in attempts/): the same command, without --retry-failed, runs it."""
     jobs, results, cell = copy_of(ok_sweep, tmp_path)
     (cell / "result.json").unlink()
-    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, cell_processes):
+    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGTERM, err

@@ -271,6 +271,7 @@ def test_a_killed_tune_under_slurm_waits_for_its_queued_probe_jobs_instead_of_qu
     first = subprocess.Popen([sys.executable, "-m", "hpcfsdp", *argv], env=env, stdout=subprocess.PIPE, text=True)
     state_file = tmp_path / "tk" / "tune" / "state.json"
     deadline = time.time() + 120
+
     def first_stage_queued() -> bool:  # the state is written before its first stage is added
         stages = json.loads(state_file.read_text())["stages"] if state_file.is_file() else []
         return bool(stages and stages[0]["jobs"])
