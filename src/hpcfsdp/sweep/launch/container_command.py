@@ -118,12 +118,15 @@ def srun_args(sweep: Sweep, sweep_dir: Path) -> list[str]:
     return [*args, *container.options]
 
 
-# podman run's --rm is done by podman run itself once its container exits; when a rank fails (exits
-# non-zero), srun ends the step's other tasks, and under load that can kill a podman run before its
-# removal, leaving an exited container. The batch shell removes this job's containers as it exits.
+# A container of `podman run --rm` is removed by its conmon (podman's exit command) once it exits,
+# also where the `podman run` client was killed first (checked on podman 4.3). One that never got
+# that far (Created, or Exited where the removal was cut short: a rank that failed under load,
+# 2026-11-26) is removed by the batch shell as it exits. Only those: forcing the removal of a
+# running container (stop, wait, remove) races its own conmon's, and at scancel Slurm's SIGKILL
+# after KillWait cut such a removal short and left the container behind (2026-11-26).
 PODMAN_CLEANUP = (
-    "trap 'podman rm --force --ignore $(podman ps --all --quiet "
-    "--filter name=^hpcfsdp-$SLURM_JOB_ID-) >/dev/null 2>&1' EXIT"
+    "trap 'podman rm --ignore $(podman ps --all --quiet --filter name=^hpcfsdp-$SLURM_JOB_ID- "
+    "--filter status=exited --filter status=created) >/dev/null 2>&1' EXIT"
 )
 
 
