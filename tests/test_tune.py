@@ -177,7 +177,7 @@ def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_pa
     grid_h = sum((entry["ended_at"] - entry["submitted_at"]) * 2 / 3600 for entry in manifest.values())
     estimate = found["spend"]["grid_estimate_gpu_hours"]
     assert len(manifest) == 2 and 0.5 < estimate / grid_h < 2.0, (estimate, grid_h)
-    assert found["spend"]["grid_estimate_basis"].startswith("cell by cell")
+    assert "cell by cell" in found["spend"]["grid_estimate_basis"]
 
 
 def test_a_killed_tune_resumes_without_repeating_a_finished_probe(tmp_path):

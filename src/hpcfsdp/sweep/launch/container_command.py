@@ -118,15 +118,16 @@ def srun_args(sweep: Sweep, sweep_dir: Path) -> list[str]:
     return [*args, *container.options]
 
 
-# A container of `podman run --rm` is removed by its conmon (podman's exit command) once it exits,
-# also where the `podman run` client was killed first (checked on podman 4.3). One that never got
-# that far (Created, or Exited where the removal was cut short: a rank that failed under load,
-# 2026-11-26) is removed by the batch shell as it exits. Only those: forcing the removal of a
-# running container (stop, wait, remove) races its own conmon's, and at scancel Slurm's SIGKILL
-# after KillWait cut such a removal short and left the container behind (2026-11-26).
+# A container of `podman run --rm` is removed by its `podman run`, or by its conmon (podman's exit
+# command) where the client was killed first (checked on podman 4.3). But at scancel under load,
+# Slurm's SIGKILL after KillWait can end a `podman run` in the middle of that removal, which then
+# never finishes: an Exited container is left (seen twice, 2026-11-26). Such a container is
+# garbage, whichever job left it, so the batch shell, as it exits, removes every Exited hpcfsdp
+# container on its node, and its own job's Created ones (another job's may be starting). Running
+# ones are left to their own removal: forcing it (stop, wait, remove) races theirs.
 PODMAN_CLEANUP = (
-    "trap 'podman rm --ignore $(podman ps --all --quiet --filter name=^hpcfsdp-$SLURM_JOB_ID- "
-    "--filter status=exited --filter status=created) >/dev/null 2>&1' EXIT"
+    "trap 'podman rm --ignore $(podman ps --all --quiet --filter name=^hpcfsdp- --filter status=exited) "
+    "$(podman ps --all --quiet --filter name=^hpcfsdp-$SLURM_JOB_ID- --filter status=created) >/dev/null 2>&1' EXIT"
 )
 
 
