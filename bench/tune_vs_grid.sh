@@ -111,9 +111,10 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 log "both streams ended; $(left) s of STREAM_S left"
 grids=("$out"/grid "$out"/grid[0-9]*)
-tune_done || { echo "tune has not finished: run the same command again"; }
 if tune_done; then
   "$py" bench/tune_vs_grid_table.py --tune "$out/tune/$name" --jobs "$jobs" \
     $(for g in "${grids[@]}"; do [[ -d $g/$name ]] && echo "--grid $g/$name"; done) | tee "$out/tune_vs_grid.md"
+else
+  echo "tune has not finished: run the same command again"
 fi
 tar -czf "$out/$name.tar.gz" -C "$out" --exclude='*.tar.gz' . 2>/dev/null

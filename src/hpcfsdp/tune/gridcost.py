@@ -52,39 +52,39 @@ def launch_estimates(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) 
         return None
     start_ups = {grid_id: _start_up(launch, record) for grid_id, (launch, record) in probes.items()}
 
-    def from_probe(grid_id: str, cell: Cell) -> float | None:
-        """The cell's launch from its probe's; None without a probe of its setup."""
+    def from_probe(grid_id: str, cell: Cell) -> tuple[float, bool] | None:
+        """The cell's launch from its probe's, and whether that probe finished ok; None without a
+        probe of its setup."""
         source = grid_id if grid_id in probes else state.computed.get(grid_id)
         if source not in probes:
             return None
         launch, record = probes[source]
-        step = computed_step_time(record, cell.spec.grad_accum) if record["status"] == "ok" else None
+        ok = record["status"] == "ok"
+        step = computed_step_time(record, cell.spec.grad_accum) if ok else None
         if step is None:
-            return launch.ended - launch.started
-        return start_ups[source] + (cell.spec.steps + cell.spec.comm_profile_steps) * step
+            return launch.ended - launch.started, ok
+        return start_ups[source] + (cell.spec.steps + cell.spec.comm_profile_steps) * step, ok
 
+    estimates = {grid_id: from_probe(grid_id, cell) for grid_id, cell in cells.items()}
     # What a grid cell does that its probe does not (the communication profile's set-up and
     # analysis, the record's extras): measured where a final-stage cell has a probe to compare with.
     finals = {grid_id: launched[FINAL, grid_id] for grid_id in cells if (FINAL, grid_id) in launched}
     extras = [
-        (launch.ended - launch.started) - estimate
+        (launch.ended - launch.started) - estimate[0]
         for grid_id, launch in finals.items()
-        if (estimate := from_probe(grid_id, cells[grid_id])) is not None
+        if (estimate := estimates[grid_id]) is not None
     ]
     extra = max(0.0, statistics.median(extras)) if extras else 0.0
     typical = statistics.median(start_ups.values())
     walls = {}
-    for grid_id, cell in cells.items():
-        estimate = from_probe(grid_id, cell)
+    for grid_id, estimate in estimates.items():
         if grid_id in finals:
-            wall = finals[grid_id].ended - finals[grid_id].started
+            walls[grid_id] = finals[grid_id].ended - finals[grid_id].started
         elif estimate is None:
-            wall = typical
-        elif probes[grid_id if grid_id in probes else state.computed[grid_id]][1]["status"] == "ok":
-            wall = estimate + extra
+            walls[grid_id] = typical
         else:
-            wall = estimate
-        walls[grid_id] = wall
+            wall, ok = estimate
+            walls[grid_id] = wall + extra if ok else wall
     return walls
 
 
