@@ -255,7 +255,9 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
 
     Fastest and cheapest differ whenever cells use different GPU counts: 4 GPUs at 9,000 tokens/s
     each finish first, 1 GPU at 12,000 costs less per token."""
-    ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).copy()
+    # A throughput of 0 (or -0.0: a Figure may be from 0 up) ranks nowhere: it would cost 1e9 / 0
+    # GPU-hours per billion tokens.
+    ranked = configs[pd.to_numeric(configs["tokens_per_s_per_gpu"], errors="coerce") > 0].copy()
     if ranked.empty:
         return []
     # Records from before gpu_hours_per_billion_tokens existed: the same figure from their throughput.
