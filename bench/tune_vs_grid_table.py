@@ -8,19 +8,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcfsdp.contracts.files import RecordError
 from hpcfsdp.contracts.record import read_record
 
 
-def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], float, int, dict[str, float]]:
-    """From the grid's folders (one per stream): cell id -> tokens/s per GPU of each ok cell (oom
-    and failed cells left out); how many records came from each card, day and commit; the GPU-hours
-    of the cells' launches; how many of those were counted to their record's file time; and cell
-    id -> launch wall time, for the cells whose manifest entry has ended_at."""
-    speeds, sources, gpu_s, estimated, walls = {}, {}, 0.0, 0, {}
+@dataclass
+class GridRecords:
+    """What the grid's folders (one per stream) hold, cell by cell."""
+
+    speeds: dict[str, float] = field(default_factory=dict)  # tokens/s per GPU of each ok cell
+    statuses: dict[str, str] = field(default_factory=dict)  # every readable record's status
+    sources: dict[str, int] = field(default_factory=dict)  # records per card, day and commit
+    gpu_hours: float = 0.0  # the cells' launches
+    estimated: int = 0  # launches counted to their record's file time (no ended_at)
+    walls: dict[str, float] = field(default_factory=dict)  # launch wall time where ended_at is known
+
+
+def grid_records(grids: list[Path]) -> GridRecords:
+    """Reads the grid's records and manifest entries (see GridRecords)."""
+    found, gpu_s = GridRecords(), 0.0
+    speeds, sources, walls = found.speeds, found.sources, found.walls
     for grid in grids:
         manifest = json.loads((grid / "manifest.json").read_text())
         for path in sorted(grid.glob("cells/*/result.json")):
@@ -32,17 +44,19 @@ def grid_records(grids: list[Path]) -> tuple[dict[str, float], dict[str, int], f
             commit = str(record.get("git_commit") or "?")[:7]
             where = f"{record.get('device_name', '?')}, {day}, commit {commit}"
             sources[where] = sources.get(where, 0) + 1
+            found.statuses[path.parent.name] = str(record["status"])
             if record["status"] == "ok":
                 speeds[path.parent.name] = float(record["tokens_per_s_per_gpu"])
             entry = manifest[path.parent.name]
             ended = entry.get("ended_at")
             if ended is None:
-                ended, estimated = path.stat().st_mtime, estimated + 1
+                ended, found.estimated = path.stat().st_mtime, found.estimated + 1
             else:
                 walls[path.parent.name] = float(ended) - float(entry["submitted_at"])
             spec = record["spec"]
             gpu_s += (float(ended) - float(entry["submitted_at"])) * int(spec["nodes"]) * int(spec["gpus_per_node"])
-    return speeds, sources, gpu_s / 3600, estimated, walls
+    found.gpu_hours = gpu_s / 3600
+    return found
 
 
 def estimate_check(tune: Path, jobs: Path, walls: dict[str, float]) -> str:
@@ -67,6 +81,27 @@ def estimate_check(tune: Path, jobs: Path, walls: dict[str, float]) -> str:
     )
 
 
+def agreement(ranking: list[dict], speeds: dict[str, float]) -> list[str]:
+    """tune's figures against the grid's for the same cell, by how tune got them (a probe, computed
+    from a probe at another accumulation, a final-stage run) and by batch: the accumulation
+    shortcut is checked against the probes' own spread, not against zero."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for row in ranking:
+        if row["status"] != "ok" or row["cell_id"] not in speeds or not row.get("tokens_per_s_per_gpu"):
+            continue
+        how = "final-stage run" if row["stage"] == "final" else "computed" if row.get("computed_from") else "probe"
+        batches = "batch 1-2" if int(row["setup"]["batch_size"]) <= 2 else "batch 4 and up"
+        groups.setdefault((how, batches), []).append(float(row["tokens_per_s_per_gpu"]) / speeds[row["cell_id"]] - 1)
+    lines = ["", "tune's tokens/s per GPU against the grid's, cell by cell (tune / grid - 1):", ""]
+    lines += ["| how tune got it | batch | cells | median | range |", "|:--|:--|--:|--:|:--|"]
+    for (how, batches), ratios in sorted(groups.items()):
+        lines.append(
+            f"| {how} | {batches} | {len(ratios)} | {statistics.median(ratios):+.1%} "
+            f"| {min(ratios):+.1%} to {max(ratios):+.1%} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", type=Path, action="append", required=True, help="a sweep folder of the grid")
@@ -74,7 +109,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=Path, help="the YAML: check tune's estimate of the grid cell by cell")
     args = parser.parse_args()
     found = json.loads((args.tune / "tune.json").read_text())
-    speeds, sources, grid_h, estimated, walls = grid_records(args.grid)
+    grid = grid_records(args.grid)
+    speeds, sources, grid_h = grid.speeds, grid.sources, grid.gpu_hours
     ranked = sorted(speeds, key=lambda cell: -speeds[cell])
     pick = (found.get("best") or {}).get("cell_id")
     spend = found["spend"]
@@ -92,7 +128,7 @@ def main() -> None:
     ]
     if ranked:
         lines.append(
-            f"| pick's tokens/s per GPU in the grid | {speeds[ranked[0]]:,.1f} | {speeds.get(pick, 0.0):,.1f} |"
+            f"| pick's tokens/s per GPU in the grid | {speeds[ranked[0]]:,.1f} | {speeds.get(pick or '', 0.0):,.1f} |"
         )
         place = ranked.index(pick) + 1 if pick in ranked else None
         lines.append(f"| pick's place in the grid | 1 | {place or 'not ok in the grid'} of {len(ranked)} ok |")
@@ -101,10 +137,13 @@ def main() -> None:
     lines = [line for line in lines if line]
     lines += ["", "The grid's top three (tokens/s per GPU): " + ", ".join(f"{c} {speeds[c]:,.1f}" for c in ranked[:3])]
     lines += ["", "The grid's records came from: " + "; ".join(f"{n} from {where}" for where, n in sources.items())]
-    if estimated:
-        lines += [f"{estimated} grid cell(s) ran before the manifest had ended_at: counted to their record's file time"]
+    if grid.estimated:
+        lines += [
+            f"{grid.estimated} grid cell(s) ran before the manifest had ended_at: counted to their record's file time"
+        ]
     if args.jobs:
-        lines += ["", estimate_check(args.tune, args.jobs, walls)]
+        lines += ["", estimate_check(args.tune, args.jobs, grid.walls)]
+    lines += agreement(found["ranking"], speeds)
     lines += ["", "tune's ranking (its furthest stage):"]
     lines += [
         f"- {row['cell_id']} {row['stage']} {row['status']}"
@@ -114,7 +153,15 @@ def main() -> None:
         for row in found["ranking"]
     ]
     lines += ["", *(f"note: {note}" for note in found["notes"])]
-    lines += [f"left out before running: {cell}: {why}" for cell, why in found["pruned"].items()]
+    lines += [
+        f"left out before running: {cell}: {why} (grid: {grid.statuses.get(cell, 'no record')})"
+        for cell, why in found["pruned"].items()
+    ]
+    ran = [grid.statuses[cell] for cell in found["pruned"] if cell in grid.statuses]
+    lines += [
+        f"of the {len(found['pruned'])} cell(s) left out, the grid ran {len(ran)}: "
+        + ", ".join(f"{ran.count(s)} {s}" for s in sorted(set(ran)))
+    ]
     print("\n".join(lines))
 
 
