@@ -171,7 +171,8 @@ def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_pa
     # What the grid would have spent, estimated from those two launches, against the grid itself
     # (the local executor's manifest times each cell's launch): the same order of GPU-hours. Here a
     # launch is mostly start-up, which moves by half with the machine's load between the two runs;
-    # the estimate's accuracy is measured on GPUs (bench/tune_vs_grid_table.py: +3.7% over the whole 64-cell grid on H200s).
+    # the estimate's accuracy is measured on GPUs (bench/tune_vs_grid_table.py: +3.7% over the whole
+    # 64-cell grid on H200s).
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path / "grid")]) == 0
     manifest = json.loads((tmp_path / "grid" / "ta" / "manifest.json").read_text())
     grid_h = sum((entry["ended_at"] - entry["submitted_at"]) * 2 / 3600 for entry in manifest.values())
