@@ -80,23 +80,43 @@ def training_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def overhead_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Pairs of cells that differ only in measuring (per-step sync and NVML on / off), by seed."""
+    """Pairs of cells that differ only in measuring (per-step sync and NVML on / off), by sweep
+    folder and seed. The cost compares like with like: each side's timed window over its steps
+    (`window_step_time_s`, which holds the per-step syncs where they ran). The tokens/s the records
+    report differ in kind: the median step with per-step sync, the window's mean without."""
     frame = frame[(frame["status"] == "ok") & (frame["seed"] > 0)]
-    pairs = frame.pivot_table(index="seed", columns="sync_each_step", values="tokens_per_s_per_gpu")
-    pairs = pairs.rename(columns={True: "measured", False: "bare"})[["measured", "bare"]]
-    pairs["cost"] = 1 - pairs["measured"] / pairs["bare"]
-    pairs.loc["median"] = pairs.median()
-    table = pairs.reset_index().rename(
-        columns={
-            "seed": "pair",
-            "measured": "tokens/s/GPU measured",
-            "bare": "tokens/s/GPU bare",
-            "cost": "cost of measuring",
+    index = ["source", "seed"]
+    window = frame.pivot_table(index=index, columns="sync_each_step", values="window_step_time_s")
+    reported = frame.pivot_table(index=index, columns="sync_each_step", values="tokens_per_s_per_gpu")
+    pairs = pd.DataFrame(
+        {
+            "measured": reported[True],
+            "bare": reported[False],
+            "window_measured": window[True],
+            "window_bare": window[False],
         }
     )
-    for column in ("tokens/s/GPU measured", "tokens/s/GPU bare"):
+    pairs["cost"] = pairs["window_measured"] / pairs["window_bare"] - 1
+    pairs["reported"] = 1 - pairs["measured"] / pairs["bare"]
+    pairs.loc[("median", ""), :] = pairs.median()
+    table = pairs.reset_index().rename(
+        columns={
+            "source": "run",
+            "seed": "pair",
+            "window_measured": "window s/step measured",
+            "window_bare": "window s/step bare",
+            "cost": "cost of measuring (windows)",
+            "measured": "reported tokens/s/GPU measured (median step)",
+            "bare": "reported tokens/s/GPU bare (window)",
+            "reported": "reported difference",
+        }
+    )
+    for column in ("reported tokens/s/GPU measured (median step)", "reported tokens/s/GPU bare (window)"):
         table[column] = table[column].map(lambda v: f"{v:,.0f}")
-    table["cost of measuring"] = table["cost of measuring"].map(lambda v: f"{100 * v:+.2f}%")
+    for column in ("window s/step measured", "window s/step bare"):
+        table[column] = table[column].map(lambda v: f"{v:.4f}")
+    for column in ("cost of measuring (windows)", "reported difference"):
+        table[column] = table[column].map(lambda v: f"{100 * v:+.2f}%")
     return table
 
 
@@ -112,7 +132,8 @@ def _select(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 
 
 def main(view: str, sweep_dirs: list[str]) -> None:
-    frame = pd.concat([load_records(d).frame for d in sweep_dirs], ignore_index=True)
+    frames = [load_records(d).frame.assign(source=str(k + 1)) for k, d in enumerate(sweep_dirs)]
+    frame = pd.concat(frames, ignore_index=True)
     table = {"perf": perf_table, "training": training_table, "overhead": overhead_table}[view](frame)
     print(markdown_table(printable(table)))
 
