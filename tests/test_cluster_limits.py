@@ -1,5 +1,5 @@
 """The submitter within the cluster's limits, on a local cluster of its own (slurm/local/start.sh
-with MaxArraySize=5, a partition MaxTime of 60 min, 2 nodes of 1 CPU and 4 GPUs): arrays split at
+with MaxArraySize=3, a partition MaxTime of 60 min, 2 nodes of 1 CPU and 4 GPUs): arrays split at
 MaxArraySize and throttled by slurm.max_jobs_in_queue, the preflight that refuses a cell the
 partition can never run, Slurm's pending reason in `status`, and `submit --wait` ending when every
 cell left waits on a reason that cannot clear. Plus the readers of what Slurm prints."""
@@ -37,7 +37,7 @@ def small_cluster_env() -> Iterator[dict[str, str]]:
         "HPCFSDP_SLURM_DIR": tempfile.mkdtemp(prefix="hpcfsdp-slurm-limits-"),
         "HPCFSDP_SLURM_PORT": str(free_port_block(3)),
         "HPCFSDP_SLURM_CPUS": "1",
-        "HPCFSDP_SLURM_MAX_ARRAY_SIZE": "5",
+        "HPCFSDP_SLURM_MAX_ARRAY_SIZE": "3",
         "HPCFSDP_SLURM_MAX_TIME": "60",
         "HPCFSDP_SLURM_ACCOUNTING": "0",  # as a cluster without slurmdbd; spares a database
     }
@@ -70,29 +70,29 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
         f"""
         name: split
         base: {{{TINY}}}
-        slurm: {{time_min: 10, max_jobs_in_queue: 8}}
+        slurm: {{time_min: 10, max_jobs_in_queue: 5}}
         matrix:
-          batch_size: [1, 2, 3, 4, 5, 6]
+          batch_size: [1, 2, 3, 4]
           seed: [0, 1]
         """,
     )
     results = tmp_path / "results"
     assert main(["plan", str(jobs)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("split: 12 cell(s) in 3 array(s)\n"), out
-    assert "(an array holds at most 5 cells: the cluster's MaxArraySize)" in out
+    assert out.startswith("split: 8 cell(s) in 3 array(s)\n"), out
+    assert "(an array holds at most 3 cells: the cluster's MaxArraySize)" in out
 
-    # Without --wait: what fits under slurm.max_jobs_in_queue is queued (5 + 3), the rest is named.
+    # Without --wait: what fits under slurm.max_jobs_in_queue is queued (3 + 2), the rest is named.
     submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
     assert main(submit) == 0
     out = capsys.readouterr().out
-    assert re.search(r"submitted array \d+: 5 cell\(s\) on 1 node\(s\) x 1 GPU\(s\)", out), out
-    (queued,) = re.findall(r"queued (\d+) of 12 cell\(s\): the queue is full \(slurm.max_jobs_in_queue 8\)", out)
-    assert 8 <= int(queued) < 12
+    assert re.search(r"submitted array \d+: 3 cell\(s\) on 1 node\(s\) x 1 GPU\(s\)", out), out
+    (queued,) = re.findall(r"queued (\d+) of 8 cell\(s\): the queue is full \(slurm.max_jobs_in_queue 5\)", out)
+    assert 5 <= int(queued) < 8
     # With --wait: the cells in flight are left alone, the others go out as the queue makes room.
     assert main([*submit, "--wait"]) == 0
     out = capsys.readouterr().out
-    assert "waiting for room in the queue (slurm.max_jobs_in_queue 8" in out, out
+    assert "waiting for room in the queue (slurm.max_jobs_in_queue 5" in out, out
 
     sweep_dir = results / "split"
     records = {p.parent.name: json.loads(p.read_text()) for p in sweep_dir.glob("cells/*/result.json")}
@@ -100,7 +100,7 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
     assert all(r["status"] == "ok" for r in records.values()), {k: r.get("error") for k, r in records.items()}
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
     per_array = Counter(entry["job_id"].split("_")[0] for entry in manifest.values())
-    assert len(manifest) == 12 and len(per_array) >= 3 and max(per_array.values()) <= 5, per_array
+    assert len(manifest) == 8 and len(per_array) >= 3 and max(per_array.values()) <= 3, per_array
     assert per_array == Counter(r["slurm"]["array_job_id"] or r["slurm"]["job_id"] for r in records.values())
 
 
