@@ -102,11 +102,13 @@ def test_a_diverged_record_may_hold_null_nan_and_infinite_losses(tmp_path, capsy
 
 def test_absurd_numbers_never_win_the_recommendation(tmp_path, capsys):
     results = tmp_path / "results"
-    sweep = write_sweep(results, "absurd", 0, {"a": 1000.0, "b": 2000.0, "c": 1500.0, "d": 800.0})
+    sweep = write_sweep(results, "absurd", 0, {"a": 1000.0, "b": 2000.0, "c": 1500.0, "d": 800.0, "e": 900.0})
     by_speed = {json.loads(p.read_text())["tokens_per_s_per_gpu"]: p for p in cells_of(sweep)}
     spoil(by_speed[1000.0], tokens_per_s_per_gpu=float("inf"), tokens_per_s=float("inf"))
     spoil(by_speed[1500.0], peak_memory_gib=-0.24)
     spoil(by_speed[800.0], tokens_per_s_per_gpu=1e308)  # finite, but x 2 GPUs is not
+    # In range (a Figure is from 0 up), but 1e9 / (3600 x -0.0) is -inf GPU-hours per billion tokens.
+    spoil(by_speed[900.0], tokens_per_s_per_gpu=-0.0, gpu_hours_per_billion_tokens=None, peak_memory_gib=0.01)
     assert main(["collect", str(sweep), "--no-plots"]) == 0
     out = capsys.readouterr().out
     recommended = [line for line in out.splitlines() if line.startswith(("Fastest", "Most memory", "Cheapest"))]
