@@ -10,6 +10,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,6 @@ class GridRecords:
 def grid_records(grids: list[Path]) -> GridRecords:
     """Reads the grid's records and manifest entries (see GridRecords)."""
     found, gpu_s = GridRecords(), 0.0
-    speeds, sources, walls = found.speeds, found.sources, found.walls
     for grid in grids:
         manifest = json.loads((grid / "manifest.json").read_text())
         for path in sorted(grid.glob("cells/*/result.json")):
@@ -43,18 +43,20 @@ def grid_records(grids: list[Path]) -> GridRecords:
             day = time.strftime("%Y-%m-%d", time.gmtime(float(record.get("started_at") or 0)))
             commit = str(record.get("git_commit") or "?")[:7]
             where = f"{record.get('device_name', '?')}, {day}, commit {commit}"
-            sources[where] = sources.get(where, 0) + 1
-            found.statuses[path.parent.name] = str(record["status"])
+            found.sources[where] = found.sources.get(where, 0) + 1
+            cell = path.parent.name
+            found.statuses[cell] = str(record["status"])
             if record["status"] == "ok":
-                speeds[path.parent.name] = float(record["tokens_per_s_per_gpu"])
-            entry = manifest[path.parent.name]
-            ended = entry.get("ended_at")
-            if ended is None:
-                ended, found.estimated = path.stat().st_mtime, found.estimated + 1
+                found.speeds[cell] = float(record["tokens_per_s_per_gpu"])
+            entry = manifest[cell]
+            if entry.get("ended_at") is None:
+                wall = path.stat().st_mtime - float(entry["submitted_at"])
+                found.estimated += 1
             else:
-                walls[path.parent.name] = float(ended) - float(entry["submitted_at"])
+                wall = float(entry["ended_at"]) - float(entry["submitted_at"])
+                found.walls[cell] = wall
             spec = record["spec"]
-            gpu_s += (float(ended) - float(entry["submitted_at"])) * int(spec["nodes"]) * int(spec["gpus_per_node"])
+            gpu_s += wall * int(spec["nodes"]) * int(spec["gpus_per_node"])
     found.gpu_hours = gpu_s / 3600
     return found
 
@@ -157,11 +159,12 @@ def main() -> None:
         f"left out before running: {cell}: {why} (grid: {grid.statuses.get(cell, 'no record')})"
         for cell, why in found["pruned"].items()
     ]
-    ran = [grid.statuses[cell] for cell in found["pruned"] if cell in grid.statuses]
-    lines += [
-        f"of the {len(found['pruned'])} cell(s) left out, the grid ran {len(ran)}: "
-        + ", ".join(f"{ran.count(s)} {s}" for s in sorted(set(ran)))
-    ]
+    ran = Counter(grid.statuses[cell] for cell in found["pruned"] if cell in grid.statuses)
+    if found["pruned"]:
+        lines.append(
+            f"of the {len(found['pruned'])} cell(s) left out, the grid ran {ran.total()}: "
+            + ", ".join(f"{n} {status}" for status, n in sorted(ran.items()))
+        )
     print("\n".join(lines))
 
 
