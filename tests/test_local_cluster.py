@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port_block
+from conftest import ROOT, free_port_block, start_slurm, stop_slurm
 
 # In a PID and mount namespace of its own, with a /run/munge of its own, the cluster is the only
 # one on the "machine" (as on a bare CI machine): start.sh starts munged, and stop.sh stops it
@@ -51,3 +53,61 @@ def test_start_comes_up_the_first_time_after_a_knob_change_on_a_machine_of_one_c
     log = (tmp_path / "restart.log").read_text() if (tmp_path / "restart.log").exists() else ""
     assert "FIRST RESTART OK" in proc.stdout, f"{proc.stderr[-2000:]}\n{log[-3000:]}"
     assert "configuration changed: restarting the daemons" in log
+
+
+@pytest.mark.slurm
+def test_a_cluster_on_the_hosts_gpus_gives_each_nodes_tasks_that_nodes_own_devices(tmp_path):
+    """HPCFSDP_SLURM_GPUS=host splits the host's GPUs across nodes that share the host. Slurm numbers
+    each node's GPUs from 0 (both nodes' tasks would get CUDA_VISIBLE_DEVICES=0,1 and share two
+    cards); the TaskProlog gives them the host's numbers. Four links to /dev/null stand in for the
+    device files of a four-GPU host."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for k in range(4):
+        (devices / f"nvidia{k}").symlink_to("/dev/null")
+    state = tempfile.mkdtemp(prefix="hpcfsdp-slurm-hostgpus-")
+    knobs = {
+        "HPCFSDP_SLURM_DIR": state,
+        "HPCFSDP_SLURM_PORT": str(free_port_block(4)),
+        "HPCFSDP_SLURM_GPUS": "host",
+        "HPCFSDP_SLURM_GPU_DEVICES": str(devices),
+        "HPCFSDP_SLURM_ACCOUNTING": "0",
+    }
+    try:
+        env, _ = start_slurm(knobs)
+        out = tmp_path / "job.out"
+        task = 'echo "$SLURMD_NODENAME $SLURM_PROCID $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER"'
+        two_nodes = slurm_with(
+            env,
+            "sbatch",
+            "--parsable",
+            "--wait",
+            "-N",
+            "2",
+            "--ntasks-per-node=2",
+            "--gres=gpu:2",
+            "-o",
+            str(out),
+            "--wrap",
+            f"srun bash -c '{task}'",
+        )
+        assert two_nodes.strip()
+        lines = sorted(out.read_text().split("\n"))
+        tasks = {tuple(line.split()[:2]): line.split()[2:] for line in lines if line.startswith("hpcfsdp-n")}
+        assert tasks == {
+            ("hpcfsdp-n1", "0"): ["0,1", "PCI_BUS_ID"],
+            ("hpcfsdp-n1", "1"): ["0,1", "PCI_BUS_ID"],
+            ("hpcfsdp-n2", "2"): ["2,3", "PCI_BUS_ID"],
+            ("hpcfsdp-n2", "3"): ["2,3", "PCI_BUS_ID"],
+        }, out.read_text()
+        gres = (Path(state) / "conf/gres.conf").read_text()
+        assert f"NodeName=hpcfsdp-n2 Name=gpu File={state}/gpu/hpcfsdp-n2/nvidia[2-3]" in gres
+    finally:
+        stop_slurm(knobs, "--purge")
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def slurm_with(env: dict[str, str], *args: str) -> str:
+    return subprocess.run(
+        list(args), check=True, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    ).stdout

@@ -25,6 +25,10 @@ done
 
 log() { echo "[hpcfsdp-slurm] $*" >&2; }
 
+# A cluster run from unpacked packages (start.sh's HPCFSDP_SLURM_DEBS): its programs and libraries.
+# shellcheck disable=SC1091
+if [[ -f $DIR/conf/env.sh ]]; then source "$DIR/conf/env.sh"; fi
+
 # Pid from a pid file if that process is alive and was started with our slurm.conf: on its command
 # line, or (slurmdbd, mariadbd) as SLURM_CONF in its environment.
 our_pid() {
@@ -99,6 +103,12 @@ if [[ -d $DIR/run ]]; then
         if pid=$(our_pid "$DIR/run/$name.pid"); then stop_pid "$name" "$pid"; fi
         rm -f "$DIR/run/$name.pid"
     done
+fi
+
+# The munged of a cluster run from unpacked packages is its own (its key and socket in the state folder).
+if [[ -s $DIR/run/munged.pid ]] && pid=$(<"$DIR/run/munged.pid") && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$DIR/"; then
+    stop_pid munged "$pid"
+    rm -f "$DIR/run/munged.pid"
 fi
 
 # munged, if start.sh started it, once no Slurm daemon runs on this machine any more (another
