@@ -59,11 +59,12 @@ def test_start_comes_up_the_first_time_after_a_knob_change_on_a_machine_of_one_c
 def test_a_cluster_on_the_hosts_gpus_gives_each_nodes_tasks_that_nodes_own_devices(tmp_path):
     """HPCFSDP_SLURM_GPUS=host splits the host's GPUs across nodes that share the host. Slurm numbers
     each node's GPUs from 0 (both nodes' tasks would get CUDA_VISIBLE_DEVICES=0,1 and share two
-    cards); the TaskProlog gives them the host's numbers. Four links to /dev/null stand in for the
-    device files of a four-GPU host."""
+    cards); the TaskProlog gives them the host's numbers. Six links to /dev/null stand in for the
+    device files of a six-GPU host, of which the cluster takes four (HPCFSDP_SLURM_HOST_GPUS), as
+    when other runs hold the rest."""
     devices = tmp_path / "dev"
     devices.mkdir()
-    for k in range(4):
+    for k in range(6):
         (devices / f"nvidia{k}").symlink_to("/dev/null")
     state = tempfile.mkdtemp(prefix="hpcfsdp-slurm-hostgpus-")
     knobs = {
@@ -71,6 +72,7 @@ def test_a_cluster_on_the_hosts_gpus_gives_each_nodes_tasks_that_nodes_own_devic
         "HPCFSDP_SLURM_PORT": str(free_port_block(4)),
         "HPCFSDP_SLURM_GPUS": "host",
         "HPCFSDP_SLURM_GPU_DEVICES": str(devices),
+        "HPCFSDP_SLURM_HOST_GPUS": "1,2,4,5",
         "HPCFSDP_SLURM_ACCOUNTING": "0",
     }
     try:
@@ -95,13 +97,13 @@ def test_a_cluster_on_the_hosts_gpus_gives_each_nodes_tasks_that_nodes_own_devic
         lines = sorted(out.read_text().split("\n"))
         tasks = {tuple(line.split()[:2]): line.split()[2:] for line in lines if line.startswith("hpcfsdp-n")}
         assert tasks == {
-            ("hpcfsdp-n1", "0"): ["0,1", "PCI_BUS_ID"],
-            ("hpcfsdp-n1", "1"): ["0,1", "PCI_BUS_ID"],
-            ("hpcfsdp-n2", "2"): ["2,3", "PCI_BUS_ID"],
-            ("hpcfsdp-n2", "3"): ["2,3", "PCI_BUS_ID"],
+            ("hpcfsdp-n1", "0"): ["1,2", "PCI_BUS_ID"],
+            ("hpcfsdp-n1", "1"): ["1,2", "PCI_BUS_ID"],
+            ("hpcfsdp-n2", "2"): ["4,5", "PCI_BUS_ID"],
+            ("hpcfsdp-n2", "3"): ["4,5", "PCI_BUS_ID"],
         }, out.read_text()
         gres = (Path(state) / "conf/gres.conf").read_text()
-        assert f"NodeName=hpcfsdp-n2 Name=gpu File={state}/gpu/hpcfsdp-n2/nvidia[2-3]" in gres
+        assert f"NodeName=hpcfsdp-n2 Name=gpu File={state}/gpu/hpcfsdp-n2/nvidia5" in gres
     finally:
         stop_slurm(knobs, "--purge")
         shutil.rmtree(state, ignore_errors=True)
