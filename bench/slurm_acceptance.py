@@ -221,7 +221,7 @@ def run_seed(work: Path, out: Path) -> list[dict]:
             "seed",
             "logs CELL --stderr of an oom cell names the OOM",
             logs.returncode if logs else "no oom cell",
-            bool(logs) and logs.returncode == 0 and "out of memory" in (logs.stdout + logs.stderr).lower(),
+            bool(logs) and logs.returncode == 0 and re.search(r"out.of.memory", (logs.stdout + logs.stderr).lower()) is not None,
         ),
         row(
             "seed",
