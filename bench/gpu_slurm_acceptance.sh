@@ -50,6 +50,6 @@ bash slurm/local/stop.sh 2>&1 | tail -2
 # Raw logs and every record in one archive; beside it only the table, machine.txt and the rows.
 cp "$out"/*.log "$out"/*.txt "$out"/*.json "$out"/*.md "$HPCFSDP_SLURM_DIR"/log/*.log "$work"/ 2>/dev/null
 tar -czf "$out/slurm_logs.tar.gz" -C "$work" --exclude='*.pt' --exclude='*.pickle' . 2>/dev/null
-find "$out" -maxdepth 1 -type f ! -name slurm_acceptance.md ! -name machine.txt ! -name '*.json' ! -name seed_summary.md \
+find "$out" -maxdepth 1 -type f ! -name slurm_acceptance.md ! -name machine.txt ! -name seed_summary.md ! -name scaling_section.md ! -name scaling.png \
   ! -name slurm_logs.tar.gz -delete
 echo "== done in $SECONDS s"

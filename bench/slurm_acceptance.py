@@ -18,6 +18,8 @@ bench/gpu_slurm_acceptance.sh starts the cluster and runs the parts it is given.
              on a GPU. Then `submit --retry-failed` reruns the failed cells without the fault: ok.
   daytoday:  `cancel --pending-only` on an array of which one cell runs, and `tune` with the Slurm
              executor and --probes-per-job.
+  scaling:   the FSDP2 blog's 1 -> 2 -> 4 GPU table (bench/jobs/scaling_slurm.yaml) through Slurm and
+             collect: the report's Scaling section and plot.
   table:     acceptance.md from the parts' rows.
 
 Smoke mode (SLURM_ACCEPTANCE_SMOKE=1): the tiny model on CPU processes, on the local cluster's stand-in
@@ -221,7 +223,9 @@ def run_seed(work: Path, out: Path) -> list[dict]:
             "seed",
             "logs CELL --stderr of an oom cell names the OOM",
             logs.returncode if logs else "no oom cell",
-            bool(logs) and logs.returncode == 0 and re.search(r"out.of.memory", (logs.stdout + logs.stderr).lower()) is not None,
+            bool(logs)
+            and logs.returncode == 0
+            and "out of memory" in (logs.stdout + logs.stderr).replace("-", " ").lower(),
         ),
         row(
             "seed",
@@ -557,9 +561,43 @@ def run_daytoday(work: Path, out: Path) -> list[dict]:
     return rows
 
 
+def run_scaling(work: Path, out: Path) -> list[dict]:
+    """bench/jobs/scaling_slurm.yaml through the Slurm executor, then collect: the report's Scaling
+    section and plot (smoke: the tiny model on CPU processes)."""
+    jobs = yaml.safe_load(Path("bench/jobs/scaling_slurm.yaml").read_text())
+    if smoke():
+        jobs["base"] |= base()
+        jobs["matrix"]["model"] = ["tiny"]
+        jobs["include"] = [{**cell, "model": "tiny"} for cell in jobs["include"][:1]]
+    jobs["slurm"] = slurm_section(**jobs.get("slurm", {}))
+    (work / "scaling.yaml").write_text(yaml.safe_dump(jobs))
+    started = time.time()
+    submit = hpcfsdp(
+        "submit", str(work / "scaling.yaml"), "--results-dir", str(work / "results"), "--wait", timeout=560
+    )
+    keep(out, "scaling_submit", submit)
+    sweep = work / "results" / jobs["name"]
+    recs = records(sweep)
+    summary = sweep / "report" / "summary.md"
+    text = summary.read_text() if summary.exists() else ""
+    scaling = text[text.find("## Scaling") :].split("\n## ")[0] if "## Scaling" in text else ""
+    (out / "scaling_section.md").write_text(scaling)
+    if (sweep / "report" / "plots" / "scaling.png").exists():
+        (out / "scaling.png").write_bytes((sweep / "report" / "plots" / "scaling.png").read_bytes())
+    return [
+        row(
+            "scaling",
+            "cells recorded, ok (wall s)",
+            (len(recs), sum(r["status"] == "ok" for r in recs), round(time.time() - started)),
+            len(recs) == len(list((sweep / "cells").iterdir())) and bool(recs),
+        ),
+        row("scaling", "the report's Scaling section rows", scaling.count("\n| ") - 1, scaling.count("\n| ") > 2),
+    ]
+
+
 def table(out: Path) -> str:
     lines = ["| part | check | result | verdict |", "|---|---|---|---|"]
-    for part in ("seed", "multinode", "faults", "daytoday"):
+    for part in PARTS:
         path = out / f"{part}.json"
         if not path.exists():
             continue
@@ -571,7 +609,13 @@ def table(out: Path) -> str:
     return text
 
 
-PARTS = {"seed": run_seed, "multinode": run_multinode, "faults": run_faults, "daytoday": run_daytoday}
+PARTS = {
+    "seed": run_seed,
+    "multinode": run_multinode,
+    "faults": run_faults,
+    "daytoday": run_daytoday,
+    "scaling": run_scaling,
+}
 
 
 def main() -> None:

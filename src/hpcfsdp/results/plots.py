@@ -32,6 +32,7 @@ from matplotlib.ticker import MaxNLocator, NullLocator
 
 from ..contracts.files import atomic_output
 from ..contracts.gpus import gpu_memory_gib
+from .scaling import scaling_table
 
 DPI = 100
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
@@ -238,6 +239,33 @@ def memory_stages(data: PlotData) -> Figure:
     return figure
 
 
+def scaling(data: PlotData) -> Figure:
+    """Tokens/s per GPU against the GPU count, one line per strategy, one panel per model: the
+    scaling table (results/scaling.py) drawn."""
+    configs = data.configs
+    if {"nodes", "gpus_per_node"} <= set(configs.columns):
+        configs = configs.assign(world_size=configs["nodes"] * configs["gpus_per_node"])
+    table = scaling_table(configs)
+    if table.empty:
+        raise NoData("the ok cells ran at one GPU count, or no workload has a one-GPU cell: nothing to scale")
+    models = list(table["model"].unique())
+    figure = Figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
+    axes = figure.subplots(1, len(models), squeeze=False, sharey=True).ravel()
+    for ax, model in zip(axes, models):
+        part = table[table["model"] == model]
+        for strategy, rows in part.groupby("strategy", sort=True):
+            ax.plot(rows["GPUs"], rows["tokens/s/gpu"], marker="o", label=str(strategy))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(part["GPUs"].unique()), [str(g) for g in sorted(part["GPUs"].unique())])
+        ax.set_title(str(model))
+        ax.set_xlabel("GPUs")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("tokens/s per GPU")
+    figure.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
+    figure.suptitle("Tokens/s per GPU vs GPUs (fixed per-device batch)", fontsize=13, fontweight="bold")
+    return figure
+
+
 PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
     ("throughput", "Tokens/s per GPU vs per-device batch, per strategy", throughput),
     ("memory", "Peak memory vs per-device batch, with the GPU's capacity when known", memory),
@@ -250,6 +278,7 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
         loss_curves,
     ),
     ("memory_stages", "Memory by stage per strategy at one common workload", memory_stages),
+    ("scaling", "Tokens/s per GPU vs GPUs, per strategy and model (the scaling table)", scaling),
 )
 
 

@@ -21,6 +21,7 @@ from ..contracts.gpus import gpu_memory_gib
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown
+from .scaling import scaling_table
 from .tables import (
     DEFAULT_BASELINES,
     METRIC_NAMES,
@@ -34,6 +35,7 @@ from .tables import (
     frontier_table,
     on_cpu,
     pivot_tables,
+    printable,
     probe_rows,
     reference_cells,
     status_counts,
@@ -89,6 +91,7 @@ def write_report(
     sections += [
         Section("Plots", text=_plot_note(plots, skipped), images=figures),
         *pivot_sections(cells, configs),
+        *scaling_sections(cells),
         all_cells_section(table),
         Section("Environment", table=environment_table(collection.frame)),
     ]
@@ -235,6 +238,18 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
         )
         sections += [Section(setting, table=table, level=3) for setting, table in pivot_tables(cells, metric)]
     return sections
+
+
+def scaling_sections(cells: Cells) -> list[Section]:
+    """The scaling table, where ok cells ran one workload at several GPU counts (results/scaling.py)."""
+    table = scaling_table(cells.ok)
+    if table.empty:
+        return []
+    text = (
+        "Weak scaling at a fixed per-device batch: tokens/s per GPU at N GPUs over the same workload's "
+        "fastest one-GPU cell (model, sequence length, batch, accumulation and precision alike)."
+    )
+    return [Section("Scaling", text=text, table=printable(table))]
 
 
 def all_cells_section(table: pd.DataFrame) -> Section:
