@@ -78,10 +78,18 @@ def cell_fields() -> list[str]:
 
 
 def gpu_pids() -> set[int]:
+    """The processes on this run's GPUs: ACCEPTANCE_GPUS or CUDA_VISIBLE_DEVICES (nvidia-smi's numbers,
+    with CUDA_DEVICE_ORDER=PCI_BUS_ID), else every GPU: runs beside each other on one host (the
+    Slurm acceptance on the other GPUs) do not count as left over."""
     if shutil.which("nvidia-smi") is None:
         return set()
+    gpus = os.environ.get("ACCEPTANCE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    only = ["-i", gpus] if re.fullmatch(r"\d+(,\d+)*", gpus) else []
     out = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        ["nvidia-smi", *only, "--query-compute-apps=pid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout
     return {int(line) for line in out.split() if line.strip().isdigit()}
 

@@ -28,6 +28,7 @@ if [[ ${SLURM_ACCEPTANCE_SMOKE:-0} == 1 ]]; then
   export HPCFSDP_SLURM_GPUS=2 HPCFSDP_SLURM_ACCOUNTING=0 SLURM_ACCEPTANCE_GPUS_PER_NODE=2 OMP_NUM_THREADS=1
 else
   export HPCFSDP_SLURM_GPUS=host HPCFSDP_SLURM_HOST_GPUS=${SLURM_ACCEPTANCE_HOST_GPUS:-}
+  export ACCEPTANCE_GPUS=${SLURM_ACCEPTANCE_HOST_GPUS:-} CUDA_DEVICE_ORDER=PCI_BUS_ID   # processes left: on these GPUs
   gpus=${SLURM_ACCEPTANCE_HOST_GPUS:-$(nvidia-smi -L | wc -l)}
   [[ $gpus == *,* ]] && gpus=$(tr ',' '\n' <<<"$gpus" | wc -l)
   export SLURM_ACCEPTANCE_GPUS_PER_NODE=$((gpus / 2))

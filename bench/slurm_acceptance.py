@@ -264,7 +264,16 @@ def run_multinode(work: Path, out: Path) -> list[dict]:
     keep(out, "multinode_submit", slurm)
     slurm_s = time.time() - started
     local = hpcfsdp(
-        "submit", str(work / "onenode.yaml"), "--results-dir", str(work / "multi"), "--executor", "local", timeout=420
+        "submit",
+        str(work / "onenode.yaml"),
+        "--results-dir",
+        str(work / "multi"),
+        "--executor",
+        "local",
+        env={"CUDA_VISIBLE_DEVICES": os.environ["SLURM_ACCEPTANCE_HOST_GPUS"]}
+        if os.environ.get("SLURM_ACCEPTANCE_HOST_GPUS")
+        else None,
+        timeout=420,
     )
     keep(out, "onenode_local_submit", local)
     by_strategy = {r["spec"]["strategy"]: r for r in records(work / "multi" / "twonodes")}

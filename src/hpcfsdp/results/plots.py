@@ -46,6 +46,11 @@ class NoData(Exception):
     """The sweep has nothing to draw for this figure; the message says what is missing."""
 
 
+class NotApplicable(Exception):
+    """The figure answers a question this sweep did not ask (scaling, at one GPU count): it is
+    neither drawn nor listed as skipped."""
+
+
 @dataclass(frozen=True)
 class PlotData:
     configs: pd.DataFrame
@@ -88,15 +93,15 @@ def write_plots(
     for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
         if why is None:
             written.append((caption, path))
-        else:
+        elif why:
             skipped[name] = why
     return written, skipped
 
 
 def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData, path: Path) -> str | None:
-    """Write one figure; return why it was skipped, or None. A figure that fails (values no
-    figure was written for) is skipped like one without data: the report and the other figures
-    matter more than one figure."""
+    """Write one figure; return why it was skipped, "" where it does not apply, or None. A figure
+    that fails (values no figure was written for) is skipped like one without data: the report and
+    the other figures matter more than one figure."""
     try:
         # A fast zlib level: the default spends seconds compressing large multi-panel PNGs.
         with atomic_output(path) as tmp:
@@ -104,6 +109,8 @@ def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData
         return None
     except NoData as exc:
         why = str(exc)
+    except NotApplicable:
+        why = ""
     except OSError:  # a full disk: not the figure's fault; collect names the file and fails
         raise
     except Exception as exc:
@@ -247,7 +254,7 @@ def scaling(data: PlotData) -> Figure:
         configs = configs.assign(world_size=configs["nodes"] * configs["gpus_per_node"])
     table = scaling_table(configs)
     if table.empty:
-        raise NoData("the ok cells ran at one GPU count, or no workload has a one-GPU cell: nothing to scale")
+        raise NotApplicable
     models = list(table["model"].unique())
     figure = Figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
     axes = figure.subplots(1, len(models), squeeze=False, sharey=True).ravel()
