@@ -61,7 +61,7 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
 
     sweep_dir = Path(results_dir) / sweep.name
     try:
-        with interrupts_raise(), sweep_lock(sweep_dir, log):
+        with interrupts_raise(), sweep_lock(sweep_dir, log, "tune"):
             state = load_state(sweep_dir)
             if settings.executor == "slurm":
                 _check_cluster(sweep)
