@@ -9,7 +9,6 @@ through them would destroy nothing).
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 from conftest import ROOT
 from hpcfsdp.cli import main
 from test_history import EARLIER, write_sweep
+from test_scripting import PlanAnswer, strict_document
 
 PRECIOUS = "someone's file, not hpcfsdp's to write\n"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="os.mknod of a device node needs root")
@@ -64,9 +64,7 @@ def collected_sweep(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("planted", ["symlink", "hard_link", "foreign_file"])
-def test_a_submit_lock_that_is_a_link_or_someones_file_is_refused_in_one_line_and_left_whole(
-    tmp_path, capsys, planted
-):
+def test_a_submit_lock_that_is_a_link_or_someones_file_is_refused_in_one_line_and_left_whole(tmp_path, capsys, planted):
     jobs = jobs_yaml(tmp_path)
     sweep_dir = tmp_path / "results" / "sf"
     sweep_dir.mkdir(parents=True)
@@ -220,9 +218,11 @@ def test_plan_json_of_a_refused_yaml_prints_a_json_answer_with_the_refusal(tmp_p
     jobs.write_text("name: bad\nbase: {model: tiny, device: cpu, batch_size: -1}\n")
     assert main(["plan", str(jobs), "--json"]) == 2
     out, err = capsys.readouterr()
-    document = json.loads(out)
+    document = PlanAnswer.model_validate(strict_document(out)).model_dump()  # the shape scripts read
     line = one_error_line(err)
-    assert document["exit_status"] == 2 and document["cells"] == [] and document["problems"] == [
-        line.removeprefix("error: ")
-    ]
+    assert (
+        document["exit_status"] == 2
+        and document["cells"] == []
+        and document["problems"] == [line.removeprefix("error: ")]
+    )
     assert str(jobs) in document["problems"][0]

@@ -103,7 +103,7 @@ def test_a_spoiled_tune_state_is_one_line_and_nothing_is_trained_or_written_outs
     capsys.readouterr()
     argv = ["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path / "results")]
     assert main(argv) == 1
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     (line,) = err.splitlines()
     assert line.startswith(f"error: {sweep_dir / 'tune' / 'state.json'}: ") and line.endswith(AGAIN), line
     assert sorted(p.name for p in outside.iterdir()) == ["spec.json"]  # no record, no log: not trained

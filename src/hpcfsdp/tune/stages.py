@@ -26,6 +26,7 @@ from ..sweep.folder.layout import (
     write_sweep_files,
 )
 from ..sweep.launch.environment import job_environment, without_secrets
+from ..sweep.launch.local import end_launches_left
 from ..sweep.track.lost import record_launch_failure
 from .accumulation import computed_speed
 from .probe import Planned, probe_rungs, probe_spec, run_launches
@@ -83,6 +84,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
                 )
             else:
                 log(f"resuming the search in {tune_dir(sweep_dir)} ({len(state.stages)} stage(s) begun)")
+            if settings.executor == "local":  # a tune killed by SIGKILL leaves its probe's ranks for a while
+                end_launches_left(sweep_dir, log)
             search(sweep, sweep_dir, state, settings, log)
     except Interrupted as exc:
         raise Stopped(
