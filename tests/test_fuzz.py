@@ -12,6 +12,10 @@ folder or a jobs file (issue 33).
   valid, or refused in one line naming the file.
 - A few whole commands in processes of their own, under a memory and time limit, for the
   guarantee that nothing prints a traceback.
+- Shared folders (issue 44): links, hard links, FIFOs, device nodes and folders planted at a
+  sweep's lock, history, references, report and manifest, through collect and the sweep's lock:
+  nothing outside the folder changes. And tune's state.json and tune.json mutated, through tune's
+  state reader, the report's tune section and --only-best's reader.
 
 Hypothesis keeps no example database (database=None); the seed is printed before the first test of the
 run (`fuzz seed N`) and HPCFSDP_FUZZ_SEED=N replays it. HPCFSDP_FUZZ_EXAMPLES sets the examples per

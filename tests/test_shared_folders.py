@@ -226,3 +226,17 @@ def test_plan_json_of_a_refused_yaml_prints_a_json_answer_with_the_refusal(tmp_p
         and document["problems"] == [line.removeprefix("error: ")]
     )
     assert str(jobs) in document["problems"][0]
+
+
+def test_a_cache_lock_that_is_a_link_is_refused_and_the_file_it_leads_to_is_kept(tmp_path):
+    """The pre-download cache is often shared too: filelock opened its locks with O_TRUNC, through a link."""
+    from hpcfsdp.cache.manifest import LOCKS_DIR, add_to_manifest
+    from hpcfsdp.contracts.files import RecordError
+
+    cache = tmp_path / "cache"
+    (cache / LOCKS_DIR).mkdir(parents=True)
+    target = victim(tmp_path)
+    (cache / LOCKS_DIR / "manifest.lock").symlink_to(target)
+    with pytest.raises(RecordError, match="symbolic link where a lock file belongs"):
+        add_to_manifest(cache, {"key": "model:x", "kind": "model", "item": "x", "files": []})
+    assert target.read_text() == PRECIOUS and not (cache / "manifest.json").exists()

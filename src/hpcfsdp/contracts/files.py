@@ -16,13 +16,14 @@ opened through a link, nor emptied unless it is a lock file of hpcfsdp (open_loc
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,23 @@ def open_lock(path: str | Path) -> int:
         os.close(fd)
         raise RecordError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
     return fd
+
+
+@contextmanager
+def exclusive_lock(path: str | Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file at path (open_lock: never a link, nor a file
+    hpcfsdp did not make) for the block; on_wait is called once when another holder makes it wait.
+    The kernel drops the lock when its holder ends, however it ends."""
+    fd = open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the flock
 
 
 def write_lock_note(fd: int, note: str) -> None:

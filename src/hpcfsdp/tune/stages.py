@@ -153,6 +153,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
 
 def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, eta: int) -> Stage:
     name = f"stage{rung}"
+    require_inside(sweep_dir, stage_dir(sweep_dir, name))  # a planted tune/stage<k> link: no spec.json out there
     runs = {}
     for cell in cells:
         probe = Cell.of(probe_spec(cell.spec, rung, eta), cell.sources)

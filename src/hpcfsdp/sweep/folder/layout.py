@@ -262,7 +262,8 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
 def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
     """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
     spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
-    not its strings)."""
+    not its strings). Never into a cells/ or cells/<id>/ that is a link out of the folder above them."""
+    require_inside(cell_dir.parent.parent, cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
