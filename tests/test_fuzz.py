@@ -493,8 +493,8 @@ PLANTED_AT = [
 PLANTED = ["link_to_file", "link_to_fifo", "link_to_folder", "link_to_nothing", "hard_link", "fifo", "device", "folder"]
 plantings = st.lists(st.tuples(st.sampled_from(PLANTED_AT), st.sampled_from(PLANTED)), min_size=1, max_size=3)
 # Each example runs a whole collect (the history in DuckDB, the report): some seconds on a loaded
-# machine, and 8 x 8 plantings are few: an eighth of the examples.
-FUZZ_PLANTED = settings(FUZZ, max_examples=max(10, EXAMPLES // 8))
+# machine, and 8 x 8 plantings are few: a quarter of the examples.
+FUZZ_PLANTED = settings(FUZZ, max_examples=max(10, EXAMPLES // 4))
 
 
 def plant(path: Path, what: str, outside: Path) -> None:
