@@ -9,6 +9,7 @@ through them would destroy nothing).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import subprocess
@@ -240,3 +241,32 @@ def test_a_cache_lock_that_is_a_link_is_refused_and_the_file_it_leads_to_is_kept
     with pytest.raises(RecordError, match="symbolic link where a lock file belongs"):
         add_to_manifest(cache, {"key": "model:x", "kind": "model", "item": "x", "files": []})
     assert target.read_text() == PRECIOUS and not (cache / "manifest.json").exists()
+
+
+def test_files_written_by_rename_replace_a_planted_link_and_a_cell_folder_out_of_the_sweep_is_refused(tmp_path, capsys):
+    from hpcfsdp.sweep.define.matrix import load_sweep
+
+    jobs = jobs_yaml(tmp_path)
+    results = tmp_path / "results"
+    first, second = load_sweep(jobs).cells
+    sweep_dir = results / "sf"
+    (sweep_dir / "cells" / first.id).mkdir(parents=True)
+    target = victim(tmp_path)
+    (sweep_dir / "matrix.yaml").symlink_to(target)
+    (sweep_dir / "cells" / first.id / "spec.json").symlink_to(target)
+    argv = ["submit", str(jobs), "--executor", "print", "--results-dir", str(results)]
+    assert main(argv) == 0
+    assert target.read_text() == PRECIOUS  # each link replaced by the file, never written through
+    assert not (sweep_dir / "matrix.yaml").is_symlink() and "batch_size" in (sweep_dir / "matrix.yaml").read_text()
+    assert json.loads((sweep_dir / "cells" / first.id / "spec.json").read_text())["cell_id"] == first.id
+    # A cell's folder that is a link out of the sweep folder: refused, nothing written there.
+    (tmp_path / "outside" / "cell").mkdir()
+    (sweep_dir / "cells" / second.id / "spec.json").unlink()
+    (sweep_dir / "cells" / second.id).rmdir()
+    (sweep_dir / "cells" / second.id).symlink_to(tmp_path / "outside" / "cell")
+    capsys.readouterr()
+    assert main([*argv, "--force"]) == 2
+    err = capsys.readouterr().err  # its record is named unreadable (a link out), then the refusal
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {sweep_dir / 'cells' / second.id}: a link to {tmp_path / 'outside' / 'cell'}")
+    assert list((tmp_path / "outside" / "cell").iterdir()) == []
