@@ -203,10 +203,12 @@ def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_o
     while not list((sweep_dir / "tune" / "launches").glob("*.json")):
         assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
         time.sleep(0.5)
-    time.sleep(2)  # into the second probe
-    # Its torchrun and ranks outlive the kill for a while (10+ s on GPUs, where ranks blocked in NCCL
-    # act on no SIGTERM); stopped here, they stay until the resumed tune has looked at them.
-    left = processes_under(first.pid)
+    # Into the second probe: its torchrun and its 2 ranks. They outlive the kill for a while (10+ s
+    # on GPUs, where ranks blocked in NCCL act on no SIGTERM); stopped here, they stay until the
+    # resumed tune has looked at them.
+    while len(left := processes_under(first.pid)) < 3:
+        assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.2)
     for pid in left:
         os.kill(pid, signal.SIGSTOP)
     first.send_signal(signal.SIGKILL)  # no handler runs: the probe's torchrun gets the kernel's death signal
