@@ -230,7 +230,9 @@ def test_plan_json_of_a_refused_yaml_prints_a_json_answer_with_the_refusal(tmp_p
 
 
 def test_a_cache_lock_that_is_a_link_is_refused_and_the_file_it_leads_to_is_kept(tmp_path):
-    """The pre-download cache is often shared too: filelock opened its locks with O_TRUNC, through a link."""
+    """The pre-download cache is often shared too. Its locks were filelock's, whose behaviour is its
+    version's (3.x opens a lock with O_TRUNC through a link; 4.3 refuses it with an OSError): now
+    they are taken by the project's one rule, and refused in one line."""
     from hpcfsdp.cache.manifest import LOCKS_DIR, add_to_manifest
     from hpcfsdp.contracts.files import RecordError
 
