@@ -12,6 +12,10 @@ folder or a jobs file (issue 33).
   valid, or refused in one line naming the file.
 - A few whole commands in processes of their own, under a memory and time limit, for the
   guarantee that nothing prints a traceback.
+- Shared folders (issue 44): links, hard links, FIFOs, device nodes and folders planted at a
+  sweep's lock, history, references, report and manifest, through collect and the sweep's lock:
+  nothing outside the folder changes. And tune's state.json and tune.json mutated, through tune's
+  state reader, the report's tune section and --only-best's reader.
 
 Hypothesis keeps no example database (database=None); the seed is printed before the first test of the
 run (`fuzz seed N`) and HPCFSDP_FUZZ_SEED=N replays it. HPCFSDP_FUZZ_EXAMPLES sets the examples per
@@ -29,6 +33,7 @@ import random
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -467,3 +472,211 @@ def test_whole_commands_over_a_folder_of_hostile_records_print_no_traceback(temp
 def test_the_fuzzer_keeps_no_example_database_in_the_repository():
     assert FUZZ.database is None
     assert ".hypothesis/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+# ---------------------------------------------------------------------------------------------
+# Links, FIFOs and devices planted in a shared sweep folder (issue 44): collect and the sweep's
+# lock never reach a thing out of the folder. Everything planted is made in the example's own
+# temporary folder (device nodes: /dev/null's numbers, made with os.mknod, as root only).
+
+# Where a hand plants something, from the sweep folder: its lock, its files, and those beside it.
+PLANTED_AT = [
+    ".submit.lock",
+    "../history.duckdb",
+    "../history.duckdb.lock",
+    "../references.yaml",
+    "report",
+    "report/summary.md",
+    "tune.json",
+    "manifest.json",
+]
+PLANTED = ["link_to_file", "link_to_fifo", "link_to_folder", "link_to_nothing", "hard_link", "fifo", "device", "folder"]
+plantings = st.lists(st.tuples(st.sampled_from(PLANTED_AT), st.sampled_from(PLANTED)), min_size=1, max_size=3)
+# Each example runs a whole collect (the history in DuckDB, the report): some seconds on a loaded
+# machine, and 8 x 8 plantings are few: a quarter of the examples.
+FUZZ_PLANTED = settings(FUZZ, max_examples=max(10, EXAMPLES // 4))
+
+
+def plant(path: Path, what: str, outside: Path) -> None:
+    """Put `what` at path (nothing there before), leading to or made of things in `outside`."""
+    if os.path.lexists(path):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kinds = {"file": outside / "file.txt", "fifo": outside / "fifo", "folder": outside / "folder"}
+    if what.startswith("link_to_"):
+        path.symlink_to(kinds.get(what.removeprefix("link_to_"), outside / "nothing" / "x"))
+    elif what == "hard_link":
+        os.link(kinds["file"], path)
+    elif what == "fifo":
+        os.mkfifo(path)
+    elif what == "device" and os.geteuid() == 0:
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    elif what == "folder":
+        path.mkdir()
+
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    """Every entry under folder: its kind, inode, size and (a regular file's) content."""
+    seen = {}
+    for path in sorted(folder.rglob("*")):
+        info = os.lstat(path)
+        content = path.read_bytes() if stat.S_ISREG(info.st_mode) else b""
+        seen[str(path.relative_to(folder))] = (stat.S_IFMT(info.st_mode), info.st_ino, info.st_size, content)
+    return seen
+
+
+@seed(SEED)
+@FUZZ_PLANTED
+@given(planted=plantings)
+def test_links_and_devices_planted_in_a_sweep_folder_never_let_collect_or_the_lock_touch_what_is_outside(
+    template, planted
+):
+    from hpcfsdp.contracts.errors import UserError
+    from hpcfsdp.sweep.launch.lock import sweep_lock
+
+    started = time.monotonic()
+    with within(EXAMPLE_LIMIT_S), tempfile.TemporaryDirectory() as scratch:
+        sweep = Path(shutil.copytree(template, Path(scratch) / "results" / "fuzz", symlinks=True))
+        outside = Path(scratch) / "outside"
+        (outside / "folder").mkdir(parents=True)
+        (outside / "file.txt").write_text("someone's file\n")
+        os.mkfifo(outside / "fifo")
+        for where, what in planted:
+            plant(sweep / where, what, outside)
+        note(f"seed {SEED}; {planted}")
+        before = snapshot(outside)
+        code, _out, err = quiet(main, ["collect", str(sweep), "--no-plots"])
+        assert "Traceback" not in err and code in (0, 1, 2, 3), (code, err)
+        # at most the history's (collect goes on without it) and the one that stopped collect
+        assert len([line for line in err.splitlines() if line.startswith("error")]) <= 2, err
+        try:
+            with sweep_lock(sweep, lambda line: None, "submit"):
+                pass
+        except UserError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith(str(sweep / ".submit.lock")), exc
+        assert snapshot(outside) == before
+    assert time.monotonic() - started < EXAMPLE_LIMIT_S
+
+
+# ---------------------------------------------------------------------------------------------
+# tune's own files: state.json and tune.json mutated go through tune's state reader, the report's
+# tune section and --only-best's reader: a state, a section, or one line; never a traceback, never
+# a run id that is a path, never a figure out of range.
+
+TUNE_STATE_PATHS = [
+    "sweep",
+    "grid",
+    "grid.0",
+    "pruned",
+    "computed",
+    "version",
+    "stages",
+    "stages.0",
+    "stages.0.name",
+    "stages.0.runs",
+    "stages.0.jobs",
+    "stages.1",
+]
+TUNE_OUTCOME_PATHS = [
+    "best",
+    "best.tokens_per_s_per_gpu",
+    "best.setup",
+    "best.cell_id",
+    "ranking",
+    "ranking.0",
+    "ranking.0.tokens_per_s_per_gpu",
+    "ranking.0.setup.batch_size",
+    "oom_frontier",
+    "pruned",
+    "notes",
+    "spend",
+    "spend.tune_gpu_hours",
+    "spend.by_stage",
+    "spend.by_stage.stage0",
+    "spend.launches",
+    "spend.grid_estimate_gpu_hours",
+]
+tune_values = st.one_of(values, st.sampled_from(["/etc", "../../x", "stage9", "final", "ddp-b1-a1-0123456789"]))
+tune_changes = st.tuples(
+    st.lists(st.tuples(st.sampled_from(TUNE_STATE_PATHS), tune_values), max_size=3),
+    st.lists(st.tuples(st.sampled_from(TUNE_OUTCOME_PATHS), tune_values), max_size=3),
+)
+
+
+def set_at(document: Any, dotted: str, value: Any) -> Any:
+    """document with the value at a dotted path (list indices as numbers) replaced, or added."""
+    document = json.loads(json.dumps(document))
+    *parents, last = dotted.split(".")
+    target = document
+    for part in parents:
+        if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        elif isinstance(target, dict) and isinstance(target.get(part), (dict, list)):
+            target = target[part]
+        else:
+            return document
+    if isinstance(target, list) and last.isdigit():
+        target.append(value) if int(last) >= len(target) else target.__setitem__(int(last), value)
+    elif isinstance(target, dict):
+        target[last] = value
+    return document
+
+
+@pytest.fixture(scope="module")
+def tune_folder(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """A sweep folder whose search began (its state as tune writes it: the first stage's probes),
+    and a tune.json as tune writes one."""
+    from hpcfsdp.sweep.define.matrix import load_sweep
+    from hpcfsdp.tune.stages import _probe_stage, new_state
+    from hpcfsdp.tune.state import save_state
+    from test_tune_files import jobs_yaml, tune_outcome
+
+    root = tmp_path_factory.mktemp("fuzz-tune")
+    sweep = load_sweep(jobs_yaml(root))
+    sweep_dir = root / "results" / "tf"
+    state, _ = new_state(sweep, lambda line: None)
+    state.stages.append(_probe_stage(sweep_dir, sweep, list(sweep.cells), 0, 3))
+    save_state(sweep_dir, state)
+    return sweep_dir, json.loads((sweep_dir / "tune" / "state.json").read_text()), tune_outcome(sweep.cells[0].id)
+
+
+@seed(SEED)
+@FUZZ
+@given(changes=tune_changes)
+def test_hostile_tune_files_are_a_state_a_report_section_or_one_line(tune_folder, changes):
+    from hpcfsdp.contracts.files import RecordError
+    from hpcfsdp.contracts.jsontypes import FIGURE_MAX
+    from hpcfsdp.results.tuned import tune_section
+    from hpcfsdp.sweep.define.matrix import is_cell_id
+    from hpcfsdp.sweep.folder.tune_outcome import read_outcome
+    from hpcfsdp.tune.state import load_state
+
+    sweep_dir, valid_state, valid_outcome = tune_folder
+    state_changes, outcome_changes = changes
+    note(f"seed {SEED}; {changes}")
+    state_doc, outcome_doc = valid_state, valid_outcome
+    for dotted, value in state_changes:
+        state_doc = set_at(state_doc, dotted, value)
+    for dotted, value in outcome_changes:
+        outcome_doc = set_at(outcome_doc, dotted, value)
+    (sweep_dir / "tune" / "state.json").write_text(json.dumps(state_doc))
+    (sweep_dir / "tune.json").write_text(json.dumps(outcome_doc))
+    try:
+        state = load_state(sweep_dir)
+    except RecordError as exc:
+        assert "\n" not in str(exc) and str(exc).endswith("remove tune/ to start again"), exc
+    else:
+        assert state is not None
+        runs = [run for stage in state.stages for run in stage.runs]
+        assert all(is_cell_id(run) for run in runs) and set(state.pruned) <= set(state.grid)
+        assert all(grid_id in state.grid for stage in state.stages for grid_id in stage.runs.values())
+    section = tune_section(sweep_dir)  # never raises: a section, which says so when the file is unusable
+    assert section is not None and section.title == "Tune"
+    try:
+        found = read_outcome(sweep_dir)
+    except RecordError as exc:
+        assert "\n" not in str(exc) and section.text.startswith("Not shown: ")
+    else:
+        for row in [found.get("best") or {}, *(found.get("ranking") or [])]:
+            speed = row.get("tokens_per_s_per_gpu")
+            assert speed is None or (math.isfinite(speed) and 0 <= speed <= FIGURE_MAX)

@@ -4,6 +4,7 @@ local Slurm cluster (several probes per allocation)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ import pytest
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.launch.local import processes_under
 
 CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0"
 
@@ -181,7 +183,7 @@ def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_pa
     assert "cell by cell" in found["spend"]["grid_estimate_basis"]
 
 
-def test_a_killed_tune_resumes_without_repeating_a_finished_probe(tmp_path):
+def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_one_beside_the_killed_ones(tmp_path):
     jobs = write(
         tmp_path,
         f"""
@@ -201,18 +203,63 @@ def test_a_killed_tune_resumes_without_repeating_a_finished_probe(tmp_path):
     while not list((sweep_dir / "tune" / "launches").glob("*.json")):
         assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
         time.sleep(0.5)
-    time.sleep(2)  # into the second probe
-    first.send_signal(signal.SIGKILL)  # no handler runs: the probe's torchrun is ended by the kernel's death signal
+    # Into the second probe: its torchrun and its 2 ranks. They outlive the kill for a while (10+ s
+    # on GPUs, where ranks blocked in NCCL act on no SIGTERM); stopped here, they stay until the
+    # resumed tune has looked at them.
+    while len(left := processes_under(first.pid)) < 3:
+        assert time.time() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGSTOP)
+    first.send_signal(signal.SIGKILL)  # no handler runs: the probe's torchrun gets the kernel's death signal
     first.wait()
     before = launches(sweep_dir)
-    assert len(before) == 1
-    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resuming the search" in second.stdout and "1 done before (not repeated)" in second.stdout
+    assert len(before) == 1 and left
+    env_unbuffered = {**env, "PYTHONUNBUFFERED": "1"}
+    second = subprocess.Popen(argv, env=env_unbuffered, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not (seen and ("waiting for" in seen[-1] or seen[-1].lstrip().startswith("[1/"))):
+            line = second.stdout.readline()
+            assert line, "".join(seen)[-3000:]
+            seen.append(line)
+        # One line says it waits for them, before any probe of the resumed tune starts.
+        assert "process(es) of a launch a killed run left in" in seen[-1], "".join(seen)[-3000:]
+    finally:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # they go on: torchrun passes its SIGTERM to the ranks
+    left_until = until_ended(left)
+    out, err = second.communicate(timeout=600)
+    out = "".join(seen) + out
+    assert second.returncode == 0, out[-3000:] + err[-3000:]
+    assert "resuming the search" in out and "1 done before (not repeated)" in out
     after = launches(sweep_dir)
     name, launch = next(iter(before.items()))
     assert after[name] == launch  # the probe finished before the kill was not launched again
     assert len([n for n in after if n.startswith("stage0-")]) == 3 and len(after) == 4
+    resumed = min(entry["started"] for n, entry in after.items() if n not in before)
+    assert resumed >= left_until - 0.5, (resumed, left_until)  # no probe beside the killed one's processes
+
+
+def until_ended(processes: dict[int, str]) -> float:
+    """The time the last of the processes ended (a zombie counts as ended), looked at every 0.1 s."""
+
+    def running() -> bool:
+        for pid, started in processes.items():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[19] == started and fields[0] != "Z":
+                return True
+        return False
+
+    deadline = time.time() + 120
+    while running():
+        assert time.time() < deadline, "the killed tune's processes outlived 120 s"
+        time.sleep(0.1)
+    return time.time()
 
 
 @pytest.mark.slurm

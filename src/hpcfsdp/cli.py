@@ -142,7 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--results-dir", default=DEFAULT_RESULTS, help=f"parent of the sweep folder (default {DEFAULT_RESULTS}/)"
     )
-    tune.add_argument("--eta", type=_positive_int, default=3, help="keep the best 1/eta of each stage (default 3)")
+    tune.add_argument(
+        "--eta", type=_halving_factor, default=3, help="keep the best 1/eta of each stage, 2 or more (default 3)"
+    )
     tune.add_argument("--top", type=_positive_int, default=3, help="setups the final stage runs as cells (default 3)")
     tune.add_argument(
         "--probes-per-job", type=_positive_int, default=8, help="slurm: probes per allocation (default 8)"
@@ -431,6 +433,14 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _halving_factor(text: str) -> int:
+    """--eta: 1 would keep every setup at every stage (and its rungs' count divides by log(1))."""
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer of 2 or more (keep the best 1/eta), got {text}")
     return value
 
 

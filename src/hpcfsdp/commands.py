@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 import yaml
 
 from .contracts.errors import Stopped, UserError
-from .contracts.fields import SpecError, check_folder_name
+from .contracts.fields import SpecError, check_folder_name, one_line
 from .contracts.record import SPEC_NAME, STATUSES
 from .contracts.spec import RunSpec
 from .results.defaults import REFERENCES_NAME
@@ -41,7 +41,14 @@ def _load_sweep(args: argparse.Namespace) -> Sweep:
 def plan(args: argparse.Namespace) -> int:
     from .sweep.launch.plan import print_plan, print_sbatch_scripts
 
-    sweep = _load_sweep(args)
+    try:
+        sweep = _load_sweep(args)
+    except UserError as exc:
+        if args.json:  # scripts get the one shape of answer: the document, with the refusal as its problem
+            from .sweep.launch.plan import refused_document
+
+            print_json(refused_document(one_line(str(exc)), exc.exit_status))
+        raise
     if args.sbatch:
         if args.json:
             raise SpecError("plan: --json and --sbatch: give one (--sbatch prints shell scripts)")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..contracts.files import write_json
+from ..contracts.files import exclusive_lock, write_json
 from .hub import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -44,11 +44,9 @@ def previous_entry(cache: Path, key: str, sha: str | None) -> dict | None:
 def add_to_manifest(cache: Path, entry: dict) -> None:
     """Add or replace one item in manifest.json: read-merge-write under a lock (downloaders of other
     items may be adding theirs), written atomically."""
-    from filelock import FileLock
-
     lock_dir = cache / LOCKS_DIR
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(lock_dir / "manifest.lock")):
+    with exclusive_lock(lock_dir / "manifest.lock"):
         manifest = read_cache_manifest(cache)
         manifest["version"] = MANIFEST_VERSION
         manifest["items"][entry["key"]] = entry
@@ -58,21 +56,13 @@ def add_to_manifest(cache: Path, entry: dict) -> None:
 
 @contextlib.contextmanager
 def item_lock(cache: Path, key: str, name: str, out: Callable[[str], None]) -> Iterator[None]:
-    """One downloader per item at a time; others wait (and then find the item up to date)."""
-    from filelock import FileLock, Timeout
-
+    """One downloader per item at a time; others wait (and then find the item up to date). The
+    cache is often shared: its locks are never links, nor files hpcfsdp did not make (open_lock)."""
     lock_dir = cache / LOCKS_DIR
     lock_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".lock")))
-    try:
-        lock.acquire(timeout=1)
-    except Timeout:
-        out(f"  waiting for another downloader of {name} ...")
-        lock.acquire()
-    try:
+    lock = lock_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".lock")
+    with exclusive_lock(lock, lambda: out(f"  waiting for another downloader of {name} ...")):
         yield
-    finally:
-        lock.release()
 
 
 def _versions() -> dict[str, str]:

@@ -3,20 +3,28 @@
 Every file a command writes (records, manifests, tables, plots, YAML) goes through atomic_output:
 a reader sees the old file or the new one, never half of one. Every JSON object a command reads
 (records, spec.json, manifest.json, the cache's manifest) goes through read_json_object: a file
-that cannot be used is a RecordError naming it in one line, never a traceback.
+that cannot be used is a RecordError naming it in one line, never a traceback. Every lock file
+(a sweep's .submit.lock, history.duckdb.lock) is opened by open_lock.
+
+Results folders are often shared by a team, so anyone may plant a link or a device in them: a
+file is written by a rename into its folder, which replaces a link at its name, never what the
+link leads to; a file meant to be shared through a link (the history, the references) is written
+where the link leads only when that is a regular file or none (linked_file); and a lock is never
+opened through a link, nor emptied unless it is a lock file of hpcfsdp (open_lock).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +97,126 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def linked_file(path: str | Path) -> Path:
+    """The file a path names, where a shared file may be reached through a symbolic link (a team's
+    history or references on another disk): where the link leads, when that is a regular file or
+    none in a folder that is there; else a RecordError. A write there then replaces that file,
+    never the link; a link planted in a shared folder never makes a command replace a device, a
+    FIFO or a folder."""
+    path = Path(path)
+    if not path.is_symlink():
+        problem = _not_replaceable(path)
+        if problem:
+            raise RecordError(f"{path}: {problem}, not a file hpcfsdp writes; left as it is")
+        return path
+    target = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        if not target.parent.is_dir():
+            raise RecordError(f"{path}: a link to {target}, in no folder; nothing written") from None
+        return target
+    except OSError as exc:
+        raise RecordError(f"{path}: a link to {target} ({exc.strerror or exc}); nothing written") from None
+    if not stat.S_ISREG(mode):
+        raise RecordError(f"{path}: a link to {target}, {_kind_of(mode)}; nothing written there")
+    return target
+
+
+def _not_replaceable(path: Path) -> str:
+    """What is at path that is no regular file ("" for a regular file or nothing): a symbolic
+    link, a FIFO, device or socket, a folder."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    if stat.S_ISREG(mode):
+        return ""
+    return _kind_of(mode)
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+
+
+LOCK_NOTE_MAX = 4096  # a lock's note ("hpcfsdp submit: pid 4242 on login1, since ...") is one short line
+LOCK_NOTE_STARTS = (b"hpcfsdp ", b"pid ")  # this hpcfsdp's notes, and those of earlier ones
+
+
+def open_lock(path: str | Path) -> int:
+    """A descriptor, open for reading and writing, of the lock file at path (made where there is
+    none), to flock and to write its note in. A lock lives in a folder others may write, and its
+    note is rewritten at each take: so it is never opened through a symbolic link (O_NOFOLLOW),
+    and refused unless it is a lock file of hpcfsdp: a regular file of no other name (no hard
+    link), empty or holding a lock's note. A RecordError names the path and what is there."""
+    path = Path(path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    if problem := _not_replaceable(path):  # never open a device, even to look at it
+        raise RecordError(f"{path}: {problem} where a lock file belongs; not used (remove it)")
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        what = "a symbolic link where a lock file belongs" if exc.errno == errno.ELOOP else exc.strerror
+        raise RecordError(f"{path}: cannot take the lock ({what or exc})") from None
+    try:
+        info = os.fstat(fd)
+        problem = (
+            _kind_of(info.st_mode)
+            if not stat.S_ISREG(info.st_mode)
+            else "a file with other names too (a hard link)"
+            if info.st_nlink > 1
+            else "not a lock file of hpcfsdp (it holds something else)"
+            if info.st_size > LOCK_NOTE_MAX or (info.st_size and not os.pread(fd, 8, 0).startswith(LOCK_NOTE_STARTS))
+            else ""
+        )
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if problem:
+        os.close(fd)
+        raise RecordError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
+    return fd
+
+
+@contextmanager
+def exclusive_lock(path: str | Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file at path (open_lock: never a link, nor a file
+    hpcfsdp did not make) for the block; on_wait is called once when another holder makes it wait.
+    The kernel drops the lock when its holder ends, however it ends."""
+    fd = open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the flock
+
+
+def write_lock_note(fd: int, note: str) -> None:
+    """Say who holds a lock (for the people who wait): "hpcfsdp <command>: pid N on HOST..."; an empty
+    note on release. Best effort: a full disk leaves the note out, never the lock (the flock)."""
+    with suppress(OSError):
+        os.ftruncate(fd, 0)
+        if note:
+            os.pwrite(fd, f"hpcfsdp {note}\n".encode(), 0)
+
+
+def lock_holder(fd: int) -> tuple[str, str]:
+    """(the command, the rest of its note) of a lock's holder, as write_lock_note wrote them; an
+    earlier hpcfsdp's note gives no command (""). The note is one printable line, cut short: its
+    file may have been written by anyone."""
+    with suppress(OSError):
+        text = os.pread(fd, LOCK_NOTE_MAX, 0).decode(errors="replace").split("\n", 1)[0]
+        text = "".join(char for char in text if char.isprintable())[:200]
+        command, _, rest = text.removeprefix("hpcfsdp ").partition(": ")
+        return (command, rest) if text.startswith("hpcfsdp ") and rest else ("", text)
+    return "", ""
 
 
 def _umask() -> int:

@@ -16,7 +16,7 @@ from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
 from ..contracts.record import RECORD_NAME
 from ..progress import Progress
-from ..sweep.folder.layout import cell_files, read_manifest, slurm_jobs
+from ..sweep.folder.layout import cell_files, read_manifest, require_sweep_folder, slurm_jobs
 from ..sweep.track.accounting import note_accounting
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
@@ -73,6 +73,7 @@ def collect(
     for folder in (sweep_dir, compare):
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
+    require_sweep_folder(sweep_dir)  # as status: no report, nor a history beside it, in a folder that is no sweep
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
     progress = Progress("reading records", min_count=PROGRESS_MIN_RECORDS)
     collection = load_records(sweep_dir, scheduler_states(sweep_dir), progress)

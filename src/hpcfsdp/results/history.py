@@ -11,7 +11,6 @@ Login side: DuckDB and pandas only, no torch.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -29,6 +28,7 @@ import pandas as pd
 
 from ..contracts.errors import UserError
 from ..contracts.fields import SpecError
+from ..contracts.files import RecordError, linked_file, lock_holder, open_lock, write_lock_note
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"
@@ -225,7 +225,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     HistoryError naming the file and why, never a traceback."""
     import duckdb
 
-    path = _through_link(Path(path))
+    path = _history_file(Path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -284,10 +284,34 @@ def _sql_text(path: Path) -> str:
 LOCK_WAIT_S = 120.0  # how long a collect waits for another one's update of the history
 
 
-def _through_link(path: Path) -> Path:
+def _history_file(path: Path) -> Path:
     """The file a history path names: a symbolic link (to a shared disk, say) is followed, so that
-    the update replaces the file it leads to, never the link with a file of its own."""
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
+    the update replaces the file it leads to, never the link with a file of its own; what it
+    names is a DuckDB file or none (files.linked_file: never a device, a FIFO or another file)."""
+    try:
+        target = linked_file(path)
+    except RecordError as exc:
+        raise HistoryError(f"{exc}; the history is not updated") from None
+    size = target.stat().st_size if target.is_file() else 0
+    if size and not _is_duckdb(target):
+        where = f"{path} (a link to {target})" if target != path else str(path)
+        raise HistoryError(f"{where}: not a DuckDB file; not updated, left as it is")
+    return target
+
+
+DUCKDB_MAGIC = (8, b"DUCK")  # where every DuckDB database file says what it is
+
+
+def _is_duckdb(path: Path) -> bool:
+    offset, magic = DUCKDB_MAGIC
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(magic), offset) == magic
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -300,7 +324,7 @@ def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Itera
     descriptor (None where there is no history yet), to copy from: a second open and close of
     the file in this process would drop the lock (POSIX)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # _history_file: no link
     except FileNotFoundError:
         yield None
         return
@@ -354,21 +378,21 @@ def _copy_from(fd: int, target: Path) -> None:
 
 @contextmanager
 def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iterator[None]:
-    lock_path = path.with_name(path.name + ".lock")
+    """history.duckdb.lock beside the history: one collect's update at a time (files.open_lock:
+    never a link, nor a file hpcfsdp did not make)."""
     try:
-        handle = open(lock_path, "a+b", buffering=0)  # noqa: SIM115  (closed by the with below); unbuffered: a full disk fails at write, not at close
-    except OSError as exc:
-        raise HistoryError(f"{path}: not updated (its lock {lock_path}: {exc.strerror or exc})") from None
-    with handle:
+        fd = open_lock(path.with_name(path.name + ".lock"))
+    except RecordError as exc:
+        raise HistoryError(f"{path}: not updated: {exc}") from None
+    try:
         deadline = time.monotonic() + wait_s
         said = False
         while True:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().decode(errors="replace").strip() or "another process"
+                holder = lock_holder(fd)[1] or "another process"
                 if time.monotonic() >= deadline:
                     raise HistoryError(
                         f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder})"
@@ -377,16 +401,11 @@ def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iter
                     log(f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})")
                     said = True
                 time.sleep(0.2)
-        try:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
-        except OSError:  # a full disk: the note is for people, the lock is the flock
-            pass
+        write_lock_note(fd, f"collect: pid {os.getpid()} on {os.uname().nodename}")
         try:
             yield
         finally:
-            with contextlib.suppress(OSError):
-                handle.seek(0)
-                handle.truncate()
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            write_lock_note(fd, "")
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import yaml
 
 from ..contracts.errors import UserError
 from ..contracts.fields import SpecError, coerce_fields, unknown_key
-from ..contracts.files import read_regular_file, write_text
+from ..contracts.files import linked_file, read_regular_file, write_text
 from ..contracts.spec import RunSpec
 
 TOP_KEYS = ("tolerance", "references")
@@ -232,9 +231,7 @@ def _parse(path: Path) -> tuple[Any, dict]:
 def write_references(path: Path, new: list[Reference]) -> References:
     """Add the new entries to the file (created when absent), replacing those of the same cluster,
     GPU and setup; the file is rewritten whole, so comments in it are not kept."""
-    path = Path(path)
-    if path.is_symlink():  # a link to a shared file: the file it leads to is rewritten, never the link
-        path = Path(os.path.realpath(path))
+    path = linked_file(path)  # a link to a shared file: the file it leads to is rewritten, never the link
     current = load_references(path) if path.exists() else References(path=path)
     replaced = {(ref.cluster, ref.gpu, ref.setup) for ref in new}
     kept = [ref for ref in current.entries if (ref.cluster, ref.gpu, ref.setup) not in replaced]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..contracts.fields import SpecError
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
+from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown
@@ -109,13 +108,7 @@ def report_folder(sweep_dir: Path) -> Path:
     and a report/ or plots/ that is itself a link out of the sweep folder is refused."""
     report = sweep_dir / "report"
     for folder in (report, report / "plots"):
-        if folder.is_symlink() and not Path(os.path.realpath(folder)).is_relative_to(os.path.realpath(sweep_dir)):
-            raise SpecError(
-                str(folder),
-                "",
-                f"a link to {os.path.realpath(folder)}, out of the sweep folder; "
-                "remove it (collect writes report/ itself)",
-            )
+        require_inside(sweep_dir, folder)
         folder.mkdir(parents=True, exist_ok=True)
         for entry in folder.iterdir():
             if entry.is_symlink():

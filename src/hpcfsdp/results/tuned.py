@@ -9,29 +9,29 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..contracts.files import RecordError, read_json_object
-from ..sweep.folder.layout import TUNE_NAME
+from ..contracts.files import RecordError
+from ..sweep.folder.tune_outcome import read_outcome
 from .render import Section
 
 
 def tune_section(sweep_dir: Path) -> Section | None:
-    """None where no tune ran in this folder; a section saying so where its tune.json is unreadable."""
-    path = Path(sweep_dir) / TUNE_NAME
+    """None where no tune ran in this folder; a section saying so where its tune.json cannot be used
+    (unreadable, or a value of the wrong type or out of the records' ranges: tune_outcome.py)."""
     try:
-        found = read_json_object(path, root=sweep_dir, kind="tune outcome")
+        found = read_outcome(sweep_dir)
     except FileNotFoundError:
         return None
     except RecordError as exc:
-        return Section("Tune", text=f"unreadable: {exc}")
+        return Section("Tune", text=f"Not shown: {exc}.")
     best = found.get("best") or {}
     spend = found.get("spend") or {}
     grid = spend.get("grid_estimate_gpu_hours")
-    spent = f"{spend.get('tune_gpu_hours', 0.0):.4f} GPU-hours in {spend.get('launches', 0)} launch(es)"
+    spent = f"{spend.get('tune_gpu_hours') or 0.0:.4f} GPU-hours in {spend.get('launches') or 0} launch(es)"
     text = (
-        f"Chosen by `hpcfsdp tune`: {best.get('cell_id', 'none')}"
+        f"Chosen by `hpcfsdp tune`: {best.get('cell_id') or 'none'}"
         + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU" if best.get("tokens_per_s_per_gpu") else "")
         + f". The search spent {spent}"
-        + (f", against about {grid:.4f} for the grid ({spend.get('grid_estimate_basis', '')})." if grid else ".")
+        + (f", against about {grid:.4f} for the grid ({spend.get('grid_estimate_basis') or ''})." if grid else ".")
     )
     rows = [
         {

@@ -147,13 +147,15 @@ def best_only(sweep: Sweep, results_dir: Path, log) -> Sweep:
     import dataclasses
 
     from ..contracts.fields import SpecError
-    from ..contracts.files import read_json_object
+    from ..sweep.folder.tune_outcome import read_outcome
 
     path = Path(results_dir) / sweep.name / TUNE_NAME
     try:
-        best = (read_json_object(path, kind="tune outcome").get("best") or {}).get("cell_id")
+        best = (read_outcome(path.parent).get("best") or {}).get("cell_id")
     except FileNotFoundError:
         raise SpecError(str(path), "", "no tune outcome: run `hpcfsdp tune` on this YAML first") from None
+    if best is None:
+        raise SpecError(str(path), "best", "the search chose no setup (none finished its final stage ok)")
     kept = tuple(cell for cell in sweep.cells if cell.id == best)
     if not kept:
         raise SpecError(str(path), "best.cell_id", f"{best!r} is no cell of {sweep.source}")

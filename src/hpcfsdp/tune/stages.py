@@ -17,8 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sweep.define.matrix import Cell, Sweep
-from ..sweep.folder.layout import cell_dir, slurm_jobs, update_manifest, write_cell_spec, write_sweep_files
+from ..sweep.folder.layout import (
+    cell_dir,
+    require_inside,
+    slurm_jobs,
+    update_manifest,
+    write_cell_spec,
+    write_sweep_files,
+)
 from ..sweep.launch.environment import job_environment, without_secrets
+from ..sweep.launch.local import end_launches_left
 from ..sweep.track.lost import record_launch_failure
 from .accumulation import computed_speed
 from .probe import Planned, probe_rungs, probe_spec, run_launches
@@ -61,7 +69,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
 
     sweep_dir = Path(results_dir) / sweep.name
     try:
-        with interrupts_raise(), sweep_lock(sweep_dir, log):
+        with interrupts_raise(), sweep_lock(sweep_dir, log, "tune"):
+            require_inside(sweep_dir, tune_dir(sweep_dir))
             state = load_state(sweep_dir)
             if settings.executor == "slurm":
                 _check_cluster(sweep)
@@ -75,6 +84,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
                 )
             else:
                 log(f"resuming the search in {tune_dir(sweep_dir)} ({len(state.stages)} stage(s) begun)")
+            if settings.executor == "local":  # a tune killed by SIGKILL leaves its probe's ranks for a while
+                end_launches_left(sweep_dir, log)
             search(sweep, sweep_dir, state, settings, log)
     except Interrupted as exc:
         raise Stopped(
@@ -142,6 +153,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
 
 def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, eta: int) -> Stage:
     name = f"stage{rung}"
+    require_inside(sweep_dir, stage_dir(sweep_dir, name))  # a planted tune/stage<k> link: no spec.json out there
     runs = {}
     for cell in cells:
         probe = Cell.of(probe_spec(cell.spec, rung, eta), cell.sources)
@@ -178,9 +190,10 @@ def run_stage(
     def todo() -> list[tuple[Cell, Planned]]:
         out = []
         for run, grid_id in stage.runs.items():
+            require_inside(sweep_dir, cell_dir(directory, run))  # never a run trained out of the sweep folder
             if is_done(sweep_dir, stage.name, run):
                 continue
-            cell = cells[grid_id] if stage.final else _cell_of(directory, run)
+            cell = cells[grid_id] if stage.final else _cell_of(sweep_dir, directory, run)
             out.append((cell, Planned(str(cell_dir(directory, run).absolute()), cell.spec.world_size, stage.name)))
         return out
 
@@ -220,15 +233,20 @@ def run_stage(
         write_launch(launches, Launch(cell.id, stage.name, 0.0, 0.0, planned.processes, None, "slurm", jobs[-1]))
 
 
-def _cell_of(directory: Path, run: str) -> Cell:
+def _cell_of(sweep_dir: Path, directory: Path, run: str) -> Cell:
     """A probe run as its spec.json says: its spec, and its sources as resolved at load time."""
-    from ..contracts.files import read_json_object
+    from ..contracts.files import RecordError, read_json_object
+    from ..contracts.jsontypes import shown
     from ..contracts.record import SPEC_NAME
     from ..contracts.sources import Sources
     from ..contracts.spec import RunSpec
 
     where = str(cell_dir(directory, run) / SPEC_NAME)
-    meta = read_json_object(cell_dir(directory, run) / SPEC_NAME, kind="cell spec")
+    meta = read_json_object(cell_dir(directory, run) / SPEC_NAME, root=sweep_dir, kind="cell spec")
+    if not isinstance(meta.get("spec"), dict):
+        raise RecordError(
+            f"{where}: spec: expected an object, got {shown(meta.get('spec'))}; remove tune/ to start again"
+        )
     spec, sources = RunSpec.resolved(meta["spec"], where, Sources.of_cell_spec(meta, where))
     return Cell(spec, run, sources)
 

@@ -13,12 +13,14 @@ failure other than an interrupt): resuming never repeats it. Spend is counted fr
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..contracts.files import RecordError, read_json_object, write_json
-from ..contracts.record import RECORD_NAME, read_record
+from ..contracts.jsontypes import MOMENT_SLACK_S, shown
+from ..contracts.record import RECORD_NAME, is_job_id, read_record
+from ..sweep.define.matrix import is_cell_id
 from ..sweep.folder.layout import cell_dir
 
 STATE_VERSION = 1
@@ -58,15 +60,62 @@ class TuneState:
 
     @classmethod
     def from_dict(cls, data: dict) -> TuneState:
-        stages = [Stage(**stage) for stage in data.get("stages", [])]
-        return cls(
-            data["sweep"],
-            list(data["grid"]),
-            dict(data.get("pruned", {})),
-            dict(data.get("computed", {})),
-            stages,
-            data.get("version", 1),
-        )
+        """The state as state_problem has checked it."""
+        stages = [Stage(stage["name"], dict(stage["runs"]), dict(stage.get("jobs", {}))) for stage in data["stages"]]
+        return cls(data["sweep"], list(data["grid"]), dict(data["pruned"]), dict(data["computed"]), stages)
+
+
+def state_problem(data: dict) -> str:
+    """What makes a state.json one this search did not write ("" for none), checked as records are
+    before anything is read from it: its keys and their types, every grid id a cell of its grid,
+    every stage named stage<k> in order (the final stage last), every run id a cell id (a probe's
+    folder name; the final stage's runs are the grid's cells) and every job id Slurm's. A run id
+    of another shape could name a folder out of the sweep folder, which resuming would train."""
+    if data.get("version", STATE_VERSION) != STATE_VERSION:
+        return f"version: expected {STATE_VERSION}, got {shown(data.get('version'))}"
+    if not isinstance(data.get("sweep"), str):
+        return f"sweep: expected text, got {shown(data.get('sweep'))}"
+    grid = data.get("grid")
+    if not isinstance(grid, list) or not all(is_cell_id(item) for item in grid):
+        return f"grid: expected a list of cell ids, got {shown(grid)}"
+    for key in ("pruned", "computed"):
+        value = data.get(key, {})
+        data.setdefault(key, value)
+        if not isinstance(value, dict) or not all(isinstance(why, str) for why in value.values()):
+            return f"{key}: expected an object of grid cell id -> text, got {shown(value)}"
+        if problem := _not_in_grid(key, [*value, *(value.values() if key == "computed" else ())], grid):
+            return problem
+    stages = data.setdefault("stages", [])
+    if not isinstance(stages, list):
+        return f"stages: expected a list, got {shown(stages)}"
+    for index, stage in enumerate(stages):
+        if problem := _stage_problem(f"stages[{index}]", stage, index, index == len(stages) - 1, grid):
+            return problem
+    return ""
+
+
+def _stage_problem(where: str, stage: object, index: int, last: bool, grid: list[str]) -> str:
+    if not isinstance(stage, dict):
+        return f"{where}: expected an object (name, runs, jobs), got {shown(stage)}"
+    name, runs, jobs = stage.get("name"), stage.get("runs"), stage.setdefault("jobs", {})
+    if name != f"stage{index}" and not (name == FINAL and last and index > 0):
+        return f"{where}.name: expected stage{index}" + (" or final" if last and index else "") + f", got {shown(name)}"
+    if not isinstance(runs, dict) or not all(is_cell_id(run) and isinstance(g, str) for run, g in runs.items()):
+        return f"{where}.runs: expected an object of run id (a cell id) -> grid cell id, got {shown(runs)}"
+    if problem := _not_in_grid(f"{where}.runs", list(runs.values()), grid):
+        return problem
+    if name == FINAL and any(run != grid_id for run, grid_id in runs.items()):
+        return f"{where}.runs: the final stage's runs are the grid's own cells, got {shown(runs)}"
+    if not isinstance(jobs, dict) or not all(
+        is_job_id(job) and isinstance(ids, list) and all(run in runs for run in ids) for job, ids in jobs.items()
+    ):
+        return f"{where}.jobs: expected an object of Slurm job id -> the stage's run ids, got {shown(jobs)}"
+    return ""
+
+
+def _not_in_grid(where: str, ids: list, grid: list[str]) -> str:
+    stray = next((cell for cell in ids if cell not in grid), None)
+    return f"{where}: {shown(stray)} is no cell of the grid" if stray is not None else ""
 
 
 def tune_dir(sweep_dir: Path) -> Path:
@@ -85,11 +134,9 @@ def load_state(sweep_dir: Path) -> TuneState | None:
         data = read_json_object(path, root=sweep_dir, kind="tune state")
     except FileNotFoundError:
         return None
-    try:
-        return TuneState.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        why = f"not a tune state ({exc}); remove the tune/ folder to start the search again"
-        raise RecordError(f"{path}: {why}") from None
+    if problem := state_problem(data):
+        raise RecordError(f"{path}: not a state this search wrote ({problem}); remove tune/ to start again")
+    return TuneState.from_dict(data)
 
 
 def save_state(sweep_dir: Path, state: TuneState) -> None:
@@ -125,13 +172,33 @@ def write_launch(launches_dir: Path, launch: Launch) -> None:
 
 
 def read_launches(sweep_dir: Path) -> list[Launch]:
+    """The launches recorded in the sweep folder; a file cut short, or whose values are not a
+    launch's (types, times from 0 to a day after now, 1 GPU or more), is left out of the spend."""
     out = []
     for path in sorted((tune_dir(sweep_dir) / LAUNCHES_DIR).glob("*.json")):
         try:
-            out.append(Launch(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
+            launch = Launch(**read_json_object(path, root=sweep_dir, kind="tune launch"))
+        except (RecordError, FileNotFoundError, TypeError):
             continue  # a launch file cut short: its run is not done, and runs again
+        if _is_launch(launch):
+            out.append(launch)
     return out
+
+
+def _is_launch(launch: Launch) -> bool:
+    texts = (launch.run, launch.stage, launch.executor, launch.job_id)
+    times = (launch.started, launch.ended)
+    return (
+        all(isinstance(text, str) for text in texts)
+        and all(type(moment) in (int, float) for moment in times)
+        and 0 <= launch.started <= launch.ended <= time.time() + MOMENT_SLACK_S
+        and type(launch.gpus) is int
+        and 1 <= launch.gpus <= MAX_GPUS
+        and (launch.returncode is None or type(launch.returncode) is int)
+    )
+
+
+MAX_GPUS = 1 << 20  # more than any allocation holds
 
 
 def run_status(directory: Path) -> str:

@@ -22,6 +22,7 @@ import yaml
 from ...contracts.fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
 from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
+from ...contracts.strategies import STRATEGIES
 from .resources import Resources
 from .secret_shapes import require_no_secret
 from .yamlfile import BoundedLoader, read_text
@@ -102,6 +103,15 @@ def cell_id(spec: RunSpec) -> str:
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
     batch = "auto" if spec.auto_batch else spec.batch_size
     return f"{spec.strategy}-b{batch}-a{spec.grad_accum}-{digest}"
+
+
+CELL_ID = re.compile(rf"(?:{'|'.join(map(re.escape, STRATEGIES))})-b(?:auto|[0-9]+)-a[0-9]+-[0-9a-f]{{10}}")
+
+
+def is_cell_id(text: object) -> bool:
+    """Whether text is a cell id as cell_id makes it (a folder name, never a path), for ids read
+    back from a file (tune's state)."""
+    return isinstance(text, str) and CELL_ID.fullmatch(text) is not None
 
 
 class _LineLoader(BoundedLoader):

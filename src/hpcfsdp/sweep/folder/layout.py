@@ -111,6 +111,17 @@ def require_sweep_folder(sweep_dir: Path) -> None:
         raise SpecError(f"{sweep_dir}: not a sweep folder (no {CELLS_DIR}/ inside; e.g. results/<name> of a jobs YAML)")
 
 
+def require_inside(sweep_dir: Path, path: Path) -> None:
+    """SpecError when path (a folder hpcfsdp writes or runs in: report/, tune/, a run's folder) is,
+    or is reached through, a link that leads out of the sweep folder: nothing out of it is written
+    or trained, whatever a shared folder holds."""
+    real = os.path.realpath(path)
+    if os.path.lexists(path) and not Path(real).is_relative_to(os.path.realpath(sweep_dir)):
+        raise SpecError(
+            str(path), "", f"a link to {real}, out of the sweep folder; remove it (hpcfsdp writes {path.name}/ itself)"
+        )
+
+
 def slurm_folder(sweep_dir: Path) -> Path:
     """submitit's folder for scripts, pickles and logs; absolute, as SlurmExecutor makes it."""
     return (Path(sweep_dir) / SLURM_DIR / "%j").expanduser().absolute()
@@ -251,7 +262,8 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
 def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
     """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
     spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
-    not its strings)."""
+    not its strings). Never into a cells/ or cells/<id>/ that is a link out of the folder above them."""
+    require_inside(cell_dir.parent.parent, cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}

@@ -24,6 +24,7 @@ from ..track.lost import log_tails, record_launch_failure
 from ..track.status import cell_status
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
 
+LAUNCH_DIR_ENV = "HPCFSDP_LAUNCH_DIR"  # the cell folder of a launch, in each of its processes' environment
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -169,7 +170,8 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
     with open(directory / LOG_NAME, "w") as out:
         # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
-        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
+        # The folder marks every process of the launch (ranks_launched_in finds them after a kill).
+        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}", LAUNCH_DIR_ENV: str(Path(directory).absolute())}
         proc = subprocess.Popen(
             torchrun_command(directory, processes),
             stdout=out,
@@ -230,15 +232,61 @@ def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
     _kill_survivors(under)
 
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process, from /proc (Linux)."""
+def launched_in(folder: Path) -> dict[int, str]:
+    """The live processes (pid -> start time) of launches made in `folder` (a cell folder or one
+    above it) by launch_cell, found by the LAUNCH_DIR_ENV it gave them: a torchrun and its ranks
+    outlive a `tune` or `submit` killed by SIGKILL for a while (they end on the SIGTERM Linux
+    sends, after recording `cancelled`), and no later launch must start beside them."""
+    root = Path(os.path.realpath(folder))
+    found = {}
+    for pid, (_, started, state) in _proc_table().items():
+        if pid == os.getpid() or state == "Z":
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        marks = [
+            entry[len(LAUNCH_DIR_ENV) + 1 :] for entry in environ if entry.startswith(LAUNCH_DIR_ENV.encode() + b"=")
+        ]
+        if marks and Path(os.path.realpath(os.fsdecode(marks[0]))).is_relative_to(root):
+            found[pid] = started
+    return found
+
+
+def end_launches_left(folder: Path, log: Callable[[str], None], grace_s: float = LOCAL_GRACE_S) -> None:
+    """Wait for the processes a killed command's launch left in `folder` (launched_in) to end, up
+    to grace_s (they got SIGTERM when it died), then end them with SIGKILL; say so in one line."""
+    left = launched_in(folder)
+    if not left:
+        return
+    pids = ", ".join(map(str, sorted(left)))
+    log(
+        f"waiting for {len(left)} process(es) of a launch a killed run left in {folder} (pids {pids}) to end "
+        f"(SIGKILL after {grace_s:g} s) before launching anything there"
+    )
+    deadline = time.monotonic() + grace_s
+    while _alive(left) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _kill_survivors(left)
+    while _alive(left):
+        time.sleep(0.1)
+
+
+def _alive(processes: dict[int, str]) -> bool:
+    table = _proc_table()
+    return any(pid in table and table[pid][1] == started and table[pid][2] != "Z" for pid, started in processes.items())
+
+
+def _proc_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, start time, state: Z for a zombie, ended) of every process, from /proc (Linux)."""
     table = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
         except (OSError, IndexError):
             continue
-        table[int(stat.parent.name)] = (int(fields[1]), fields[19])
+        table[int(stat.parent.name)] = (int(fields[1]), fields[19], fields[0])
     return table
 
 
@@ -247,7 +295,7 @@ def processes_under(pid: int) -> dict[int, str]:
     from a later one that reuses its pid."""
     table = _proc_table()
     children: dict[int, list[int]] = {}
-    for child, (parent, _) in table.items():
+    for child, (parent, *_) in table.items():
         children.setdefault(parent, []).append(child)
     found, todo = {}, [pid]
     while todo:

@@ -16,32 +16,36 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
+
+from ...contracts.files import lock_holder, open_lock, write_lock_note
 
 LOCK_NAME = ".submit.lock"
 
 
 @contextmanager
-def sweep_lock(sweep_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Hold the sweep folder's submit lock; if another process holds it, say so once and wait."""
+def sweep_lock(sweep_dir: Path, log: Callable[[str], None], command: Literal["submit", "tune"]) -> Iterator[None]:
+    """Hold the sweep folder's submit lock for `command`; if another process holds it, say once
+    which command it is, and wait. The lock file is never a link nor a file hpcfsdp did not make
+    (files.open_lock)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    with open(sweep_dir / LOCK_NAME, "a+") as handle:
+    fd = open_lock(sweep_dir / LOCK_NAME)
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
+            holder, note = lock_holder(fd)
             log(
-                f"another `hpcfsdp submit` of {sweep_dir} is running ({holder}); waiting for it to finish "
-                "(Ctrl-C to stop waiting)"
+                f"another `hpcfsdp {holder or 'submit or tune'}` of {sweep_dir} is running ({note or 'no note'}); "
+                "waiting for it to finish (Ctrl-C to stop waiting)"
             )
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        handle.flush()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        write_lock_note(fd, f"{command}: pid {os.getpid()} on {os.uname().nodename}, since {since}")
         try:
             yield
         finally:
-            handle.seek(0)
-            handle.truncate()
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            write_lock_note(fd, "")
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

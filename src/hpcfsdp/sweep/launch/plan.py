@@ -99,6 +99,23 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
     }
 
 
+def refused_document(problem: str, exit_status: int) -> dict:
+    """`plan --json` of a jobs YAML that was refused (unreadable, a bad key or value): the same
+    keys as plan_document's, no cells, and the refusal as its one problem."""
+    return {
+        "sweep": "",
+        "cluster": "",
+        "exit_status": exit_status,
+        "cells": [],
+        "arrays": [],
+        "upper_bound_hours": 0.0,
+        "hours_of": "GPU",
+        "time_min": 0,
+        "max_requeue": 0,
+        "problems": [problem],
+    }
+
+
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
     comment, once the folder has one: layout.folder_uid)."""

@@ -165,7 +165,7 @@ def submit(
     # The lock: from reading which cells are queued to the manifest naming what this submit
     # queued (for the local executor, to its last cell). Signals end what it started (interrupts.py).
     try:
-        with interrupts_raise(), sweep_lock(sweep_dir, log):
+        with interrupts_raise(), sweep_lock(sweep_dir, log, "submit"):
             return _submit_locked(sweep, sweep_dir, executor, force, retry_failed, log, room_poll_s)
     except SlurmError as exc:
         raise UserError(f"cannot tell which cells are still queued ({exc}); nothing submitted") from None
