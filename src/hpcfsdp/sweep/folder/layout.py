@@ -29,7 +29,7 @@ import yaml
 from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
-from ...contracts.names import slurm_name_problem
+from ...contracts.names import has_surrogate, readable, slurm_name_problem
 from ...contracts.record import SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
@@ -52,8 +52,24 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 
 
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
-    """The file `name` (result.json, spec.json) of every cell that has one, by cell id."""
-    return sorted(Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}"))
+    """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
+    whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
+    return sorted(path for path in Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}") if not has_surrogate(path.parent.name))
+
+
+def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
+    """The folders of cells/ whose name is not UTF-8 text: their names shown escaped -> the line
+    that names each. No cell id is such a name, and none can be written to a report, a CSV file or
+    strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
+    try:
+        names = [entry.name for entry in os.scandir(Path(sweep_dir) / CELLS_DIR)]
+    except OSError:
+        return {}
+    return {
+        readable(name): f"{readable(str(cell_dir(sweep_dir, name)))}: a cell folder whose name is not UTF-8 text; not read"
+        for name in sorted(names)
+        if has_surrogate(name)
+    }
 
 
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
