@@ -83,3 +83,37 @@ def test_the_shells_sbatch_variables_never_change_the_jobs_and_plan_says_which_r
         assert "(from your shell: SBATCH_RESERVATION=nosuchreservation)" in done.stderr
     finally:
         cancel_all(name)
+
+
+def test_a_sweep_folder_moved_while_its_jobs_wait_still_follows_cancels_and_never_queues_them_again(
+    slurm_cluster, tmp_path, capsys
+):
+    name = f"moved{uuid.uuid4().hex[:8]}"
+    jobs = jobs_file(tmp_path, name, matrix={"batch_size": [1, 2]})
+    original, moved = tmp_path / "results" / name, tmp_path / "elsewhere" / name
+    try:
+        assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(original.parent)]) == 0
+        capsys.readouterr()
+        ids = set(queued(name))
+        assert len(ids) == 2
+        moved.parent.mkdir()
+        original.rename(moved)
+
+        assert main(["status", str(moved)]) == 4  # in flight, not missing
+        out, err = capsys.readouterr()
+        assert "pending 2" in out and "missing" not in out
+        assert f"warning: this folder was moved from {original.resolve()} while jobs it queued there" in err
+        assert main(["status", str(moved), "--json"]) == 4
+        document = json.loads(capsys.readouterr().out)
+        assert {cell["job_id"] for cell in document["cells"]} == ids
+
+        # A second submit from the moved folder queues nothing beside them.
+        assert main(["submit", str(jobs), "--executor", "slurm", "--results-dir", str(moved.parent)]) == 0
+        assert "skipping 2 cell(s) still queued or running" in capsys.readouterr().out
+        assert set(queued(name)) == ids
+
+        assert main(["cancel", str(moved)]) == 0
+        assert "2 cell(s) cancelled" in capsys.readouterr().out
+        assert queued(name) == {}
+    finally:
+        cancel_all(name)

@@ -25,6 +25,7 @@ from ..folder.layout import (
     MANIFEST_NAME,
     SLURM_DIR,
     cell_dir,
+    moved_from,
     planned_cell_ids,
     slurm_jobs,
     sweep_comment,
@@ -150,9 +151,16 @@ def sweep_status(
     problems = list(unnamed.values())
     try:
         jobs, cluster, uid, elsewhere = slurm_jobs(sweep_dir, cell_ids)
+        moved = moved_from(sweep_dir)
     except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
-        jobs, cluster, uid, elsewhere = {}, "", "", ""
+        jobs, cluster, uid, elsewhere, moved = {}, "", "", "", ""
         problems.append(f"{exc}; queued cells show as missing")
+    if moved:
+        problems.append(
+            f"this folder was moved from {moved} while jobs it queued there were in the queue: they are followed "
+            "here, but a job that starts after the move reads and writes the old folder (its script names it); "
+            "`hpcfsdp cancel` and submit again any that have not started"
+        )
     if elsewhere:
         problems.append(
             f"{sweep_dir / MANIFEST_NAME} names jobs queued from {elsewhere} (this folder is a copy of it): "
