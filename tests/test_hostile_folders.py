@@ -74,7 +74,7 @@ def test_a_lone_surrogate_or_a_non_utf8_cell_folder_is_one_corrupt_cell_and_the_
     assert "Traceback" not in err
     assert f"warning: skipped {spoiled_record}: unreadable record (a lone surrogate, which is no text, in error)" in err
     assert f"warning: skipped {spoiled_spec}: unreadable record (a lone surrogate, which is no text, in spec.model)" in err
-    assert f"{sweep / 'cells'}/caf\\udce9: a cell folder whose name is not UTF-8 text; not read" in err
+    assert f"{sweep / 'cells'}/caf\\udce9: a cell folder whose name is no cell id (not UTF-8 text, " in err
     table = pd.read_parquet(sweep / "report" / "results.parquet")
     assert sorted(table["cell_id"]) == sorted(path.parent.name for path in kept)
     assert history_cells(results) == {path.parent.name for path in kept}

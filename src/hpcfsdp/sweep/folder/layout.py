@@ -19,6 +19,7 @@ import json
 import os
 import re
 import secrets
+import unicodedata
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,21 +55,28 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
     """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
     whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
-    return sorted(path for path in Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}") if not has_surrogate(path.parent.name))
+    return sorted(path for path in Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}") if not _no_cell_id(path.parent.name))
+
+
+def _no_cell_id(name: str) -> bool:
+    """A folder name no cell id is: not UTF-8 text (a lone surrogate, as Python reads such a name),
+    or holding a control character (a newline would split the lines that name it)."""
+    return has_surrogate(name) or any(unicodedata.category(char) == "Cc" for char in name)
 
 
 def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
-    """The folders of cells/ whose name is not UTF-8 text: their names shown escaped -> the line
-    that names each. No cell id is such a name, and none can be written to a report, a CSV file or
-    strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
+    """The folders of cells/ whose name is no cell id (_no_cell_id): their names shown escaped (as
+    ascii() writes them) -> the line that names each. None can be written to a report, a CSV file
+    or strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
     try:
         names = [entry.name for entry in os.scandir(Path(sweep_dir) / CELLS_DIR)]
     except OSError:
         return {}
+    shown = {name: ascii(name)[1:-1] for name in sorted(names) if _no_cell_id(name)}
     return {
-        readable(name): f"{readable(str(cell_dir(sweep_dir, name)))}: a cell folder whose name is not UTF-8 text; not read"
-        for name in sorted(names)
-        if has_surrogate(name)
+        escaped: f"{readable(str(Path(sweep_dir) / CELLS_DIR))}/{escaped}: a cell folder whose name is no cell id "
+        "(not UTF-8 text, or a control character); not read"
+        for escaped in shown.values()
     }
 
 
