@@ -55,9 +55,7 @@ def history_cells(results: Path) -> set[str]:
 # 4: lone surrogates and cell folders whose names are not UTF-8
 
 
-def test_a_lone_surrogate_or_a_non_utf8_cell_folder_is_one_corrupt_cell_and_the_others_are_reported(
-    tmp_path, capsys
-):
+def test_a_lone_surrogate_or_a_non_utf8_cell_folder_is_one_corrupt_cell_and_the_others_are_reported(tmp_path, capsys):
     results = tmp_path / "results"
     sweep = planned_sweep(results, "surrogates", {"a": 1000.0, "b": 2000.0, "c": 1500.0, "d": 800.0})
     paths = cells_of(sweep)
@@ -73,7 +71,9 @@ def test_a_lone_surrogate_or_a_non_utf8_cell_folder_is_one_corrupt_cell_and_the_
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"warning: skipped {spoiled_record}: unreadable record (a lone surrogate, which is no text, in error)" in err
-    assert f"warning: skipped {spoiled_spec}: unreadable record (a lone surrogate, which is no text, in spec.model)" in err
+    assert (
+        f"warning: skipped {spoiled_spec}: unreadable record (a lone surrogate, which is no text, in spec.model)" in err
+    )
     assert f"{sweep / 'cells'}/caf\\udce9: a cell folder whose name is no cell id (not UTF-8 text, " in err
     table = pd.read_parquet(sweep / "report" / "results.parquet")
     assert sorted(table["cell_id"]) == sorted(path.parent.name for path in kept)
@@ -109,7 +109,10 @@ def test_a_cell_spec_json_with_a_lone_surrogate_is_named_and_status_goes_on(tmp_
     assert {cell["cell_id"]: cell["strategy"] for cell in document["cells"]}[first.parent.name] == "?"
     assert main(["collect", str(sweep), "--no-plots", "--no-history"]) == 0
     err = capsys.readouterr().err
-    assert f"{first.parent / SPEC_NAME}: unreadable cell spec (a lone surrogate, which is no text, in spec.strategy)" in err
+    assert (
+        f"{first.parent / SPEC_NAME}: unreadable cell spec (a lone surrogate, which is no text, in spec.strategy)"
+        in err
+    )
 
 
 @pytest.mark.parametrize(
@@ -142,9 +145,9 @@ def test_another_cells_record_copied_into_a_cell_folder_is_corrupt_and_never_ent
     assert main(["status", str(sweep), "--json"]) == 3
     document = json.loads(capsys.readouterr().out)
     assert {cell["cell_id"]: cell["status"] for cell in document["cells"]}[third.parent.name] == "corrupt"
-    assert f"{third}: the record of cell \"{first.parent.name}\", not of this cell's folder" in document["warnings"]
+    assert f'{third}: the record of cell "{first.parent.name}", not of this cell\'s folder' in document["warnings"]
     assert main(["collect", str(sweep), "--no-plots"]) == 0
-    assert f"warning: skipped {third}: the record of cell \"{first.parent.name}\"" in capsys.readouterr().err
+    assert f'warning: skipped {third}: the record of cell "{first.parent.name}"' in capsys.readouterr().err
     assert history_cells(results) == {first.parent.name, second.parent.name}
     with duckdb.connect(str(results / HISTORY_NAME), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM runs").fetchone() == (2,)
@@ -160,7 +163,9 @@ def test_a_record_of_a_hundred_thousand_steps_is_far_below_the_cap_and_a_bigger_
     # A real record as the cell writes it, with the losses and step times of 60,000 steps: under the cap.
     record = json.loads(first.read_text())
     steps = 60_000
-    write_record(first, {**record, "losses": [2.0 + i / 7e4 for i in range(steps)], "step_times_s": [0.123456789] * steps})
+    write_record(
+        first, {**record, "losses": [2.0 + i / 7e4 for i in range(steps)], "step_times_s": [0.123456789] * steps}
+    )
     assert first.stat().st_size < MAX_RECORD_BYTES
     # Records of 40 MB each (a long unknown field): corrupt, named, never read whole.
     for path in (second, third):
@@ -191,7 +196,7 @@ def test_status_when_the_controller_cannot_be_reached_is_an_error_not_cells_not_
     slurm_cluster, tmp_path, monkeypatch, capsys
 ):
     sweep = planned_sweep(tmp_path / "results", "unreachable", {"a": 1000.0, "b": 2000.0})
-    first, second = cells_of(sweep)
+    _, second = cells_of(sweep)
     record = json.loads(second.read_text())
     second.unlink()  # queued, no record yet
     (second.parent / SPEC_NAME).write_text(
@@ -199,7 +204,9 @@ def test_status_when_the_controller_cannot_be_reached_is_an_error_not_cells_not_
     )
     entry = {"executor": "slurm", "job_id": "4242_1", "cluster": "", "submitted_at": time.time()}
     write_json(sweep / MANIFEST_NAME, {second.parent.name: {**entry, **owned_entry(sweep, "abc123")}})
-    monkeypatch.setenv("SLURM_CONF", client_conf(tmp_path, "stopped", SlurmctldPort=str(free_port()), MessageTimeout="2"))
+    monkeypatch.setenv(
+        "SLURM_CONF", client_conf(tmp_path, "stopped", SlurmctldPort=str(free_port()), MessageTimeout="2")
+    )
     for argv in (["status", str(sweep)], ["status", str(sweep), "--json"]):
         assert main(argv) == 1
         captured = capsys.readouterr()

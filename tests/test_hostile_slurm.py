@@ -28,7 +28,9 @@ SUBMIT_LIMIT_S = 120  # sbatch returns at once; with SBATCH_WAIT it waited for a
 def jobs_file(tmp_path: Path, name: str, **fields) -> Path:
     jobs = tmp_path / f"{name}.yaml"
     jobs.write_text(
-        yaml.safe_dump({"name": name, "base": CPU_CELL, "slurm": {"time_min": 5, "extra_sbatch": {"hold": True}}, **fields})
+        yaml.safe_dump(
+            {"name": name, "base": CPU_CELL, "slurm": {"time_min": 5, "extra_sbatch": {"hold": True}}, **fields}
+        )
     )
     return jobs
 
@@ -65,7 +67,9 @@ def test_the_shells_sbatch_variables_never_change_the_jobs_and_plan_says_which_r
             "note: SBATCH_EXCLUSIVE, SBATCH_GRES, SBATCH_PARTITION, SBATCH_WAIT from your shell do not "
             "(the YAML sets the jobs' options)" in plan.stdout
         )
-        done = hpcfsdp("submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results"), env=shell)
+        done = hpcfsdp(
+            "submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path / "results"), env=shell
+        )
         assert done.returncode == 0, done.stderr
         (job,) = queued(name).values()
         assert re.search(r"\bTresPerNode=gres[:/]gpu:2\b", job), job  # not the shell's gpu:1

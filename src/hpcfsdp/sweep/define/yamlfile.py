@@ -1,8 +1,8 @@
 """Read a jobs file within bounds: size, encoding, nesting depth and alias expansion.
 
 A careless or hostile file (a YAML "billion laughs", thousands of nested brackets, Latin-1 or
-UTF-16 text, a lone surrogate written as "\ud800", a generated file of megabytes) becomes one SpecError naming the file, instead of a
-hang, a memory blow-up or a traceback.
+UTF-16 text, a lone surrogate written as "\ud800", a generated file of megabytes) becomes one
+SpecError naming the file, instead of a hang, a memory blow-up or a traceback.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from ..track.status import (
     sweep_status,
     watch,
 )
-from .interrupts import Interrupted, interrupts_raise
 from .environment import sbatch_note
+from .interrupts import Interrupted, interrupts_raise
 from .local import print_command, run_local
 from .lock import sweep_lock
 from .preflight import cluster_problems, place

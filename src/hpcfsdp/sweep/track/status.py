@@ -218,7 +218,9 @@ def _what_status_shows(state: RecordState) -> RecordState:
     at once (a record may be megabytes: issue 44, item 11)."""
     if state.record is None:
         return state
-    return state._replace(record={key: state.record[key] for key in ("status", "advice", "error") if key in state.record})
+    return state._replace(
+        record={key: state.record[key] for key in ("status", "advice", "error") if key in state.record}
+    )
 
 
 def _first_line(error: object) -> str:
