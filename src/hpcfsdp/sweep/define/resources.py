@@ -94,7 +94,8 @@ class Resources:
     extra_sbatch: dict[str, Any] = documented(
         {},
         "passed through: `{reservation: maint, hold: true}` -> `--reservation=maint --hold`; a key is read "
-        "as sbatch reads it (`reserv` is `--reservation`)",
+        "as sbatch reads it (`reserv` is `--reservation`); options that change what sbatch prints, when it "
+        "returns or the task layout (`parsable`, `wait`, `ntasks`, ...) are refused",
     )
     # The allowlist is environment.py's.
     pass_env: tuple[str, ...] = documented(
