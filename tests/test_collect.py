@@ -402,6 +402,7 @@ def test_a_schema_1_record_with_a_bare_nan_reads_as_before_and_is_strict_json_on
     old = {
         **failed_record(spec, "diverged", "train", "Diverged: loss is nan at step 2"),
         "schema_version": 1,
+        "cell_id": "old-diverged",  # its folder's name: a record of another cell's id is corrupt (issue 44)
         "diverged_step": 2,
         "losses": [10.5, math.nan],
     }

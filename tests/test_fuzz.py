@@ -8,8 +8,10 @@ folder or a jobs file (issue 33).
   into a real DuckDB file), export (its runs, a real TensorBoard writer) and logs, in-process: each
   ends in bounded time, never raises anything but the one-line UserError, and no such record is
   ever named as a best setup.
-- Jobs files: a valid YAML tree mutated goes through `plan`, `plan --memory` and `plan --sbatch`:
-  valid, or refused in one line naming the file.
+- Cell folders of any name (bytes that are not UTF-8, another cell's name) and text with lone
+  surrogates go through status (its --json answer read by a strict parser), collect and export.
+- Jobs files: a valid YAML tree mutated (lone surrogates too) goes through `plan`, `plan --memory`
+  and `plan --sbatch`: valid, or refused in one line naming the file.
 - A few whole commands in processes of their own, under a memory and time limit, for the
   guarantee that nothing prints a traceback.
 - Shared folders (issue 44): links, hard links, FIFOs, device nodes and folders planted at a
@@ -41,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, get_origin
 
+import orjson
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, note, seed, settings
@@ -83,16 +86,18 @@ def printed_seed(request):
 BIG_INTEGERS = [2**63, 2**63 - 1, 2**64, -(2**63) - 1, 10**30, 10**400, -(10**20)]
 ODD_FLOATS = [math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324, -0.0, 1e300, -1e12]
 FORMULAS = ["=1+1", "+cmd", "-2", "@SUM(A1)", '=HYPERLINK("x")', "", " ", "\n", "é", "\u202e", "../../etc"]
+SURROGATES = ["\ud800", "x\udcff", "\udfff\ud800", "\ud83d\ude00"]  # lone ones (issue 44), and a pair: one emoji
 numbers = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from(BIG_INTEGERS),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(ODD_FLOATS),
 )
-scalars = st.one_of(numbers, st.none(), st.booleans(), st.text(max_size=12), st.sampled_from(FORMULAS))
+texts = st.one_of(st.text(max_size=12), st.sampled_from(FORMULAS + SURROGATES))
+scalars = st.one_of(numbers, st.none(), st.booleans(), texts)
 json_values = st.recursive(
     scalars,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(texts, children, max_size=4),
     max_leaves=12,
 )
 values = st.one_of(numbers, scalars, json_values)  # single values more often than nested ones
@@ -240,7 +245,7 @@ def test_hostile_records_never_crash_hang_or_win(template, store, change):
             victim.write_text(text)
         note(f"seed {SEED}; {change}")
 
-        state = record_state(victim, root=sweep)  # what status, collect, export and logs all read
+        state = record_state(victim, root=sweep, cell_id=victim.parent.name)  # what status, collect, export read
         assert state.status in (*STATUSES, CORRUPT, MISSING)
         if state.status == CORRUPT:
             assert state.problem.startswith(str(victim)) and "\n" not in state.problem
@@ -249,6 +254,8 @@ def test_hostile_records_never_crash_hang_or_win(template, store, change):
 
         code, _out, err = quiet(main, ["status", str(sweep)])
         assert code in (0, 1, 3, 4) and "Traceback" not in err, err  # 3: a cell not ok (a corrupt record)
+        _code, out, _err = quiet(main, ["status", str(sweep), "--json"])
+        orjson.loads(out.encode())  # strict UTF-8 JSON, whatever text the record held
         winner = victim.parent.name
         code, _out, err = quiet(print_logs, sweep, winner, "stdout")
         assert code in (0, 1)
@@ -316,6 +323,37 @@ def assert_in_range(record: dict) -> None:
     assert started is None or 946_684_800 <= started <= time.time() + 86_400, started
 
 
+# Names of a cell folder: any bytes a file name may hold (not UTF-8 too), and names of other cells.
+folder_names = st.one_of(
+    st.binary(min_size=1, max_size=16).filter(lambda name: b"/" not in name and b"\0" not in name),
+    st.sampled_from([b"caf\xe9", b"\xff\xfe", b"\xed\xa0\x80", "é".encode(), b"..."]),
+).filter(lambda name: name not in (b".", b".."))
+
+
+@seed(SEED)
+@FUZZ
+@given(name=folder_names)
+def test_a_cell_folder_of_any_name_never_crashes_status_collect_or_export(template, name):
+    """A copy of a cell in a folder of that name (issue 44, item 4): a name that is not UTF-8 is a
+    corrupt cell, named escaped; a UTF-8 one holds another cell's record (item 10), corrupt too."""
+    with within(EXAMPLE_LIMIT_S), tempfile.TemporaryDirectory() as scratch:
+        sweep = Path(shutil.copytree(template, Path(scratch) / "fuzz", symlinks=True))
+        cells = sorted(path.name for path in (sweep / "cells").iterdir())
+        source = sweep / "cells" / cells[0]
+        shutil.copytree(source, os.fsdecode(os.fsencode(sweep / "cells") + b"/" + name))
+        note(f"seed {SEED}; {name!r}")
+        code, out, err = quiet(main, ["status", str(sweep), "--json"])
+        assert code == 3 and "Traceback" not in err, err
+        document = orjson.loads(out.encode())
+        assert sum(cell["status"] == CORRUPT for cell in document["cells"]) == 1
+        collection = load_records(sweep, {})
+        assert len(collection.unreadable) == 1 and "\n" not in collection.unreadable[0]
+        collection.unreadable[0].encode("utf-8")  # printable, and writable into a report
+        assert sorted(collection.frame["cell_id"]) == cells
+        write_tables(collection.cells, report_folder(sweep))
+        assert len(list(exported_runs(sweep, collection.frame, collection.spec_fields))) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # Jobs files
 
@@ -357,6 +395,7 @@ KEYS = [
 yaml_values = st.one_of(
     values.filter(lambda v: not _has_nan(v)),  # YAML writes .nan; kept, but not inside keys' lists
     st.sampled_from(["auto", "~nosuchuser/x", "~/x", "/nonexistent", "H200", "a\u0301", "fsdp1_hybrid_shard"]),
+    st.sampled_from(SURROGATES),  # a lone surrogate: refused on the line that writes it (issue 44)
     st.lists(st.integers(min_value=-3, max_value=2**65), min_size=0, max_size=3),
 )
 yaml_mutations = st.lists(

@@ -46,6 +46,31 @@ def test_plan_refuses_a_prefix_of_an_option_hpcfsdp_sets(key, tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("key", "read_as", "why"),
+    [("parsable", "parsable", "changes what sbatch prints"), ("pars", "parsable", "changes what sbatch prints"),
+     ("quiet", "quiet", "changes what sbatch prints"), ("test_only", "test-only", "queues nothing"),
+     ("test-o", "test-only", "queues nothing"), ("wait", "wait", "return only when the job ends"),
+     ("wrap", "wrap", "replaces the batch script"), ("chd", "chdir", "moves the folder the job starts in"),
+     ("ntasks", "ntasks", "changes the task layout"), ("ntasks-per-g", "ntasks-per-gpu", "changes the task layout"),
+     ("version", "version", "queue nothing"), ("get-user", "get-user-env", "past the allowlist")],
+)  # fmt: skip
+def test_plan_refuses_sbatch_options_that_change_its_output_its_return_or_the_task_layout(
+    key, read_as, why, tmp_path, capsys
+):
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(f"name: p\nbase: {{device: cpu}}\nslurm:\n  extra_sbatch: {{{key}: true}}\n")
+    for argv in (["plan", str(jobs)], ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path)]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        written = key.replace("_", "-")
+        shown = f"--{written}" if written == read_as else f"--{written} (sbatch reads it as --{read_as})"
+        assert err.startswith(f"error: {jobs}:4: slurm.extra_sbatch.{key}: {shown} ") and why in err, err
+        assert err.endswith("; not passed through\n")
+    assert not (tmp_path / "p").exists()
+
+
 def test_an_accepted_prefix_is_written_as_the_option_in_full(tmp_path, capsys):
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text(

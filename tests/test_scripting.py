@@ -93,6 +93,7 @@ class PlanAnswer(Strict):
     time_min: int
     max_requeue: int
     problems: list[str]
+    sbatch_from_shell: dict[str, str]
 
 
 class CollectCell(Strict):

@@ -224,9 +224,11 @@ def status(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         raise SpecError(f"status: --watch: expected a positive number of seconds, got {args.watch}")
     report = watch(sweep_dir, args.watch) if args.watch else sweep_status(sweep_dir)
+    if report.unknown:
+        raise UserError(report.unknown_message())
     # Accounting may correct a record's status (a rank's `cancelled` that sacct says was NODE_FAIL).
     if note_accounting(sweep_dir, {c.cell_id: c.job_id for c in report.cells if c.job_id and c.state in STATUSES}):
-        report = sweep_status(sweep_dir, [c.cell_id for c in report.cells])
+        report = sweep_status(sweep_dir)
     if args.json:
         print_json({**status_document(report), "collect_job": collect_line(sweep_dir) or ""})
     else:

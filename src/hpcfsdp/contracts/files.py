@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .names import has_surrogate
 
 try:
     import orjson
@@ -37,6 +38,9 @@ except ImportError:  # a dependency; without it JSON is parsed by the standard l
 
 
 LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# How a surrogate is written in JSON text (UTF-8 bytes hold none): "\ud800". A pair of them is one
+# character (an emoji); a lone one is no text (names.has_surrogate).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class RecordError(UserError, ValueError):
@@ -240,16 +244,20 @@ def parse_json(data: bytes) -> Any:
     return json.loads(data.decode("utf-8"))
 
 
-def read_json_object(path: str | Path, root: str | Path | None = None, kind: str = "record") -> dict[str, Any]:
+def read_json_object(
+    path: str | Path, root: str | Path | None = None, kind: str = "record", limit: int = 0
+) -> dict[str, Any]:
     """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
-    unreadable, not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit
-    limit (ValueError), not an object, or (with root) a link that leads out of the folder root.
+    unreadable, larger than `limit` bytes (MAX_JSON_BYTES by default), not UTF-8, not JSON, too
+    deep (RecursionError) or an integer past Python's digit limit (ValueError), not an object, text
+    with a lone surrogate, or (with root) a link that leads out of the folder root.
     FileNotFoundError when there is no file."""
     path = Path(path)
     if root is not None and not _inside(path, root):
         raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
-        value = parse_json(read_regular_file(path, MAX_JSON_BYTES))
+        data = read_regular_file(path, limit or MAX_JSON_BYTES)
+        value = parse_json(data)
     except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
         raise FileNotFoundError(path) from None
     except OSError as exc:
@@ -262,7 +270,27 @@ def read_json_object(path: str | Path, root: str | Path | None = None, kind: str
         raise RecordError(f"{path}: unreadable {kind} ({_one_line(exc)})") from None
     if not isinstance(value, dict):
         raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    if SURROGATE_ESCAPE.search(data) and (where := _surrogate_in(value)):
+        raise RecordError(f"{path}: unreadable {kind} (a lone surrogate, which is no text, in {where})")
     return value
+
+
+def _surrogate_in(value: Any) -> str:
+    """The dotted name of the first key or text in value (walked without recursion) that holds a
+    lone surrogate; "" when none does."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str) and has_surrogate(item):
+            return where or "the value"
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if has_surrogate(key):
+                    return f"a key of {where or 'the object'}"
+                stack.append((f"{where}.{key}" if where else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{index}]", child) for index, child in enumerate(item))
+    return ""
 
 
 MAX_JSON_BYTES = 64 << 20  # a record of a million steps' losses is some 20 MB; more is no record

@@ -20,6 +20,8 @@ from datetime import date
 from types import NoneType, UnionType
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
+from .names import readable
+
 T = TypeVar("T")
 CHECKED = "checked"
 # A field that a reader depends on: a value of another type than the annotation's, null aside,
@@ -176,14 +178,17 @@ def integer_out_of_int64(value: Any, name: str = "") -> str | None:
 
 
 def json_ready(value: Any) -> Any:
-    """value as strict JSON takes it (RFC 8259: no NaN): a number that is not finite, NaN, NaT and
+    """value as strict JSON takes it (RFC 8259: no NaN, text UTF-8 holds: a lone surrogate, from a
+    file name that is not UTF-8, escaped as names.readable does): a number that is not finite, NaN, NaT and
     pandas' NA become null; numpy scalars Python's; dates ISO 8601 text; tuples lists; any other
     object its text."""
     if isinstance(value, dict):
-        return {str(key): json_ready(item) for key, item in value.items()}
+        return {readable(str(key)): json_ready(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_ready(item) for item in value]
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, str):
+        return readable(value)
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None

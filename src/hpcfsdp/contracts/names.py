@@ -11,12 +11,16 @@ one SpecError line naming the file, line and key (docs/refusals.md lists the rul
   them for every sweep of that folder. It also becomes sbatch's job name and log paths, where `%`
   is a filename pattern (%j, %u, ...) that sbatch expands.
 - A partition, account, QOS or constraint is one sbatch argument: a space would make it two.
+- A lone surrogate (U+D800..U+DFFF: JSON's "\ud800", or a byte of a file name that is not UTF-8,
+  which Python carries as one) is no text: no UTF-8 file, terminal, CSV or strict JSON parser
+  (orjson, DuckDB) takes it. Such text is refused, and a folder so named is shown escaped.
 - 'é' written as 'e' and a combining accent prints like 'é' written as one character, and is another
   folder: a name must be in Unicode's composed form (NFC).
 """
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 MAX_NAME_BYTES = 255  # a file name, on the file systems Linux clusters use
@@ -50,6 +54,20 @@ _IGNORABLE = (
 # (zero-width, bidirectional controls), surrogates, private use, unassigned, and separators other
 # than the plain space (no-break and other spaces, line and paragraph separators).
 _UNSEEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"})
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether text holds a lone surrogate, which no UTF-8 file or strict JSON parser takes."""
+    return SURROGATE.search(text) is not None
+
+
+def readable(text: str) -> str:
+    """text as UTF-8 can hold it: each lone surrogate (a file name's byte that is not UTF-8) as a
+    `\\udcff` escape, for a name that must still be shown (a cell folder named so)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if has_surrogate(text) else text
 
 
 def unseen_character(text: str) -> str:

@@ -324,12 +324,18 @@ def failure_record(
     return cast(FailedRecord, {**record, **fields})  # the callers' fields: the run's context, Slurm's ending
 
 
+# A record is some 10 KB, and 48 bytes a step more (its losses and step times, as write_record
+# writes them): 4 MiB is some 85,000 steps, days of one cell. A larger file is no record of a
+# benchmark, and would cost status and collect seconds and hundreds of MB each (issue 44, item 11).
+MAX_RECORD_BYTES = 4 << 20
+
+
 def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, Any]:
-    """The record at path, checked: RecordError (one line) when it cannot be used; FileNotFoundError
-    when there is none. A plain dict, not a Record: only its Checked fields are known to hold
-    their declared types."""
+    """The record at path, checked: RecordError (one line) when it cannot be used (larger than
+    MAX_RECORD_BYTES too); FileNotFoundError when there is none. A plain dict, not a Record: only
+    its Checked fields are known to hold their declared types."""
     path = Path(path)
-    record = read_json_object(path, root)
+    record = read_json_object(path, root, limit=MAX_RECORD_BYTES)
     version = record.get("schema_version")
     if version not in READ_SCHEMA_VERSIONS:
         expected = " or ".join(map(str, READ_SCHEMA_VERSIONS))
@@ -342,14 +348,19 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
     return record
 
 
-def record_state(path: str | Path, root: str | Path | None = None) -> RecordState:
-    """missing, corrupt (with the one-line problem), or the record's status and the record."""
+def record_state(path: str | Path, root: str | Path | None = None, cell_id: str | None = None) -> RecordState:
+    """missing, corrupt (with the one-line problem), or the record's status and the record. Given
+    the cell_id its folder names, a record whose own cell_id is another's (a record copied from
+    another cell's folder) is corrupt: it is no measurement of this cell (issue 44, item 10)."""
     try:
         record = read_record(path, root)
     except FileNotFoundError:
         return RecordState(MISSING)
     except RecordError as exc:
         return RecordState(CORRUPT, problem=str(exc))
+    own = record.get("cell_id")
+    if cell_id is not None and own is not None and own != cell_id:
+        return RecordState(CORRUPT, problem=f"{path}: the record of cell {shown(own)}, not of this cell's folder")
     return RecordState(record["status"], record)
 
 

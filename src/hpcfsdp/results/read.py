@@ -19,7 +19,7 @@ from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
 from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..progress import Progress
-from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids
+from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids, unnamed_cell_folders
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 
@@ -74,12 +74,12 @@ def load_records(
     paths = cell_files(sweep_dir, RECORD_NAME)
     if progress:
         progress.count(len(paths))
-    unreadable: list[str] = []
+    unreadable = list(unnamed_cell_folders(sweep_dir).values())
     rows, spec_fields = [], {}
     for path in paths:
         if progress:
             progress.advance()
-        state = record_state(path, root=sweep_dir)
+        state = record_state(path, root=sweep_dir, cell_id=path.parent.name)
         if state.problem:
             unreadable.append(state.problem)
         elif state.record is not None:

@@ -94,7 +94,8 @@ class Resources:
     extra_sbatch: dict[str, Any] = documented(
         {},
         "passed through: `{reservation: maint, hold: true}` -> `--reservation=maint --hold`; a key is read "
-        "as sbatch reads it (`reserv` is `--reservation`)",
+        "as sbatch reads it (`reserv` is `--reservation`); options that change what sbatch prints, when it "
+        "returns or the task layout (`parsable`, `wait`, `ntasks`, ...) are refused",
     )
     # The allowlist is environment.py's.
     pass_env: tuple[str, ...] = documented(
@@ -206,6 +207,33 @@ SBATCH_SET_BY = {
 }
 
 
+# sbatch options that change what sbatch prints (the job id submit reads), when it returns, where
+# the job starts, what it runs or its task layout (hpcfsdp's, from nodes and gpus_per_node), or
+# that pass the login environment past the allowlist: refused in extra_sbatch (issue 44, item 5).
+# --hold stays allowed: the array waits, held, until `scontrol release`, and status shows why.
+PRINTS_OTHERWISE = "changes what sbatch prints, from which submit reads the job id"
+QUEUES_NOTHING = "makes sbatch print something and queue nothing"
+TASK_LAYOUT = "changes the task layout, which hpcfsdp sets: one task per GPU (nodes x gpus_per_node)"
+SBATCH_REFUSED = {
+    "parsable": PRINTS_OTHERWISE,
+    "quiet": PRINTS_OTHERWISE,
+    "test-only": "queues nothing (plan asks sbatch --test-only of each shape itself)",
+    "help": QUEUES_NOTHING,
+    "usage": QUEUES_NOTHING,
+    "version": QUEUES_NOTHING,
+    "autocomplete": QUEUES_NOTHING,
+    "wait": "makes sbatch return only when the job ends (submit --wait waits for the cells)",
+    "wrap": "replaces the batch script hpcfsdp writes",
+    "chdir": "moves the folder the job starts in, from which its paths are read",
+    "ntasks": TASK_LAYOUT,
+    "ntasks-per-core": TASK_LAYOUT,
+    "ntasks-per-socket": TASK_LAYOUT,
+    "ntasks-per-gpu": TASK_LAYOUT,
+    "ntasks-per-tres": TASK_LAYOUT,
+    "get-user-env": "gives the job the login environment, past the allowlist (name variables in slurm.pass_env)",
+}
+
+
 # An sbatch option name; anything else in a key (a newline, a space, '=', '#') would let the key
 # end its `#SBATCH --key=value` line and start a line of shell in the batch script.
 SBATCH_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -230,6 +258,8 @@ def _checked_extra_sbatch(where: str, res: Resources) -> dict[str, Any]:
         if flag in SBATCH_SET_BY:
             hint = f"; set {SBATCH_SET_BY[flag]} instead" if SBATCH_SET_BY[flag] else ""
             raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} is set by hpcfsdp{hint}")
+        if flag in SBATCH_REFUSED:
+            raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} {SBATCH_REFUSED[flag]}; not passed through")
         if flag in resolved:
             raise SpecError(where, f"extra_sbatch.{key}", f"{read_as} is given twice")
         resolved[flag] = value

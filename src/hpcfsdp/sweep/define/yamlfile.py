@@ -1,8 +1,8 @@
 """Read a jobs file within bounds: size, encoding, nesting depth and alias expansion.
 
 A careless or hostile file (a YAML "billion laughs", thousands of nested brackets, Latin-1 or
-UTF-16 text, a generated file of megabytes) becomes one SpecError naming the file, instead of a
-hang, a memory blow-up or a traceback.
+UTF-16 text, a lone surrogate written as "\ud800", a generated file of megabytes) becomes one
+SpecError naming the file, instead of a hang, a memory blow-up or a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from yaml.composer import ComposerError
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from ...contracts.fields import SpecError
+from ...contracts.names import has_surrogate
 
 MAX_BYTES = 1024**2  # a hand-written jobs file is a few KiB; pure-Python YAML parses ~0.25 MiB/s here
 MAX_DEPTH = 64  # a jobs file nests 4 levels; Python's recursion limit is hit near 300
@@ -94,6 +95,9 @@ def _expanded_size(root: Node) -> int:
             children = [child for pair in node.value for child in pair]
         else:
             children = []
+            if isinstance(node.value, str) and has_surrogate(node.value):
+                # "\ud800" in a double-quoted scalar: no text, which no file, script or JSON parser takes
+                raise ComposerError(None, None, "a lone surrogate (\\ud800-\\udfff), which is no text", node.start_mark)
         total = 1
         for child in children:
             total += size(child)

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import secrets
+import unicodedata
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ import yaml
 from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
-from ...contracts.names import slurm_name_problem
+from ...contracts.names import has_surrogate, readable, slurm_name_problem
 from ...contracts.record import SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
@@ -52,8 +53,31 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 
 
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
-    """The file `name` (result.json, spec.json) of every cell that has one, by cell id."""
-    return sorted(Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}"))
+    """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
+    whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
+    return sorted(path for path in Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}") if not _no_cell_id(path.parent.name))
+
+
+def _no_cell_id(name: str) -> bool:
+    """A folder name no cell id is: not UTF-8 text (a lone surrogate, as Python reads such a name),
+    or holding a control character (a newline would split the lines that name it)."""
+    return has_surrogate(name) or any(unicodedata.category(char) == "Cc" for char in name)
+
+
+def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
+    """The folders of cells/ whose name is no cell id (_no_cell_id): their names shown escaped (as
+    ascii() writes them) -> the line that names each. None can be written to a report, a CSV file
+    or strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
+    try:
+        names = [entry.name for entry in os.scandir(Path(sweep_dir) / CELLS_DIR)]
+    except OSError:
+        return {}
+    shown = {name: ascii(name)[1:-1] for name in sorted(names) if _no_cell_id(name)}
+    return {
+        escaped: f"{readable(str(Path(sweep_dir) / CELLS_DIR))}/{escaped}: a cell folder whose name is no cell id "
+        "(not UTF-8 text, or a control character); not read"
+        for escaped in shown.values()
+    }
 
 
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
@@ -168,26 +192,61 @@ def sweep_comment(uid: str) -> str:
 
 
 def slurm_jobs(sweep_dir: Path, cell_ids: Iterable[str]) -> SlurmJobs:
-    """The latest Slurm job of each of these cells that this folder queued, and the sweep's cluster
-    and id; jobs queued from another folder (this one a copy of it) are left out and named."""
+    """The latest Slurm job of each of these cells that this folder queued (or the folder it was
+    moved from), and the sweep's cluster and id; jobs queued from another folder (this one a copy
+    of it) are left out and named."""
     manifest = read_manifest(sweep_dir)
-    here = str(Path(sweep_dir).resolve())
-    own = {cid: e for cid, e in manifest.items() if e.get(FOLDER_KEY, here) == here}
+    own = own_entries(sweep_dir, manifest)
     entries = {cid: own.get(cid, {}) for cid in cell_ids}
     ids = {
         cid: str(e["job_id"])
         for cid, e in entries.items()
         if e.get("executor") == "slurm" and e.get("job_id") and is_job_id(str(e["job_id"]))
     }
-    elsewhere = next((str(e[FOLDER_KEY]) for e in manifest.values() if e.get(FOLDER_KEY, here) != here), "")
+    elsewhere = next((str(e[FOLDER_KEY]) for cid, e in manifest.items() if cid not in own), "")
     return SlurmJobs(ids, _queued_on(own) or "", folder_uid(sweep_dir, own), elsewhere)
+
+
+def own_entries(sweep_dir: Path, manifest: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The manifest's entries of jobs this folder queued: those naming it, those of no folder
+    (before issue 33), and those naming a folder this one was moved from (moved_from)."""
+    manifest = read_manifest(sweep_dir) if manifest is None else manifest
+    here = str(Path(sweep_dir).resolve())
+    gone: dict[str, bool] = {}
+    own = {}
+    for cid, entry in manifest.items():
+        folder = entry.get(FOLDER_KEY, here)
+        if folder != here and folder not in gone:
+            gone[folder] = _moved_away(folder, entry.get(UID_KEY))
+        if folder == here or gone[folder]:
+            own[cid] = entry
+    return own
+
+
+def moved_from(sweep_dir: Path) -> str:
+    """The folder this one was moved from while jobs it queued there were in the queue ("" when
+    none): the manifest names it, and it holds no manifest of the same sweep id any more."""
+    here = str(Path(sweep_dir).resolve())
+    folders = {str(e.get(FOLDER_KEY)) for e in own_entries(sweep_dir).values() if e.get(FOLDER_KEY, here) != here}
+    return ", ".join(sorted(folders))
+
+
+def _moved_away(folder: object, uid: object) -> bool:
+    """Whether the folder a manifest entry names is gone with its jobs' sweep id: no folder there,
+    or one whose manifest names no job of that id (a copy's original still names them)."""
+    if not isinstance(folder, str) or not isinstance(uid, str) or not uid:
+        return False
+    try:
+        there = read_manifest(Path(folder))
+    except RecordError:
+        return False  # a manifest there that cannot be read may still be the original's
+    return not any(entry.get(UID_KEY) == uid for entry in there.values())
 
 
 def folder_uid(sweep_dir: Path, own: dict[str, dict] | None = None) -> str:
     """The sweep id of the jobs this folder queued ("" before its first Slurm submit)."""
     if own is None:
-        here = str(Path(sweep_dir).resolve())
-        own = {cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY) == here}
+        own = {cid: e for cid, e in own_entries(sweep_dir).items() if FOLDER_KEY in e}
     found = [e[UID_KEY] for e in own.values() if isinstance(e.get(UID_KEY), str) and e[UID_KEY].isalnum()]
     return found[-1] if found else ""
 
@@ -205,8 +264,7 @@ def owned_entry(sweep_dir: Path, uid: str) -> dict[str, str]:
 def manifest_cluster(sweep_dir: Path) -> str | None:
     """The cluster the sweep's Slurm jobs were queued on (slurm.clusters; "" the default one), from
     the manifest; None before any cell was queued from this folder."""
-    here = str(Path(sweep_dir).resolve())
-    return _queued_on({cid: e for cid, e in read_manifest(sweep_dir).items() if e.get(FOLDER_KEY, here) == here})
+    return _queued_on(own_entries(sweep_dir))
 
 
 def _queued_on(manifest: dict[str, dict]) -> str | None:

@@ -7,8 +7,9 @@ misses the next one, so a Slurm job gets only the variables a cell needs (ALLOWE
 ALLOWED_PREFIXES, listed in docs/refusals.md) and those the user names in `slurm.pass_env`; of the
 allowlisted ones, any whose name or value still has a secret's shape (secret_shapes.py: an
 HPCFSDP_TOKEN, a SLURM_JWT) is left out unless named in pass_env. The batch script says so with
-`#SBATCH --export=<names>`, and sbatch runs with no other variable (slurm_environment), so that an
-SBATCH_EXPORT of the shell cannot widen it. With an export list sbatch gives the job
+`#SBATCH --export=<names>`, and sbatch runs with no other variable (slurm_environment) but the
+shell's SBATCH_* defaults in SBATCH_KEPT, so that no SBATCH_* variable (SBATCH_EXPORT, SBATCH_GRES,
+SBATCH_PARTITION, ...) overrides the script's options. With an export list sbatch gives the job
 SLURM_EXPORT_ENV=<the list>, and srun inside it would pass the tasks that list alone, without what
 the script's setup lines set: the script exports SLURM_EXPORT_ENV=ALL first (EXPORT_ALL_TO_STEPS).
 
@@ -56,15 +57,19 @@ ALLOWED_PREFIXES = (
 # The batch script's first line: srun passes the job's whole environment (the allowlist and what
 # the setup lines set) to the tasks, not only the export list.
 EXPORT_ALL_TO_STEPS = "export SLURM_EXPORT_ENV=ALL"
-# sbatch reads these as options over the script's own #SBATCH lines (environment variables win):
-# those of options hpcfsdp always sets, and the cluster, which the manifest must name.
-SBATCH_OVERRIDES = frozenset(
-    {
-        "SBATCH_EXPORT", "SBATCH_GET_USER_ENV", "SBATCH_ARRAY_INX", "SBATCH_JOB_NAME", "SBATCH_REQUEUE",
-        "SBATCH_NO_REQUEUE", "SBATCH_OPEN_MODE", "SBATCH_SIGNAL", "SBATCH_TIMELIMIT", "SBATCH_OUTPUT",
-        "SBATCH_ERROR", "SBATCH_CLUSTERS", "SLURM_CLUSTERS", "SLURM_EXPORT_ENV",
-    }
-)  # fmt: skip
+# sbatch reads SBATCH_* variables as options over the script's own #SBATCH lines (environment
+# variables win): SBATCH_GRES=gpu:1 gave a 2-GPU cell one GPU, SBATCH_PARTITION moved the jobs,
+# SBATCH_WAIT and SBATCH_EXCLUSIVE broke submit (issue 44, item 6). Of the 57 that sbatch 22.05
+# reads, only these reach it: a site's defaults for what the YAML leaves unset (variable -> the
+# sbatch option; the YAML's own setting of that option drops the variable). SLURM_CLUSTERS and
+# SLURM_EXPORT_ENV would move the jobs, or widen their environment, the same way.
+SBATCH_KEPT = {
+    "SBATCH_ACCOUNT": "account",
+    "SBATCH_QOS": "qos",
+    "SBATCH_RESERVATION": "reservation",
+    "SBATCH_WCKEY": "wckey",
+}
+NEVER_TO_SBATCH = frozenset({"SLURM_CLUSTERS", "SLURM_EXPORT_ENV"})
 
 
 def job_environment(sweep: Sweep) -> dict[str, str]:
@@ -93,7 +98,7 @@ def exported_names(sweep: Sweep, environ: Mapping[str, str] | None = None) -> li
     return sorted(
         name
         for name, value in environ.items()
-        if name in passed or (is_allowed(name) and not is_secret(name, value) and name not in SBATCH_OVERRIDES)
+        if name in passed or (is_allowed(name) and not is_secret(name, value) and name not in NEVER_TO_SBATCH)
     )
 
 
@@ -103,15 +108,48 @@ def slurm_parameters_for_environment(sweep: Sweep) -> tuple[dict[str, str], list
 
 
 def slurm_environment(sweep: Sweep, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment sbatch runs in: the exported names, and sbatch's own SBATCH_* settings
-    (an account, a reservation) but those that would override what the script sets."""
+    """The environment sbatch runs in: the exported names, and the shell's SBATCH_* settings that
+    sbatch_from_shell keeps."""
     environ = os.environ if environ is None else environ
     names = set(exported_names(sweep, environ))
+    kept = sbatch_from_shell(sweep, environ)
+    return {name: value for name, value in environ.items() if name in names or name in kept}
+
+
+def sbatch_from_shell(sweep: Sweep, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The submitting shell's SBATCH_* variables that reach sbatch (SBATCH_KEPT, where the YAML
+    leaves the option unset), by name."""
+    environ = os.environ if environ is None else environ
+    res = sweep.resources
+    set_here = {"account": res.account, "qos": res.qos, **{key: True for key in res.extra_sbatch}}
     return {
-        name: value
-        for name, value in environ.items()
-        if name in names or (name.startswith("SBATCH_") and name not in SBATCH_OVERRIDES and not is_secret(name, value))
+        name: environ[name]
+        for name, option in SBATCH_KEPT.items()
+        if name in environ and not set_here.get(option) and not is_secret(name, environ[name])
     }
+
+
+def sbatch_note(sweep: Sweep, environ: Mapping[str, str] | None = None) -> str:
+    """What plan and submit say of the shell's SBATCH_* variables ("" when it has none): which
+    reach sbatch (and, sbatch reading them over the script, may move or refuse the jobs), and
+    which are left out."""
+    environ = os.environ if environ is None else environ
+    kept = sbatch_from_shell(sweep, environ)
+    dropped = sorted(name for name in environ if name.startswith("SBATCH_") and name not in kept)
+    parts = []
+    if kept:
+        parts.append(f"{', '.join(f'{name}={value}' for name, value in kept.items())} from your shell reach sbatch")
+    if dropped:
+        parts.append(f"{', '.join(dropped)} from your shell do not (the YAML sets the jobs' options)")
+    return f"note: {'; '.join(parts)}" if parts else ""
+
+
+def shell_part_in(refusal: str, sweep: Sweep) -> str:
+    """' (from your shell: SBATCH_ACCOUNT=x)' where sbatch's refusal names an option a kept SBATCH_*
+    variable set; "" otherwise: a refusal the shell caused is never blamed on the YAML alone."""
+    kept = sbatch_from_shell(sweep)
+    named = [f"{name}={value}" for name, value in kept.items() if SBATCH_KEPT[name] in refusal.lower()]
+    return f" (from your shell: {', '.join(named)})" if named else ""
 
 
 @contextmanager

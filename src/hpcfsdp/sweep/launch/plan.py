@@ -12,6 +12,7 @@ from ...contracts.fields import SpecError, field_names
 from ...contracts.spec import RunSpec
 from ..define.matrix import Cell, Sweep, arrays, plain_value
 from ..track.cluster import array_size_limit
+from .environment import sbatch_from_shell, sbatch_note
 
 RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
@@ -48,6 +49,8 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
             "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
         )
+    if note := sbatch_note(sweep):
+        print(note)
     problems = plan_problems(sweep)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
@@ -96,6 +99,7 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
         "time_min": res.time_min,
         "max_requeue": res.max_requeue,
         "problems": problems,
+        "sbatch_from_shell": sbatch_from_shell(sweep),  # the shell's SBATCH_* variables that reach sbatch
     }
 
 

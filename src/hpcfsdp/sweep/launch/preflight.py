@@ -29,7 +29,7 @@ from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask
 from ..define.matrix import Cell, Sweep, by_shape
 from ..predict.hostmemory import predict_host_cells, requested_mem_gb
 from ..track.cluster import Partition, array_size_limit, known_clusters, read_partitions, read_qos, tres_counts
-from .environment import slurm_environment
+from .environment import shell_part_in, slurm_environment
 from .sbatch import sbatch_script  # submitit's script text
 
 
@@ -229,7 +229,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
         key = next((key for word, key in REFUSAL_KEYS if re.search(rf"\b{word}\b", why.lower())), "slurm")
         problems.append(
             f"{place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
-            f"(sbatch --test-only): {why}"
+            f"(sbatch --test-only): {why}{shell_part_in(why, sweep)}"
         )
     return problems
 

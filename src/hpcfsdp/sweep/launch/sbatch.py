@@ -28,7 +28,13 @@ from ..folder.layout import (
 from ..predict.hostmemory import requested_mem_gb
 from ..track.cluster import array_size_limit, jobs_in_queue
 from . import container_command
-from .environment import HF_TOKEN_ENV, job_environment, slurm_environment_only, slurm_parameters_for_environment
+from .environment import (
+    HF_TOKEN_ENV,
+    job_environment,
+    shell_part_in,
+    slurm_environment_only,
+    slurm_parameters_for_environment,
+)
 from .interrupts import interrupts_deferred
 
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
@@ -188,6 +194,7 @@ def _submit_array(
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(
                 f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s): {reason}"
+                + shell_part_in(reason, sweep)
             ) from None
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
         update_manifest(

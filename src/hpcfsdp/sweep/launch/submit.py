@@ -33,6 +33,7 @@ from ..track.status import (
     sweep_status,
     watch,
 )
+from .environment import sbatch_note
 from .interrupts import Interrupted, interrupts_raise
 from .local import print_command, run_local
 from .lock import sweep_lock
@@ -218,6 +219,8 @@ def _submit_locked(
     # The records of rerun cells are kept as attempts just before each array is queued or each
     # local cell starts (the print executor runs nothing: records stay where they are).
     if executor == "slurm":
+        if note := sbatch_note(sweep):
+            log(note)
         sub.job_ids, sub.not_queued = submit_arrays(sweep, sweep_dir, cells, log, room_poll_s)
         sub.submitted = [cell for cell in cells if cell.id in sub.job_ids]
     elif executor == "local":

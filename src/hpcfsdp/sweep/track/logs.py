@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import ATTEMPTS_DIR, RECORD_NAME, is_job_id, slurm_job_of
+from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME, is_job_id, slurm_job_of
 from ...contracts.spec import SpecError
 from ..folder.layout import (
     LOG_NAME,
@@ -87,7 +87,7 @@ def cell_jobs(sweep_dir: Path, cell_id: str) -> list[str]:
     )
     for path in [directory / RECORD_NAME, *attempts]:
         try:
-            job = slurm_job_of(read_json_object(path, root=sweep_dir, kind="record").get("slurm"))
+            job = slurm_job_of(read_json_object(path, root=sweep_dir, limit=MAX_RECORD_BYTES).get("slurm"))
         except (FileNotFoundError, RecordError):
             continue
         if job and job not in jobs:

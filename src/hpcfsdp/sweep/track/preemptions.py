@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import ATTEMPTS_DIR, RECORD_NAME
+from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME
 
 PREEMPTED = "preempted"
 
@@ -19,7 +19,7 @@ def preemptions(cell_dir: Path) -> int:
     count = 0
     for path in [cell_dir / RECORD_NAME, *(cell_dir / ATTEMPTS_DIR).glob("*.json")]:
         try:
-            count += read_json_object(path, root=cell_dir).get("status") == PREEMPTED
+            count += read_json_object(path, root=cell_dir, limit=MAX_RECORD_BYTES).get("status") == PREEMPTED
         except (FileNotFoundError, RecordError):  # none yet, or a corrupt one status names itself
             continue
     return count

@@ -17,11 +17,20 @@ from typing import TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
+from ...contracts.record import CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ...contracts.spec import SEARCHED_FIELDS
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell
-from ..folder.layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
+from ..folder.layout import (
+    MANIFEST_NAME,
+    SLURM_DIR,
+    cell_dir,
+    moved_from,
+    planned_cell_ids,
+    slurm_jobs,
+    sweep_comment,
+    unnamed_cell_folders,
+)
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .preemptions import preemption_note, preemptions
@@ -29,6 +38,7 @@ from .scheduler import QueuedJob, finished_jobs, queued_states
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
 STALE = CellState.STALE
+UNKNOWN_NOTE = "; cells still queued show as missing"  # the report's note when squeue did not answer
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 
 
@@ -70,6 +80,16 @@ class StatusReport:
         return cells_exit_status(c.state for c in self.cells)
 
     @property
+    def unknown(self) -> list[CellStatus]:
+        """The cells queued on Slurm, without a record, whose state squeue could not tell (note)."""
+        return [c for c in self.cells if self.note and c.job_id and c.state == MISSING]
+
+    def unknown_message(self) -> str:
+        """`status`'s error when squeue did not answer and cells have no record: their state is
+        unknown, not "not ok" (issue 44, item 9)."""
+        return f"{self.note.removesuffix(UNKNOWN_NOTE)}: the state of {len(self.unknown)} queued cell(s) is unknown"
+
+    @property
     def stuck(self) -> bool:
         """Cells are in flight and every one of them waits on a reason that cannot clear."""
         flying = [c for c in self.cells if c.state in IN_FLIGHT]
@@ -90,7 +110,8 @@ def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
     """The cell's record as status, submit and collect all read it (record.record_state): its
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
     record was made with other values of its fields."""
-    state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir)
+    cell_id = cell if isinstance(cell, str) else cell.id
+    state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir, cell_id=cell_id)
     if (
         state.record is not None
         and isinstance(cell, Cell)
@@ -125,15 +146,21 @@ def sweep_status(
     (asked through `watcher`, a watch's; else afresh)."""
     watcher = watcher or Watcher()
     sweep_dir = Path(sweep_dir)
-    if cell_ids is None:
-        cell_ids = planned_cell_ids(sweep_dir)
-    cell_ids = list(cell_ids)
-    problems = []
+    unnamed = unnamed_cell_folders(sweep_dir) if cell_ids is None else {}
+    cell_ids = list(planned_cell_ids(sweep_dir) if cell_ids is None else cell_ids)
+    problems = list(unnamed.values())
     try:
         jobs, cluster, uid, elsewhere = slurm_jobs(sweep_dir, cell_ids)
+        moved = moved_from(sweep_dir)
     except RecordError as exc:  # a broken manifest: which jobs are the sweep's cannot be known
-        jobs, cluster, uid, elsewhere = {}, "", "", ""
+        jobs, cluster, uid, elsewhere, moved = {}, "", "", "", ""
         problems.append(f"{exc}; queued cells show as missing")
+    if moved:
+        problems.append(
+            f"this folder was moved from {moved} while jobs it queued there were in the queue: they are followed "
+            "here, but a job that starts after the move reads and writes the old folder (its script names it); "
+            "`hpcfsdp cancel` and submit again any that have not started"
+        )
     if elsewhere:
         problems.append(
             f"{sweep_dir / MANIFEST_NAME} names jobs queued from {elsewhere} (this folder is a copy of it): "
@@ -143,8 +170,8 @@ def sweep_status(
     try:
         queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "", watcher)
     except SlurmError as exc:
-        queued, note = {}, f"{exc}; cells still queued show as missing"
-    states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
+        queued, note = {}, f"{exc}{UNKNOWN_NOTE}"
+    states = {cid: _what_status_shows(cell_state(sweep_dir, cid)) for cid in cell_ids}
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_jobs(unrecorded, cluster, watcher)
@@ -182,7 +209,18 @@ def sweep_status(
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                 )
             )
+    cells += [CellStatus(name, "?", CORRUPT) for name in unnamed]
     return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def _what_status_shows(state: RecordState) -> RecordState:
+    """The state with only the record's fields status shows: a sweep's records are never held all
+    at once (a record may be megabytes: issue 44, item 11)."""
+    if state.record is None:
+        return state
+    return state._replace(
+        record={key: state.record[key] for key in ("status", "advice", "error") if key in state.record}
+    )
 
 
 def _first_line(error: object) -> str:
