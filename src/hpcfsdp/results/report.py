@@ -18,8 +18,9 @@ import pandas as pd
 from ..contracts.fields import SpecError
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
+from ..contracts.validity import within_noise
 from . import plots as plotting
-from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
+from .read import METRICS, SPREAD, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown
 from .tables import (
     DEFAULT_BASELINES,
@@ -32,6 +33,7 @@ from .tables import (
     failures_table,
     fmt,
     frontier_table,
+    invalid_table,
     on_cpu,
     pivot_tables,
     probe_rows,
@@ -195,13 +197,22 @@ def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]) -> list[Section]:
-    """Recommendation, best configurations, baseline comparison, OOM frontier, then what did not
-    finish or read."""
+    """Recommendation, the cells whose figures cannot be trusted, best configurations, baseline
+    comparison, OOM frontier, then what did not finish or read."""
     lines = recommendation(configs, cells)
-    sections = [
-        Section(
-            "Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines
-        ),
+    invalid = invalid_table(cells)
+    left_out = (
+        f" Left out: {cells.invalid['cell_id'].nunique()} cell(s) that ran ok but whose figures cannot be trusted "
+        "(next section)."
+        if len(invalid)
+        else ""
+    )
+    among = "Among the cells that ran ok." if lines else _none_ok(cells)
+    sections = [Section("Recommendation", text=among + left_out, items=lines)]
+    if len(invalid):
+        text = "They finished ok, but their figures measure something else; no ranking, table or plot counts them."
+        sections.append(Section("Cells whose figures cannot be trusted", text=text, table=invalid))
+    sections += [
         _best_section(configs, cells),
         _baseline_section(configs, cells, baseline),
         Section(
@@ -279,7 +290,7 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     lines = [
         f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
         f"job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
-        f"(cell {fastest['cell_id']})"
+        f"{_spread_words(fastest)}(cell {fastest['cell_id']}){_noise_words(ranked, fastest, cells)}"
     ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
     if known.empty:
@@ -298,6 +309,39 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
             f"(cell {roomy['cell_id']})"
         )
     return [*lines, _cheapest_line(ranked, fastest, cells)]
+
+
+def noise_of(ranked: pd.DataFrame, fastest: pd.Series) -> pd.DataFrame:
+    """The other configurations whose tokens/s for the job, between its p10 and p90 step, overlaps
+    the fastest's (validity.within_noise): the data cannot tell them apart. Rows without a spread
+    are never within noise."""
+    top = _job_spread(fastest)
+    close = [name != fastest.name and within_noise(top, _job_spread(row)) for name, row in ranked.iterrows()]
+    return ranked[close].sort_values("tokens_per_s", ascending=False)
+
+
+def _job_spread(config: pd.Series) -> dict[str, float] | None:
+    low, high = (float(config[column]) for column in SPREAD)  # numbers: read.EXTRA_NUMBERS
+    return None if pd.isna(low) or pd.isna(high) else {"p10": low * config["gpus"], "p90": high * config["gpus"]}
+
+
+def _noise_words(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:
+    close = noise_of(ranked, fastest)
+    if close.empty:
+        return ""
+    named = "; ".join(
+        f"{_setup(row, cells)} ({fmt('tokens_per_s_per_gpu', row['tokens_per_s'])}, cell {row['cell_id']})"
+        for _, row in close.iterrows()
+    )
+    return f"; within noise of it (their p10-p90 steps overlap, so this run cannot tell them apart): {named}"
+
+
+def _spread_words(config: pd.Series) -> str:
+    """ "(p10-p90 a-b per GPU) " where the configuration has a spread."""
+    low, high = (config.get(column) for column in SPREAD)
+    if pd.isna(low) or pd.isna(high):
+        return ""
+    return f"(p10-p90 {fmt('tokens_per_s_per_gpu', low)}-{fmt('tokens_per_s_per_gpu', high)} per rank) "
 
 
 def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:
@@ -334,9 +378,13 @@ def _setup(config: pd.Series, cells: Cells) -> str:
     return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
 
 
+def _none_ok(cells: Cells) -> str:
+    return "No cell finished ok with figures that can be trusted." if len(cells.invalid) else "No cell finished ok."
+
+
 def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
     if configs["tokens_per_s_per_gpu"].notna().sum() == 0:
-        return Section("Best configuration", text="No cell finished ok.")
+        return Section("Best configuration", text=_none_ok(cells))
     top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
     per = "process" if on_cpu(cells.frame) else "GPU"  # no GPU in a device: cpu sweep

@@ -38,9 +38,11 @@ def accumulation_sources(cells: list[Cell]) -> dict[str, str]:
 
 
 def computed_step_time(record: dict[str, Any], grad_accum: int) -> float | None:
-    """A step's seconds at grad_accum from a probe's ok record; None without its optimizer time."""
+    """A step's seconds at grad_accum from a probe's ok record; None without its optimizer time.
+    The step is the timed window's mean, as the record's tokens/s is (the median step of a record
+    from before that)."""
     optimizer = record.get("optimizer_step_s")
-    step = record.get("step_time_s")
+    step = record.get("window_step_time_s") or record.get("step_time_s")
     if optimizer is None or not step:
         return None
     micro = max(0.0, step - optimizer) / record["spec"]["grad_accum"]

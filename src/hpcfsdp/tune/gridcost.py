@@ -42,7 +42,7 @@ def launch_estimates(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) 
     launched = {(launch.stage, launch.run): launch for launch in launches if launch.ended > launch.started}
     probes: dict[str, tuple[Launch, dict]] = {}  # grid id -> its deepest probe's launch and record
     for stage in state.stages:
-        if stage.final:
+        if stage.as_grid:
             continue
         for run, grid_id in stage.runs.items():
             record = run_record(sweep_dir, stage.name, run)
