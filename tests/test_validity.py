@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import textwrap
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def records_by_order(sweep: Path) -> dict[str, dict]:
     return {record["spec"]["optimizer_order"]: record for record in records}
 
 
-def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first(seed_003):
+def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first(seed_003, capsys):
     broken = records_by_order(seed_003)["before_shard"]
     right = records_by_order(seed_003)["after_shard"]
     assert broken["status"] == right["status"] == "ok" and broken["optimizer_tracks_model"] is False
@@ -84,9 +85,9 @@ def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first
     # The first section after the recommendation names the broken cell, why, and the loss that shows it.
     assert sections(summary)[:2] == ["Recommendation", "Cells whose figures cannot be trusted"]
     untrusted = section(summary, "Cells whose figures cannot be trusted")
-    first, last = broken["losses"][0], broken["losses"][-1]
+    first_loss = f"{broken['losses'][0]:.4g} at step 1, {broken['losses'][-1]:.4g} at step 8"
     assert broken["cell_id"] in untrusted and right["cell_id"] not in untrusted
-    assert f"{BROKEN} (loss {first:.4g} at step 1, {last:.4g} at step 8)" in untrusted
+    assert f"{BROKEN} (loss {first_loss})" in untrusted
     # It wins nothing: the recommendation, the best configuration, the OOM frontier and the pivots
     # speak of the right cell only.
     recommended = section(summary, "Recommendation")
@@ -96,6 +97,11 @@ def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first
     assert "INVALID" in section(summary, "Pivot: tokens/s/gpu")
     cells = label_cells(load_records(seed_003))
     assert list(cells.invalid["cell_id"]) == [broken["cell_id"]]
+    # What collect prints begins with it too.
+    capsys.readouterr()
+    assert main(["collect", str(seed_003), "--no-plots", "--no-history"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"not ranked (its figures cannot be trusted): {broken['cell_id']}: {BROKEN} (loss {first_loss})"
     assert list(ok_configs(cells)["cell_id"]) == [right["cell_id"]]
 
 
@@ -104,7 +110,7 @@ def test_a_cells_tokens_per_s_is_its_windows_mean_with_the_p10_and_p90_of_its_st
         per_rank_step = record["tokens_per_step"] / record["world_size"]
         # One statistic: the timed window's mean step, whatever the median step (step_time_s) says.
         assert record["tokens_per_s_per_gpu"] == pytest.approx(per_rank_step / record["window_step_time_s"])
-        assert record["step_time_s"] == pytest.approx(sorted(record["step_times_s"])[len(record["step_times_s"]) // 2])
+        assert record["step_time_s"] == pytest.approx(statistics.median(record["step_times_s"]))
         rates = sorted(per_rank_step / t for t in record["step_times_s"])  # each step on its slowest rank
         assert len(rates) == record["timed_steps"] == 6
         spread = record["tokens_per_s_spread"]
@@ -150,8 +156,12 @@ def hand_sweep(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     sweep = tmp_path / "hand"
     flat = [11.0] * 6
     cells = {
-        "top": put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1), 9000, 20, **spread(8800, 9100))),
-        "close": put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=1), 8900, 25, **spread(8700, 9050))),
+        "top": put(
+            sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1), 9000, 20, **spread(8800, 9100))
+        ),
+        "close": put(
+            sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero2", batch_size=1), 8900, 25, **spread(8700, 9050))
+        ),
         "clear": put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp", batch_size=1), 5000, 40, **spread(4900, 5100))),
         "broken": put(
             sweep,

@@ -25,6 +25,7 @@ from .render import Section, to_html, to_markdown
 from .tables import (
     DEFAULT_BASELINES,
     METRIC_NAMES,
+    WHY,
     baseline_table,
     best_table,
     choose_baseline,
@@ -56,6 +57,7 @@ class Report:
     skipped_plots: dict[str, str]  # plot name -> why it was not drawn
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
     recommendation: list[str] = field(default_factory=list)  # fastest (whole job), most headroom, cheapest
+    untrusted: list[str] = field(default_factory=list)  # "<cell>: <why its figures cannot be trusted>", one per reason
 
 
 def write_report(
@@ -78,10 +80,11 @@ def write_report(
 
     configs = ok_configs(cells)
     table = comparison_table(cells.frame, collection.spec_fields)
-    # The recommendation first, then the over-time checks (first_sections), then the rest.
-    recommended, *rest = summary_sections(cells, configs, baseline, collection.unreadable)
+    # The recommendation and the cells it left out as untrusted first, then the over-time checks
+    # (first_sections), then the rest.
+    leading, rest = summary_sections(cells, configs, baseline, collection.unreadable)
     tuned = tune_section(sweep_dir)
-    sections = [recommended, *first_sections, *([tuned] if tuned else []), *rest]
+    sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
     figures: list[tuple[str, Path]] = []
     skipped: dict[str, str] = {}
     if plots:
@@ -99,7 +102,10 @@ def write_report(
     write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
     write_text(report / "index.html", to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
-    return Report(table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells))
+    untrusted = [f"{row.cell}: {row.why}" for row in invalid_table(cells).rename(columns={WHY: "why"}).itertuples()]
+    return Report(
+        table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells), untrusted
+    )
 
 
 def report_folder(sweep_dir: Path) -> Path:
@@ -196,9 +202,12 @@ def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]) -> list[Section]:
-    """Recommendation, the cells whose figures cannot be trusted, best configurations, baseline
-    comparison, OOM frontier, then what did not finish or read."""
+def summary_sections(
+    cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]
+) -> tuple[list[Section], list[Section]]:
+    """The leading sections (the recommendation, and the cells whose figures cannot be trusted:
+    the first of the problems), then the rest: best configurations, baseline comparison, OOM
+    frontier, what did not finish or read."""
     lines = recommendation(configs, cells)
     invalid = invalid_table(cells)
     left_out = (
@@ -208,11 +217,11 @@ def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, 
         else ""
     )
     among = "Among the cells that ran ok." if lines else _none_ok(cells)
-    sections = [Section("Recommendation", text=among + left_out, items=lines)]
+    leading = [Section("Recommendation", text=among + left_out, items=lines)]
     if len(invalid):
         text = "They finished ok, but their figures measure something else; no ranking, table or plot counts them."
-        sections.append(Section("Cells whose figures cannot be trusted", text=text, table=invalid))
-    sections += [
+        leading.append(Section("Cells whose figures cannot be trusted", text=text, table=invalid))
+    sections = [
         _best_section(configs, cells),
         _baseline_section(configs, cells, baseline),
         Section(
@@ -229,7 +238,7 @@ def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, 
         sections.append(Section("Cells that did not finish ok", table=failures))
     if unreadable:
         sections.append(Section("Unreadable records (skipped)", items=list(unreadable)))
-    return sections
+    return leading, sections
 
 
 def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:

@@ -330,12 +330,15 @@ def invalid_table(cells: Cells) -> pd.DataFrame:
             "strategy": value_text(cell["variant"]),
             "batch": value_text(cell["batch_size"]),
             "setting": str(cell["setting"]),
-            "why its figures cannot be trusted": reason,
+            WHY: reason,
         }
         for _, cell in invalid.sort_values("cell_id").iterrows()
         for reason in cell[INVALID]
     ]
-    return pd.DataFrame(rows, columns=["cell", "strategy", "batch", "setting", "why its figures cannot be trusted"])
+    return pd.DataFrame(rows, columns=["cell", "strategy", "batch", "setting", WHY])
+
+
+WHY = "why its figures cannot be trusted"  # invalid_table's reason column
 
 
 def _first_line(error: Any, limit: int = 160) -> str:
