@@ -19,6 +19,7 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.contracts.validity import invalid_reasons
+from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import recommendation, write_report
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -289,3 +290,15 @@ def test_tune_never_promotes_a_broken_setup_and_repeats_its_final_cells_within_n
     assert runs[0] == pytest.approx(final_records[best["cell_id"]]["tokens_per_s_per_gpu"])
     assert best["tokens_per_s_per_gpu"] == pytest.approx(sum(runs) / 2)
     assert f"chosen: {best['cell_id']}" in out and "(mean of 2 runs: " in out
+
+
+def test_compare_calls_a_cell_that_became_untrusted_a_lost_ok_and_compares_no_figure_of_it(tmp_path):
+    spec = spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1)
+    before, after = tmp_path / "before", tmp_path / "after"
+    put(before, ok_record(spec, 9000, 20))
+    cell = put(after, ok_record(spec, 4000, 30, resource_problems=["2 GPUs per node asked, 1 visible on n1"]))
+    comparison = compare_sweeps(after, before)
+    assert comparison.regressions == [f"{cell}: status ok -> invalid"]
+    assert list(comparison.table["tokens/s/gpu"]) == ["9,000 -> -"]
+    # The other way round (an untrusted reference) nothing is flagged: it was no figure to keep.
+    assert compare_sweeps(before, after).regressions == []
