@@ -18,14 +18,12 @@ import pandas as pd
 from ..contracts.fields import SpecError
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
-from ..contracts.validity import within_noise
 from . import plots as plotting
-from .read import METRICS, SPREAD, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
+from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs
 from .render import Section, to_html, to_markdown
 from .tables import (
     DEFAULT_BASELINES,
     METRIC_NAMES,
-    WHY,
     baseline_table,
     best_table,
     choose_baseline,
@@ -34,13 +32,13 @@ from .tables import (
     failures_table,
     fmt,
     frontier_table,
-    invalid_table,
     on_cpu,
     pivot_tables,
     probe_rows,
     reference_cells,
     status_counts,
 )
+from .trust import WHY, invalid_table, noise_words, setup_words, spread_words
 from .tuned import tune_section
 
 ROW_LIMIT = 1000  # longest per-cell table in summary.md / index.html; results.csv has every row
@@ -297,15 +295,15 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
     ranks = "process(es)" if on_cpu(cells.frame) else "GPU(s)"  # no GPU in a device: cpu sweep
     lines = [
-        f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
-        f"job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
-        f"{_spread_words(fastest)}(cell {fastest['cell_id']}){_noise_words(ranked, fastest, cells)}"
+        f"Fastest: {setup_words(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s "
+        f"for the job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+        f"{spread_words(fastest)}(cell {fastest['cell_id']}){noise_words(ranked, fastest, cells)}"
     ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
     if known.empty:
         lowest = ranked.loc[ranked["peak_memory_gib"].idxmin()]
         lines.append(
-            f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
+            f"Most memory headroom: {setup_words(lowest, cells)}: the lowest peak, "
             f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
             f"cell {lowest['cell_id']})"
         )
@@ -313,44 +311,11 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
         roomy = known.loc[(known["capacity"] - known["peak_memory_gib"]).idxmax()]
         free = roomy["capacity"] - roomy["peak_memory_gib"]
         lines.append(
-            f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
-            f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
-            f"(cell {roomy['cell_id']})"
+            f"Most memory headroom: {setup_words(roomy, cells)}: "
+            f"peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} of {roomy['capacity']:.1f} GiB, "
+            f"{free:.1f} GiB ({free / roomy['capacity']:.0%}) free (cell {roomy['cell_id']})"
         )
     return [*lines, _cheapest_line(ranked, fastest, cells)]
-
-
-def noise_of(ranked: pd.DataFrame, fastest: pd.Series) -> pd.DataFrame:
-    """The other configurations whose tokens/s for the job, between its p10 and p90 step, overlaps
-    the fastest's (validity.within_noise): the data cannot tell them apart. Rows without a spread
-    are never within noise."""
-    top = _job_spread(fastest)
-    close = [name != fastest.name and within_noise(top, _job_spread(row)) for name, row in ranked.iterrows()]
-    return ranked[close].sort_values("tokens_per_s", ascending=False)
-
-
-def _job_spread(config: pd.Series) -> dict[str, float] | None:
-    low, high = (float(config[column]) for column in SPREAD)  # numbers: read.EXTRA_NUMBERS
-    return None if pd.isna(low) or pd.isna(high) else {"p10": low * config["gpus"], "p90": high * config["gpus"]}
-
-
-def _noise_words(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:
-    close = noise_of(ranked, fastest)
-    if close.empty:
-        return ""
-    named = "; ".join(
-        f"{_setup(row, cells)} ({fmt('tokens_per_s_per_gpu', row['tokens_per_s'])}, cell {row['cell_id']})"
-        for _, row in close.iterrows()
-    )
-    return f"; within noise of it (their p10-p90 steps overlap, so this run cannot tell them apart): {named}"
-
-
-def _spread_words(config: pd.Series) -> str:
-    """ "(p10-p90 a-b per GPU) " where the configuration has a spread."""
-    low, high = (config.get(column) for column in SPREAD)
-    if pd.isna(low) or pd.isna(high):
-        return ""
-    return f"(p10-p90 {fmt('tokens_per_s_per_gpu', low)}-{fmt('tokens_per_s_per_gpu', high)} per rank) "
 
 
 def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:
@@ -365,14 +330,14 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} {hours} per billion tokens"
     if by_energy:
         return (
-            f"Cheapest: {_setup(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "
+            f"Cheapest: {setup_words(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "
             f"({cheapest['joules_per_token']:.3g} J per token; {gpu_hours}){same} (cell {cheapest['cell_id']})"
         )
-    line = f"Cheapest: {_setup(cheapest, cells)}: {gpu_hours}{same} (cell {cheapest['cell_id']})"
+    line = f"Cheapest: {setup_words(cheapest, cells)}: {gpu_hours}{same} (cell {cheapest['cell_id']})"
     if not energy.empty:
         frugal = energy.loc[energy["joules_per_token"].idxmin()]
         line += (
-            f"; least energy of the {len(energy)} measured: {_setup(frugal, cells)}: "
+            f"; least energy of the {len(energy)} measured: {setup_words(frugal, cells)}: "
             f"{frugal['joules_per_token']:.3g} J per token ({_kwh(frugal)} kWh per billion tokens)"
         )
     return line
@@ -380,11 +345,6 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
 
 def _kwh(config: pd.Series) -> str:
     return f"{config['joules_per_token'] * 1e9 / 3.6e6:.3g}"
-
-
-def _setup(config: pd.Series, cells: Cells) -> str:
-    batch = value_text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 (numpy bool or NaN)
-    return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
 
 
 def _none_ok(cells: Cells) -> str:

@@ -321,26 +321,6 @@ def failures_table(cells: Cells) -> pd.DataFrame:
     )
 
 
-def invalid_table(cells: Cells) -> pd.DataFrame:
-    """The cells that finished ok with figures that cannot be trusted, each reason on its own row."""
-    invalid = cells.invalid
-    rows = [
-        {
-            "cell": cell["cell_id"],
-            "strategy": value_text(cell["variant"]),
-            "batch": value_text(cell["batch_size"]),
-            "setting": str(cell["setting"]),
-            WHY: reason,
-        }
-        for _, cell in invalid.sort_values("cell_id").iterrows()
-        for reason in cell[INVALID]
-    ]
-    return pd.DataFrame(rows, columns=["cell", "strategy", "batch", "setting", WHY])
-
-
-WHY = "why its figures cannot be trusted"  # invalid_table's reason column
-
-
 def _first_line(error: Any, limit: int = 160) -> str:
     text = value_text(error).strip().splitlines()[0] if pd.notna(error) and str(error).strip() else "-"
     return text if len(text) <= limit else text[: limit - 3] + "..."
