@@ -108,6 +108,8 @@ class CollectCell(Strict):
     mfu: Number
     peak_memory_gib: Number
     final_loss: Number
+    tokens_per_s_spread: dict[str, float] | None
+    invalid_reasons: list[str]
 
 
 class CollectAnswer(Strict):
@@ -115,6 +117,7 @@ class CollectAnswer(Strict):
     exit_status: Literal[0, 1]
     cells: list[CollectCell]
     recommendation: list[str]
+    untrusted: list[str]
     regressions: list[str]
     notes: list[str]
     unreadable: list[str]

@@ -135,6 +135,14 @@ class SlurmAccounting(TypedDict, total=False):
     consumed_energy_j: Figure[int | None]  # null where the cluster gathers no energy
 
 
+class Spread(TypedDict, total=False):
+    """`tokens_per_s_spread`: tokens/s per GPU at the timed window's 10th and 90th percentile step
+    (each step on its slowest rank; p10 is the slow end)."""
+
+    p10: Figure[float]
+    p90: Figure[float]
+
+
 class BatchProbe(TypedDict, total=False):
     """One batch the search tried (figures: the max over ranks)."""
 
@@ -195,7 +203,8 @@ class OkRecord(Record, total=False):
     """An `ok` record: the measurements (docs/metrics.md); some only where enabled."""
 
     tokens_per_s: Figure[float | None]
-    tokens_per_s_per_gpu: Figure[float | None]
+    tokens_per_s_per_gpu: Figure[float | None]  # the timed window's mean
+    tokens_per_s_spread: Checked[Spread | None]  # null where the steps were not timed one by one
     samples_per_s: Figure[float | None]
     tokens_per_step: int
     step_time_s: Figure[float | None]

@@ -97,6 +97,8 @@ def collect(
         regressions = [str(line) for line in comparison.regressions]
         say(text)
         say(f"wrote {path}\n")
+    for line in report.untrusted:  # first: a broken setup is the first thing a user must hear of
+        say(f"not ranked (its figures cannot be trusted): {line}")
     for line in report.recommendation:
         say(line)
     say(printed_comparison(report.table, report.directory / "results.csv"))
@@ -121,6 +123,7 @@ def collect(
                     "exit_status": code,
                     "cells": cells_document(collection.cells, collection.spec_fields),
                     "recommendation": report.recommendation,
+                    "untrusted": report.untrusted,
                     "regressions": [*checked.regressions, *regressions],
                     "notes": [*checked.notes, *checked.hints],
                     "unreadable": report.unreadable,

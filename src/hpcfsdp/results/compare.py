@@ -11,7 +11,7 @@ import pandas as pd
 
 from ..contracts.files import write_text
 from ..contracts.record import MISSING
-from .read import METRICS, Collection, load_records, value_text
+from .read import INVALID_OUTCOME, METRICS, Collection, load_records, outcomes, value_text
 from .render import Section, to_markdown
 from .report import report_folder
 from .tables import METRIC_NAMES, fmt
@@ -42,15 +42,19 @@ def compare_sweeps(
     current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05, current: Collection | None = None
 ) -> Comparison:
     """Deltas current / reference - 1 for every cell of the reference sweep; a change beyond
-    threshold in the worse direction, or a cell ok in the reference and not now (failed, or
-    `missing`: no readable record in the current sweep), is a regression. `current`: the current
+    threshold in the worse direction, or a cell ok in the reference and not now (failed, `invalid`:
+    figures that cannot be trusted, or `missing`: no readable record in the current sweep), is a
+    regression; an invalid cell's figures are compared with nothing. `current`: the current
     sweep's records where the caller read them already (collect reads each record once)."""
     current = current if current is not None else load_records(current_dir)
     reference = load_records(reference_dir)
     cur = current.frame.reindex(columns=["cell_id", "status", *METRICS])
     ref = reference.frame.reindex(columns=["cell_id", "strategy", "batch_size", "status", *METRICS])
-    for frame in (cur, ref):
+    for frame, read in ((cur, current), (ref, reference)):
         frame[list(METRICS)] = frame[list(METRICS)].apply(pd.to_numeric, errors="coerce")
+        if not frame.empty:  # an untrusted ok cell is `invalid`: its figures are compared with nothing
+            frame["status"] = outcomes(read.frame)
+            frame.loc[frame["status"] == INVALID_OUTCOME, list(METRICS)] = float("nan")
     paired = ref.merge(cur, on="cell_id", suffixes=("_ref", ""), how="left").sort_values(
         ["strategy", "batch_size", "cell_id"]
     )
@@ -124,7 +128,7 @@ def run_to_run_noise(collection: Collection) -> tuple[float, int] | None:
     keys = [f for f in collection.spec_fields if f != "seed"]
     if frame.empty or not keys:
         return None
-    ok = frame[frame["status"] == "ok"]
+    ok = frame[outcomes(frame) == "ok"]
     stats = (
         pd.to_numeric(ok["tokens_per_s_per_gpu"], errors="coerce")
         .groupby([ok[k] for k in keys], dropna=False)

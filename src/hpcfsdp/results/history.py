@@ -170,6 +170,7 @@ class History:
 
     def earlier_runs(self, current: pd.DataFrame) -> pd.DataFrame:
         """For each current row (by KEY): the median tokens/s per GPU and the number of the ok runs
+        whose figures can be trusted
         of its setup on its system (cluster and GPU) that started before it, other than the rows
         of the current collection (a seed repeat in the same sweep is no history)."""
         empty = pd.DataFrame(columns=[*KEY, "history_median", "history_runs"])
@@ -183,7 +184,7 @@ class History:
                 FROM current_rows c JOIN {TABLE} r
                   ON r.setup = c.setup AND r.cluster IS NOT DISTINCT FROM c.cluster
                  AND r.gpu IS NOT DISTINCT FROM c.gpu AND r.started_at < coalesce(c.started_at, c.collected_at)
-                WHERE r.status = 'ok' AND r.tokens_per_s_per_gpu IS NOT NULL
+                WHERE r.status = 'ok' AND r.tokens_per_s_per_gpu IS NOT NULL AND r.invalid_reasons IS NULL
                   AND NOT EXISTS (SELECT 1 FROM current_rows x
                                   WHERE x.sweep_dir = r.sweep_dir AND x.cell_id = r.cell_id AND x.attempt = r.attempt)
                 GROUP BY c.sweep_dir, c.cell_id, c.attempt""").df()
@@ -195,7 +196,7 @@ class History:
 def medians_by_setup(rows: pd.DataFrame) -> pd.DataFrame:
     """Ok rows grouped by system and setup: median tokens/s per GPU and peak memory, the number of
     runs, and the setup's fields (of its latest run). For `hpcfsdp history --set-reference`."""
-    ok = rows[(rows["status"] == "ok") & rows["tokens_per_s_per_gpu"].notna()]
+    ok = rows[(rows["status"] == "ok") & rows["tokens_per_s_per_gpu"].notna() & rows["invalid_reasons"].isna()]
     if ok.empty:
         return pd.DataFrame(
             columns=["cluster", "gpu", "setup", "setup_fields", "tokens_per_s_per_gpu", "peak_memory_gib", "runs"]

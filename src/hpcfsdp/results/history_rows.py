@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..contracts.record import ACCOUNTING_KEY, slurm_job_of
 from ..contracts.spec import MEASUREMENT_FIELDS, RunSpec
-from .read import Collection
+from .read import INVALID, Collection
 
 KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder
 # name -> DuckDB type, in table order. A later hpcfsdp may add columns: History adds them to an older file.
@@ -57,7 +57,10 @@ COLUMNS: dict[str, str] = {
     "status": "VARCHAR",
     "stage": "VARCHAR",
     "error": "VARCHAR",
-    "tokens_per_s_per_gpu": "DOUBLE",
+    "tokens_per_s_per_gpu": "DOUBLE",  # the timed window's mean (a median step in rows before tokens_per_s_p10 existed)
+    "tokens_per_s_p10": "DOUBLE",  # the record's tokens_per_s_spread
+    "tokens_per_s_p90": "DOUBLE",
+    "invalid_reasons": "VARCHAR",  # contracts/validity.py's reasons, "; "-joined; null when its figures can be trusted
     "mfu": "DOUBLE",
     "peak_memory_gib": "DOUBLE",
     "step_time_s": "DOUBLE",
@@ -86,6 +89,8 @@ RECORD_COLUMNS = {
     "slurm_accounting.elapsed_s": "elapsed_s",
     "slurm_accounting.queue_wait_s": "queue_wait_s",
     "slurm_accounting.consumed_energy_j": "energy_j",
+    "tokens_per_s_spread.p10": "tokens_per_s_p10",
+    "tokens_per_s_spread.p90": "tokens_per_s_p90",
 }
 _DEFAULTS = RunSpec().to_dict()
 
@@ -248,4 +253,5 @@ def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
         rows[name] = column(name)
     for field, name in RECORD_COLUMNS.items():
         rows[name] = column(field)
+    rows["invalid_reasons"] = column(INVALID).map(lambda r: "; ".join(r) if isinstance(r, list) and r else None)
     return rows[list(COLUMNS)].reset_index(drop=True)

@@ -18,10 +18,13 @@ import pandas as pd
 from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
 from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
+from ..contracts.validity import invalid_reasons
 from ..progress import Progress
 from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids, unnamed_cell_folders
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+INVALID = "invalid_reasons"  # the column of each record's invalid_reasons (contracts/validity.py): [] when trusted
+SPREAD = ("tokens_per_s_spread.p10", "tokens_per_s_spread.p90")  # tokens/s per GPU at the slow and fast steps
 
 
 # Optional per-step fractions and utilisation: averaged over repeats like the metrics.
@@ -32,6 +35,7 @@ EXTRA_NUMBERS = (
     "gpu_hours_per_billion_tokens",
     "joules_per_token",
     "memory_capacity_gib",
+    *SPREAD,
 )
 
 
@@ -88,7 +92,7 @@ def load_records(
             # paths (export, accounting) and names in reports must not come from inside a file.
             flat = _flatten(state.record)
             flat.pop("cell_id", None)
-            rows.append({"cell_id": path.parent.name, **flat})
+            rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
 
@@ -178,7 +182,13 @@ class Cells:
 
     @property
     def ok(self) -> pd.DataFrame:
-        return self.frame[self.frame["status"] == "ok"]
+        """The cells whose figures rank: ok, and no reason not to trust them."""
+        return self.frame[self.frame["outcome"] == "ok"]
+
+    @property
+    def invalid(self) -> pd.DataFrame:
+        """The cells that finished ok with figures that cannot be trusted (contracts/validity.py)."""
+        return self.frame[self.frame["outcome"] == INVALID_OUTCOME]
 
 
 def label_cells(collection: Collection) -> Cells:
@@ -200,6 +210,7 @@ def label_cells(collection: Collection) -> Cells:
     for column in (*METRICS, *EXTRA_NUMBERS):
         frame[column] = pd.to_numeric(frame[column], errors="coerce")
     _fill_added_fields(frame, spec_fields)
+    frame["outcome"] = outcomes(frame)
     # How batch_size: auto searched does not change what its cell then measured at the batch it chose.
     workload = tuple(f for f in spec_fields if f not in (*STRATEGY_KNOBS, *BATCH_SEARCH_FIELDS, "strategy", "seed"))
     varied = [f for f in workload if f != "batch_size" and frame[f].nunique() > 1]
@@ -207,6 +218,17 @@ def label_cells(collection: Collection) -> Cells:
     frame["variant"] = _variants(frame, [k for k in STRATEGY_KNOBS if k in frame])
     frame["setting"] = _settings(frame, fixed)
     return Cells(frame, workload, fixed)
+
+
+INVALID_OUTCOME = "invalid"  # an ok record with reasons not to trust it, as the tables show its status
+
+
+def outcomes(frame: pd.DataFrame) -> pd.Series:
+    """Each cell's status as the tables rank it: `invalid` for an ok record that invalid_reasons
+    gives reasons for, else the record's status."""
+    reasons = frame[INVALID] if INVALID in frame else pd.Series(None, index=frame.index, dtype=object)
+    untrusted = reasons.map(lambda r: isinstance(r, list) and bool(r))
+    return frame["status"].where(~(untrusted & (frame["status"] == "ok")), INVALID_OUTCOME)
 
 
 def _fill_added_fields(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> None:

@@ -6,6 +6,8 @@ Flagged as a regression:
 - tokens/s per GPU below the median of the earlier ok runs of its setup on its system (cluster and
   GPU) by more than the tolerance;
 - a cell that is not ok while its setup has a reference or ran ok on its system before.
+A cell whose figures cannot be trusted (contracts/validity.py) is checked against nothing, and
+earlier such runs are no history to check against.
 A cell faster than its reference by more than the tolerance is named too, as a hint to update the
 reference, but is no regression.
 """
@@ -106,9 +108,13 @@ def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: Referenc
         "peak_memory_gib",
         "history_median",
         "history_runs",
+        "invalid_reasons",
     ]
     records: list[Any] = list(rows[needed].itertuples(index=False))  # one named tuple per history row
+    invalid = [row.cell_id for row in records if isinstance(row.invalid_reasons, str)]
     for row in records:
+        if isinstance(row.invalid_reasons, str):
+            continue
         ref = references.find(row.cluster, row.gpu, row.setup, json.loads(row.spec)) if references.entries else None
         if ref is None and not row.history_runs:
             unchecked += 1
@@ -145,6 +151,11 @@ def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: Referenc
         f"Tolerance {tolerance:.0%} (a reference may set its own). {len(table)} cell(s) checked, "
         f"{flagged} with a regression; "
         f"{unchecked} with neither a reference nor an earlier run of their setup on their system."
+        + (
+            f" Not checked: {len(invalid)} cell(s) whose figures cannot be trusted ({', '.join(invalid)})."
+            if invalid
+            else ""
+        )
     )
     return out
 

@@ -18,7 +18,7 @@ from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
 from ..sweep.folder.layout import require_inside
 from . import plots as plotting
-from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
+from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs
 from .render import Section, to_html, to_markdown
 from .scaling import scaling_table
 from .tables import (
@@ -39,6 +39,7 @@ from .tables import (
     reference_cells,
     status_counts,
 )
+from .trust import WHY, invalid_table, noise_words, setup_words, spread_words
 from .tuned import tune_section
 
 ROW_LIMIT = 1000  # longest per-cell table in summary.md / index.html; results.csv has every row
@@ -55,6 +56,7 @@ class Report:
     skipped_plots: dict[str, str]  # plot name -> why it was not drawn
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
     recommendation: list[str] = field(default_factory=list)  # fastest (whole job), most headroom, cheapest
+    untrusted: list[str] = field(default_factory=list)  # "<cell>: <why its figures cannot be trusted>", one per reason
 
 
 def write_report(
@@ -77,10 +79,11 @@ def write_report(
 
     configs = ok_configs(cells)
     table = comparison_table(cells.frame, collection.spec_fields)
-    # The recommendation first, then the over-time checks (first_sections), then the rest.
-    recommended, *rest = summary_sections(cells, configs, baseline, collection.unreadable)
+    # The recommendation and the cells it left out as untrusted first, then the over-time checks
+    # (first_sections), then the rest.
+    leading, rest = summary_sections(cells, configs, baseline, collection.unreadable)
     tuned = tune_section(sweep_dir)
-    sections = [recommended, *first_sections, *([tuned] if tuned else []), *rest]
+    sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
     figures: list[tuple[str, Path]] = []
     skipped: dict[str, str] = {}
     if plots:
@@ -99,7 +102,10 @@ def write_report(
     write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
     write_text(report / "index.html", to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
-    return Report(table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells))
+    untrusted = [f"{row.cell}: {row.why}" for row in invalid_table(cells).rename(columns={WHY: "why"}).itertuples()]
+    return Report(
+        table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells), untrusted
+    )
 
 
 def report_folder(sweep_dir: Path) -> Path:
@@ -190,14 +196,26 @@ def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]) -> list[Section]:
-    """Recommendation, best configurations, baseline comparison, OOM frontier, then what did not
-    finish or read."""
+def summary_sections(
+    cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]
+) -> tuple[list[Section], list[Section]]:
+    """The leading sections (the recommendation, and the cells whose figures cannot be trusted:
+    the first of the problems), then the rest: best configurations, baseline comparison, OOM
+    frontier, what did not finish or read."""
     lines = recommendation(configs, cells)
+    invalid = invalid_table(cells)
+    left_out = (
+        f" Left out: {cells.invalid['cell_id'].nunique()} cell(s) that ran ok but whose figures cannot be trusted "
+        "(next section)."
+        if len(invalid)
+        else ""
+    )
+    among = "Among the cells that ran ok." if lines else _none_ok(cells)
+    leading = [Section("Recommendation", text=among + left_out, items=lines)]
+    if len(invalid):
+        text = "They finished ok, but their figures measure something else; no ranking, table or plot counts them."
+        leading.append(Section("Cells whose figures cannot be trusted", text=text, table=invalid))
     sections = [
-        Section(
-            "Recommendation", text="Among the cells that ran ok." if lines else "No cell finished ok.", items=lines
-        ),
         _best_section(configs, cells),
         _baseline_section(configs, cells, baseline),
         Section(
@@ -214,7 +232,7 @@ def summary_sections(cells: Cells, configs: pd.DataFrame, baseline: str | None, 
         sections.append(Section("Cells that did not finish ok", table=failures))
     if unreadable:
         sections.append(Section("Unreadable records (skipped)", items=list(unreadable)))
-    return sections
+    return leading, sections
 
 
 def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
@@ -285,15 +303,15 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
     ranks = "process(es)" if on_cpu(cells.frame) else "GPU(s)"  # no GPU in a device: cpu sweep
     lines = [
-        f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
-        f"job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
-        f"(cell {fastest['cell_id']})"
+        f"Fastest: {setup_words(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s "
+        f"for the job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
+        f"{spread_words(fastest)}(cell {fastest['cell_id']}){noise_words(ranked, fastest, cells)}"
     ]
     known = ranked.dropna(subset=["capacity", "peak_memory_gib"])
     if known.empty:
         lowest = ranked.loc[ranked["peak_memory_gib"].idxmin()]
         lines.append(
-            f"Most memory headroom: {_setup(lowest, cells)}: the lowest peak, "
+            f"Most memory headroom: {setup_words(lowest, cells)}: the lowest peak, "
             f"{fmt('peak_memory_gib', lowest['peak_memory_gib'])} GiB (device memory size unknown; "
             f"cell {lowest['cell_id']})"
         )
@@ -301,9 +319,9 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
         roomy = known.loc[(known["capacity"] - known["peak_memory_gib"]).idxmax()]
         free = roomy["capacity"] - roomy["peak_memory_gib"]
         lines.append(
-            f"Most memory headroom: {_setup(roomy, cells)}: peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} "
-            f"of {roomy['capacity']:.1f} GiB, {free:.1f} GiB ({free / roomy['capacity']:.0%}) free "
-            f"(cell {roomy['cell_id']})"
+            f"Most memory headroom: {setup_words(roomy, cells)}: "
+            f"peak {fmt('peak_memory_gib', roomy['peak_memory_gib'])} of {roomy['capacity']:.1f} GiB, "
+            f"{free:.1f} GiB ({free / roomy['capacity']:.0%}) free (cell {roomy['cell_id']})"
         )
     return [*lines, _cheapest_line(ranked, fastest, cells)]
 
@@ -320,14 +338,14 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} {hours} per billion tokens"
     if by_energy:
         return (
-            f"Cheapest: {_setup(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "
+            f"Cheapest: {setup_words(cheapest, cells)}: {_kwh(cheapest)} kWh per billion tokens "
             f"({cheapest['joules_per_token']:.3g} J per token; {gpu_hours}){same} (cell {cheapest['cell_id']})"
         )
-    line = f"Cheapest: {_setup(cheapest, cells)}: {gpu_hours}{same} (cell {cheapest['cell_id']})"
+    line = f"Cheapest: {setup_words(cheapest, cells)}: {gpu_hours}{same} (cell {cheapest['cell_id']})"
     if not energy.empty:
         frugal = energy.loc[energy["joules_per_token"].idxmin()]
         line += (
-            f"; least energy of the {len(energy)} measured: {_setup(frugal, cells)}: "
+            f"; least energy of the {len(energy)} measured: {setup_words(frugal, cells)}: "
             f"{frugal['joules_per_token']:.3g} J per token ({_kwh(frugal)} kWh per billion tokens)"
         )
     return line
@@ -337,14 +355,13 @@ def _kwh(config: pd.Series) -> str:
     return f"{config['joules_per_token'] * 1e9 / 3.6e6:.3g}"
 
 
-def _setup(config: pd.Series, cells: Cells) -> str:
-    batch = value_text(config["batch_size"]) + (" (auto)" if config.get("auto_batch") == True else "")  # noqa: E712 (numpy bool or NaN)
-    return f"{config['variant']} at {describe({'batch_size': batch, **{f: config[f] for f in cells.fixed}})}"
+def _none_ok(cells: Cells) -> str:
+    return "No cell finished ok with figures that can be trusted." if len(cells.invalid) else "No cell finished ok."
 
 
 def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
     if configs["tokens_per_s_per_gpu"].notna().sum() == 0:
-        return Section("Best configuration", text="No cell finished ok.")
+        return Section("Best configuration", text=_none_ok(cells))
     top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
     per = "process" if on_cpu(cells.frame) else "GPU"  # no GPU in a device: cpu sweep

@@ -13,7 +13,7 @@ from ..contracts.record import (
     MISSING,
     STATUSES,
 )
-from .read import SHORT, Cells, describe, value_text
+from .read import INVALID, SHORT, SPREAD, Cells, describe, value_text
 from .render import markdown_table
 
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
@@ -52,24 +52,48 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
     status. Columns: the strategy, each field that varies in the sweep, the status, the metrics
     and the cell id."""
     fields = varied_fields(frame, spec_fields)
-    headers = ["strategy", *(SHORT.get(f, f) for f in fields), "status", *(h for _, h in CELL_METRICS), "cell"]
+    metric_headers = [h for _, h in CELL_METRICS]
+    metric_headers.insert(1, SPREAD_HEADER)
+    headers = ["strategy", *(SHORT.get(f, f) for f in fields), "status", *metric_headers, "cell"]
     if frame.empty:
         return pd.DataFrame(columns=headers)
     ranked = _ranked(frame)
     columns = {"strategy": ranked["strategy"].map(value_text)}
     columns.update({SHORT.get(f, f): ranked[f].map(value_text) for f in fields})
-    columns["status"] = ranked["status"].map(value_text)
+    columns["status"] = _outcome(ranked).map(value_text)
     for column, header in CELL_METRICS:
         values = (
             pd.to_numeric(ranked[column], errors="coerce") if column in ranked else pd.Series(None, index=ranked.index)
         )
         columns[header] = values.map(lambda v, c=column: fmt(c, v) if c in METRIC_FORMATS else value_text(v))
+    columns[SPREAD_HEADER] = spread_texts(ranked)
     columns["cell"] = ranked["cell_id"].map(value_text)
     table = pd.DataFrame(columns, columns=headers).reset_index(drop=True)
     return table.rename(columns={"tokens/s/gpu": PER_PROCESS}) if on_cpu(frame) else table
 
 
 PER_PROCESS = "tokens/s/process"  # the cell table's tokens/s/gpu where no cell used a GPU
+SPREAD_HEADER = "p10-p90"  # beside tokens/s: the window's slow and fast steps (contracts/record.py Spread)
+
+
+def spread_texts(frame: pd.DataFrame) -> pd.Series:
+    """Each row's tokens/s spread as "p10-p90" text, a dash where the record has none."""
+    low, high = (
+        pd.to_numeric(frame[c], errors="coerce") if c in frame else pd.Series(float("nan"), index=frame.index)
+        for c in SPREAD
+    )
+    return pd.Series(
+        [
+            f"{fmt('tokens_per_s_per_gpu', a)}-{fmt('tokens_per_s_per_gpu', b)}" if pd.notna(a) and pd.notna(b) else "-"
+            for a, b in zip(low, high, strict=True)
+        ],
+        index=frame.index,
+    )
+
+
+def _outcome(frame: pd.DataFrame) -> pd.Series:
+    """The status as tables rank it (read.outcomes: `invalid` for an untrusted ok record)."""
+    return frame["outcome"] if "outcome" in frame else frame["status"]
 
 
 def on_cpu(frame: pd.DataFrame) -> bool:
@@ -109,9 +133,16 @@ def cells_document(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[di
                 "strategy": row.get("strategy"),
                 "fields": {name: row.get(name) for name in fields},
                 **{key: _number(row.get(column)) for column, key in CELL_FIGURES},
+                "tokens_per_s_spread": _spread(row),
+                INVALID: list(row[INVALID]) if isinstance(row.get(INVALID), list) else [],
             }
         )
     return cells
+
+
+def _spread(row: pd.Series) -> dict[str, float] | None:
+    low, high = (_number(row.get(column)) for column in SPREAD)
+    return {"p10": low, "p90": high} if low is not None and high is not None else None
 
 
 def _number(value: Any) -> float | None:
@@ -120,10 +151,10 @@ def _number(value: Any) -> float | None:
 
 
 def _ranked(frame: pd.DataFrame) -> pd.DataFrame:
-    """Best first: ok cells by tokens/s per GPU, then the others by status."""
+    """Best first: ok cells by tokens/s per GPU, then the others (invalid ones first) by status."""
     speed = pd.to_numeric(frame["tokens_per_s_per_gpu"], errors="coerce") if "tokens_per_s_per_gpu" in frame else None
-    return frame.assign(_failed=frame["status"] != "ok", _speed=speed).sort_values(
-        ["_failed", "_speed", "status", "cell_id"],
+    return frame.assign(_failed=_outcome(frame) != "ok", _speed=speed, _shown=_outcome(frame)).sort_values(
+        ["_failed", "_speed", "_shown", "cell_id"],
         ascending=[True, False, True, True],
         na_position="last",
         kind="stable",
@@ -173,7 +204,10 @@ def choose_baseline(configs: pd.DataFrame, requested: str | None) -> str | None:
 def best_table(configs: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).sort_values("tokens_per_s_per_gpu", ascending=False)
     best = ranked.drop_duplicates("variant").sort_values("variant")
-    return _config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib"))
+    rows = _config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib"))
+    after_tokens = list(rows.columns).index(METRIC_NAMES["tokens_per_s_per_gpu"]) + 1
+    rows.insert(after_tokens, SPREAD_HEADER, spread_texts(best).to_numpy())
+    return rows
 
 
 def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.DataFrame:
@@ -206,9 +240,10 @@ def probe_rows(cells: Cells) -> pd.DataFrame:
     if "batch_search.probes" not in frame:
         return pd.DataFrame(columns=["variant", "setting", *cells.fixed, "batch_size", "status", *PROBE_NUMBERS])
     labels = ["cell_id", "variant", "setting", *dict.fromkeys(cells.fixed)]
+    invalid = _outcome(frame) == "invalid"  # a broken setup's probes tell nothing of what fits either
     rows = [
         {**{k: cell[k] for k in labels}, **{k: probe.get(k) for k in ("batch_size", "status", *PROBE_NUMBERS)}}
-        for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list))].iterrows()
+        for _, cell in frame[frame["batch_search.probes"].map(lambda v: isinstance(v, list)) & ~invalid].iterrows()
         for probe in cell["batch_search.probes"]
         if isinstance(probe, dict)
     ]
@@ -227,7 +262,8 @@ def frontier_table(cells: Cells) -> pd.DataFrame:
     margin counts as not fitting)."""
     keys = ["variant", *(f for f in cells.fixed if f != "grad_accum")]
     probes = probe_rows(cells)
-    runs = [part[[*keys, "batch_size", "status"]] for part in (cells.frame, probes) if not part.empty]
+    trusted = cells.frame.assign(status=_outcome(cells.frame))  # an invalid cell fits nothing the frontier can name
+    runs = [part[[*keys, "batch_size", "status"]] for part in (trusted, probes) if not part.empty]
     frame = pd.concat(runs, ignore_index=True).dropna(subset=["variant", "batch_size"]) if runs else pd.DataFrame()
     if frame.empty:
         return pd.DataFrame()
@@ -249,7 +285,8 @@ def frontier_table(cells: Cells) -> pd.DataFrame:
 def pivot_tables(cells: Cells, metric: str) -> list[tuple[str, pd.DataFrame]]:
     """strategy x batch_size per setting: the metric where the cell ran, else its status (OOM, ...)."""
     keys = ["setting", "variant", "batch_size"]
-    frame = cells.frame[[*keys, "status", metric]].dropna(subset=["variant", "batch_size"])
+    frame = cells.frame.assign(status=_outcome(cells.frame))[[*keys, "status", metric]]
+    frame = frame.dropna(subset=["variant", "batch_size"])
     ran = frame["status"] == "ok"
     shown = frame[ran].groupby(keys, observed=True)[metric].mean().map(lambda v: fmt(metric, v))
     failed = frame[~ran].groupby(keys, observed=True)["status"].first().str.upper()
@@ -337,6 +374,8 @@ def status_counts(cells: Cells, unreadable: list[str]) -> str:
     counts = cells.frame["status"].value_counts()
     order = [*STATUSES, MISSING]
     parts = [f"{counts[s]} {s}" for s in order if s in counts]
+    if len(cells.invalid):  # ok records that rank nowhere
+        parts = [f"{part} ({len(cells.invalid)} of them invalid)" if part.endswith(" ok") else part for part in parts]
     text = f"{len(cells.frame)} cell(s): " + (", ".join(parts) or "none")
     return text + (f"; {len(unreadable)} unreadable record file(s)" if unreadable else "")
 

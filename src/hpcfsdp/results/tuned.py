@@ -30,6 +30,8 @@ def tune_section(sweep_dir: Path) -> Section | None:
     text = (
         f"Chosen by `hpcfsdp tune`: {best.get('cell_id') or 'none'}"
         + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU" if best.get("tokens_per_s_per_gpu") else "")
+        + (f" (mean of {len(best['runs_tokens_per_s_per_gpu'])} runs)" if best.get("runs_tokens_per_s_per_gpu") else "")
+        + (f", within noise of {', '.join(best['within_noise_of'])}" if best.get("within_noise_of") else "")
         + f". The search spent {spent}"
         + (f", against about {grid:.4f} for the grid ({spend.get('grid_estimate_basis') or ''})." if grid else ".")
     )

@@ -1,7 +1,7 @@
 """The accumulation shortcut: gradient accumulation changes a step's tokens/s per GPU only by the
 share of the step the optimizer takes (clipping and the optimizer step run once per step, the
 micro-batches a times). So each setup is probed at its smallest accumulation a0, and the others
-are computed from that probe: with its step time T and optimizer time O (the record's
+are computed from that probe: with its mean step time T (mean_step_s) and optimizer time O (the record's
 optimizer_step_s, timed only in probes), one micro-batch takes m = (T - O) / a0, and
 
     tokens/s per GPU at a = a x batch x seq_len / (a x m + O)
@@ -37,10 +37,16 @@ def accumulation_sources(cells: list[Cell]) -> dict[str, str]:
     return sources
 
 
+def mean_step_s(record: dict[str, Any]) -> float | None:
+    """An ok record's step: the timed window's mean, as its tokens/s is (a record from before
+    issue 43 that lacks it: its step_time_s, then the figure its tokens/s came from)."""
+    return record.get("window_step_time_s") or record.get("step_time_s")
+
+
 def computed_step_time(record: dict[str, Any], grad_accum: int) -> float | None:
     """A step's seconds at grad_accum from a probe's ok record; None without its optimizer time."""
     optimizer = record.get("optimizer_step_s")
-    step = record.get("step_time_s")
+    step = mean_step_s(record)
     if optimizer is None or not step:
         return None
     micro = max(0.0, step - optimizer) / record["spec"]["grad_accum"]

@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from ..sweep.define.matrix import Cell
-from .accumulation import computed_step_time
+from .accumulation import computed_step_time, mean_step_s
 from .state import FINAL, Launch, TuneState, read_launches, run_record
 
 BASIS = "estimated cell by cell from the probes' launches and step times (tune/gridcost.py)"
@@ -42,7 +42,7 @@ def launch_estimates(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) 
     launched = {(launch.stage, launch.run): launch for launch in launches if launch.ended > launch.started}
     probes: dict[str, tuple[Launch, dict]] = {}  # grid id -> its deepest probe's launch and record
     for stage in state.stages:
-        if stage.final:
+        if stage.as_grid:
             continue
         for run, grid_id in stage.runs.items():
             record = run_record(sweep_dir, stage.name, run)
@@ -91,7 +91,8 @@ def launch_estimates(cells: dict[str, Cell], sweep_dir: Path, state: TuneState) 
 def _start_up(launch: Launch, record: dict) -> float:
     """The launch's wall time less its steps (all of it for a probe that did not finish ok)."""
     wall = launch.ended - launch.started
-    if record["status"] != "ok" or not record.get("step_time_s"):
+    step = mean_step_s(record) if record["status"] == "ok" else None
+    if not step:
         return wall
     steps = int(record.get("warmup_steps") or 0) + int(record.get("timed_steps") or 0)
-    return max(0.0, wall - steps * float(record["step_time_s"]))
+    return max(0.0, wall - steps * float(step))

@@ -11,13 +11,14 @@ from typing import Any
 
 from ..contracts.files import RecordError, write_json
 from ..contracts.record import RECORD_NAME, read_record
+from ..contracts.validity import invalid_reasons, within_noise
 from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import TUNE_NAME, cell_dir
 from ..sweep.launch.plan import PLAN_FIELDS
 from . import gridcost
 from .accumulation import computed_speed
 from .prune import prune
-from .state import FINAL, Stage, TuneState, read_launches, run_record, stage_dir
+from .state import FINAL, REPEAT, Stage, TuneState, read_launches, run_record, stage_dir
 
 
 def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
@@ -26,7 +27,8 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}  # grid id -> its furthest stage's result
     for depth, stage in enumerate(state.stages):
         for run, grid_id in stage.runs.items():
-            rows[grid_id] = _row(sweep_dir, stage, run, grid_id, depth, cells[grid_id], show)
+            row = _row(sweep_dir, stage, run, grid_id, depth, cells[grid_id], show)
+            rows[grid_id] = _repeated(rows[grid_id], row) if stage.name == REPEAT else row
     first = state.stages[0] if state.stages else None
     probe_of = {grid_id: run for run, grid_id in first.runs.items()} if first else {}
     for grid_id, source in state.computed.items():
@@ -36,7 +38,13 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
         rows.values(),
         key=lambda r: (r["status"] != "ok", -r["depth"], -(r.get("tokens_per_s_per_gpu") or 0.0)),
     )
-    final_ok = [r for r in ranked if r["stage"] == FINAL and r["status"] == "ok"]
+    final_ok = [r for r in ranked if r["stage"] in (FINAL, REPEAT) and r["status"] == "ok"]
+    best = dict(final_ok[0]) if final_ok else None
+    if best:
+        spread = best.get("tokens_per_s_spread")
+        best["within_noise_of"] = [
+            r["cell_id"] for r in final_ok[1:] if within_noise(spread, r.get("tokens_per_s_spread"))
+        ]
     launches = read_launches(sweep_dir)
     by_stage: dict[str, float] = {}
     for launch in launches:
@@ -45,10 +53,11 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     spent = sum(by_stage.values())
     return {
         "sweep": sweep.name,
-        "best": final_ok[0] if final_ok else None,
+        "best": best,
         "ranking": ranked,
         "oom_frontier": [r for r in ranked if r["status"] == "oom"],
-        "failed": [r for r in ranked if r["status"] not in ("ok", "oom")],
+        "failed": [r for r in ranked if r["status"] not in ("ok", "oom", "invalid")],
+        "invalid": [r for r in ranked if r["status"] == "invalid"],
         "pruned": state.pruned,
         "notes": list(prune(sweep).notes),
         "spend": {
@@ -61,6 +70,25 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
             "fraction_of_grid": spent / grid_estimate if grid_estimate else None,
         },
         "stages": [{"name": s.name, "runs": len(s.runs), "jobs": sorted(s.jobs)} for s in state.stages],
+    }
+
+
+def _repeated(final: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
+    """A setup run in the final stage and once more: tokens/s per GPU the mean of both runs (each
+    in `runs_tokens_per_s_per_gpu`), its spread from the lower p10 to the higher p90; as the
+    repeat's run says where either did not finish ok with trusted figures."""
+    if final.get("status") != "ok" or again.get("status") != "ok":
+        return again
+    speeds = [final["tokens_per_s_per_gpu"], again["tokens_per_s_per_gpu"]]
+    spreads = [s for s in (final.get("tokens_per_s_spread"), again.get("tokens_per_s_spread")) if s]
+    merged = (
+        {"p10": min(s["p10"] for s in spreads), "p90": max(s["p90"] for s in spreads)} if len(spreads) == 2 else None
+    )
+    return {
+        **again,
+        "tokens_per_s_per_gpu": sum(speeds) / 2,
+        "runs_tokens_per_s_per_gpu": speeds,
+        "tokens_per_s_spread": merged,
     }
 
 
@@ -82,9 +110,13 @@ def _row(sweep_dir: Path, stage: Stage, run: str, grid_id: str, depth: int, cell
     except (RecordError, FileNotFoundError):
         return {**row, "status": "missing"}
     row["status"] = record["status"]
-    if record["status"] == "ok":
+    reasons = invalid_reasons(record) if record["status"] == "ok" else []
+    if reasons:  # it ran, but its figures rank nowhere
+        row.update(status="invalid", invalid_reasons=reasons)
+    elif record["status"] == "ok":
         row.update(
             tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"],
+            tokens_per_s_spread=record.get("tokens_per_s_spread"),
             timed_steps=record.get("timed_steps"),
             peak_memory_gib=record.get("peak_memory_gib"),
         )
@@ -122,7 +154,8 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
     best = found["best"]
     if best:
         setup = " ".join(f"{k}={v}" for k, v in best["setup"].items())
-        lines.append(f"chosen: {best['cell_id']} ({setup}): {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU")
+        speed = f"{best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU"
+        lines.append(f"chosen: {best['cell_id']} ({setup}): {speed}{_sureness(best)}")
     else:
         lines.append("chosen: none (no setup finished its final stage ok)")
     lines.append("ranking (furthest stage first, then tokens/s per GPU):")
@@ -131,6 +164,8 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
         setup = " ".join(f"{k}={v}" for k, v in row["setup"].items())
         computed = f"  (computed from {row['computed_from']})" if row.get("computed_from") else ""
         lines.append(f"  {rank:3} {row['cell_id']:40} {row['stage']:7} {speed}  {setup}{computed}")
+    for row in found.get("invalid", []):
+        lines.append(f"not ranked (figures cannot be trusted): {row['cell_id']}: {'; '.join(row['invalid_reasons'])}")
     if found["oom_frontier"]:
         lines.append("OOM frontier (ran out of memory): " + ", ".join(r["cell_id"] for r in found["oom_frontier"]))
     for cell_id, why in found["pruned"].items():
@@ -140,6 +175,17 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
     versus = f" against about {grid:.4f} for the grid ({spend['grid_estimate_basis']})" if grid else ""
     lines.append(f"spent {spend['tune_gpu_hours']:.4f} GPU-hours in {spend['launches']} launch(es){versus}")
     return lines
+
+
+def _sureness(best: dict[str, Any]) -> str:
+    """How sure the pick is: its runs, and the setups it could not be told apart from."""
+    runs = best.get("runs_tokens_per_s_per_gpu")
+    text = f" (mean of {len(runs)} runs: {', '.join(f'{v:,.1f}' for v in runs)})" if runs else ""
+    close = best.get("within_noise_of") or []
+    if close:
+        again = "after a repeat, " if runs else ""
+        text += f"; {again}within noise of {', '.join(close)}: these runs cannot tell them apart"
+    return text
 
 
 def best_only(sweep: Sweep, results_dir: Path, log) -> Sweep:

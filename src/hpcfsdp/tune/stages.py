@@ -2,7 +2,9 @@
 SuccessiveHalvingPruner promotes the best 1/eta of each rung the same way). Rung k probes its
 runs for at most 6 x eta^k timed steps, each stopping once stable; the best 1/eta go on to the
 next rung, until `top_k` are left or the next rung would be as long as a grid cell: those run as
-the grid's own cells (the final stage), and the fastest of them is the pick.
+the grid's own cells (the final stage), and the fastest of them is the pick. Where others of the
+final stage are within noise of the fastest (their p10-p90 steps overlap), those and the fastest
+run once more (the repeat stage) and the pick is the best mean of the two runs.
 
 Every stage is written to the state before it runs, and every run's launch after it ends, so
 that a search stopped at any point and started again runs only what is not done."""
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..contracts.validity import is_trusted, within_noise
 from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import (
     cell_dir,
@@ -33,6 +36,7 @@ from .probe import Planned, probe_rungs, probe_spec, run_launches
 from .prune import prune
 from .state import (
     FINAL,
+    REPEAT,
     Launch,
     Stage,
     TuneState,
@@ -130,8 +134,16 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
     while True:
         stage = state.stages[-1]
         run_stage(sweep, sweep_dir, state, stage, settings, log)
-        if stage.final:
+        if stage.name == REPEAT:
             return
+        if stage.final:
+            close = noisy_top(sweep_dir, stage)
+            if len(close) < 2:
+                return
+            log(f"final: {', '.join(close)} are within noise of each other: each runs once more (repeat stage)")
+            state.stages.append(_repeat_stage(sweep_dir, sweep, [cells[grid_id] for grid_id in close]))
+            save_state(sweep_dir, state)
+            continue
         ranked = [grid_id for grid_id, _ in ranking(sweep_dir, stage, state, cells)]
         rung = int(stage.name.removeprefix("stage"))
         keep = math.ceil(len(ranked) / settings.eta)
@@ -162,20 +174,40 @@ def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, et
     return Stage(name, runs)
 
 
+def _repeat_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell]) -> Stage:
+    """The final stage's cells within noise of its fastest, as the grid's cells once more."""
+    for cell in cells:
+        write_cell_spec(cell_dir(stage_dir(sweep_dir, REPEAT), cell.id), cell.spec, cell.id, sweep.name, cell.sources)
+    return Stage(REPEAT, {cell.id: cell.id for cell in cells})
+
+
+def noisy_top(sweep_dir: Path, stage: Stage) -> list[str]:
+    """The stage's fastest trusted run and those within noise of it (grid cell ids, fastest
+    first); only the fastest where none is."""
+    records = {grid_id: run_record(sweep_dir, stage.name, run) for run, grid_id in stage.runs.items()}
+    trusted = {grid_id: record for grid_id, record in records.items() if record and is_trusted(record)}
+    ranked = sorted(trusted, key=lambda grid_id: -float(trusted[grid_id]["tokens_per_s_per_gpu"]))
+    if not ranked:
+        return []
+    top = trusted[ranked[0]].get("tokens_per_s_spread")
+    return [ranked[0], *(g for g in ranked[1:] if within_noise(top, trusted[g].get("tokens_per_s_spread")))]
+
+
 def ranking(sweep_dir: Path, stage: Stage, state: TuneState, cells: dict[str, Cell]) -> list[tuple[str, float]]:
-    """The stage's setups that finished ok, fastest first: (grid cell id, tokens/s per GPU); on
-    the first stage with the setups computed from a probe at another accumulation among them."""
+    """The stage's setups that finished ok with figures that can be trusted, fastest first: (grid
+    cell id, tokens/s per GPU); on the first stage with the setups computed from a probe at another
+    accumulation among them."""
     speeds = {}
     for run, grid_id in stage.runs.items():
         record = run_record(sweep_dir, stage.name, run)
-        if record and record["status"] == "ok":
+        if record and is_trusted(record):
             speeds[grid_id] = float(record["tokens_per_s_per_gpu"])
     if stage.name == "stage0":
         probe_of = {grid_id: run for run, grid_id in stage.runs.items()}
         for grid_id, source in state.computed.items():
             record = run_record(sweep_dir, stage.name, probe_of.get(source, ""))
             speed = computed_speed(record, cells[grid_id].spec.grad_accum) if record else None
-            if record and record["status"] == "ok" and speed is not None:
+            if record and is_trusted(record) and speed is not None:
                 speeds[grid_id] = speed
     return sorted(speeds.items(), key=lambda pair: -pair[1])
 
@@ -193,7 +225,7 @@ def run_stage(
             require_inside(sweep_dir, cell_dir(directory, run))  # never a run trained out of the sweep folder
             if is_done(sweep_dir, stage.name, run):
                 continue
-            cell = cells[grid_id] if stage.final else _cell_of(sweep_dir, directory, run)
+            cell = cells[grid_id] if stage.as_grid else _cell_of(sweep_dir, directory, run)
             out.append((cell, Planned(str(cell_dir(directory, run).absolute()), cell.spec.world_size, stage.name)))
         return out
 

@@ -5,6 +5,7 @@
     tune/stage<k>/cells/<run>/     a probe rung's runs (spec.json, result.json, log.txt), as a sweep folder
     tune/launches/<stage>-<run>.json   one launch: launcher start and end, its GPUs, exit status
     cells/<grid id>/               the final stage: fresh cells with the grid's ids and specs
+    tune/repeat/cells/<grid id>/   the final stage's cells within noise of its fastest, run once more
     tune.json                      the outcome (output.py)
 
 A run is done when its launch is recorded and its record is one that stands (ok, oom, or a
@@ -28,6 +29,7 @@ TUNE_DIR = "tune"
 STATE_NAME = "state.json"
 LAUNCHES_DIR = "launches"
 FINAL = "final"
+REPEAT = "repeat"  # after the final stage: its cells within noise of its fastest, run again as the grid's cells
 # Statuses that say the run was stopped from outside before it measured anything: run it again.
 INTERRUPTED = ("cancelled", "preempted", "node_fail", "boot_fail")
 
@@ -37,13 +39,18 @@ class Stage:
     """One stage: a probe rung (probes stop once tokens/s is stable, within a step budget that
     grows by eta each rung) or the final stage (the grid's own cells)."""
 
-    name: str  # stage0, stage1, ..., or final
+    name: str  # stage0, stage1, ..., final, or repeat
     runs: dict[str, str]  # run id -> the grid's cell id
     jobs: dict[str, list[str]] = field(default_factory=dict)  # Slurm job id -> its run ids
 
     @property
     def final(self) -> bool:
         return self.name == FINAL
+
+    @property
+    def as_grid(self) -> bool:
+        """Whether its runs are the grid's own cells (final, repeat), not probes."""
+        return self.name in (FINAL, REPEAT)
 
 
 @dataclass

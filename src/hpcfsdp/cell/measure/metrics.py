@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...contracts.gpus import gpu_named
-from ...contracts.record import OkRecord
+from ...contracts.record import OkRecord, Spread
 from ...contracts.spec import RunSpec
 from ..ranks.distributed import DistEnv, all_gather_objects, all_reduce_max
 
@@ -259,13 +259,29 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def _steps_timed_alone(spec: RunSpec, env: DistEnv) -> bool:
+    """Whether each step's time is its own: a device sync ends every step (`sync_each_step`), or
+    the device is the CPU, whose work is done when the host's call returns. Without, a GPU step's
+    host time is the time to queue its kernels, not to run them."""
+    return spec.sync_each_step or env.device.type == "cpu"
+
+
+def tokens_spread(slowest: list[float], tokens_per_gpu_step: float, timed_alone: bool) -> Spread | None:
+    """tokens/s per GPU at the 10th and 90th percentile of the window's steps (each on its slowest
+    rank): p10 is the slow end. None where the steps were not timed one by one, or none was."""
+    rates = [tokens_per_gpu_step / t for t in slowest if t > 0]
+    if not timed_alone or not rates:
+        return None
+    return {"p10": percentile(rates, 0.1), "p90": percentile(rates, 0.9)}
+
+
 def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> OkRecord:
     step_times, data_times = log.timed(spec.warmup_steps)
     slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends
     window_step_time = all_reduce_max(log.window_s, env) / len(step_times)
     step_time = median(slowest) if spec.sync_each_step else window_step_time
     tokens_per_step = spec.batch_size * spec.seq_len * spec.grad_accum * env.world_size
-    tokens_per_s = tokens_per_step / step_time
+    tokens_per_s = tokens_per_step / window_step_time  # the window's mean, in every kind of run
     name = device_name(env.device)
     peak = peak_tflops(name, spec.peak_tflops) if env.device.type == "cuda" else spec.peak_tflops
     tflops = tokens_per_s / env.world_size * flops / 1e12
@@ -280,6 +296,7 @@ def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: 
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / env.world_size,
+        "tokens_per_s_spread": tokens_spread(slowest, tokens_per_step / env.world_size, _steps_timed_alone(spec, env)),
         "samples_per_s": tokens_per_s / spec.seq_len,
         "step_time_s": step_time,
         "step_time_p90_s": percentile(slowest, 0.9),
