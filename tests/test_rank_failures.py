@@ -290,3 +290,39 @@ def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
         ["sacct", "-nPX", "--format=State,ElapsedRaw", f"--jobs={job}"], capture_output=True, text=True, timeout=60
     ).stdout.split("|")
     assert state.startswith("FAILED") and int(elapsed) < 120, (state, elapsed)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fault", "signal_name"), [("ddp", "sigkill", "SIGKILL"), ("fsdp2_zero3", "sigsegv", "SIGSEGV")]
+)
+def test_a_rank_killed_by_a_signal_is_named_with_its_signal_not_recorded_as_its_peers_failure(
+    tmp_path, strategy, fault, signal_name
+):
+    """Rank 1 dies by a signal that leaves no record of its own (the OOM killer's SIGKILL, a crash);
+    rank 0 met only its effect (gloo's "Connection reset by peer", or torchrun's SIGTERM) and once
+    recorded that under its own rank, or as a time limit."""
+    proc = start_cell(tmp_path, f"strategy={strategy}", fault=f"train_step:{fault}:1")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("error", 1, signal_name)
+    assert record["error"].startswith("rank 1 (pid "), record["error"]
+    assert signal_name in record["error"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2_zero3"])
+def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp_path, strategy):
+    """Rank 1 is stopped (SIGSTOP): its own watchdog stops with it, and rank 0, which waits for it
+    inside a collective, once recorded the hang under its own rank."""
+    started = time.monotonic()
+    proc = start_cell(tmp_path, f"strategy={strategy}", "train_timeout_s=5", fault="train_step:sigstop:1")
+    try:
+        proc.wait(timeout=150)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
+    assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
+    assert time.monotonic() - started < 120

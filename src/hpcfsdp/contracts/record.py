@@ -164,6 +164,20 @@ class BatchSearchRecord(TypedDict, total=False):
     wall_s: float
 
 
+class RankResources(TypedDict, total=False):
+    """One entry of `ranks`: what a rank ran on (cell/ranks/resources.py); the GPU's null on CPU."""
+
+    rank: int
+    host: str  # SLURMD_NODENAME, else the host name
+    pid: int
+    device: str  # cuda:0, cpu
+    gpu_uuid: str | None  # GPU-..., as nvidia-smi writes it
+    gpu_bus_id: str | None  # 00000000:1A:00.0
+    gpu_name: str | None
+    gpu_memory_gib: float | None
+    cpus: int | None  # the CPUs the rank may run on (its affinity)
+
+
 class Record(TypedDict, total=False):
     """The fields every record has (a `launch` record, written by the submitter, lacks those of the
     run: its ranks, devices and versions)."""
@@ -189,6 +203,9 @@ class Record(TypedDict, total=False):
     duration_s: Figure[float | None]
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
+    ranks: list[RankResources]  # what each rank ran on, in rank order
+    # How the resources the cell ran on differ from its spec, a sentence each; [] when as asked.
+    resource_problems: Checked[list[str] | None]
 
 
 class OkRecord(Record, total=False):
@@ -254,6 +271,7 @@ class FailedRecord(Record, total=False):
     error: Checked[str | None]  # one line
     traceback: str  # or, for a `launch` record, the tail of the cell's logs
     failed_rank: int
+    failed_signal: str | None  # the signal that ended failed_rank (SIGKILL, SIGSEGV, SIGSTOP, ...), where known
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int
