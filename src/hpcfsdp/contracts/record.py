@@ -427,6 +427,14 @@ def _spec_types() -> dict[str, type]:
     return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
 
 
+def resources_line(cell_id: str, problems: Any) -> str | None:
+    """The line status and collect print for a cell whose record says its resources differed from
+    its spec (`resource_problems`), or None when they did not."""
+    if not isinstance(problems, list) or not problems:
+        return None
+    return f"{cell_id} did not run on the resources it asked for ({'; '.join(map(str, problems))}): not ranked"
+
+
 def slurm_job_of(slurm: Any) -> str | None:
     """The id Slurm knows a record's job by (a record's `slurm` object): ARRAY_TASK for an array
     task, as sacct and squeue print it, else the job id; None outside Slurm."""

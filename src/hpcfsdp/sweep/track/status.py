@@ -17,7 +17,15 @@ from typing import TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
+from ...contracts.record import (
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    CellState,
+    RecordState,
+    record_state,
+    resources_line,
+)
 from ...contracts.spec import SEARCHED_FIELDS
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell
@@ -44,6 +52,7 @@ class CellStatus:
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
+    resources: str = ""  # its record's resource_problems as one line (record.resources_line)
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,7 @@ def sweep_status(
                     advice=advice if isinstance(advice, str) else "",
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                     error=_first_line(record.get("error")) if states[cid].status != CellState.OK else "",
+                    resources=resources_line(cid, record.get("resource_problems")) or "",
                 )
             )
         else:
@@ -294,6 +304,9 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             + preemption_note(c.preempted for c in report.cells)
         )
+    for c in report.cells:
+        if c.resources:
+            print(f"warning: {c.resources}", file=sys.stderr)
     rows = [c for c in report.cells if c.state != "ok" or c.preempted]
     if not rows:
         return
@@ -327,6 +340,7 @@ def status_document(report: StatusReport) -> dict:
                 "advice": c.advice,
                 "blocked": c.blocked,
                 "preempted": c.preempted,
+                "resources": c.resources,
             }
             for c in report.cells
         ],
