@@ -326,3 +326,73 @@ def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
     assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("fault", "status", "signals"), [("sigkill", "error", {None, "SIGKILL"}), ("sigstop", "hang", {"SIGSTOP"})]
+)
+def test_a_rank_killed_or_stopped_on_the_second_node_is_named_under_srun(
+    slurm_cluster, tmp_path, monkeypatch, fault, status, signals
+):
+    """Under srun (--kill-on-bad-exit) the first node's rank met only the effect: a connection reset
+    (SIGKILL; where slurmstepd has reaped rank 1 by then, its signal is not known there) or a step
+    past its deadline (SIGSTOP). Its heartbeat names rank 1."""
+    name = f"twonode{fault}"
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(TWO_NODE_CELL.format(name=name))
+    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
+    started = time.monotonic()
+    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
+    took = time.monotonic() - started
+    assert code != 0
+    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
+    record = json.loads(path.read_text())
+    assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
+    assert record.get("failed_signal") in signals
+    assert record["error"].startswith("rank 1 (pid ") and "on hpcfsdp-n2)" in record["error"], record["error"]
+    assert [r["host"] for r in record["ranks"]] == ["hpcfsdp-n1", "hpcfsdp-n2"]
+    assert took < 180, f"the two-node job took {took:.0f} s"
+
+
+def srun_cell(tmp_path: Path, gres: int, *fields: str) -> dict:
+    """`hpcfsdp run` as srun's two tasks on one node given `gres` GPUs (the local cluster's fake
+    ones: Slurm sets CUDA_VISIBLE_DEVICES), a CPU cell of gpus_per_node=2; its record."""
+    command = ["srun", "-p", "gpu", "-N1", "-n2", f"--gres=gpu:{gres}", "--time=5", "--kill-on-bad-exit=1"]
+    command += [sys.executable, "-m", "hpcfsdp", "run", "--results-dir", str(tmp_path / "results"), "--sweep", "t"]
+    env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("HPCFSDP_FAULT", None)
+    done = subprocess.run(
+        [*command, *TINY, "strategy=ddp", "gpus_per_node=2", *fields],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return the_record(tmp_path)
+
+
+@pytest.mark.slurm
+def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_and_in_collect(slurm_cluster, tmp_path, capsys):
+    """Two ranks on a node that Slurm gave one GPU (as an SBATCH_GRES=gpu:1 in the submitting shell
+    did): the cell trains, and once recorded plain `ok` as if it ran on two GPUs."""
+    record = srun_cell(tmp_path, 1)
+    assert record["status"] == "ok"
+    assert record["resource_problems"] == [
+        "2 GPUs per node asked, 1 visible on hpcfsdp-n1",
+        "ranks 0 and 1 share GPU 0 on hpcfsdp-n1",
+    ]
+    assert [(r["rank"], r["host"], r["device"], r["gpu_uuid"]) for r in record["ranks"]] == [
+        (0, "hpcfsdp-n1", "cpu", None),
+        (1, "hpcfsdp-n1", "cpu", None),
+    ]
+    assert all(isinstance(r["cpus"], int) and r["cpus"] >= 1 for r in record["ranks"])
+    main(["collect", str(tmp_path / "results" / "t"), "--no-history"])
+    assert "did not run on the resources it asked for (2 GPUs per node asked" in capsys.readouterr().err
+
+
+@pytest.mark.slurm
+def test_a_cell_given_the_gpus_it_asked_for_has_no_resource_problems(slurm_cluster, tmp_path):
+    record = srun_cell(tmp_path, 2)
+    assert (record["status"], record["resource_problems"]) == ("ok", [])
