@@ -36,6 +36,7 @@ HEARTBEATS_DIR = "heartbeats"
 BEAT_S = 0.5  # how often the watchdog touches the rank's file
 STILL_S = 2.0  # a beat that has not moved for this long (four beats missed) means the rank stopped
 KMSG_BYTES = 4 << 20  # the most of the kernel's log read for an OOM killer's line
+LOG_TAIL_BYTES = 256 << 10  # the end of this rank's output file read for torchrun's line
 # faulthandler's first line for each signal it handles, and the signal's name.
 CRASH_WORDS = {
     "Segmentation fault": "SIGSEGV",
@@ -170,7 +171,7 @@ def _local_trouble(beat: Beat) -> PeerTrouble | None:
         stopped = f"{beat.who} stopped answering: its process is stopped (SIGSTOP)"
         return PeerTrouble(beat.rank, "hang", stopped, "SIGSTOP")
     if state is None or state[1] or state[0] in "ZX":  # gone, or ending (the kernel set its exit code)
-        killed = signal_name(state[1] & 0x7F) if state else None
+        killed = signal_name(state[1] & 0x7F) if state else launcher_said(beat.pid)
         if killed in (None, "SIGKILL") and oom_killed(beat.pid):
             return PeerTrouble(
                 beat.rank, "host_oom", f"{beat.who} was killed by the kernel's OOM killer (host memory)", "SIGKILL"
@@ -235,6 +236,24 @@ def signal_name(number: int) -> str | None:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def launcher_said(pid: int) -> str | None:
+    """The signal torchrun says ended pid, where this rank's output goes to the same file as
+    torchrun's (a cell's log.txt): torchrun writes "failed (exitcode: -9) local_rank: 1 (pid: 4242)"
+    as it reaps a rank, before it sends the survivors SIGTERM. None where it cannot be read."""
+    pattern = re.compile(rf"failed \(exitcode: -(\d+)\) local_rank: \d+ \(pid: {pid}\)")
+    for fd in (2, 1):
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            with open(path, "rb") as log:
+                log.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+                found = pattern.search(log.read().decode(errors="replace"))
+        except (OSError, ValueError):  # a pipe, a terminal, no /proc
+            continue
+        if found:
+            return signal_name(int(found.group(1)))
+    return None
 
 
 def oom_killed(pid: int) -> bool:
