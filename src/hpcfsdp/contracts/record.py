@@ -164,15 +164,13 @@ class BatchSearchRecord(TypedDict, total=False):
     wall_s: float
 
 
-class RankResources(TypedDict, total=False):
-    """One entry of `ranks`: what a rank ran on (cell/ranks/resources.py); the GPU's null on CPU."""
-
+class RankResources(TypedDict, total=False):  # a rank in `ranks` (cell/ranks/resources.py); GPU's null on CPU
     rank: int
-    host: str  # SLURMD_NODENAME, else the host name
     pid: int
+    host: str  # SLURMD_NODENAME, else the host name
     device: str  # cuda:0, cpu
-    gpu_uuid: str | None  # GPU-..., as nvidia-smi writes it
-    gpu_bus_id: str | None  # 00000000:1A:00.0
+    gpu_uuid: str | None  # GPU-..., and the bus id 00000000:1A:00.0, as nvidia-smi writes them
+    gpu_bus_id: str | None
     gpu_name: str | None
     gpu_memory_gib: float | None
     cpus: int | None  # the CPUs the rank may run on (its affinity)
@@ -204,8 +202,7 @@ class Record(TypedDict, total=False):
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
     ranks: list[RankResources]  # what each rank ran on, in rank order
-    # How the resources the cell ran on differ from its spec, a sentence each; [] when as asked.
-    resource_problems: Checked[list[str] | None]
+    resource_problems: Checked[list[str] | None]  # how they differ from the spec, a sentence each
 
 
 class OkRecord(Record, total=False):
@@ -425,14 +422,6 @@ def _spec_range_problem(name: str, value: Any) -> str | None:
 
 def _spec_types() -> dict[str, type]:
     return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
-
-
-def resources_line(cell_id: str, problems: Any) -> str | None:
-    """The line status and collect print for a cell whose record says its resources differed from
-    its spec (`resource_problems`), or None when they did not."""
-    if not isinstance(problems, list) or not problems:
-        return None
-    return f"{cell_id} did not run on the resources it asked for ({'; '.join(map(str, problems))}): not ranked"
 
 
 def slurm_job_of(slurm: Any) -> str | None:

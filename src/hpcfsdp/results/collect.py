@@ -15,10 +15,11 @@ from ..contracts.errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
-from ..contracts.record import RECORD_NAME, resources_line
+from ..contracts.record import RECORD_NAME
 from ..progress import Progress
 from ..sweep.folder.layout import cell_files, read_manifest, slurm_jobs
 from ..sweep.track.accounting import note_accounting
+from ..sweep.track.status import resources_line
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
@@ -24,7 +24,6 @@ from ...contracts.record import (
     CellState,
     RecordState,
     record_state,
-    resources_line,
 )
 from ...contracts.spec import SEARCHED_FIELDS
 from ...slurm import SlurmError, Watcher, on_cluster
@@ -52,7 +51,7 @@ class CellStatus:
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
-    resources: str = ""  # its record's resource_problems as one line (record.resources_line)
+    resources: str = ""  # its record's resource_problems as one line (resources_line)
 
 
 @dataclass(frozen=True)
@@ -193,6 +192,14 @@ def sweep_status(
                 )
             )
     return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def resources_line(cell_id: str, problems: Any) -> str | None:
+    """The line status and collect print for a cell whose record says its resources differed from
+    its spec (`resource_problems`), or None when they did not."""
+    if not isinstance(problems, list) or not problems:
+        return None
+    return f"{cell_id} did not run on the resources it asked for ({'; '.join(map(str, problems))}): not ranked"
 
 
 def _first_line(error: object) -> str:
