@@ -54,6 +54,8 @@ def this_rank(env: DistEnv) -> Seen:
     }
     if env.device.type == "cuda":
         entry.update(gpu_identity(env.device))
+    elif "SLURM_JOB_ID" not in os.environ:  # a CPU cell's GPUs are checked where Slurm gave them
+        return Seen(entry, (), None)
     return Seen(entry, choice.visible_ids, entry["gpu_uuid"] or choice.gpu)
 
 
