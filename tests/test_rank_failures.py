@@ -398,17 +398,20 @@ def test_a_cell_given_the_gpus_it_asked_for_has_no_resource_problems(slurm_clust
     assert (record["status"], record["resource_problems"]) == ("ok", [])
 
 
-def test_a_rank_whose_output_shares_torchruns_file_reads_there_the_signal_that_ended_a_reaped_peer(tmp_path):
+def test_a_rank_whose_output_shares_its_launchers_file_reads_there_the_signal_that_ended_a_reaped_peer(tmp_path):
     """torchrun writes "failed (exitcode: -9) ... (pid: N)" as it reaps a rank, before it sends the
-    others SIGTERM: a peer gone from /proc still gets its signal named."""
+    others SIGTERM, and srun "task N: Segmentation fault": a peer gone from /proc still gets its
+    signal named."""
     log = tmp_path / "log.txt"
     log.write_text(
         "E1127 04:53:07.293000 8272 torch/distributed/elastic/multiprocessing/api.py:1002] "
         "failed (exitcode: -9) local_rank: 1 (pid: 4242) of binary: /usr/bin/python\n"
+        "srun: error: hpcfsdp-n2: task 3: Segmentation fault\n"
     )
-    code = "from hpcfsdp.cell.stopping.heartbeats import launcher_said; print(launcher_said(4242), launcher_said(4243))"
+    said = "launcher_said(4242, 1), launcher_said(5151, 3), launcher_said(4243, 2)"
+    code = f"from hpcfsdp.cell.stopping.heartbeats import launcher_said; print({said})"
     with open(log, "a") as output:
         said = subprocess.run(
             [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=output, text=True, timeout=60
         )
-    assert said.stdout.split() == ["SIGKILL", "None"]
+    assert said.stdout.split() == ["SIGKILL", "SIGSEGV", "None"]

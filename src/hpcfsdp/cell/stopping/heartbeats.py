@@ -37,8 +37,10 @@ BEAT_S = 0.5  # how often the watchdog touches the rank's file
 STILL_S = 2.0  # a beat that has not moved for this long (four beats missed) means the rank stopped
 KMSG_BYTES = 4 << 20  # the most of the kernel's log read for an OOM killer's line
 LOG_TAIL_BYTES = 256 << 10  # the end of this rank's output file read for torchrun's line
-# faulthandler's first line for each signal it handles, and the signal's name.
-CRASH_WORDS = {
+# How faulthandler ("Fatal Python error: Segmentation fault") and srun ("task 1: Killed") name a
+# signal (the C library's strsignal), and the signal's name.
+SIGNAL_WORDS = {
+    "Killed": "SIGKILL",
     "Segmentation fault": "SIGSEGV",
     "Bus error": "SIGBUS",
     "Aborted": "SIGABRT",
@@ -171,7 +173,7 @@ def _local_trouble(beat: Beat) -> PeerTrouble | None:
         stopped = f"{beat.who} stopped answering: its process is stopped (SIGSTOP)"
         return PeerTrouble(beat.rank, "hang", stopped, "SIGSTOP")
     if state is None or state[1] or state[0] in "ZX":  # gone, or ending (the kernel set its exit code)
-        killed = signal_name(state[1] & 0x7F) if state else launcher_said(beat.pid)
+        killed = signal_name(state[1] & 0x7F) if state else launcher_said(beat.pid, beat.rank)
         if killed in (None, "SIGKILL") and oom_killed(beat.pid):
             return PeerTrouble(
                 beat.rank, "host_oom", f"{beat.who} was killed by the kernel's OOM killer (host memory)", "SIGKILL"
@@ -199,7 +201,7 @@ def crash_signal(fault_file: Path) -> str | None:
     except OSError:
         return None
     found = re.search(r"Fatal Python error: ([A-Za-z -]+)", text)
-    return CRASH_WORDS.get(found.group(1).strip()) if found else None
+    return SIGNAL_WORDS.get(found.group(1).strip()) if found else None
 
 
 def process_start(pid: int) -> str:
@@ -238,22 +240,40 @@ def signal_name(number: int) -> str | None:
         return f"signal {number}"
 
 
-def launcher_said(pid: int) -> str | None:
-    """The signal torchrun says ended pid, where this rank's output goes to the same file as
-    torchrun's (a cell's log.txt): torchrun writes "failed (exitcode: -9) local_rank: 1 (pid: 4242)"
-    as it reaps a rank, before it sends the survivors SIGTERM. None where it cannot be read."""
-    pattern = re.compile(rf"failed \(exitcode: -(\d+)\) local_rank: \d+ \(pid: {pid}\)")
+def launcher_said(pid: int, rank: int) -> str | None:
+    """The signal the launcher says ended a rank that is gone, where this rank's output goes to the
+    file the launcher writes to: torchrun's "failed (exitcode: -9) local_rank: 1 (pid: 4242)" (a
+    cell's log.txt; written as it reaps the rank, before it sends the others SIGTERM), or srun's
+    "srun: error: n2: task 1: Killed" (the first task's stderr under submitit; srun writes it once
+    the rank's node reports, so it is waited for up to STILL_S). None where neither says."""
+    torchrun = re.compile(rf"failed \(exitcode: -(\d+)\) local_rank: \d+ \(pid: {pid}\)")
+    srun = re.compile(rf"srun: error: \S+: task {rank}: ({'|'.join(SIGNAL_WORDS)})")
+    deadline = time.monotonic() + (STILL_S if "SLURM_JOB_ID" in os.environ else 0)
+    while True:
+        text = _own_output_tail()
+        if found := torchrun.search(text):
+            return signal_name(int(found.group(1)))
+        if found := srun.search(text):
+            return SIGNAL_WORDS[found.group(1)]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def _own_output_tail() -> str:
+    """The end of the files this process's stderr and stdout go to ("" for a pipe or terminal)."""
+    tails = []
     for fd in (2, 1):
         try:
             path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            if not path.is_file():
+                continue
             with open(path, "rb") as log:
                 log.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
-                found = pattern.search(log.read().decode(errors="replace"))
-        except (OSError, ValueError):  # a pipe, a terminal, no /proc
+                tails.append(log.read().decode(errors="replace"))
+        except (OSError, ValueError):  # no /proc, a file gone
             continue
-        if found:
-            return signal_name(int(found.group(1)))
-    return None
+    return "\n".join(tails)
 
 
 def oom_killed(pid: int) -> bool:
