@@ -415,3 +415,23 @@ def test_a_rank_whose_output_shares_its_launchers_file_reads_there_the_signal_th
             [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=output, text=True, timeout=60
         )
     assert said.stdout.split() == ["SIGKILL", "SIGSEGV", "None"]
+
+
+def test_the_sigterm_a_rank_gets_after_its_peer_stopped_is_no_time_limit(tmp_path):
+    """Rank 1 stops (SIGSTOP); rank 0 waits for it inside gloo's collective, where Python runs no
+    handler, and then gets the SIGTERM a launcher sends (torchrun's, once a peer died; on GPUs rank 0
+    sits in NCCL the same way). Its watchdog once recorded "received SIGTERM (time limit)" there."""
+    proc = start_cell(tmp_path, "strategy=fsdp2_zero3", "train_timeout_s=300", fault="train_step:sigstop:1")
+    try:
+        wait_for_line(tmp_path, "fault sigstop", timeout_s=120)
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        wait_until_blocked(ranks[0], timeout_s=120)
+        os.kill(ranks[0], signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
+    assert "rank 1 (pid" in record["error"] and "received SIGTERM" in record["error"]
+    assert "time limit" not in record["error"]

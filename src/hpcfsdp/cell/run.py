@@ -354,7 +354,7 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
     record = failure_record(
         status,
         stage,
-        f"{type(exc).__name__}: {exc}",
+        str(exc) if isinstance(exc, PeerFailed) else f"{type(exc).__name__}: {exc}",
         traceback.format_exc(),
         failed_rank=env.rank,
         memory_at_failure=memory_reading(env.device),

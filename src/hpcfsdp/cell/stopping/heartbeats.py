@@ -36,6 +36,8 @@ HEARTBEATS_DIR = "heartbeats"
 BEAT_S = 0.5  # how often the watchdog touches the rank's file
 STILL_S = 2.0  # a beat that has not moved for this long (four beats missed) means the rank stopped
 KMSG_BYTES = 4 << 20  # the most of the kernel's log read for an OOM killer's line
+# What a rank got, in its record, when a SIGTERM came after a peer died or stopped: no time limit.
+LAUNCHERS_SIGTERM = "received SIGTERM from its launcher"
 LOG_TAIL_BYTES = 256 << 10  # the end of this rank's output file read for torchrun's line
 # How faulthandler ("Fatal Python error: Segmentation fault") and srun ("task 1: Killed") name a
 # signal (the C library's strsignal), and the signal's name.
@@ -308,15 +310,15 @@ class PeerFailed(Exception):
     survivors of a rank that died): the peer's failure, not a time limit."""
 
     def __init__(self, peer: PeerTrouble, seen: str):
-        super().__init__(f"{peer.message}; {seen}")
+        super().__init__(seen)  # blamed() puts the peer's story first
         self.peer = peer
 
 
 def blamed(record: FailedRecord, peer: PeerTrouble) -> FailedRecord:
     """A failure record of this rank made the peer's: the peer's status, rank and signal, its
     story first and what this rank met after it."""
+    record["error"] = f"{peer.message}; then, on rank {record.get('failed_rank')}: {record.get('error')}"
     record["status"], record["failed_rank"] = peer.status, peer.rank
-    record["error"] = f"{peer.message}; then {record.get('error')}"
     if peer.signal:
         record["failed_signal"] = peer.signal
     return record

@@ -14,7 +14,7 @@ from datetime import datetime
 from ...contracts.endings import ENDINGS
 from ...contracts.record import FailedRecord
 from ...contracts.spec import JOB_END_ENV
-from .heartbeats import PeerFailed, PeerTrouble
+from .heartbeats import LAUNCHERS_SIGTERM, PeerFailed, PeerTrouble
 from .requeue import ask_s, job_view, requeue_note, requeues_left
 
 
@@ -98,7 +98,7 @@ def handle_time_limit(blame: Callable[[str], PeerTrouble | None] | None = None) 
             raise CellCancelled(LAUNCHER_GONE_TEXT, "cancelled")
         if signum == signal.SIGTERM:
             if blame is not None and (peer := blame("error")) is not None:
-                raise PeerFailed(peer, "received SIGTERM from its launcher")
+                raise PeerFailed(peer, LAUNCHERS_SIGTERM)
             _raise_if_not_time_limit()
         raise CellTimeout(f"received {name} (time limit)")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .heartbeats import BEAT_S, PeerTrouble
+from .heartbeats import BEAT_S, LAUNCHERS_SIGTERM, PeerTrouble
 
 GRACE_S = 5.0  # from a signal to the watchdog ending a rank whose main thread did not end it
 PEER_DEFER_S = 3.0  # a rank waiting inside a collective lets the rank that stopped answering write first
@@ -133,6 +133,7 @@ class Watchdog:
                     status, message = outcome
                     # torchrun's SIGTERM after a peer died is no time limit: the peer is named
                     peer = self._peer(status) if self._signalled[1] == signal.SIGTERM else None
+                    message = message if peer is None else LAUNCHERS_SIGTERM
                     self._leave_with(
                         status, f"{message}; not ended within {self._grace_s:g} s by the rank itself", peer
                     )
