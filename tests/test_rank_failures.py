@@ -355,15 +355,20 @@ def test_a_rank_killed_or_stopped_on_the_second_node_is_named_under_srun(
     assert took < 180, f"the two-node job took {took:.0f} s"
 
 
-def srun_cell(tmp_path: Path, gres: int, *fields: str) -> dict:
-    """`hpcfsdp run` as srun's two tasks on one node given `gres` GPUs (the local cluster's fake
-    ones: Slurm sets CUDA_VISIBLE_DEVICES), a CPU cell of gpus_per_node=2; its record."""
+def srun_cell(tmp_path: Path, gres: int) -> dict:
+    """A CPU cell of gpus_per_node=2, planned by `submit --executor print` and run as srun's two
+    tasks on one node given `gres` GPUs (the local cluster's fake ones: Slurm sets
+    CUDA_VISIBLE_DEVICES); its record."""
+    jobs = tmp_path / "t.yaml"
+    base = {key: yaml.safe_load(value) for key, value in (field.split("=", 1) for field in TINY)}
+    jobs.write_text(yaml.safe_dump({"name": "t", "base": base | {"strategy": "ddp", "gpus_per_node": 2}}))
+    assert main(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    (cell,) = (tmp_path / "results" / "t" / "cells").iterdir()
     command = ["srun", "-p", "gpu", "-N1", "-n2", f"--gres=gpu:{gres}", "--time=5", "--kill-on-bad-exit=1"]
-    command += [sys.executable, "-m", "hpcfsdp", "run", "--results-dir", str(tmp_path / "results"), "--sweep", "t"]
     env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("HPCFSDP_FAULT", None)
     done = subprocess.run(
-        [*command, *TINY, "strategy=ddp", "gpus_per_node=2", *fields],
+        [*command, sys.executable, "-m", "hpcfsdp", "run", "--cell-dir", str(cell)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -374,7 +379,9 @@ def srun_cell(tmp_path: Path, gres: int, *fields: str) -> dict:
 
 
 @pytest.mark.slurm
-def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_and_in_collect(slurm_cluster, tmp_path, capsys):
+def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_status_and_collect(
+    slurm_cluster, tmp_path, capsys
+):
     """Two ranks on a node that Slurm gave one GPU (as an SBATCH_GRES=gpu:1 in the submitting shell
     did): the cell trains, and once recorded plain `ok` as if it ran on two GPUs."""
     record = srun_cell(tmp_path, 1)
@@ -388,8 +395,11 @@ def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_and_in_coll
         (1, "hpcfsdp-n1", "cpu", None),
     ]
     assert all(isinstance(r["cpus"], int) and r["cpus"] >= 1 for r in record["ranks"])
-    main(["collect", str(tmp_path / "results" / "t"), "--no-history"])
-    assert "did not run on the resources it asked for (2 GPUs per node asked" in capsys.readouterr().err
+    capsys.readouterr()
+    for command in ("status", "collect"):
+        main([command, str(tmp_path / "results" / "t"), *(["--no-history"] if command == "collect" else [])])
+        said = capsys.readouterr().err
+        assert "did not run on the resources it asked for (2 GPUs per node asked, 1 visible" in said, command
 
 
 @pytest.mark.slurm
