@@ -1,6 +1,8 @@
 """The GPU failure path, shown end to end (issue 32, item 6); bench/gpu_acceptance.sh runs it.
 
-  faults: each fault (oom, error, hang, timeout) on rank 1 under each strategy, tiny model, one
+  faults: each fault (oom, error, hang, timeout) on rank 1 under each strategy, and rank 1 killed
+          (SIGKILL) or stopped (SIGSTOP) under ddp and fsdp2_zero3, which must be recorded as rank
+          1's (its signal named, not a time limit or rank 0's hang), tiny model, one
           torchrun per cell (up to ACCEPTANCE_PARALLEL at once): the status, the time from the
           fault to the cell's end, and the rank processes left afterwards (alive, or holding a GPU
           in nvidia-smi --query-compute-apps). Leftovers are then ended by pid. And `batch_size: auto`
@@ -33,6 +35,10 @@ import yaml
 from hpcfsdp.sweep.launch.local import processes_under
 
 FAULTS = ("oom", "error", "hang", "timeout")
+# A signal on rank 1: SIGKILL (what the kernel's OOM killer sends) and SIGSTOP (a rank that stops
+# answering), under these strategies; the record must name rank 1, never rank 0 or a time limit.
+SIGNAL_FAULTS = ("sigkill", "sigstop")
+SIGNAL_STRATEGIES = ("ddp", "fsdp2_zero3")
 # batch_size: auto with rank 1 alone out of memory above batch 2 (the allocator's OutOfMemoryError,
 # or a CUDA error that says so): the search goes on, and the cell measures batch 2.
 SEARCH_FAULTS = {"auto_oom": "oom>2", "auto_cuda_oom": "cuda_oom>2"}
@@ -44,7 +50,13 @@ EXPECTED = {
     "timeout": "timeout",
     "auto_oom": "ok",
     "auto_cuda_oom": "ok",
+    "sigkill": "error",
+    "sigstop": "hang",
 }
+# The signal the record must name (failed_signal) where the rank that wrote it can know it: a stopped
+# rank's process says so; a killed one is often reaped before its peer looks (then null, its error
+# says it died without a record).
+EXPECTED_SIGNAL = {"sigkill": {"SIGKILL", None}, "sigstop": {"SIGSTOP"}}
 SEARCH_END_S = 150  # a searching cell: from its last probe's fault to its end (the measured run included)
 TRAIN_TIMEOUT_S = 15  # the hang cells' train_timeout_s: a hang is declared this long past the slowest step
 FAULT_END_S = 30  # every fault cell must end this soon after its fault (a hang: after its timeout too)
@@ -155,9 +167,12 @@ class FaultCell:
         record = json.loads(records[0].read_text()) if records else {}
         end_after = (self.ended - float(faults[-1])) if faults and self.ended else None
         limit = SEARCH_END_S if self.fault in SEARCH_FAULTS else FAULT_END_S
-        limit += TRAIN_TIMEOUT_S if self.fault == "hang" else 0
+        # a stopped rank: the hang's deadline, then torchrun's SIGTERM it cannot take and its SIGKILL 30 s on
+        limit += {"hang": TRAIN_TIMEOUT_S, "sigstop": TRAIN_TIMEOUT_S + 30}.get(self.fault, 0)
         status = record.get("status", "no record")
         ok = status == EXPECTED[self.fault] and end_after is not None and end_after <= limit
+        if self.fault in SIGNAL_FAULTS:
+            ok = ok and record.get("failed_rank") == 1 and record.get("failed_signal") in EXPECTED_SIGNAL[self.fault]
         if self.fault in SEARCH_FAULTS:  # batches 1, 2 fit; 4 and 3 not (rank 1 alone); batch 2 measured
             probes = [(p["batch_size"], p["status"]) for p in record.get("batch_search", {}).get("probes", [])]
             ok = ok and probes == [(1, "ok"), (2, "ok"), (4, "oom"), (3, "oom")] and record["spec"]["batch_size"] == 2
@@ -168,6 +183,7 @@ class FaultCell:
             "fault": self.fault,
             "status": status,
             "failed_rank": record.get("failed_rank"),
+            "failed_signal": record.get("failed_signal"),
             "fault_to_end_s": end_after,
             "limit_s": limit,
             "exit": self.proc.returncode,
@@ -182,6 +198,7 @@ def run_faults(work: Path, out: Path) -> None:
     parallel = int(os.environ.get("ACCEPTANCE_PARALLEL", "6"))
     todo = [(s, f) for s in strategies() for f in FAULTS]
     todo += [(s, f) for f, among in SEARCH_STRATEGIES.items() for s in among if s in strategies()]
+    todo += [(s, f) for s in SIGNAL_STRATEGIES for f in SIGNAL_FAULTS]
     if only := os.environ.get("ACCEPTANCE_FAULTS", "").split():  # e.g. "auto_oom auto_cuda_oom"
         todo = [(s, f) for s, f in todo if f in only]
     running: list[FaultCell] = []
@@ -299,8 +316,8 @@ def run_sweep(work: Path, out: Path) -> None:
 
 def table(out: Path) -> str:
     lines = [
-        "| strategy | fault | status (expected) | failed rank | fault to end, s (limit) | left alive / on GPU "
-        "| verdict |",
+        "| strategy | fault | status (expected) | failed rank (signal) | fault to end, s (limit) "
+        "| left alive / on GPU | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     faults = (
@@ -311,7 +328,8 @@ def table(out: Path) -> str:
     for r in faults:
         took = "-" if r["fault_to_end_s"] is None else f"{r['fault_to_end_s']:.1f}"
         lines.append(
-            f"| {r['strategy']} | {r['fault']} | {r['status']} ({EXPECTED[r['fault']]}) | {r['failed_rank']} "
+            f"| {r['strategy']} | {r['fault']} | {r['status']} ({EXPECTED[r['fault']]}) | {r['failed_rank']}"
+            f"{f' ({signal})' if (signal := r.get('failed_signal')) else ''} "
             f"| {took} ({r['limit_s']}) | {len(r['left_alive'])} / {len(r['left_on_gpu'])} "
             f"| {'pass' if r['pass'] else 'FAIL'} |"
         )

@@ -2,7 +2,8 @@
 # The GPU path works (issue 32, item 6): one command, on a machine of two GPUs, in under 9 minutes.
 #   (a) each fault (oom, error, hang, timeout) on rank 1 under ddp, fsdp1_full_shard, fsdp2_zero2,
 #       fsdp2_zero3 and fsdp2_hsdp, tiny model: status, time from the fault to the cell's end, and
-#       the processes left alive or on a GPU; and batch_size: auto cells where rank 1 alone runs out
+#       the processes left alive or on a GPU; rank 1 killed (SIGKILL) or stopped (SIGSTOP) under
+#       ddp and fsdp2_zero3, recorded as rank 1's with its signal; and batch_size: auto cells where rank 1 alone runs out
 #       of memory above batch 2 (auto_oom, auto_cuda_oom), which must measure batch 2;
 #   (b) a real sweep of Qwen2.5-1.5B (seq 4096) through `hpcfsdp submit --executor local --wait`
 #       and collect: 4 strategies x (batch 2, the smallest batch plan --memory says will not fit
@@ -14,7 +15,8 @@
 #   BENCH_COMMIT=<commit> bash bench/gpu_acceptance.sh          # carry .whl
 #   ACCEPTANCE_SMOKE=1 bash bench/gpu_acceptance.sh    # 2 CPU processes, tiny model, no FSDP1
 #   ACCEPTANCE_PARTS="faults" / "sweep": one part only (the table covers what ran)
-#   ACCEPTANCE_FAULTS="auto_oom auto_cuda_oom": only these faults (oom error hang timeout auto_oom auto_cuda_oom)
+#   ACCEPTANCE_FAULTS="sigkill sigstop": only these faults (oom error hang timeout auto_oom auto_cuda_oom
+#     sigkill sigstop)
 # Output in $OUT (or ./bench-out).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -290,3 +290,158 @@ def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
         ["sacct", "-nPX", "--format=State,ElapsedRaw", f"--jobs={job}"], capture_output=True, text=True, timeout=60
     ).stdout.split("|")
     assert state.startswith("FAILED") and int(elapsed) < 120, (state, elapsed)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fault", "signal_name"), [("ddp", "sigkill", "SIGKILL"), ("fsdp2_zero3", "sigsegv", "SIGSEGV")]
+)
+def test_a_rank_killed_by_a_signal_is_named_with_its_signal_not_recorded_as_its_peers_failure(
+    tmp_path, strategy, fault, signal_name
+):
+    """Rank 1 dies by a signal that leaves no record of its own (the OOM killer's SIGKILL, a crash);
+    rank 0 met only its effect (gloo's "Connection reset by peer", or torchrun's SIGTERM) and once
+    recorded that under its own rank, or as a time limit."""
+    proc = start_cell(tmp_path, f"strategy={strategy}", fault=f"train_step:{fault}:1")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("error", 1, signal_name)
+    assert record["error"].startswith("rank 1 (pid "), record["error"]
+    assert signal_name in record["error"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2_zero3"])
+def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp_path, strategy):
+    """Rank 1 is stopped (SIGSTOP): its own watchdog stops with it, and rank 0, which waits for it
+    inside a collective, once recorded the hang under its own rank."""
+    started = time.monotonic()
+    proc = start_cell(tmp_path, f"strategy={strategy}", "train_timeout_s=5", fault="train_step:sigstop:1")
+    try:
+        proc.wait(timeout=150)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
+    assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("fault", "status", "signals"), [("sigkill", "error", {None, "SIGKILL"}), ("sigstop", "hang", {"SIGSTOP"})]
+)
+def test_a_rank_killed_or_stopped_on_the_second_node_is_named_under_srun(
+    slurm_cluster, tmp_path, monkeypatch, fault, status, signals
+):
+    """Under srun (--kill-on-bad-exit) the first node's rank met only the effect: a connection reset
+    (SIGKILL; where slurmstepd has reaped rank 1 by then, its signal is not known there) or a step
+    past its deadline (SIGSTOP). Its heartbeat names rank 1."""
+    name = f"twonode{fault}"
+    jobs = tmp_path / f"{name}.yaml"
+    jobs.write_text(TWO_NODE_CELL.format(name=name))
+    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
+    started = time.monotonic()
+    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
+    took = time.monotonic() - started
+    assert code != 0
+    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
+    record = json.loads(path.read_text())
+    assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
+    assert record.get("failed_signal") in signals
+    assert record["error"].startswith("rank 1 (pid ") and "on hpcfsdp-n2)" in record["error"], record["error"]
+    assert [r["host"] for r in record["ranks"]] == ["hpcfsdp-n1", "hpcfsdp-n2"]
+    assert took < 180, f"the two-node job took {took:.0f} s"
+
+
+def srun_cell(tmp_path: Path, gres: int) -> dict:
+    """A CPU cell of gpus_per_node=2, planned by `submit --executor print` and run as srun's two
+    tasks on one node given `gres` GPUs (the local cluster's fake ones: Slurm sets
+    CUDA_VISIBLE_DEVICES); its record."""
+    jobs = tmp_path / "t.yaml"
+    base = {key: yaml.safe_load(value) for key, value in (field.split("=", 1) for field in TINY)}
+    jobs.write_text(yaml.safe_dump({"name": "t", "base": base | {"strategy": "ddp", "gpus_per_node": 2}}))
+    assert main(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    (cell,) = (tmp_path / "results" / "t" / "cells").iterdir()
+    command = ["srun", "-p", "gpu", "-N1", "-n2", f"--gres=gpu:{gres}", "--time=5", "--kill-on-bad-exit=1"]
+    env = {**os.environ, "SUBMITIT_EXECUTOR": "slurm", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("HPCFSDP_FAULT", None)
+    done = subprocess.run(
+        [*command, sys.executable, "-m", "hpcfsdp", "run", "--cell-dir", str(cell)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return the_record(tmp_path)
+
+
+@pytest.mark.slurm
+def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_status_and_collect(
+    slurm_cluster, tmp_path, capsys
+):
+    """Two ranks on a node that Slurm gave one GPU (as an SBATCH_GRES=gpu:1 in the submitting shell
+    did): the cell trains, and once recorded plain `ok` as if it ran on two GPUs."""
+    record = srun_cell(tmp_path, 1)
+    assert record["status"] == "ok"
+    assert record["resource_problems"] == [
+        "2 GPUs per node asked, 1 visible on hpcfsdp-n1",
+        "ranks 0 and 1 share GPU 0 on hpcfsdp-n1",
+    ]
+    assert [(r["rank"], r["host"], r["device"], r["gpu_uuid"]) for r in record["ranks"]] == [
+        (0, "hpcfsdp-n1", "cpu", None),
+        (1, "hpcfsdp-n1", "cpu", None),
+    ]
+    assert all(isinstance(r["cpus"], int) and r["cpus"] >= 1 for r in record["ranks"])
+    capsys.readouterr()
+    for command in ("status", "collect"):
+        main([command, str(tmp_path / "results" / "t"), *(["--no-history"] if command == "collect" else [])])
+        said = capsys.readouterr().err
+        assert "did not run on the resources it asked for (2 GPUs per node asked, 1 visible" in said, command
+
+
+@pytest.mark.slurm
+def test_a_cell_given_the_gpus_it_asked_for_has_no_resource_problems(slurm_cluster, tmp_path):
+    record = srun_cell(tmp_path, 2)
+    assert (record["status"], record["resource_problems"]) == ("ok", [])
+
+
+def test_a_rank_whose_output_shares_its_launchers_file_reads_there_the_signal_that_ended_a_reaped_peer(tmp_path):
+    """torchrun writes "failed (exitcode: -9) ... (pid: N)" as it reaps a rank, before it sends the
+    others SIGTERM, and srun "task N: Segmentation fault": a peer gone from /proc still gets its
+    signal named."""
+    log = tmp_path / "log.txt"
+    log.write_text(
+        "E1127 04:53:07.293000 8272 torch/distributed/elastic/multiprocessing/api.py:1002] "
+        "failed (exitcode: -9) local_rank: 1 (pid: 4242) of binary: /usr/bin/python\n"
+        "srun: error: hpcfsdp-n2: task 3: Segmentation fault\n"
+    )
+    said = "launcher_said(4242, 1), launcher_said(5151, 3), launcher_said(4243, 2)"
+    code = f"from hpcfsdp.cell.stopping.heartbeats import launcher_said; print({said})"
+    with open(log, "a") as output:
+        said = subprocess.run(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=output, text=True, timeout=60
+        )
+    assert said.stdout.split() == ["SIGKILL", "SIGSEGV", "None"]
+
+
+def test_the_sigterm_a_rank_gets_after_its_peer_stopped_is_no_time_limit(tmp_path):
+    """Rank 1 stops (SIGSTOP); rank 0 waits for it inside gloo's collective, where Python runs no
+    handler, and then gets the SIGTERM a launcher sends (torchrun's, once a peer died; on GPUs rank 0
+    sits in NCCL the same way). Its watchdog once recorded "received SIGTERM (time limit)" there."""
+    proc = start_cell(tmp_path, "strategy=fsdp2_zero3", "train_timeout_s=300", fault="train_step:sigstop:1")
+    try:
+        wait_for_line(tmp_path, "fault sigstop", timeout_s=120)
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        wait_until_blocked(ranks[0], timeout_s=120)
+        os.kill(ranks[0], signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
+    assert "rank 1 (pid" in record["error"] and "received SIGTERM" in record["error"]
+    assert "time limit" not in record["error"]

@@ -9,7 +9,6 @@ profiles and memory snapshot from profiling.py.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import traceback
@@ -54,28 +53,24 @@ from .measure.metrics import (
 from .measure.provenance import launch_id, launch_rank, provenance
 from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
-from .ranks.distributed import (
-    DistEnv,
-    StartupError,
-    all_gather_objects,
-    init_distributed,
-    set_collective_timeout,
-    shutdown,
-)
+from .ranks.distributed import DistEnv, StartupError, init_distributed, set_collective_timeout, shutdown
+from .ranks.resources import Seen, gather, node_name, ranks_fields
 from .stopping import early_signals
 from .stopping.faults import inject_fault
+from .stopping.heartbeats import Heartbeat, PeerFailed, PeerTrouble, blamed
 from .stopping.requeue import done_before, name_requeued_run, requeued_too_often
 from .stopping.signals import (
     LAUNCHER_GONE,
     CellCancelled,
     CellTimeout,
     handle_time_limit,
+    recording_failure,
     restore_handlers,
     signal_cause,
     signal_outcome,
     submitit_requeues,
 )
-from .stopping.watchdog import StepDeadlines, Watchdog, end_with_launcher, leave
+from .stopping.watchdog import Blame, StepDeadlines, Watchdog, end_with_launcher, leave
 from .train import Diverged, train
 
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
@@ -122,7 +117,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
     if spec.expandable_segments:  # read when CUDA initialises, so before the process group
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     end_with_launcher(LAUNCHER_GONE)
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     path = cell_dir / RECORD_NAME
     try:
         env = init_distributed(spec.device, spec.init_timeout_s)
@@ -133,34 +128,42 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
             failure.update(_start_context(spec, cell_id, sweep, node, started))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
-    progress = _Progress()
+    heartbeat = Heartbeat(cell_dir, launch_id(), env.rank, node)
+    progress = _Progress(blame=heartbeat.peer_trouble if env.world_size > 1 else None)
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
-    previous_handlers = handle_time_limit()
+    previous_handlers = handle_time_limit(progress.blame)
     requeue = submitit_requeues(previous_handlers)
 
-    def end(status: str, error: str, stack: str) -> None:
-        """The watchdog's record, for a rank that could not end itself (blocked, or hung)."""
-        print(f"[hpcfsdp] {cell_id}: {error}", flush=True)
-        if not _keeps_earlier_failure(cell_dir, status):
-            failure = failure_record(status, progress.stage, error, stack, failed_rank=env.rank)
-            failure.update(_context(progress.measured or spec, env, cell_id, sweep, [node], started))
+    def end(status: str, error: str, stack: str, peer: PeerTrouble | None) -> None:
+        """The watchdog's record, for a rank that could not end itself (blocked, or hung), naming the
+        peer the trouble came from where there was one."""
+        failure = failure_record(status, progress.stage, error, stack, failed_rank=env.rank)
+        if peer is not None:
+            blamed(failure, peer)
+        print(f"[hpcfsdp] {cell_id}: {failure['error']}", flush=True)
+        if not _keeps_earlier_failure(cell_dir, failure["status"]):
+            failure.update(_context(progress.measured or spec, env, cell_id, sweep, progress, node, started))
             write_record(path, failure)
+        heartbeat.left()
 
     # Started while the entry point still holds the signals: its thread never takes them itself.
-    progress.watchdog = Watchdog(env.rank, end, lambda signum: signal_outcome(signum, requeue))
+    progress.watchdog = Watchdog(
+        env.rank, end, lambda signum: signal_outcome(signum, requeue), beat=heartbeat.beat, blame=progress.blame
+    )
     try:
         record, spec = _trained_record(spec, sources, env, cell_dir, cell_id, progress)
         status = record["status"]
-        hosts = all_gather_objects(node) if status == "ok" else [node]
+        progress.ok = status == "ok"
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
-            record.update(_context(spec, env, cell_id, sweep, hosts, started))
+            record.update(_context(spec, env, cell_id, sweep, progress, node, started))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
             final = _read_or(path, record)
         progress.watchdog.finished()
+        heartbeat.left()
     finally:
         restore_handlers(previous_handlers)
     if env.is_main:
@@ -190,7 +193,14 @@ def _trained_record(
         early_signals.release()
         record = _train_cell(spec, sources, env, cell_dir, cell_id, progress)
     except Exception as exc:  # every failure must become a record
+        recording_failure()  # a signal now (torchrun ending the survivors) must not cut the record short
         failure = _record_exception(exc, progress.stage, env)
+        cause = signal_cause(exc)
+        peer = cause.peer if isinstance(cause, PeerFailed) else None
+        if peer is None and progress.blame is not None and failure["status"] in ("error", "hang"):
+            peer = progress.blame(failure["status"])  # "Connection reset by peer": which peer, and why
+        if peer is not None:
+            blamed(failure, peer)
         if failure["status"] == "oom" and (snapshot := memory_snapshot(spec, env, cell_dir)):
             failure["memory_snapshot"] = snapshot  # taken while the exception still holds the failing step's tensors
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {failure['error']}", flush=True)
@@ -207,6 +217,9 @@ class _Progress:
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
     watchdog: Watchdog | None = None  # ends the rank when a step hangs or it cannot end itself
+    blame: Blame | None = None  # the peer that died or stopped answering (heartbeats), with several ranks
+    seen: list[Seen] | None = None  # what each rank runs on, gathered at set-up
+    ok: bool = False  # the cell trained to its end on this rank
 
 
 def _train_cell(
@@ -221,6 +234,7 @@ def _train_cell(
         inject_fault(stage, env)
 
     enter("setup")
+    progress.seen = gather(env)
     if env.world_size != spec.world_size:
         raise RuntimeError(
             f"world size {env.world_size} does not match the spec's nodes x gpus_per_node = "
@@ -325,6 +339,8 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
     exc = signal_cause(exc)
     if isinstance(exc, CellTimeout):
         status = "timeout"
+    elif isinstance(exc, PeerFailed):
+        status = "error"  # blamed() makes it the peer's
     elif isinstance(exc, CellCancelled):
         status = exc.status
     elif is_oom(exc):
@@ -338,7 +354,7 @@ def _record_exception(exc: BaseException, stage: str, env: DistEnv) -> FailedRec
     record = failure_record(
         status,
         stage,
-        f"{type(exc).__name__}: {exc}",
+        str(exc) if isinstance(exc, PeerFailed) else f"{type(exc).__name__}: {exc}",
         traceback.format_exc(),
         failed_rank=env.rank,
         memory_at_failure=memory_reading(env.device),
@@ -400,8 +416,15 @@ def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: 
     }
 
 
-def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> Record:
+def _context(
+    spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, progress: _Progress, node: str, started: float
+) -> Record:
+    """Where and on what the cell ran: every rank's resources where they were gathered (this
+    rank's node alone where they were not), and how they differ from the spec."""
+    seen = progress.seen or []
+    resources = ranks_fields(seen, spec.nodes, spec.gpus_per_node, env.device.type) if seen else {}
     return {
+        **resources,  # type: ignore[typeddict-item]
         "cell_id": cell_id,
         "sweep": sweep,
         "spec": spec.to_dict(),
@@ -411,7 +434,8 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "device_name": device_name(env.device),
         "gpu_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
         "backend": env.backend,
-        "hostnames": sorted(set(hosts)),
+        # every rank's host in an ok record; in a failed one, the host of the rank that wrote it
+        "hostnames": sorted({s.ranks["host"] for s in seen} if seen and progress.ok else {node}),
         **provenance(),
         "started_at": started,
         "duration_s": time.time() - started,

@@ -172,6 +172,18 @@ class BatchSearchRecord(TypedDict, total=False):
     wall_s: float
 
 
+class RankResources(TypedDict, total=False):  # a rank in `ranks` (cell/ranks/resources.py); GPU's null on CPU
+    rank: int
+    pid: int
+    host: str  # SLURMD_NODENAME, else the host name
+    device: str  # cuda:0, cpu
+    gpu_uuid: str | None  # GPU-..., and the bus id 00000000:1A:00.0, as nvidia-smi writes them
+    gpu_bus_id: str | None
+    gpu_name: str | None
+    gpu_memory_gib: float | None
+    cpus: int | None  # the CPUs the rank may run on (its affinity)
+
+
 class Record(TypedDict, total=False):
     """The fields every record has (a `launch` record, written by the submitter, lacks those of the
     run: its ranks, devices and versions)."""
@@ -197,6 +209,8 @@ class Record(TypedDict, total=False):
     duration_s: Figure[float | None]
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
+    ranks: list[RankResources]  # what each rank ran on, in rank order
+    resource_problems: Checked[list[str] | None]  # how they differ from the spec, a sentence each
 
 
 class OkRecord(Record, total=False):
@@ -263,6 +277,7 @@ class FailedRecord(Record, total=False):
     error: Checked[str | None]  # one line
     traceback: str  # or, for a `launch` record, the tail of the cell's logs
     failed_rank: int
+    failed_signal: str | None  # the signal that ended failed_rank (SIGKILL, SIGSEGV, SIGSTOP, ...), where known
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int

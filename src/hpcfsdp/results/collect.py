@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..contracts.errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
 from ..contracts.fields import SpecError
@@ -18,6 +19,7 @@ from ..contracts.record import RECORD_NAME
 from ..progress import Progress
 from ..sweep.folder.layout import cell_files, read_manifest, require_sweep_folder, slurm_jobs
 from ..sweep.track.accounting import note_accounting
+from ..sweep.track.status import resources_line
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
 from .regressions import OverTimeOptions
 
@@ -91,6 +93,8 @@ def collect(
         print(f"warning: skipped {message}", file=sys.stderr)
     for note in report.notes:
         print(f"warning: {note}", file=sys.stderr)
+    for line in resource_warnings(collection.frame):
+        print(f"warning: {line}", file=sys.stderr)
     regressions: list[str] = []
     if compare is not None:
         comparison, text, path = write_comparison(sweep_dir, compare, threshold, collection)
@@ -133,6 +137,14 @@ def collect(
             )
         )
     return code
+
+
+def resource_warnings(frame: Any) -> list[str]:
+    """A line for each cell whose record says it ran on other resources than it asked for."""
+    if "resource_problems" not in frame:
+        return []
+    lines = (resources_line(cell, problems) for cell, problems in zip(frame["cell_id"], frame["resource_problems"]))
+    return [line for line in lines if line]
 
 
 def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:

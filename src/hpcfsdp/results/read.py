@@ -100,10 +100,10 @@ def load_records(
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:
     """Spec fields become top-level columns so tables can group by any of them; other nested
     objects become dotted columns (memory.end.peak_allocated_gib, versions.torch). Lists such as
-    `losses` stay lists. The traceback stays in the record file."""
+    `losses` stay lists. The traceback and the ranks' resources stay in the record file."""
     row: dict[str, Any] = {}
     for key, value in record.items():
-        if key in ("spec", "traceback"):
+        if key in ("spec", "traceback", "ranks"):
             continue
         if isinstance(value, dict):
             _add_dotted(row, key, value)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .devices import choose_device
+
 # A Slurm job's rendezvous port, from its id: below Linux's default range of ports for outgoing
 # connections (32768-60999), which submitit's own choice (20000-60000 from the job id) overlaps; a
 # cell once could not listen on its port (EADDRINUSE) because an outgoing connection held it.
@@ -79,7 +81,8 @@ def init_distributed(device_kind: str, timeout_s: float) -> DistEnv:
     if use_cuda:
         if not torch.cuda.is_available():
             raise StartupError("device: cuda was asked for but torch sees no GPU on this node")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        # LOCAL_RANK's entry of the GPUs Slurm or the user made visible (devices.py, docs/clusters.md)
+        device = torch.device("cuda", choose_device(os.environ).index % torch.cuda.device_count())
         try:
             torch.cuda.set_device(device)
             torch.empty(1, device=device)  # the CUDA context: a device held by another process fails here

@@ -13,6 +13,14 @@ import torch
 from ..ranks.distributed import DistEnv
 
 FAULT_ENV = "HPCFSDP_FAULT"
+# The fault kinds that are a signal the rank sends itself.
+SIGNAL_FAULTS = {
+    "sigkill": signal.SIGKILL,
+    "sigsegv": signal.SIGSEGV,
+    "sigbus": signal.SIGBUS,
+    "sigabrt": signal.SIGABRT,
+    "sigstop": signal.SIGSTOP,
+}
 
 
 def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
@@ -22,7 +30,8 @@ def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
     error (RuntimeError), timeout (SIGTERM to itself), hang
     (sleeps until a signal ends it: a stuck collective, as far as a time limit can tell) or hostmem
     (takes 3 GiB of host memory and holds it: a leak that no prediction sees, for Slurm's memory
-    limit to end). With >N
+    limit to end), or a signal the rank sends itself: sigkill, sigsegv, sigbus, sigabrt (what the
+    kernel's OOM killer or a crash does) and sigstop (a rank that stops answering). With >N
     (train_step only) it fires only above a per-device batch of N: a memory budget the CPU path
     enforces, for the batch search (`train_step:oom>4` lets batches up to 4 fit).
     """
@@ -39,6 +48,9 @@ def inject_fault(stage: str, env: DistEnv, batch_size: int = 0) -> None:
         raise torch.OutOfMemoryError(f"injected out-of-memory at {stage}")
     if kind == "cuda_oom":  # what a kernel launch or cuBLAS raises when the device has no memory left
         raise torch.AcceleratorError("CUDA error: out of memory")
+    if kind in SIGNAL_FAULTS:
+        os.kill(os.getpid(), SIGNAL_FAULTS[kind])
+        time.sleep(5)  # SIGSTOP: the rank stops here until SIGKILL ends it
     if kind == "timeout":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from ...contracts.endings import ENDINGS
 from ...contracts.record import FailedRecord
 from ...contracts.spec import JOB_END_ENV
+from .heartbeats import LAUNCHERS_SIGTERM, PeerFailed, PeerTrouble
 from .requeue import ask_s, job_view, requeue_note, requeues_left
 
 
@@ -36,24 +38,33 @@ class CellCancelled(Exception):
 # would read as a cancel or the time limit, while this says the launcher died (SIGKILLed, its node lost).
 LAUNCHER_GONE = signal.SIGHUP
 LAUNCHER_GONE_TEXT = "received SIGHUP: the rank's launcher (torchrun) is gone"
+# A rank recording a failure ignores further signals (torchrun's SIGTERM to the survivors of a rank
+# that died may come while it writes): its record is the cell's, and it leaves once it is written.
+_recording_failure = False
 # Slurm sends the time limit's SIGTERM at the limit or up to 30 s after it (it checks periodically),
 # never before it; a SIGTERM more than this before the job's end is something else.
 EARLY_SIGTERM_S = 30.0
 
 
 def signal_cause(exc: BaseException) -> BaseException:
-    """The time-limit or cancel exception behind exc, if there is one: a signal handler raises
+    """The time-limit, cancel or peer's-failure exception behind exc, if there is one: a signal handler raises
     wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
     re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, (CellTimeout, CellCancelled)):
+        if isinstance(seen, (CellTimeout, CellCancelled, PeerFailed)):
             return seen
         seen = seen.__cause__ or seen.__context__
     return exc
 
 
-def handle_time_limit() -> dict:
+def recording_failure() -> None:
+    """From now on this rank's handler lets signals pass: it is writing its failure's record."""
+    global _recording_failure
+    _recording_failure = True
+
+
+def handle_time_limit(blame: Callable[[str], PeerTrouble | None] | None = None) -> dict:
     """Turn Slurm's end-of-time signals into CellTimeout, so the cell records `timeout`.
 
     Except while the sweep allows another requeue (HPCFSDP_MAX_REQUEUE > SLURM_RESTART_COUNT, the
@@ -73,7 +84,7 @@ def handle_time_limit() -> dict:
             if signum == signal.SIGUSR2:  # the same signal again (podman passes it on twice): requeued once
                 return
             raise SystemExit(f"requeued after {name}")
-        if ended:  # Slurm may signal twice (preemption does): the record of the first is being written
+        if ended or _recording_failure:  # Slurm may signal twice (preemption does): a record is being written
             return
         if signum == signal.SIGUSR2 and requeue and submitit_handler is not None:
             requeued = True
@@ -86,6 +97,8 @@ def handle_time_limit() -> dict:
         if signum == LAUNCHER_GONE:
             raise CellCancelled(LAUNCHER_GONE_TEXT, "cancelled")
         if signum == signal.SIGTERM:
+            if blame is not None and (peer := blame("error")) is not None:
+                raise PeerFailed(peer, LAUNCHERS_SIGTERM)
             _raise_if_not_time_limit()
         raise CellTimeout(f"received {name} (time limit)")
 

@@ -30,13 +30,18 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .heartbeats import BEAT_S, LAUNCHERS_SIGTERM, PeerTrouble
+
 GRACE_S = 5.0  # from a signal to the watchdog ending a rank whose main thread did not end it
 PEER_DEFER_S = 3.0  # a rank waiting inside a collective lets the rank that stopped answering write first
 ABORT_WAIT_S = 3.0  # how long leaving waits for the communicators' abort (it may block on a dead peer)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-# end(status, message, stack): write the cell's failure record (unless an earlier one stands).
-End = Callable[[str, str, str], None]
+# end(status, message, stack, peer): write the cell's failure record (unless an earlier one stands);
+# peer: the rank the trouble came from (heartbeats.py), when it was another.
+End = Callable[[str, str, str, "PeerTrouble | None"], None]
+# blame(status): the peer that died or stopped answering, if one did (Heartbeat.peer_trouble).
+Blame = Callable[[str], "PeerTrouble | None"]
 # on_signal(signum) -> (status, message) of the record a signal means, or None: not the watchdog's to end.
 SignalOutcome = Callable[[int], "tuple[str, str] | None"]
 
@@ -70,8 +75,17 @@ class Watchdog:
     `arm(limit)` gives the step in progress its deadline, `disarm()` ends it, `finished()` says the
     main thread has written the record and is leaving by itself."""
 
-    def __init__(self, rank: int, end: End, on_signal: SignalOutcome, grace_s: float = GRACE_S):
+    def __init__(
+        self,
+        rank: int,
+        end: End,
+        on_signal: SignalOutcome,
+        grace_s: float = GRACE_S,
+        beat: Callable[[], None] | None = None,
+        blame: Blame | None = None,
+    ):
         self._rank, self._end, self._on_signal, self._grace_s = rank, end, on_signal, grace_s
+        self._beat, self._blame = beat, blame
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._deadline: float | None = None
@@ -101,7 +115,9 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._done.is_set():
-            ready, _, _ = select.select([self._read], [], [], 0.5)
+            if self._beat is not None:
+                self._beat()
+            ready, _, _ = select.select([self._read], [], [], BEAT_S)
             now = time.monotonic()
             if ready:
                 for signum in os.read(self._read, 64):
@@ -115,25 +131,36 @@ class Watchdog:
                 outcome = self._on_signal(self._signalled[1])
                 if outcome is not None:
                     status, message = outcome
-                    self._leave_with(status, f"{message}; not ended within {self._grace_s:g} s by the rank itself")
+                    # torchrun's SIGTERM after a peer died is no time limit: the peer is named
+                    peer = self._peer(status) if self._signalled[1] == signal.SIGTERM else None
+                    message = message if peer is None else LAUNCHERS_SIGTERM
+                    self._leave_with(
+                        status, f"{message}; not ended within {self._grace_s:g} s by the rank itself", peer
+                    )
             elif deadline is not None and now > deadline:
+                peer = None
                 if _waits_on_peers(self._main_stack()):
                     time.sleep(PEER_DEFER_S)  # the rank that stopped answering names itself first
-                self._leave_with("hang", f"no step ended within {limit_s:.0f} s")
+                    peer = self._peer("hang")  # or, stopped (SIGSTOP) or dead, its heartbeat names it
+                self._leave_with("hang", f"no step ended within {limit_s:.0f} s", peer)
+
+    def _peer(self, status: str) -> PeerTrouble | None:
+        return self._blame(status) if self._blame is not None else None
 
     def _main_stack(self) -> traceback.StackSummary:
         frame = sys._current_frames().get(self._main.ident or 0)
         return traceback.extract_stack(frame) if frame is not None else traceback.StackSummary()
 
-    def _leave_with(self, status: str, message: str) -> None:
-        """Write the record (naming where this rank's main thread is) and end the process."""
+    def _leave_with(self, status: str, message: str, peer: PeerTrouble | None = None) -> None:
+        """Write the record (naming where this rank's main thread is, and the peer the trouble came
+        from) and end the process."""
         with self._lock:
             if self._done.is_set():
                 return
             self._done.set()
         stack = self._main_stack()
         try:
-            self._end(status, f"{message}: rank {self._rank} {_where(stack)}", "".join(stack.format()))
+            self._end(status, f"{message}: rank {self._rank} {_where(stack)}", "".join(stack.format()), peer)
         finally:
             leave(1)
 

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
@@ -54,6 +54,7 @@ class CellStatus:
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
+    resources: str = ""  # its record's resource_problems as one line (resources_line)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ def sweep_status(
                     advice=advice if isinstance(advice, str) else "",
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                     error=_first_line(record.get("error")) if states[cid].status != CellState.OK else "",
+                    resources=resources_line(cid, record.get("resource_problems")) or "",
                 )
             )
         else:
@@ -219,8 +221,18 @@ def _what_status_shows(state: RecordState) -> RecordState:
     if state.record is None:
         return state
     return state._replace(
-        record={key: state.record[key] for key in ("status", "advice", "error") if key in state.record}
+        record={
+            key: state.record[key] for key in ("status", "advice", "error", "resource_problems") if key in state.record
+        }
     )
+
+
+def resources_line(cell_id: str, problems: Any) -> str | None:
+    """The line status and collect print for a cell whose record says its resources differed from
+    its spec (`resource_problems`), or None when they did not."""
+    if not isinstance(problems, list) or not problems:
+        return None
+    return f"{cell_id} did not run on the resources it asked for ({'; '.join(map(str, problems))}): not ranked"
 
 
 def _first_line(error: object) -> str:
@@ -332,6 +344,9 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
             + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             + preemption_note(c.preempted for c in report.cells)
         )
+    for c in report.cells:
+        if c.resources:
+            print(f"warning: {c.resources}", file=sys.stderr)
     rows = [c for c in report.cells if c.state != "ok" or c.preempted]
     if not rows:
         return
@@ -365,6 +380,7 @@ def status_document(report: StatusReport) -> dict:
                 "advice": c.advice,
                 "blocked": c.blocked,
                 "preempted": c.preempted,
+                "resources": c.resources,
             }
             for c in report.cells
         ],
