@@ -117,6 +117,7 @@ def refused_document(problem: str, exit_status: int) -> dict:
         "time_min": 0,
         "max_requeue": 0,
         "problems": [problem],
+        "sbatch_from_shell": {},
     }
 
 
