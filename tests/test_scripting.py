@@ -392,6 +392,32 @@ def test_on_a_terminal_collect_draws_one_bar_redrawn_in_place(tmp_path):
 # -- the examples the package carries --------------------------------------------------------------
 
 
+def test_examples_lists_each_example_by_its_whole_first_sentence_and_none_compares_with_a_ddp_it_lacks(capsys):
+    assert main(["examples"]) == 0
+    listed = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines()[:-1])
+    assert all(text.endswith(".") for text in listed.values()), listed  # a sentence, never cut inside one
+    assert listed["multinode"].startswith("Multi-node: FSDP2 ZeRO-3 vs hybrid sharding (FSDP2 HSDP and FSDP1")
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        header = "".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        strategies = {cell.spec.strategy for cell in load_sweep(path).cells}
+        assert "ddp" in strategies or not ("vs DDP" in header or "DDP vs" in header), path.name
+
+
+def test_the_seeds_example_jobs_ask_the_optimizer_order_and_the_smollm3_mfu_questions():
+    """Seed 003 (the optimizer built before or after FSDP2 sharding, and the fix) and seed 004
+    (SmolLM3-3B at seq 8192, ZeRO-2 vs ZeRO-3 vs HSDP, batch and compile, MFU on H100s)."""
+    order = load_sweep(ROOT / "jobs/optimizer_order.yaml").cells
+    assert {c.spec.optimizer_order for c in order} == {"after_shard", "before_shard", "before_shard_fixed"}
+    assert all(c.spec.data == "tinystories" and c.spec.gpus_per_node == 8 for c in order)  # losses show convergence
+    sweep = load_sweep(ROOT / "jobs/smollm3_mfu.yaml")
+    assert {c.spec.strategy for c in sweep.cells} == {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_hsdp"}
+    assert {(c.spec.model, c.spec.seq_len, c.spec.gpus_per_node) for c in sweep.cells} == {
+        ("HuggingFaceTB/SmolLM3-3B", 8192, 4)
+    }
+    assert {(c.spec.batch_size, c.spec.compile) for c in sweep.cells} == {(1, False), (1, True), (4, False), (4, True)}
+    assert sweep.resources.gpu_name == "h100"  # MFU against the H100's bf16 peak
+
+
 def test_examples_lists_prints_and_copies_and_plan_takes_an_examples_name(tmp_path, capsys, monkeypatch):
     assert main(["examples"]) == 0
     listed = capsys.readouterr().out.splitlines()
