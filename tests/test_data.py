@@ -142,12 +142,12 @@ def test_the_shipped_tiny_tokenizer_lets_a_preset_model_train_on_a_text_folder(
 ) -> None:
     """`tokenizer: tiny`: the package's own small tokenizer (no download, no model folder), whose
     ids fit the tiny preset's vocabulary; its EOS ends each document."""
-    spec, sources = RunSpec.resolved({"model": "tiny", "tokenizer": "tiny", "data": str(text_folder.path)})
+    _, sources = RunSpec.resolved({"model": "tiny", "tokenizer": "tiny", "data": str(text_folder.path)})
     assert sources.tokenizer is not None and sources.tokenizer.kind == "local"
     assert Path(sources.tokenizer.path, "tokenizer.json").stat().st_size < 20_000  # a few KB, in the package
     blocks = open_data(sources.data, sources.tokenizer, SEQ_LEN)
     ids = blocks.read(list(range(blocks.count)))
-    assert blocks.provenance["eos_appended"] and 0 <= int(ids.min()) and int(ids.max()) < 512
+    assert blocks.provenance["eos_appended"] and int(ids.min()) >= 0 and int(ids.max()) < 512
     record = run_torchrun_cell(
         tmp_path, 2, strategy="ddp", model="tiny", tokenizer="tiny", data=str(text_folder.path),
         seq_len=SEQ_LEN, batch_size=2, steps=3, comm_profile_steps=0,

@@ -91,7 +91,7 @@ def test_measurements_of_an_ok_cell(tmp_path):
     path = next((tmp_path / "results" / "t" / "cells").glob("*/result.json"))
     summary = [line for line in proc.stdout.splitlines() if line.endswith(f"| record {path}")]
     assert summary == [
-        f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per process "
         f"| MFU - | peak memory {record['peak_memory_gib']:.2f} GiB | record {path}"
     ]
     # The comm profile ran under torch.profiler, without its warning about cycles.

@@ -26,7 +26,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # What a user of the package needs beside it: the checkout's parts that the sdist carries.
 CHECKOUT_PARTS = (
-    "jobs/smoke.yaml", "slurm/local/start.sh", "slurm/fsdp_job.sbatch", "env/setup.sh", "README.md", "LICENSE"
+    "jobs/smoke.yaml",
+    "slurm/local/start.sh",
+    "slurm/fsdp_job.sbatch",
+    "env/setup.sh",
+    "README.md",
+    "LICENSE",
 )
 
 

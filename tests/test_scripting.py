@@ -19,6 +19,7 @@ from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import STATUSES, CellState, write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import write_cell_spec
 from hpcfsdp.sweep.track.status import cells_exit_status
 from test_collect import CPU_BASE, GPU_BASE, failed_record, ok_record, put, spec_of
 
@@ -434,3 +435,33 @@ def test_examples_lists_prints_and_copies_and_plan_takes_an_examples_name(tmp_pa
     captured = capsys.readouterr()
     assert captured.out.startswith("smoke: 8 cell(s) in 1 array(s)")
     assert "using the packaged example" in captured.err
+
+
+def test_status_and_plan_memory_show_the_fields_that_tell_cells_apart_and_every_state_whole(tmp_path, capsys):
+    """Cells alike but for optimizer_order or cpu_offload get those columns; `cancelled` and
+    `node_fail` fit the state column, which no column runs into."""
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        "name: apart\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 64, gpus_per_node: 2, "
+        "strategy: fsdp2_zero3}\nmatrix:\n  optimizer_order: [after_shard, before_shard]\n"
+        "include:\n  - {optimizer_order: after_shard, cpu_offload: true}\n"
+    )
+    assert main(["plan", str(jobs), "--memory"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[1:5]
+    assert header.split()[4:7] == ["seq", "cpu_offload", "optimizer_order"]
+    assert [row.split()[5:7] for row in rows] == [["false", "after_shard"], ["false", "before_shard"], ["true", "after_shard"]]
+    sweep = load_sweep(jobs)
+    for cell, status in zip(sweep.cells, ("cancelled", "node_fail", "ok")):
+        write_cell_spec(tmp_path / "apart" / "cells" / cell.id, cell.spec, cell.id, "apart", cell.sources)
+        record = ok_record(cell.spec, 1000.0, 0.4, device="cpu") if status == "ok" else failed_record(
+            cell.spec, status, "train", f"{status} by Slurm", device="cpu"
+        )  # fmt: skip
+        put(tmp_path / "apart", record)
+    main(["status", str(tmp_path / "apart")])
+    header, *rows = capsys.readouterr().out.splitlines()[1:4]
+    assert header.split()[:5] == ["cell", "strategy", "cpu_offload", "optimizer_order", "state"]
+    assert sorted(row.split()[1:5] for row in rows) == [
+        ["fsdp2_zero3", "false", "after_shard", "cancelled"],
+        ["fsdp2_zero3", "false", "before_shard", "node_fail"],
+    ]
+    assert all(row.index("cancelled" if "cancelled" in row else "node_fail") == header.index("state") for row in rows)

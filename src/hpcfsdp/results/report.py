@@ -23,7 +23,6 @@ from .read import METRICS, Cells, Collection, describe, label_cells, load_record
 from .render import Section, to_html, to_markdown
 from .tables import (
     DEFAULT_BASELINES,
-    METRIC_NAMES,
     baseline_table,
     best_table,
     choose_baseline,
@@ -31,8 +30,9 @@ from .tables import (
     environment_table,
     failures_table,
     fmt,
+    frame_rank_words,
     frontier_table,
-    on_cpu,
+    metric_name,
     pivot_tables,
     probe_rows,
     reference_cells,
@@ -229,7 +229,7 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
             continue
         sections.append(
             Section(
-                f"Pivot: {METRIC_NAMES[metric]}",
+                f"Pivot: {metric_name(metric, cells.frame)}",
                 text="Strategy x per-device batch; a cell that did not run ok shows its status.",
             )
         )
@@ -275,7 +275,7 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
     fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
-    ranks = "process(es)" if on_cpu(cells.frame) else "GPU(s)"  # no GPU in a device: cpu sweep
+    ranks = frame_rank_words(cells.frame).count
     lines = [
         f"Fastest: {_setup(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s for the "
         f"job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
@@ -308,7 +308,7 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     cost = "joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"
     cheapest = ranked.sort_values(cost, kind="stable").iloc[0]  # the first of equals, as idxmin
     same = " (also the fastest)" if cheapest.name == fastest.name else ""
-    hours = "process-hours" if on_cpu(cells.frame) else "GPU-hours"
+    hours = frame_rank_words(cells.frame).hours
     gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} {hours} per billion tokens"
     if by_energy:
         return (
@@ -339,7 +339,7 @@ def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
         return Section("Best configuration", text="No cell finished ok.")
     top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
-    per = "process" if on_cpu(cells.frame) else "GPU"  # no GPU in a device: cpu sweep
+    per = frame_rank_words(cells.frame).one
     text = (
         f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
         f"tokens/s per {per} (cell {top['cell_id']}). Per strategy, by tokens/s per {per} among ok cells:"
@@ -356,7 +356,7 @@ def _baseline_section(configs: pd.DataFrame, cells: Cells, requested: str | None
     table = baseline_table(configs, cells, baseline)
     if table.empty:
         return Section(title, text=f"No ok {baseline} cell shares a workload with another strategy's ok cell.")
-    per = "process" if on_cpu(cells.frame) else "GPU"
+    per = frame_rank_words(cells.frame).one
     text = (
         f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
         f"resources. Speed-up = tokens/s per {per} / baseline's; memory saving = 1 - peak / baseline's peak."

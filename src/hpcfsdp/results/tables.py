@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..contracts.gpus import GPU_WORDS, PROCESS_WORDS, RankWords, rank_words
 from ..contracts.record import (
     MISSING,
     STATUSES,
@@ -66,17 +67,27 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
         columns[header] = values.map(lambda v, c=column: fmt(c, v) if c in METRIC_FORMATS else value_text(v))
     columns["cell"] = ranked["cell_id"].map(value_text)
     table = pd.DataFrame(columns, columns=headers).reset_index(drop=True)
-    return table.rename(columns={"tokens/s/gpu": PER_PROCESS}) if on_cpu(frame) else table
+    return in_rank_words(table, frame)
 
 
-PER_PROCESS = "tokens/s/process"  # the cell table's tokens/s/gpu where no cell used a GPU
+PER_PROCESS = PROCESS_WORDS.rate  # the cell table's tokens/s/gpu where no cell used a GPU
 
 
-def on_cpu(frame: pd.DataFrame) -> bool:
-    """No cell of these used a GPU: every record's device_type says cpu (cells without a record
-    aside). Their tables then speak of processes, not GPUs."""
-    devices = frame["device_type"].dropna() if "device_type" in frame else pd.Series(dtype=object)
-    return bool(len(devices)) and bool(devices.eq("cpu").all())
+def frame_rank_words(frame: pd.DataFrame) -> RankWords:
+    """GPU words, or process words where every record's device_type says cpu (cells without a
+    record aside): what the tables and the report call a rank of these cells."""
+    return rank_words(frame.get("device_type", ()))
+
+
+def metric_name(metric: str, frame: pd.DataFrame) -> str:
+    """A metric's short name (METRIC_NAMES) in frame's rank words: tokens/s/process on the CPU."""
+    return METRIC_NAMES[metric].replace(GPU_WORDS.rate, frame_rank_words(frame).rate)
+
+
+def in_rank_words(table: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
+    """The table with its tokens/s/gpu headers ("ddp tokens/s/gpu" too) in frame's rank words."""
+    rate = frame_rank_words(frame).rate
+    return table.rename(columns=lambda header: header.replace(GPU_WORDS.rate, rate))
 
 
 # What `collect --json` gives of each cell: (DataFrame column, key), the figures the table shows.
@@ -173,7 +184,7 @@ def choose_baseline(configs: pd.DataFrame, requested: str | None) -> str | None:
 def best_table(configs: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     ranked = configs.dropna(subset=["tokens_per_s_per_gpu"]).sort_values("tokens_per_s_per_gpu", ascending=False)
     best = ranked.drop_duplicates("variant").sort_values("variant")
-    return _config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib"))
+    return in_rank_words(_config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")), cells.frame)
 
 
 def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.DataFrame:
@@ -196,7 +207,7 @@ def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.Dat
     rows[f"{baseline} peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["base_peak_memory_gib"]]
     saving = 1 - paired["peak_memory_gib"] / paired["base_peak_memory_gib"]
     rows["memory saving"] = [f"{v:.1%}" if pd.notna(v) else "-" for v in saving]
-    return rows
+    return in_rank_words(rows, cells.frame)
 
 
 def probe_rows(cells: Cells) -> pd.DataFrame:
