@@ -315,6 +315,8 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
 
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri() if store == "file" else target)
     experiment = client.get_experiment_by_name("t")
+    if store == "sqlite":  # beside the database, wherever the export ran (the test's working directory is elsewhere)
+        assert experiment.artifact_location == (tmp_path / "mlartifacts" / "t").as_uri()
     runs = {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
     assert set(runs) == {r["cell_id"] for r in records.values()}
     for cell_id, want in expected_runs(sweep_dir, records).items():
