@@ -102,7 +102,8 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
         (
             "{account: research, qos: nope}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch --test-only): "
+            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
+            "--test-only): "
             "Invalid qos specification",
         ),
         (
@@ -121,7 +122,8 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
         (  # a limit preflight does not read, which the QOS refuses on submission
             "{account: research, qos: deny}",
             "gpus_per_node: [2]",
-            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 2 process(es) (sbatch --test-only): "
+            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 2 process(es) (sbatch "
+            "--test-only): "
             "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits) "
             "(QOSMaxCpuPerUserLimit)",
         ),

@@ -449,7 +449,9 @@ def test_status_and_plan_memory_show_the_fields_that_tell_cells_apart_and_every_
     assert main(["plan", str(jobs), "--memory"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()[1:5]
     assert header.split()[4:7] == ["seq", "cpu_offload", "optimizer_order"]
-    assert [row.split()[5:7] for row in rows] == [["false", "after_shard"], ["false", "before_shard"], ["true", "after_shard"]]
+    assert [row.split()[5:7] for row in rows] == [
+        ["false", "after_shard"], ["false", "before_shard"], ["true", "after_shard"]
+    ]  # fmt: skip
     sweep = load_sweep(jobs)
     for cell, status in zip(sweep.cells, ("cancelled", "node_fail", "ok")):
         write_cell_spec(tmp_path / "apart" / "cells" / cell.id, cell.spec, cell.id, "apart", cell.sources)
