@@ -376,6 +376,22 @@ def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
     assert set(pd.read_csv(report.directory / "results.csv")["device_type"]) == {"cuda", "7"}
 
 
+def test_a_cpu_sweeps_parquet_types_the_gpu_columns_it_has_no_value_for_as_the_record_declares(tmp_path):
+    """mfu, energy_j and the GPU's memory are null in every CPU record: Arrow would type them
+    `null`, which some readers refuse; they are float64 (and a text field text) as declared."""
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    sweep = cpu_sweep(tmp_path)
+    for path in (sweep / "cells").glob("*/result.json"):  # as a CPU cell writes them: null where there is no GPU
+        record = json.loads(path.read_text())
+        write_record(path, {**record, "energy_j": None, "memory_capacity_gib": None, "slurm": {"job_id": None}})
+    report = write_report(sweep, plots=False)
+    schema = pyarrow.read_schema(report.directory / "results.parquet")
+    assert [field.name for field in schema if str(field.type) == "null"] == []
+    types = {name: str(schema.field(name).type) for name in ("mfu", "energy_j", "memory_capacity_gib", "slurm.job_id")}
+    assert types == {"mfu": "double", "energy_j": "double", "memory_capacity_gib": "double", "slurm.job_id": "string"}
+    assert pd.read_parquet(report.directory / "results.parquet")["mfu"].isna().all()
+
+
 def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):
     """read_record accepts the schema versions it knows (READ_SCHEMA_VERSIONS) only: what the
     fields of another one mean is not defined, so it is named and skipped, never guessed at."""

@@ -118,6 +118,30 @@ def _ranged(schema: dict[str, Any], marks: tuple[Any, ...]) -> dict[str, Any]:
     return {**schema, **bounds}
 
 
+def declared_type(column: str) -> type | None:
+    """The one JSON scalar type the declarations give a column of results.csv (a dotted column
+    names a nested field: slurm.job_id, memory.end.peak_allocated_gib; a spec field is a column of
+    its own): float for a number, int, bool or str; None where they give none, or several."""
+    hints = {**get_type_hints(FailedRecord), **get_type_hints(OkRecord), **get_type_hints(RunSpec)}
+    head, *rest = column.split(".")
+    hint: Any = hints.get(head)
+    for part in rest:
+        inner = [arg for arg in (get_args(hint) or (hint,)) if arg is not type(None)]
+        shape = inner[0] if len(inner) == 1 else None
+        if is_typeddict(shape):
+            hint = get_type_hints(shape).get(part)
+        elif get_origin(shape) in (dict, Mapping):
+            hint = get_args(shape)[1]
+        else:
+            return None
+    kinds = {arg for arg in (get_args(hint) or (hint,)) if arg is not type(None)}
+    if get_origin(hint) is Literal:
+        kinds = {type(arg) for arg in get_args(hint)}
+    if kinds == {int, float}:
+        return float
+    return next(iter(kinds)) if len(kinds) == 1 and kinds <= {int, float, bool, str} else None
+
+
 def schema_text() -> str:
     return json.dumps(record_schema(), indent=2) + "\n"
 

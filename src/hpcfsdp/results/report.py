@@ -18,6 +18,7 @@ import pandas as pd
 from ..contracts.fields import SpecError
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
+from ..contracts.recordschema import declared_type
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs, value_text
 from .render import Section, to_html, to_markdown
@@ -138,28 +139,29 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
 def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
     """A parquet column holds one type. Records checked only where the collector computes can
     still disagree elsewhere (a field text in one record, a number in another): such a column
-    is written as text, with a note naming it; results.csv keeps the values as read."""
+    is written as text, with a note naming it; results.csv keeps the values as read. A column
+    with no value at all (a GPU figure of a CPU sweep), which Arrow would type `null` (some
+    readers refuse it), gets the type the record declares for it (recordschema.declared_type),
+    else string."""
     import pyarrow
 
-    try:
-        with atomic_output(path) as tmp:
-            table.to_parquet(tmp, index=False)
-        return []
-    except pyarrow.ArrowException:
-        mixed = [column for column in table.columns[table.dtypes == "object"] if not _arrow_converts(table[column])]
-        with atomic_output(path) as tmp:
-            table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(tmp, index=False)
-        return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
+    fields, mixed = [], []
+    for column in table.columns:
+        try:
+            kind = pyarrow.array(table[column], from_pandas=True).type
+        except pyarrow.ArrowException:
+            mixed.append(column)
+            kind = pyarrow.string()
+        if pyarrow.types.is_null(kind):
+            kind = getattr(pyarrow, ARROW_TYPES.get(declared_type(column) or str, "string"))()
+        fields.append(pyarrow.field(column, kind))
+    typed = table.assign(**{column: table[column].map(_as_text) for column in mixed})
+    with atomic_output(path) as tmp:
+        typed.to_parquet(tmp, index=False, schema=pyarrow.schema(fields))
+    return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"] if mixed else []
 
 
-def _arrow_converts(column: pd.Series) -> bool:
-    import pyarrow
-
-    try:
-        pyarrow.array(column, from_pandas=True)
-    except pyarrow.ArrowException:
-        return False
-    return True
+ARROW_TYPES = {float: "float64", int: "int64", bool: "bool_", str: "string"}  # declared type -> pyarrow's
 
 
 def _as_text(value: Any) -> str | None:
