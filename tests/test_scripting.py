@@ -189,6 +189,37 @@ def test_an_unknown_export_target_and_a_status_no_record_has_are_usage_errors(tm
     assert "argument --status: invalid choice: 'bogus'" in err and all(status in err for status in STATUSES)
 
 
+class ErrorAnswer(BaseModel):
+    """What every --json command prints on stdout when it fails, usage errors included."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    error: str
+    exit_status: int
+
+
+@pytest.mark.parametrize(
+    "command, exit_status, said",
+    [
+        (["plan", "--json"], 2, "hpcfsdp plan: the following arguments are required: jobs"),
+        (["plan", "nosuch.yaml", "--json"], 2, "nosuch.yaml: no such jobs file"),
+        (["plan", "jobs/smoke.yaml", "--json", "--sbatch"], 2, "plan: --json and --sbatch: give one"),
+        (["status", "{missing}", "--json", "--bogus"], 2, "hpcfsdp: unrecognized arguments: --bogus"),
+        (["history", "--json", "--status", "bogus"], 2, "hpcfsdp history: argument --status: invalid choice"),
+        (["collect", "{missing}", "--json"], 2, "missing: no such sweep folder"),
+    ],
+)
+def test_a_json_command_that_fails_answers_one_json_document_on_stdout_usage_errors_included(
+    command, exit_status, said, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    argv = [word.format(missing=tmp_path / "missing") for word in command]
+    assert main(argv) == exit_status
+    captured = capsys.readouterr()
+    answer = ErrorAnswer.model_validate(strict_document(captured.out))
+    assert answer.exit_status == exit_status and said in answer.error, answer
+    assert captured.err.strip() == f"error: {answer.error}"  # and the one line on stderr, as without --json
+
+
 def test_download_of_a_jobs_yaml_that_needs_nothing_from_the_hub_says_so(tmp_path, capsys):
     assert main(["download", str(ROOT / "jobs/smoke.yaml"), "--cache-dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out

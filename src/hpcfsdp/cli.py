@@ -8,9 +8,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__, commands
-from .contracts.errors import UserError
+from .contracts.errors import EXIT_USAGE, UserError
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
 from .contracts.spec import RunSpec
@@ -18,24 +19,33 @@ from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    _Parser.json_answers = "--json" in words[: words.index("--")] if "--" in words else "--json" in words
     try:
+        args = _parser().parse_args(argv)
         return args.func(args) or 0
     except UserError as exc:
-        print(one_line(exc.line()), file=sys.stderr)
-        return exc.exit_status
+        return _failed(one_line(exc.line()), one_line(str(exc)), exc.exit_status)
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
         # /dev/null so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:  # a folder that cannot be written: a file where a folder should be, no permission
-        print(f"error: {_os_error(exc)}", file=sys.stderr)
-        return 1
+        return _failed(f"error: {_os_error(exc)}", _os_error(exc), 1)
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return getattr(exc, "exit_status", 130)
+
+
+def _failed(line: str, error: str, exit_status: int) -> int:
+    """The one way a command's error is said: its line on stderr and, for a command asked for
+    --json, the error as the one JSON document on stdout ({error, exit_status}), which a script
+    reads as it reads an answer."""
+    print(line, file=sys.stderr)
+    if _Parser.json_answers:
+        commands.print_json({"error": error, "exit_status": exit_status})
+    return exit_status
 
 
 def _os_error(exc: OSError) -> str:
@@ -47,8 +57,29 @@ def _os_error(exc: OSError) -> str:
     return f"{paths}: {what}" if paths else what
 
 
+class UsageError(UserError):
+    """A command line argparse refuses, under --json (without it argparse says so itself)."""
+
+    exit_status = EXIT_USAGE
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(f"{prog}: {message}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; under --json a usage error is a UsageError, which main answers as every
+    error of a --json command: one line on stderr, one JSON document on stdout."""
+
+    json_answers = False  # set by main from the command line: it asks for --json
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_answers:
+            raise UsageError(self.prog, message)
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpcfsdp",
         description="Compare DDP / FSDP1 / FSDP2 training setups for a causal LM, as Slurm job arrays.",
     )
