@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -354,6 +355,9 @@ def test_history_json_lists_the_runs_with_their_job_and_reason(tmp_path, capsys)
     runs = {run.cell_id: run for run in listed.runs}
     assert runs[ids["error"]].reason == "RuntimeError: boom" and runs[ids["error"]].job_id == "4242_1"
     assert runs[ids["fast"]].git_commit == "0123abcd" and runs[ids["fast"]].sweep_dir == str(sweep.resolve())
+    for run in listed.runs:  # a time that says its zone: what a reader elsewhere takes for UTC, not its own
+        started = datetime.fromisoformat(run.started_at)
+        assert run.started_at.endswith("+00:00") and started.utcoffset() == timedelta(0)
     code, document, _ = answer(capsys, ["history", "--history", str(history), "--json", "--status", "diverged"])
     assert [run["cell_id"] for run in document["runs"]] == [ids["diverged"]]
 

@@ -393,14 +393,21 @@ def history_table(rows: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def _utc_text(moment: Any) -> str | None:
+    """A history time (stored as UTC without a zone) as ISO 8601 that says it: ...T12:00:00+00:00."""
+    return None if pd.isna(moment) else pd.Timestamp(moment).tz_localize("UTC").isoformat()
+
+
 def history_document(rows: pd.DataFrame) -> dict[str, Any]:
-    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601, UTC),
+    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601 with its
+    offset, +00:00),
     with each run's Slurm job, git commit, sweep folder and the first line of its error."""
     shown = [column for column, _ in HISTORY_COLUMNS]
     extra = ("slurm_job_id", "git_commit", "sweep_dir", "error")
     runs = [
         {
             **{column: row[column] for column in shown},
+            "started_at": _utc_text(row["started_at"]),
             "job_id": row["slurm_job_id"],
             "git_commit": row["git_commit"],
             "sweep_dir": row["sweep_dir"],

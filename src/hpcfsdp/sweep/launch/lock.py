@@ -37,7 +37,7 @@ def sweep_lock(sweep_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n")
         handle.flush()
         try:
             yield
