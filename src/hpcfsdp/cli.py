@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, commands
-from .contracts.errors import EXIT_USAGE, UserError
+from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
 from .contracts.spec import RunSpec
@@ -32,43 +32,22 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:  # a folder that cannot be written: a file where a folder should be, no permission
-        return _failed(f"error: {_os_error(exc)}", _os_error(exc), 1)
+        return _failed(f"error: {os_error_text(exc)}", os_error_text(exc), 1)
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return getattr(exc, "exit_status", 130)
 
 
 def _failed(line: str, error: str, exit_status: int) -> int:
-    """The one way a command's error is said: its line on stderr and, for a command asked for
-    --json, the error as the one JSON document on stdout ({error, exit_status}), which a script
-    reads as it reads an answer."""
+    """An error: its line on stderr; asked for --json, also the one document on stdout."""
     print(line, file=sys.stderr)
     if _Parser.json_answers:
         commands.print_json({"error": error, "exit_status": exit_status})
     return exit_status
 
 
-def _os_error(exc: OSError) -> str:
-    """'<path>: <what the system said>', as one line."""
-    paths = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
-    what = exc.strerror or str(exc)
-    if isinstance(exc, FileExistsError) and exc.filename and not os.path.isdir(exc.filename):
-        what = "a file is where a folder is needed"  # mkdir(exist_ok=True) of a path that is a file
-    return f"{paths}: {what}" if paths else what
-
-
-class UsageError(UserError):
-    """A command line argparse refuses, under --json (without it argparse says so itself)."""
-
-    exit_status = EXIT_USAGE
-
-    def __init__(self, prog: str, message: str):
-        super().__init__(f"{prog}: {message}")
-
-
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser; under --json a usage error is a UsageError, which main answers as every
-    error of a --json command: one line on stderr, one JSON document on stdout."""
+    """argparse's parser; under --json a usage error is a UsageError, answered as main answers errors."""
 
     json_answers = False  # set by main from the command line: it asks for --json
 

@@ -155,7 +155,7 @@ def sweep_status(
         jid = jobs.get(cid, "")
         job = queued.get(jid)
         spec = _cell_spec(sweep_dir, cid)
-        strategy = spec.get("strategy") if isinstance(spec.get("strategy"), str) else "?"
+        strategy = str(spec["strategy"]) if isinstance(spec.get("strategy"), str) else "?"
         if job is None:
             ended = finished.get(jid)
             record = states[cid].record or {}
