@@ -58,7 +58,7 @@ def test_a_diverged_cell_records_diverged_with_its_step_and_counts_as_failed(tmp
     assert record["nonfinite_steps"] == [step]
     assert f"at step {step}" in record["error"] and "tokens_per_s" not in record
     assert proc.returncode != 0
-    assert f"{record['cell_id']}: diverged at step {step} | - tokens/s per GPU | MFU - |" in proc.stdout
+    assert f"{record['cell_id']}: diverged at step {step} | - tokens/s per process | MFU - |" in proc.stdout
 
     sweep_dir = tmp_path / "results" / "t"
     sweep = parse_sweep({"name": "t", "base": {**TINY_CPU, "gpus_per_node": 2, **DIVERGING}})

@@ -92,3 +92,9 @@ def rank_words(devices: Iterable[object]) -> RankWords:
     means the cluster's GPUs)."""
     known = [str(device) for device in devices if device is not None and device == device]  # NaN != NaN
     return PROCESS_WORDS if known and all(device == "cpu" for device in known) else GPU_WORDS
+
+
+def rank_words_named(one: object) -> RankWords:
+    """The words a file saved by their name (tune.json's `rank`): process words for "process",
+    GPU words for anything else (a file of an earlier hpcfsdp has none)."""
+    return PROCESS_WORDS if one == PROCESS_WORDS.one else GPU_WORDS

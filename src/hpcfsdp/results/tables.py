@@ -395,7 +395,10 @@ def history_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 def _utc_text(moment: Any) -> str | None:
     """A history time (stored as UTC without a zone) as ISO 8601 that says it: ...T12:00:00+00:00."""
-    return None if pd.isna(moment) else pd.Timestamp(moment).tz_localize("UTC").isoformat()
+    if pd.isna(moment):
+        return None
+    stamp = pd.Timestamp(moment)
+    return (stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")).isoformat()
 
 
 def history_document(rows: pd.DataFrame) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..contracts.files import RecordError, read_json_object
+from ..contracts.gpus import rank_words_named
 from ..sweep.folder.layout import TUNE_NAME
 from .render import Section
 
@@ -26,10 +27,11 @@ def tune_section(sweep_dir: Path) -> Section | None:
     best = found.get("best") or {}
     spend = found.get("spend") or {}
     grid = spend.get("grid_estimate_gpu_hours")
-    spent = f"{spend.get('tune_gpu_hours', 0.0):.4f} GPU-hours in {spend.get('launches', 0)} launch(es)"
+    words = rank_words_named(found.get("rank"))  # GPU, or process on the CPU (tune.json's `rank`)
+    spent = f"{spend.get('tune_gpu_hours', 0.0):.4f} {words.hours} in {spend.get('launches', 0)} launch(es)"
     text = (
         f"Chosen by `hpcfsdp tune`: {best.get('cell_id', 'none')}"
-        + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU" if best.get("tokens_per_s_per_gpu") else "")
+        + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s {words.per}" if best.get("tokens_per_s_per_gpu") else "")
         + f". The search spent {spent}"
         + (f", against about {grid:.4f} for the grid ({spend.get('grid_estimate_basis', '')})." if grid else ".")
     )
