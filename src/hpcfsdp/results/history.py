@@ -118,6 +118,8 @@ class History:
             self.con = duckdb.connect(str(self.path), read_only=read_only, config=config)
         except (OSError, duckdb.Error) as exc:  # no permission, not a DuckDB file
             raise HistoryError(f"{self.path}: cannot open ({str(exc).splitlines()[0]})") from None
+        # Times without a zone (a file of an earlier hpcfsdp, the filters, the rows collected) are UTC.
+        self._run("SET TimeZone = 'UTC'")
         if not read_only:
             self._create()
 
@@ -134,13 +136,14 @@ class History:
     def _create(self) -> None:
         columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
         self._run(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns}, PRIMARY KEY ({', '.join(KEY)}))")
-        present = {
-            row[0]
-            for row in self._run("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [TABLE])
-        }
+        present = dict(
+            self._run("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ?", [TABLE])
+        )
         for name, kind in COLUMNS.items():
             if name not in present:  # a file written by an older hpcfsdp
                 self._run(f"ALTER TABLE {TABLE} ADD COLUMN {name} {kind}")
+            elif kind == "TIMESTAMPTZ" and present[name] == "TIMESTAMP":  # an older hpcfsdp's UTC without its zone
+                self._run(f"ALTER TABLE {TABLE} ALTER {name} SET DATA TYPE TIMESTAMPTZ")
 
     def _run(self, sql: str, params: list | None = None) -> list[tuple]:
         """Execute and fetch to the end: DuckDB takes no other statement on a connection before."""
