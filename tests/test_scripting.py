@@ -496,9 +496,9 @@ def test_status_and_plan_memory_show_the_fields_that_tell_cells_apart_and_every_
         put(tmp_path / "apart", record)
     main(["status", str(tmp_path / "apart")])
     header, *rows = capsys.readouterr().out.splitlines()[1:4]
-    assert header.split()[:5] == ["cell", "strategy", "cpu_offload", "optimizer_order", "state"]
-    assert sorted(row.split()[1:5] for row in rows) == [
-        ["fsdp2_zero3", "false", "after_shard", "cancelled"],
-        ["fsdp2_zero3", "false", "before_shard", "node_fail"],
+    assert header.split()[:6] == ["cell", "strategy", "state", "job", "cpu_offload", "optimizer_order"]
+    assert sorted(row.split()[1:6] for row in rows) == [
+        ["fsdp2_zero3", "cancelled", "-", "false", "after_shard"],
+        ["fsdp2_zero3", "node_fail", "-", "false", "before_shard"],
     ]
     assert all(row.index("cancelled" if "cancelled" in row else "node_fail") == header.index("state") for row in rows)

@@ -303,19 +303,19 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     if not shown:
         return
     rows = [report.cells[i] for i in shown]
-    # The fields beyond those the cell id spells that tell cells apart (optimizer_order, cpu_offload, ...)
+    # After the job, the fields beyond those the cell id spells that tell cells apart (optimizer_order, ...)
     differ = varying_columns([c.spec for c in report.cells], ("strategy", "batch_size", "grad_accum"))
     extra_header, extra = column_texts({name: [values[i] for i in shown] for name, values in differ.items()}, len(rows))
     width = max(4, *(len(c.cell_id) for c in rows))
     strategy_width = max(len("strategy"), *(len(c.strategy) for c in rows))
     state_width = max(len("state"), *(len(str(c.state)) for c in rows))  # cancelled, node_fail, preempted
-    print(f"{'cell':{width}} {'strategy':{strategy_width}}{extra_header} {'state':{state_width}} {'job':12} slurm")
+    print(f"{'cell':{width}} {'strategy':{strategy_width}} {'state':{state_width}} {'job':12}{extra_header} slurm")
     for c, more in zip(rows, extra):
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
         slurm += f": {c.advice}" if c.advice else ""
         slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
         print(
-            f"{c.cell_id:{width}} {c.strategy:{strategy_width}}{more} {c.state:{state_width}} {c.job_id or '-':12} "
+            f"{c.cell_id:{width}} {c.strategy:{strategy_width}} {c.state:{state_width}} {c.job_id or '-':12}{more} "
             f"{slurm}"
         )
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
