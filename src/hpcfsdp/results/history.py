@@ -185,7 +185,8 @@ class History:
                        median(r.tokens_per_s_per_gpu) AS history_median, count(*) AS history_runs
                 FROM current_rows c JOIN {TABLE} r
                   ON r.setup = c.setup AND r.cluster IS NOT DISTINCT FROM c.cluster
-                 AND r.gpu IS NOT DISTINCT FROM c.gpu AND r.started_at < coalesce(c.started_at, c.collected_at)
+                 AND r.gpu IS NOT DISTINCT FROM c.gpu
+                 AND r.started_at < CAST(coalesce(c.started_at, c.collected_at) AS TIMESTAMPTZ)
                 WHERE r.status = 'ok' AND r.tokens_per_s_per_gpu IS NOT NULL
                   AND NOT EXISTS (SELECT 1 FROM current_rows x
                                   WHERE x.sweep_dir = r.sweep_dir AND x.cell_id = r.cell_id AND x.attempt = r.attempt)
