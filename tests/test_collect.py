@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 from matplotlib.lines import Line2D
@@ -373,6 +374,22 @@ def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
     parquet = pd.read_parquet(report.directory / "results.parquet").set_index("strategy")
     assert parquet["device_type"].to_dict() == {"ddp": "cuda", "fsdp2_zero3": "7"}
     assert set(pd.read_csv(report.directory / "results.csv")["device_type"]) == {"cuda", "7"}
+
+
+def test_a_cpu_sweeps_parquet_types_the_gpu_columns_it_has_no_value_for_as_the_record_declares(tmp_path):
+    """mfu, energy_j and the GPU's memory are null in every CPU record: Arrow would type them
+    `null`, which some readers refuse; they are float64 (and a text field text) as declared."""
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    sweep = cpu_sweep(tmp_path)
+    for path in (sweep / "cells").glob("*/result.json"):  # as a CPU cell writes them: null where there is no GPU
+        record = json.loads(path.read_text())
+        write_record(path, {**record, "energy_j": None, "memory_capacity_gib": None, "slurm": {"job_id": None}})
+    report = write_report(sweep, plots=False)
+    schema = pyarrow.read_schema(report.directory / "results.parquet")
+    assert [field.name for field in schema if str(field.type) == "null"] == []
+    types = {name: str(schema.field(name).type) for name in ("mfu", "energy_j", "memory_capacity_gib", "slurm.job_id")}
+    assert types == {"mfu": "double", "energy_j": "double", "memory_capacity_gib": "double", "slurm.job_id": "string"}
+    assert pd.read_parquet(report.directory / "results.parquet")["mfu"].isna().all()
 
 
 def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):
@@ -899,3 +916,58 @@ def test_collect_prints_the_best_30_of_40_cells_and_says_where_the_rest_are(tmp_
     assert len(printed) == 1 + 30 and printed[1][1] == "35" and printed[-1][1] == "6"  # best tokens/s first
     assert f"10 more row(s) not shown (of 40); the full table: {sweep / 'report' / 'results.csv'}" in lines
     assert len(pd.read_csv(sweep / "report" / "results.csv")) == 40
+
+
+def long_named_sweep(root: Path) -> Path:
+    """CPU cells whose strategies differ in four knobs: long legend labels."""
+    sweep = root / "long"
+    knobs = {"optimizer_order": "before_shard_fixed", "reduce_dtype": "bf16", "prefetch_depth": 2}
+    for strategy, extra, tps in (("ddp", {}, 2800.0), ("fsdp2_zero3", {}, 1200.0), ("fsdp2_zero3", knobs, 1100.0)):
+        for batch in (1, 2):
+            spec = spec_of(CPU_BASE, strategy=strategy, batch_size=batch, **extra)
+            put(sweep, ok_record(spec, tps * batch, 0.38, device="cpu"))
+    return sweep
+
+
+def test_no_figure_cuts_its_title_or_legend_at_the_canvas_edge_when_the_strategy_names_are_long(tmp_path):
+    data = plot_data(long_named_sweep(tmp_path))
+    assert max(map(len, data.configs["variant"])) > 60
+    for name, _, draw in plots.PLOTS:
+        try:
+            figure = draw(data)
+        except plots.NoData:
+            continue
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()  # the layout and the text as the PNG gets them
+        renderer = canvas.get_renderer()
+        drawn = figure.get_tightbbox(renderer)  # inches: everything drawn, wherever it lands
+        width, height = figure.get_size_inches()
+        assert drawn.x0 >= 0 and drawn.y0 >= 0 and drawn.x1 <= width and drawn.y1 <= height, (name, drawn.bounds)
+
+
+def test_memory_by_stage_is_in_the_order_a_cell_takes_its_readings(tmp_path):
+    """The record file sorts its keys (after_model, after_optimizer, after_shard, ...); the table's
+    columns and the figure's bars are in run order: the model, sharding, the optimizer, ..."""
+    for batch in (1, 2):
+        record = ok_record(spec_of(CPU_BASE, batch_size=batch), 1000.0, 0.38, device="cpu")
+        stages = ("after_model", "after_shard", "after_optimizer", "after_warmup", "end")
+        record["memory"] = {stage: {"cpu_max_rss_gib": 0.3 + i / 10} for i, stage in enumerate(stages)}
+        put(tmp_path / "order", record)
+    frame = load_records(tmp_path / "order").frame
+    assert [c.split(".")[1] for c in frame.columns if c.startswith("memory.")] == list(stages)
+    figure = plots.memory_stages(plot_data(tmp_path / "order"))
+    labels = [label.get_text() for label in figure.axes[0].get_xticklabels()]
+    assert labels == ["after model", "after shard", "after optimizer", "after warmup", "end"]
+
+
+def test_a_cpu_sweep_speaks_of_processes_in_every_table_and_figure(tmp_path):
+    """One rule (contracts.gpus.rank_words) for every count, rate and cost of ranks: on the CPU a
+    rank is a process, in the summary's sections, its tables, the figures and the printed table."""
+    report = write_report(cpu_sweep(tmp_path))
+    summary = (report.directory / "summary.md").read_text()
+    for gpu_word in ("tokens/s/gpu", "per GPU", "GPU-hours", "GPU(s)"):
+        assert gpu_word not in summary, gpu_word
+    assert "## Pivot: tokens/s/process" in summary and "tokens/s per process" in summary
+    assert "process-hours per billion tokens" in summary
+    figure = plots.throughput(plot_data(tmp_path / "cpu"))
+    assert "per process" in figure.get_suptitle() and "per process" in figure.get_supylabel()

@@ -137,6 +137,25 @@ def test_bad_rows_and_plan_time_checks(model_dir: Path, tmp_path: Path) -> None:
     assert sources.tokenizer is not None and sources.tokenizer.model_ref.name == "acme/tok"
 
 
+def test_the_shipped_tiny_tokenizer_lets_a_preset_model_train_on_a_text_folder(
+    text_folder: SimpleNamespace, tmp_path: Path
+) -> None:
+    """`tokenizer: tiny`: the package's own small tokenizer (no download, no model folder), whose
+    ids fit the tiny preset's vocabulary; its EOS ends each document."""
+    _, sources = RunSpec.resolved({"model": "tiny", "tokenizer": "tiny", "data": str(text_folder.path)})
+    assert sources.tokenizer is not None and sources.tokenizer.kind == "local"
+    assert Path(sources.tokenizer.path, "tokenizer.json").stat().st_size < 20_000  # a few KB, in the package
+    blocks = open_data(sources.data, sources.tokenizer, SEQ_LEN)
+    ids = blocks.read(list(range(blocks.count)))
+    assert blocks.provenance["eos_appended"] and int(ids.min()) >= 0 and int(ids.max()) < 512
+    record = run_torchrun_cell(
+        tmp_path, 2, strategy="ddp", model="tiny", tokenizer="tiny", data=str(text_folder.path),
+        seq_len=SEQ_LEN, batch_size=2, steps=3, comm_profile_steps=0,
+    )  # fmt: skip
+    assert record["status"] == "ok", record.get("error")
+    assert record["data_source"]["tokenizer"]["path"] == sources.tokenizer.path and 0 < record["losses"][0] < 10
+
+
 @pytest.fixture(scope="module")
 def tokenized_cache(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """The real downloader, against the local hub: a dataset split tokenized for a model (no weights)."""

@@ -10,7 +10,7 @@ import struct
 import subprocess
 import sys
 import zlib
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
@@ -260,6 +260,46 @@ def test_export_to_tensorboard_writes_plain_scalars_its_reader_reads_back(cells,
     assert metadata.EXPERIMENT_TAG in experiment.PluginTagToContent(metadata.PLUGIN_NAME)
 
 
+def test_tensorboard_dashboard_gets_each_hparam_typed_the_varying_ones_first_and_files_named_from_the_cell(
+    cells, tmp_path
+):
+    """Read as the HParams dashboard reads it (tensorboard's own GetExperiment handler over its
+    data provider): every hparam has a type, the discrete ones their values (status can be
+    filtered), and the hparams that differ between runs come first. The event files are named
+    from the cell, the same in every export: not from the export's time, host and process."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment
+
+    sweep_dir, records = cells
+    names = []
+    for _ in range(2):
+        assert main(["export", str(sweep_dir), "--to", "tensorboard", str(tmp_path / "tb")]) == 0
+        names.append(sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "tb").rglob("events.*")))
+    assert names[0] == names[1] and len(names[0]) == 5
+    record = records["ok"]
+    assert (
+        f"tb/t/{record['cell_id']}/events.out.tfevents.{int(record['started_at']):010d}.{record['cell_id']}" in names[0]
+    )
+    assert not any(socket.gethostname() in name for name in names[0])
+    logdir = str(tmp_path / "tb" / "t")
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(logdir)
+    runs.Reload()
+    tb = base_plugin.TBContext(
+        logdir=logdir, multiplexer=runs, data_provider=data_provider.MultiplexerDataProvider(runs, logdir)
+    )
+    request = api_pb2.GetExperimentRequest(hparams_limit=12)  # the dashboard asks for the first few
+    experiment = get_experiment.Handler(context.RequestContext(), backend_context.Context(tb), "", request).run()
+    shown = {info.name: info for info in experiment.hparam_infos}
+    differs = [name for name, info in shown.items() if info.differs]
+    assert list(shown)[: len(differs)] == differs and {"status", "strategy", "batch_size", "lr"} <= set(differs)
+    assert len(differs) < len(shown) and all(info.type != api_pb2.DATA_TYPE_UNSET for info in shown.values())
+    assert {v.string_value for v in shown["status"].domain_discrete.values} == {"ok", "diverged", "error"}
+    assert shown["lr"].type == api_pb2.DATA_TYPE_FLOAT64
+
+
 @pytest.mark.parametrize("store", ["file", "sqlite"])
 def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, capsys, store):
     """A file store (a folder) and a database (sqlite:///...), with the mlflow extra: mlflow-skinny,
@@ -275,6 +315,8 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
 
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri() if store == "file" else target)
     experiment = client.get_experiment_by_name("t")
+    if store == "sqlite":  # beside the database, wherever the export ran (the test's working directory is elsewhere)
+        assert experiment.artifact_location == (tmp_path / "mlartifacts" / "t").as_uri()
     runs = {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
     assert set(runs) == {r["cell_id"] for r in records.values()}
     for cell_id, want in expected_runs(sweep_dir, records).items():
@@ -382,6 +424,12 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
     printed = capsys.readouterr().out.splitlines()
     assert f"exported 4 run(s) of {sweep_dir} to wandb" in printed[0] and "exported 0 run(s)" in printed[-1]
 
+    # Each folder named from its record (its start, UTC, and its id), not the export's time; no link left dangling
+    named = {
+        f"offline-run-{datetime.fromtimestamp(r['started_at'], timezone.utc):%Y%m%d_%H%M%S}" for r in records.values()
+    }
+    assert {folder.name.rsplit("-", 1)[0] for folder in (out / "wandb").glob("offline-run-*")} == named
+    assert all(path.exists() for path in (out / "wandb").iterdir())
     runs = {}
     for folder in sorted((out / "wandb").glob("offline-run-*")):
         run = read_wandb_run(folder)

@@ -58,7 +58,7 @@ def test_a_diverged_cell_records_diverged_with_its_step_and_counts_as_failed(tmp
     assert record["nonfinite_steps"] == [step]
     assert f"at step {step}" in record["error"] and "tokens_per_s" not in record
     assert proc.returncode != 0
-    assert f"{record['cell_id']}: diverged at step {step} | - tokens/s per GPU | MFU - |" in proc.stdout
+    assert f"{record['cell_id']}: diverged at step {step} | - tokens/s per process | MFU - |" in proc.stdout
 
     sweep_dir = tmp_path / "results" / "t"
     sweep = parse_sweep({"name": "t", "base": {**TINY_CPU, "gpus_per_node": 2, **DIVERGING}})
@@ -91,7 +91,7 @@ def test_measurements_of_an_ok_cell(tmp_path):
     path = next((tmp_path / "results" / "t" / "cells").glob("*/result.json"))
     summary = [line for line in proc.stdout.splitlines() if line.endswith(f"| record {path}")]
     assert summary == [
-        f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"[hpcfsdp] {record['cell_id']}: ok | {record['tokens_per_s_per_gpu']:,.0f} tokens/s per process "
         f"| MFU - | peak memory {record['peak_memory_gib']:.2f} GiB | record {path}"
     ]
     # The comm profile ran under torch.profiler, without its warning about cycles.

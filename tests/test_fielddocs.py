@@ -67,5 +67,5 @@ def test_run_help_lists_every_runspec_field_with_its_default_and_doc(capsys):
     for item in fields(RunSpec):
         assert f" {item.name}=" in listing
         assert " ".join(field_doc(item).replace("`", "").split()) in listing, item.name
-    assert 'tokenizer="" for text data: a folder or hub id; "": the model\'s own' in listing
+    assert 'tokenizer="" for text data: tiny (shipped, for tries), a folder or hub id; "": the model\'s own' in listing
     assert "seq_len=128 tokens per sequence" in listing

@@ -486,3 +486,31 @@ def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_install
     fresh = tmp_path / "fresh.duckdb"  # a history the duckdb installed here makes
     assert collect(results / "nightly-1", "--history", str(fresh)) == 0
     assert read("1.1.0", fresh)["rows"] == [1, 1] and read("1.5.6", fresh)["rows"] == [1, 1]
+
+
+def test_the_historys_times_carry_their_zone_and_an_older_files_zoneless_utc_is_read_as_utc(results, capsys):
+    """started_at and collected_at are TIMESTAMPTZ: DuckDB, pandas or any client reads the moment,
+    never a local-looking time; a file an earlier hpcfsdp wrote (TIMESTAMP, UTC by convention) is
+    converted as UTC by the next collect, its times unchanged."""
+    import duckdb
+
+    path = results / "history.duckdb"
+    query = "SELECT column_name, data_type FROM information_schema.columns WHERE column_name LIKE '%ed_at'"
+    older = duckdb.connect(str(path))
+    older.execute("SET TimeZone = 'UTC'")
+    before = older.execute("SELECT cell_id, attempt, epoch(started_at) FROM runs ORDER BY ALL").fetchall()
+    for column in ("started_at", "collected_at"):  # as an earlier hpcfsdp wrote them
+        older.execute(f"ALTER TABLE runs ALTER {column} SET DATA TYPE TIMESTAMP")
+    older.execute("SET TimeZone = 'America/New_York'")  # the reader's own zone plays no part
+    assert dict(older.execute(query).fetchall()) == {"started_at": "TIMESTAMP", "collected_at": "TIMESTAMP"}
+    older.close()
+    write_sweep(results, "later", 3, {"a": 1800}, cluster="alps", gpu=H100)
+    assert collect(results / "later") == 0
+    with duckdb.connect(str(path), read_only=True) as con:
+        zoned = "TIMESTAMP WITH TIME ZONE"
+        assert dict(con.execute(query).fetchall()) == {"started_at": zoned, "collected_at": zoned}
+        after = con.execute("SELECT cell_id, attempt, epoch(started_at) FROM runs ORDER BY ALL").fetchall()
+    assert set(before) < set(after) and len(after) == len(before) + 1
+    capsys.readouterr()
+    assert main(["history", "--history", str(path), "--json", "--limit", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["started_at"].endswith("+00:00")

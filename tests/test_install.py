@@ -25,7 +25,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a user of the package needs beside it: the checkout's parts that the sdist carries.
-CHECKOUT_PARTS = ("jobs/smoke.yaml", "slurm/local/start.sh", "slurm/fsdp_job.sbatch", "env/setup.sh", "README.md")
+CHECKOUT_PARTS = (
+    "jobs/smoke.yaml",
+    "slurm/local/start.sh",
+    "slurm/fsdp_job.sbatch",
+    "env/setup.sh",
+    "README.md",
+    "LICENSE",
+)
 
 
 def run(cmd: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -83,10 +90,13 @@ def imported_from(python: Path) -> str:
 def test_the_built_wheel_installs_into_a_fresh_venv_and_runs_the_smoke_matrix_with_its_presets(dist, tmp_path):
     (wheel,) = dist.glob("hpcfsdp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "hpcfsdp/presets/tiny.json" in names
+    assert {"hpcfsdp/presets/tiny.json", "hpcfsdp/presets/tokenizers/tiny/tokenizer.json"} <= set(names)
     # The examples a user starts from: every jobs YAML of the checkout, and the plain sbatch script.
     examples = {f"hpcfsdp/examples/jobs/{path.name}" for path in (ROOT / "jobs").glob("*.yaml")}
     assert examples | {"hpcfsdp/examples/fsdp_job.sbatch"} <= set(names)
+    # The MIT licence the metadata names, as the checkout's LICENSE file.
+    (licence,) = (name for name in names if name.endswith(".dist-info/licenses/LICENSE"))
+    assert zipfile.ZipFile(wheel).read(licence).decode() == (ROOT / "LICENSE").read_text()
     (tmp_path / "reuse").mkdir()
     python = fresh_venv(tmp_path / "venv", tmp_path / "reuse")
     pip_install(python, str(wheel))
@@ -109,6 +119,7 @@ def test_the_sdist_carries_the_checkout_and_installs_into_a_fresh_venv(dist, tmp
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
         tar.extractall(tmp_path, filter="data")
     assert set(CHECKOUT_PARTS) <= names and not any("__pycache__" in name for name in names)
+    assert (tmp_path / sdist.name.removesuffix(".tar.gz") / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     # The raw benchmark logs stay in the repository (docs/benchmarks.md links them there).
     assert "bench/collect_scale.py" in names and not any(name.startswith("bench/results/") for name in names)
     assert sdist.stat().st_size < 2_000_000, sdist.stat().st_size

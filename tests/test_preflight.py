@@ -96,13 +96,14 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
         (
             "{account: nope}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.account: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 GPU(s) (sbatch "
+            "{jobs}:4: slurm.account: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
             "--test-only): Invalid account or account/partition combination specified",
         ),
         (
             "{account: research, qos: nope}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 GPU(s) (sbatch --test-only): "
+            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
+            "--test-only): "
             "Invalid qos specification",
         ),
         (
@@ -115,26 +116,27 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
         (  # the 1-GPU shape is within the QOS: the sweep's other array is not queued either
             "{account: research, qos: short, time_min: 10}",
             "gpus_per_node: [1, 4]",
-            "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 4 GPU(s) can never start under QOS short: "
+            "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 4 process(es) can never start under QOS short: "
             "they ask for cpu=4 per job, above its MaxTRESPerJob cpu=2",
         ),
         (  # a limit preflight does not read, which the QOS refuses on submission
             "{account: research, qos: deny}",
             "gpus_per_node: [2]",
-            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 2 GPU(s) (sbatch --test-only): "
+            "{jobs}:4: slurm.qos: Slurm refuses the array of 1 cell(s) on 1 node(s) x 2 process(es) (sbatch "
+            "--test-only): "
             "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits) "
             "(QOSMaxCpuPerUserLimit)",
         ),
         (
             "{account: research, constraint: a100}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.constraint: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 GPU(s) (sbatch "
+            "{jobs}:4: slurm.constraint: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
             "--test-only): Invalid feature specification",
         ),
         (
             "{account: research, extra_sbatch: {reservation: maint}}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 GPU(s) (sbatch "
+            "{jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
             "--test-only): Requested reservation is invalid",
         ),
         (  # no mem_gb: the partition's DefMemPerCPU x the job's CPUs; a GPU rank's runtime is above it

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,7 @@ from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import STATUSES, CellState, write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import write_cell_spec
 from hpcfsdp.sweep.track.status import cells_exit_status
 from test_collect import CPU_BASE, GPU_BASE, failed_record, ok_record, put, spec_of
 
@@ -192,6 +194,37 @@ def test_an_unknown_export_target_and_a_status_no_record_has_are_usage_errors(tm
     assert "argument --status: invalid choice: 'bogus'" in err and all(status in err for status in STATUSES)
 
 
+class ErrorAnswer(BaseModel):
+    """What every --json command prints on stdout when it fails, usage errors included."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    error: str
+    exit_status: int
+
+
+@pytest.mark.parametrize(
+    "command, exit_status, said",
+    [
+        (["plan", "--json"], 2, "hpcfsdp plan: the following arguments are required: jobs"),
+        (["plan", "nosuch.yaml", "--json"], 2, "nosuch.yaml: no such jobs file"),
+        (["plan", "jobs/smoke.yaml", "--json", "--sbatch"], 2, "plan: --json and --sbatch: give one"),
+        (["status", "{missing}", "--json", "--bogus"], 2, "hpcfsdp: unrecognized arguments: --bogus"),
+        (["history", "--json", "--status", "bogus"], 2, "hpcfsdp history: argument --status: invalid choice"),
+        (["collect", "{missing}", "--json"], 2, "missing: no such sweep folder"),
+    ],
+)
+def test_a_json_command_that_fails_answers_one_json_document_on_stdout_usage_errors_included(
+    command, exit_status, said, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    argv = [word.format(missing=tmp_path / "missing") for word in command]
+    assert main(argv) == exit_status
+    captured = capsys.readouterr()
+    answer = ErrorAnswer.model_validate(strict_document(captured.out))
+    assert answer.exit_status == exit_status and said in answer.error, answer
+    assert captured.err.strip() == f"error: {answer.error}"  # and the one line on stderr, as without --json
+
+
 def test_download_of_a_jobs_yaml_that_needs_nothing_from_the_hub_says_so(tmp_path, capsys):
     assert main(["download", str(ROOT / "jobs/smoke.yaml"), "--cache-dir", str(tmp_path / "cache")]) == 0
     out = capsys.readouterr().out
@@ -326,6 +359,9 @@ def test_history_json_lists_the_runs_with_their_job_and_reason(tmp_path, capsys)
     runs = {run.cell_id: run for run in listed.runs}
     assert runs[ids["error"]].reason == "RuntimeError: boom" and runs[ids["error"]].job_id == "4242_1"
     assert runs[ids["fast"]].git_commit == "0123abcd" and runs[ids["fast"]].sweep_dir == str(sweep.resolve())
+    for run in listed.runs:  # a time that says its zone: what a reader elsewhere takes for UTC, not its own
+        started = datetime.fromisoformat(run.started_at)
+        assert run.started_at.endswith("+00:00") and started.utcoffset() == timedelta(0)
     code, document, _ = answer(capsys, ["history", "--history", str(history), "--json", "--status", "diverged"])
     assert [run["cell_id"] for run in document["runs"]] == [ids["diverged"]]
 
@@ -396,6 +432,32 @@ def test_on_a_terminal_collect_draws_one_bar_redrawn_in_place(tmp_path):
 # -- the examples the package carries --------------------------------------------------------------
 
 
+def test_examples_lists_each_example_by_its_whole_first_sentence_and_none_compares_with_a_ddp_it_lacks(capsys):
+    assert main(["examples"]) == 0
+    listed = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines()[:-1])
+    assert all(text.endswith(".") for text in listed.values()), listed  # a sentence, never cut inside one
+    assert listed["multinode"].startswith("Multi-node: FSDP2 ZeRO-3 vs hybrid sharding (FSDP2 HSDP and FSDP1")
+    for path in sorted((ROOT / "jobs").glob("*.yaml")):
+        header = "".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        strategies = {cell.spec.strategy for cell in load_sweep(path).cells}
+        assert "ddp" in strategies or not ("vs DDP" in header or "DDP vs" in header), path.name
+
+
+def test_the_seeds_example_jobs_ask_the_optimizer_order_and_the_smollm3_mfu_questions():
+    """Seed 003 (the optimizer built before or after FSDP2 sharding, and the fix) and seed 004
+    (SmolLM3-3B at seq 8192, ZeRO-2 vs ZeRO-3 vs HSDP, batch and compile, MFU on H100s)."""
+    order = load_sweep(ROOT / "jobs/optimizer_order.yaml").cells
+    assert {c.spec.optimizer_order for c in order} == {"after_shard", "before_shard", "before_shard_fixed"}
+    assert all(c.spec.data == "tinystories" and c.spec.gpus_per_node == 8 for c in order)  # losses show convergence
+    sweep = load_sweep(ROOT / "jobs/smollm3_mfu.yaml")
+    assert {c.spec.strategy for c in sweep.cells} == {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_hsdp"}
+    assert {(c.spec.model, c.spec.seq_len, c.spec.gpus_per_node) for c in sweep.cells} == {
+        ("HuggingFaceTB/SmolLM3-3B", 8192, 4)
+    }
+    assert {(c.spec.batch_size, c.spec.compile) for c in sweep.cells} == {(1, False), (1, True), (4, False), (4, True)}
+    assert sweep.resources.gpu_name == "h100"  # MFU against the H100's bf16 peak
+
+
 def test_examples_lists_prints_and_copies_and_plan_takes_an_examples_name(tmp_path, capsys, monkeypatch):
     assert main(["examples"]) == 0
     listed = capsys.readouterr().out.splitlines()
@@ -412,3 +474,35 @@ def test_examples_lists_prints_and_copies_and_plan_takes_an_examples_name(tmp_pa
     captured = capsys.readouterr()
     assert captured.out.startswith("smoke: 8 cell(s) in 1 array(s)")
     assert "using the packaged example" in captured.err
+
+
+def test_status_and_plan_memory_show_the_fields_that_tell_cells_apart_and_every_state_whole(tmp_path, capsys):
+    """Cells alike but for optimizer_order or cpu_offload get those columns; `cancelled` and
+    `node_fail` fit the state column, which no column runs into."""
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        "name: apart\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 64, gpus_per_node: 2, "
+        "strategy: fsdp2_zero3}\nmatrix:\n  optimizer_order: [after_shard, before_shard]\n"
+        "include:\n  - {optimizer_order: after_shard, cpu_offload: true}\n"
+    )
+    assert main(["plan", str(jobs), "--memory"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[1:5]
+    assert header.split()[4:7] == ["seq", "cpu_offload", "optimizer_order"]
+    assert [row.split()[5:7] for row in rows] == [
+        ["false", "after_shard"], ["false", "before_shard"], ["true", "after_shard"]
+    ]  # fmt: skip
+    sweep = load_sweep(jobs)
+    for cell, status in zip(sweep.cells, ("cancelled", "node_fail", "ok")):
+        write_cell_spec(tmp_path / "apart" / "cells" / cell.id, cell.spec, cell.id, "apart", cell.sources)
+        record = ok_record(cell.spec, 1000.0, 0.4, device="cpu") if status == "ok" else failed_record(
+            cell.spec, status, "train", f"{status} by Slurm", device="cpu"
+        )  # fmt: skip
+        put(tmp_path / "apart", record)
+    main(["status", str(tmp_path / "apart")])
+    header, *rows = capsys.readouterr().out.splitlines()[1:4]
+    assert header.split()[:6] == ["cell", "strategy", "state", "job", "cpu_offload", "optimizer_order"]
+    assert sorted(row.split()[1:6] for row in rows) == [
+        ["fsdp2_zero3", "cancelled", "-", "false", "after_shard"],
+        ["fsdp2_zero3", "node_fail", "-", "false", "before_shard"],
+    ]
+    assert all(row.index("cancelled" if "cancelled" in row else "node_fail") == header.index("state") for row in rows)

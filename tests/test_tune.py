@@ -130,6 +130,7 @@ def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell
     final_launch = seen[f"final-{found['best']['cell_id']}"]
     assert final_launch["ended"] - final_launch["started"] > best["duration_s"]  # start-up counted too
     assert "OOM frontier (ran out of memory): " + grid[4] in out and f"chosen: {found['best']['cell_id']}" in out
+    assert found["rank"] == "process" and "tokens/s per process" in out and "process-hours in" in out  # a CPU sweep
     assert "## Tune" in (sweep_dir / "report" / "summary.md").read_text()
     # submit --only-best runs the pick, and nothing else (--force: the final stage ran it already).
     submit = ["submit", str(jobs), "--only-best", "--force", "--executor", "print", "--results-dir", str(tmp_path)]

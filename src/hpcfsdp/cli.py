@@ -8,9 +8,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__, commands
-from .contracts.errors import UserError
+from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
 from .contracts.spec import RunSpec
@@ -18,37 +19,46 @@ from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    _Parser.json_answers = "--json" in words[: words.index("--")] if "--" in words else "--json" in words
     try:
+        args = _parser().parse_args(argv)
         return args.func(args) or 0
     except UserError as exc:
-        print(one_line(exc.line()), file=sys.stderr)
-        return exc.exit_status
+        return _failed(one_line(exc.line()), one_line(str(exc)), exc.exit_status)
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
         # /dev/null so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:  # a folder that cannot be written: a file where a folder should be, no permission
-        print(f"error: {_os_error(exc)}", file=sys.stderr)
-        return 1
+        return _failed(f"error: {os_error_text(exc)}", os_error_text(exc), 1)
     except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
         return getattr(exc, "exit_status", 130)
 
 
-def _os_error(exc: OSError) -> str:
-    """'<path>: <what the system said>', as one line."""
-    paths = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
-    what = exc.strerror or str(exc)
-    if isinstance(exc, FileExistsError) and exc.filename and not os.path.isdir(exc.filename):
-        what = "a file is where a folder is needed"  # mkdir(exist_ok=True) of a path that is a file
-    return f"{paths}: {what}" if paths else what
+def _failed(line: str, error: str, exit_status: int) -> int:
+    """An error: its line on stderr; asked for --json, also the one document on stdout."""
+    print(line, file=sys.stderr)
+    if _Parser.json_answers:
+        commands.print_json({"error": error, "exit_status": exit_status})
+    return exit_status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; under --json a usage error is a UsageError, answered as main answers errors."""
+
+    json_answers = False  # set by main from the command line: it asks for --json
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_answers:
+            raise UsageError(self.prog, message)
+        super().error(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hpcfsdp",
         description="Compare DDP / FSDP1 / FSDP2 training setups for a causal LM, as Slurm job arrays.",
     )

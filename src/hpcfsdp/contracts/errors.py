@@ -7,6 +7,8 @@ one line, in one place. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
+
 # What `hpcfsdp collect` exits with, past a UserError's own status, and what each means: the
 # `submit --then-collect` job records the status and `hpcfsdp status` says it in these words.
 COLLECT_REGRESSED = 1  # a cell regressed (against --compare, or with --fail-on-regression)
@@ -46,3 +48,21 @@ class Stopped(UserError):
 
     def line(self) -> str:
         return str(self)
+
+
+class UsageError(UserError):
+    """A command line argparse refuses, where the command answers in JSON (else argparse says so)."""
+
+    exit_status = EXIT_USAGE
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(f"{prog}: {message}")
+
+
+def os_error_text(exc: OSError) -> str:
+    """'<path>: <what the system said>', as one line."""
+    paths = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+    what = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) and exc.filename and not os.path.isdir(exc.filename):
+        what = "a file is where a folder is needed"  # mkdir(exist_ok=True) of a path that is a file
+    return f"{paths}: {what}" if paths else what

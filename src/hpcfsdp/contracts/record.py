@@ -100,6 +100,9 @@ MISSING, CORRUPT = CellState.MISSING, CellState.CORRUPT
 ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status once its Slurm job ended
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
+# The stages of a record's `memory` readings, in the order a cell takes them (cell/build.py, cell/run.py);
+# a record file sorts its keys, so readers put them back in this order (memory_in_stage_order).
+MEMORY_STAGES = ("after_model", "after_shard", "after_optimizer", "after_warmup", "end")
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +293,15 @@ class FailedRecord(Record, total=False):
 CHECKED_FIELDS = checked_fields(OkRecord, FailedRecord)  # name -> annotation: what read_record checks
 # Every record has these spec fields (the cell id and every table group by them).
 REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
+
+
+def stage_rank(stage: str) -> tuple[int, str]:
+    """A memory stage's place in run order; a stage this version does not know goes last."""
+    return (MEMORY_STAGES.index(stage), "") if stage in MEMORY_STAGES else (len(MEMORY_STAGES), stage)
+
+
+def memory_in_stage_order(memory: Mapping[str, Any]) -> dict[str, Any]:
+    return {stage: memory[stage] for stage in sorted(memory, key=stage_rank)}
 
 
 class RecordState(NamedTuple):

@@ -23,6 +23,8 @@ from .fields import SpecError, shown
 from .hubrefs import DatasetRef, ModelRef
 
 PRESETS_DIR = Path(__file__).parents[1] / "presets"
+# The tokenizers the package ships, by name (`tokenizer: tiny`), built by env/make_tiny_tokenizer.py
+SHIPPED_TOKENIZERS_DIR = PRESETS_DIR / "tokenizers"
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # datasets.save_to_disk
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -137,6 +139,18 @@ def model_source(value: str) -> Source | None:
     except ValueError:
         return None
     return Source("hub", value, repo_id=ref.repo_id, revision=ref.revision)
+
+
+def shipped_tokenizer_names() -> tuple[str, ...]:
+    return tuple(sorted(p.parent.name for p in SHIPPED_TOKENIZERS_DIR.glob("*/tokenizer.json")))
+
+
+def tokenizer_source(value: str) -> Source | None:
+    """A tokenizer value: a tokenizer the package ships (its folder in the package, a local
+    Source), else what the value names as a model value would."""
+    if value.lower() in shipped_tokenizer_names():
+        return Source("local", value, path=str(SHIPPED_TOKENIZERS_DIR / value.lower()))
+    return model_source(value)
 
 
 def data_source(value: str) -> Source | None:
@@ -262,9 +276,13 @@ def _decided(where: str, spec: Any) -> Sources:
             f"expected a preset ({', '.join(preset_names())}), a folder with "
             f"config.json or a hub id ORG/NAME[@REV]; got {spec.model!r}",
         )
-    tokenizer = model_source(spec.tokenizer) if spec.tokenizer else None
+    tokenizer = tokenizer_source(spec.tokenizer) if spec.tokenizer else None
     if spec.tokenizer and (tokenizer is None or tokenizer.kind == "preset"):
-        raise SpecError(where, "tokenizer", f"expected a folder or a hub id ORG/NAME[@REV]; got {spec.tokenizer!r}")
+        raise SpecError(
+            where,
+            "tokenizer",
+            f"expected {_tokenizer_choices()}; got {spec.tokenizer!r}",
+        )
     data = data_source(spec.data)
     if data is None:
         raise SpecError(
@@ -274,6 +292,11 @@ def _decided(where: str, spec: Any) -> Sources:
             f"ORG/NAME[:config][@split] or preset; got {spec.data!r}",
         )
     return Sources(model, data, tokenizer or (None if model.kind == "preset" else model))
+
+
+def _tokenizer_choices() -> str:
+    shipped = ", ".join(f"`{name}`" for name in shipped_tokenizer_names())
+    return f"a shipped tokenizer ({shipped}: tries only), a folder or a hub id ORG/NAME[@REV]"
 
 
 def check_model(where: str, spec: Any, sources: Sources) -> None:
@@ -314,7 +337,7 @@ def check_data(where: str, spec: Any, sources: Sources) -> None:
             where,
             "tokenizer",
             f"data {spec.data!r} needs one, and model {spec.model!r} is a "
-            "preset without a tokenizer; set tokenizer to a folder or a hub id ORG/NAME",
+            f"preset without a tokenizer; set tokenizer to {_tokenizer_choices()}",
         )
     if data.kind == "hub" and tokenizer.kind != "hub":
         raise SpecError(

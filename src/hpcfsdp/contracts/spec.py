@@ -79,7 +79,11 @@ class RunSpec:
     model: str = option("tiny", "a preset (`tiny`, ...), a folder with `config.json`, or a hub ORG/NAME@REVISION")
     seq_len: int = option(128, "tokens per sequence (at most the model's `max_position_embeddings`)")
     data: str = option("synthetic", "synthetic, a local folder (text files or save_to_disk), or a hub dataset / preset")
-    tokenizer: str = option("", "for text data: a folder or hub id", default_means="the model's own; presets have none")
+    tokenizer: str = option(
+        "",
+        "for text data: `tiny` (shipped, for tries), a folder or hub id",
+        default_means="the model's own; presets have none",
+    )
     text_column: str = option(
         "", "the field / column documents are in", default_means="the hub preset's (chess: Moves), else text"
     )

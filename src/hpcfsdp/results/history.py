@@ -118,6 +118,8 @@ class History:
             self.con = duckdb.connect(str(self.path), read_only=read_only, config=config)
         except (OSError, duckdb.Error) as exc:  # no permission, not a DuckDB file
             raise HistoryError(f"{self.path}: cannot open ({str(exc).splitlines()[0]})") from None
+        # Times without a zone (a file of an earlier hpcfsdp, the filters, the rows collected) are UTC.
+        self._run("SET TimeZone = 'UTC'")
         if not read_only:
             self._create()
 
@@ -134,13 +136,14 @@ class History:
     def _create(self) -> None:
         columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
         self._run(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns}, PRIMARY KEY ({', '.join(KEY)}))")
-        present = {
-            row[0]
-            for row in self._run("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [TABLE])
-        }
+        present = dict(
+            self._run("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ?", [TABLE])
+        )
         for name, kind in COLUMNS.items():
             if name not in present:  # a file written by an older hpcfsdp
                 self._run(f"ALTER TABLE {TABLE} ADD COLUMN {name} {kind}")
+            elif kind == "TIMESTAMPTZ" and present[name] == "TIMESTAMP":  # an older hpcfsdp's UTC without its zone
+                self._run(f"ALTER TABLE {TABLE} ALTER {name} SET DATA TYPE TIMESTAMPTZ")
 
     def _run(self, sql: str, params: list | None = None) -> list[tuple]:
         """Execute and fetch to the end: DuckDB takes no other statement on a connection before."""
@@ -183,7 +186,8 @@ class History:
                        median(r.tokens_per_s_per_gpu) AS history_median, count(*) AS history_runs
                 FROM current_rows c JOIN {TABLE} r
                   ON r.setup = c.setup AND r.cluster IS NOT DISTINCT FROM c.cluster
-                 AND r.gpu IS NOT DISTINCT FROM c.gpu AND r.started_at < coalesce(c.started_at, c.collected_at)
+                 AND r.gpu IS NOT DISTINCT FROM c.gpu
+                 AND r.started_at < CAST(coalesce(c.started_at, c.collected_at) AS TIMESTAMPTZ)
                 WHERE r.status = 'ok' AND r.tokens_per_s_per_gpu IS NOT NULL AND r.invalid_reasons IS NULL
                   AND NOT EXISTS (SELECT 1 FROM current_rows x
                                   WHERE x.sweep_dir = r.sweep_dir AND x.cell_id = r.cell_id AND x.attempt = r.attempt)

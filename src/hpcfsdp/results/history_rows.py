@@ -42,8 +42,8 @@ COLUMNS: dict[str, str] = {
     "gpu": "VARCHAR",
     "partition": "VARCHAR",
     "hostnames": "VARCHAR",
-    "started_at": "TIMESTAMP",  # UTC
-    "collected_at": "TIMESTAMP",  # UTC
+    "started_at": "TIMESTAMPTZ",  # with its zone, UTC: a reader anywhere reads the same moment
+    "collected_at": "TIMESTAMPTZ",
     "duration_s": "DOUBLE",
     "model": "VARCHAR",
     "strategy": "VARCHAR",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import textwrap
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -31,13 +32,17 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
 from ..contracts.files import atomic_output
-from ..contracts.gpus import gpu_memory_gib
+from ..contracts.gpus import gpu_memory_gib, rank_words
+from ..contracts.record import stage_rank
 from .scaling import scaling_table
 
 DPI = 100
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
 MARKERS = "osD^vP*Xh<>p"
 LINESTYLES = ("-", "--", ":", "-.")
+
+INCHES_PER_CHAR = 0.085  # how wide a character of a label is at matplotlib's default 10 pt, roughly
+TITLE_SIZE = 13
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
 
@@ -120,7 +125,8 @@ def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData
 
 
 def throughput(data: PlotData) -> Figure:
-    return _lines(data, "tokens_per_s_per_gpu", "tokens/s per GPU", "Throughput per GPU vs per-device batch")
+    per = rank_words(data.configs.get("device_type", ())).per  # per process on the CPU
+    return _lines(data, "tokens_per_s_per_gpu", f"tokens/s {per}", f"Throughput {per} vs per-device batch")
 
 
 def memory(data: PlotData) -> Figure:
@@ -166,7 +172,10 @@ def time_breakdown(data: PlotData) -> Figure:
     rows = pd.MultiIndex.from_frame(
         frame[["variant", "batch_size"]].drop_duplicates().sort_values(["variant", "batch_size"])
     )
-    figure, panels = _facets(frame, title, panel=(5.5, 0.25 * len(rows) + 1.2))
+    row_labels = [f"{v}, b{_number(b)}" for v, b in rows]
+    legend = _legend_inches(name for name, _ in TIME_PARTS)
+    panel = (5.5, 0.25 * len(rows) + 1.2)
+    figure, panels = _facets(frame, title, panel=panel, labels=_text_inches(row_labels), legend=legend)
     for setting, ax, part in panels:
         shares = parts.loc[part.index].groupby(["variant", "batch_size"]).mean().reindex(rows).fillna(0)
         left = np.zeros(len(rows))
@@ -174,7 +183,7 @@ def time_breakdown(data: PlotData) -> Figure:
             ax.barh(np.arange(len(rows)), shares[name].to_numpy(), left=left, color=colour, height=0.75)
             left += shares[name].to_numpy()
         ax.set(xlim=(0, 1), title=setting)
-    ax.set_yticks(np.arange(len(rows)), [f"{v}, b{_number(b)}" for v, b in rows])
+    ax.set_yticks(np.arange(len(rows)), row_labels)
     ax.invert_yaxis()  # shared: the first row at the top of every panel
     figure.supxlabel("fraction of step time")
     figure.legend(handles=[Patch(color=c, label=n) for n, c in TIME_PARTS], loc="outside right upper")
@@ -188,7 +197,8 @@ def loss_curves(data: PlotData) -> Figure:
     cells = cells[cells["losses"].map(lambda v: isinstance(v, list) and len(v) > 0)]
     if cells.empty:
         raise NoData("no ok cell recorded losses")
-    figure = Figure(figsize=(9, 5), layout="constrained")
+    legend = _legend_inches(cells["variant"])
+    figure = Figure(figsize=(7 + legend, 5), layout="constrained")
     ax = figure.subplots()
     for variant, group in cells.groupby("variant", sort=True):
         for i, losses in enumerate(group["losses"]):
@@ -200,12 +210,9 @@ def loss_curves(data: PlotData) -> Figure:
                 markersize=4,
                 label=variant if i == 0 else "_nolegend_",
             )
-    ax.set(
-        title=f"Training loss per step at {data.reference_label}\n"
-        "(the workload most strategies ran; one line per cell)",
-        xlabel="step",
-        ylabel="training loss",
-    )
+    workload = "(the workload most strategies ran; one line per cell)"
+    _title(figure, f"Training loss per step at {data.reference_label}\n{workload}", legend)
+    ax.set(xlabel="step", ylabel="training loss")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     figure.legend(loc="outside right upper", title="strategy")
@@ -219,14 +226,15 @@ def memory_stages(data: PlotData) -> Figure:
     ]
     on_gpu = any(c.endswith(".allocated_gib") for c in columns)
     key = "allocated_gib" if on_gpu else "cpu_max_rss_gib"
-    stages = dict.fromkeys(c.split(".")[1] for c in columns)  # as stored: record files sort their keys
+    stages = sorted(dict.fromkeys(c.split(".")[1] for c in columns), key=stage_rank)  # run order
     bars = [(stage, f"memory.{stage}.{key}") for stage in stages if f"memory.{stage}.{key}" in columns]
     if on_gpu and "memory.end.peak_allocated_gib" in columns:
         bars.append(("training peak", "memory.end.peak_allocated_gib"))
     if not bars:
         raise NoData("no ok cell recorded memory by stage")
     means = cells[[c for _, c in bars]].apply(pd.to_numeric, errors="coerce").groupby(cells["variant"]).mean()
-    figure = Figure(figsize=(max(8.0, 0.4 * len(bars) * len(means) + 4), 5), layout="constrained")
+    legend = _legend_inches(means.index)
+    figure = Figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
@@ -240,7 +248,8 @@ def memory_stages(data: PlotData) -> Figure:
     ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
     what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"
     note = "" if on_gpu else " (CPU run: max RSS only grows)"
-    ax.set(title=f"Memory by stage at {data.reference_label}{note}", xlabel="stage", ylabel=what)
+    _title(figure, f"Memory by stage at {data.reference_label}{note}", legend)
+    ax.set(xlabel="stage", ylabel=what)
     ax.grid(axis="y", alpha=0.3)
     figure.legend(loc="outside right upper", title="strategy")
     return figure
@@ -274,7 +283,7 @@ def scaling(data: PlotData) -> Figure:
 
 
 PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
-    ("throughput", "Tokens/s per GPU vs per-device batch, per strategy", throughput),
+    ("throughput", "Tokens/s per rank (a GPU, or a process on the CPU) vs per-device batch, per strategy", throughput),
     ("memory", "Peak memory vs per-device batch, with the GPU's capacity when known", memory),
     ("mfu", "MFU heatmap: strategy x per-device batch", mfu),
     ("gpu_utilisation", "Mean GPU utilisation: strategy x per-device batch", gpu_utilisation),
@@ -307,10 +316,15 @@ def _styles(variants: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _facets(
-    frame: pd.DataFrame, title: str, panel: tuple[float, float] = (5.0, 3.6)
+    frame: pd.DataFrame,
+    title: str,
+    panel: tuple[float, float] = (5.0, 3.6),
+    labels: float = 0.5,
+    legend: float = 2.0,
 ) -> tuple[Figure, list[tuple[str, Axes, pd.DataFrame]]]:
     """One panel per setting (grad_accum, checkpointing, ...), at most MAX_PANELS of them, on
-    shared axes: panels compare at a glance, and only the outer ones carry tick labels."""
+    shared axes: panels compare at a glance, and only the outer ones carry tick labels. `labels`
+    and `legend`: the inches the tick labels take on the left, the legend on the right."""
     groups = list(frame.groupby("setting", observed=True, sort=True))
     if len(groups) > MAX_PANELS:
         kept = set(sorted(range(len(groups)), key=lambda i: -len(groups[i][1]))[:MAX_PANELS])
@@ -318,13 +332,33 @@ def _facets(
         groups = [group for i, group in enumerate(groups) if i in kept]
     cols = min(3, len(groups))
     rows = math.ceil(len(groups) / cols)
-    figure = Figure(figsize=(panel[0] * cols + 2.5, panel[1] * rows + 1.2), layout="constrained")
+    figure = Figure(figsize=(panel[0] * cols + labels + legend, panel[1] * rows + 1.2), layout="constrained")
     axes = figure.subplots(rows, cols, squeeze=False, sharex=True, sharey=True).ravel()
     for i in range(len(groups), len(axes)):
         axes[i].set_visible(False)
         axes[i - cols].xaxis.set_tick_params(labelbottom=True)  # now the bottom panel of its column
-    figure.suptitle(title, fontsize=13, fontweight="bold")
+    _title(figure, title, legend)
     return figure, [(str(setting), ax, part) for (setting, part), ax in zip(groups, axes)]
+
+
+def _text_inches(labels: Any) -> float:
+    """About how wide the longest of these labels is drawn: what a legend or tick labels take."""
+    return INCHES_PER_CHAR * max((len(str(label)) for label in labels), default=0)
+
+
+def _legend_inches(labels: Any) -> float:
+    """The width a legend of these labels takes beside the plot (its box and markers included)."""
+    return _text_inches(labels) + 1.0
+
+
+def _title(figure: Figure, text: str, legend: float) -> None:
+    """The figure's title, centred over the plots left of the legend (`legend` inches wide, top
+    right) and each line wrapped to that width: a long reference label or a wide legend never
+    pushes it past the canvas or over the legend."""
+    width = figure.get_figwidth() - legend
+    chars = max(30, int(width / (INCHES_PER_CHAR * TITLE_SIZE / 10)))
+    wrapped = "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+    figure.suptitle(wrapped, x=width / 2 / figure.get_figwidth(), fontsize=TITLE_SIZE, fontweight="bold")
 
 
 def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
@@ -335,7 +369,8 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
-    figure, panels = _facets(frame, title)
+    legend = [*frame["variant"], *(levels or {}), *(["search probe: did not fit"] if not probes.empty else [])]
+    figure, panels = _facets(frame, title, legend=_legend_inches(legend))
     for setting, ax, part in panels:
         for variant, line in part.groupby("variant", sort=True):
             line = line.sort_values("batch_size")
@@ -379,7 +414,8 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
     if low == high:  # one value everywhere: centre it in the colour map instead of an undefined scale
         low, high = low - (abs(low) * 0.05 or 1.0), high + (abs(high) * 0.05 or 1.0)
     variants, batches = sorted(frame["variant"].unique()), sorted(frame["batch_size"].unique())
-    figure, panels = _facets(frame, title, panel=(0.75 * len(batches) + 1.5, 0.4 * len(variants) + 1.0))
+    panel = (0.75 * len(batches) + 1.5, 0.4 * len(variants) + 1.0)
+    figure, panels = _facets(frame, title, panel=panel, labels=_text_inches(variants), legend=2.0)
     for setting, ax, part in panels:
         grid = part.pivot_table(index="variant", columns="batch_size", values=column, aggfunc="mean")
         values = grid.reindex(index=variants, columns=batches).to_numpy(dtype=float)

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from ..contracts.files import RecordError, read_json_object
-from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, record_state, spec_problem
+from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state, spec_problem
 from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..contracts.validity import invalid_reasons
 from ..progress import Progress
@@ -99,14 +99,15 @@ def load_records(
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:
     """Spec fields become top-level columns so tables can group by any of them; other nested
-    objects become dotted columns (memory.end.peak_allocated_gib, versions.torch). Lists such as
-    `losses` stay lists. The traceback and the ranks' resources stay in the record file."""
+    objects become dotted columns (memory.end.peak_allocated_gib, versions.torch; memory's stages
+    in run order, not the file's sorted order). Lists such as `losses` stay lists. The traceback
+    and the ranks' resources stay in the record file."""
     row: dict[str, Any] = {}
     for key, value in record.items():
         if key in ("spec", "traceback", "ranks"):
             continue
         if isinstance(value, dict):
-            _add_dotted(row, key, value)
+            _add_dotted(row, key, memory_in_stage_order(value) if key == "memory" else value)
         else:
             row[key] = value
     row.update(record["spec"])

@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
+from ..contracts.recordschema import declared_type
 from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs
@@ -23,7 +24,6 @@ from .render import Section, to_html, to_markdown
 from .scaling import scaling_table
 from .tables import (
     DEFAULT_BASELINES,
-    METRIC_NAMES,
     baseline_table,
     best_table,
     choose_baseline,
@@ -31,8 +31,9 @@ from .tables import (
     environment_table,
     failures_table,
     fmt,
+    frame_rank_words,
     frontier_table,
-    on_cpu,
+    metric_name,
     pivot_tables,
     printable,
     probe_rows,
@@ -140,28 +141,29 @@ def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[st
 def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
     """A parquet column holds one type. Records checked only where the collector computes can
     still disagree elsewhere (a field text in one record, a number in another): such a column
-    is written as text, with a note naming it; results.csv keeps the values as read."""
+    is written as text, with a note naming it; results.csv keeps the values as read. A column
+    with no value at all (a GPU figure of a CPU sweep), which Arrow would type `null` (some
+    readers refuse it), gets the type the record declares for it (recordschema.declared_type),
+    else string."""
     import pyarrow
 
-    try:
-        with atomic_output(path) as tmp:
-            table.to_parquet(tmp, index=False)
-        return []
-    except pyarrow.ArrowException:
-        mixed = [column for column in table.columns[table.dtypes == "object"] if not _arrow_converts(table[column])]
-        with atomic_output(path) as tmp:
-            table.assign(**{column: table[column].map(_as_text) for column in mixed}).to_parquet(tmp, index=False)
-        return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"]
+    fields, mixed = [], []
+    for column in table.columns:
+        try:
+            kind = pyarrow.array(table[column], from_pandas=True).type
+        except pyarrow.ArrowException:
+            mixed.append(column)
+            kind = pyarrow.string()
+        if pyarrow.types.is_null(kind):
+            kind = getattr(pyarrow, ARROW_TYPES.get(declared_type(column) or str, "string"))()
+        fields.append(pyarrow.field(column, kind))
+    typed = table.assign(**{column: table[column].map(_as_text) for column in mixed})
+    with atomic_output(path) as tmp:
+        typed.to_parquet(tmp, index=False, schema=pyarrow.schema(fields))
+    return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"] if mixed else []
 
 
-def _arrow_converts(column: pd.Series) -> bool:
-    import pyarrow
-
-    try:
-        pyarrow.array(column, from_pandas=True)
-    except pyarrow.ArrowException:
-        return False
-    return True
+ARROW_TYPES = {float: "float64", int: "int64", bool: "bool_", str: "string"}  # declared type -> pyarrow's
 
 
 def _as_text(value: Any) -> str | None:
@@ -243,7 +245,7 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
             continue
         sections.append(
             Section(
-                f"Pivot: {METRIC_NAMES[metric]}",
+                f"Pivot: {metric_name(metric, cells.frame)}",
                 text="Strategy x per-device batch; a cell that did not run ok shows its status.",
             )
         )
@@ -301,7 +303,7 @@ def recommendation(configs: pd.DataFrame, cells: Cells) -> list[str]:
     by_name = pd.to_numeric(named.map(lambda n: gpu_memory_gib(str(n)) if pd.notna(n) else None), errors="coerce")
     ranked["capacity"] = ranked["memory_capacity_gib"].fillna(by_name)
     fastest = ranked.loc[ranked["tokens_per_s"].idxmax()]
-    ranks = "process(es)" if on_cpu(cells.frame) else "GPU(s)"  # no GPU in a device: cpu sweep
+    ranks = frame_rank_words(cells.frame).count
     lines = [
         f"Fastest: {setup_words(fastest, cells)}: {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s'])} tokens/s "
         f"for the job, {int(fastest['gpus'])} {ranks} x {fmt('tokens_per_s_per_gpu', fastest['tokens_per_s_per_gpu'])} "
@@ -334,7 +336,7 @@ def _cheapest_line(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> st
     cost = "joules_per_token" if by_energy else "gpu_hours_per_billion_tokens"
     cheapest = ranked.sort_values(cost, kind="stable").iloc[0]  # the first of equals, as idxmin
     same = " (also the fastest)" if cheapest.name == fastest.name else ""
-    hours = "process-hours" if on_cpu(cells.frame) else "GPU-hours"
+    hours = frame_rank_words(cells.frame).hours
     gpu_hours = f"{cheapest['gpu_hours_per_billion_tokens']:.3g} {hours} per billion tokens"
     if by_energy:
         return (
@@ -364,7 +366,7 @@ def _best_section(configs: pd.DataFrame, cells: Cells) -> Section:
         return Section("Best configuration", text=_none_ok(cells))
     top = configs.iloc[int(np.nanargmax(configs["tokens_per_s_per_gpu"].astype(float).to_numpy()))]
     where = describe({"batch_size": top["batch_size"], **{f: top[f] for f in cells.fixed}})
-    per = "process" if on_cpu(cells.frame) else "GPU"  # no GPU in a device: cpu sweep
+    per = frame_rank_words(cells.frame).one
     text = (
         f"Best overall: {top['variant']} at {where}: {fmt('tokens_per_s_per_gpu', top['tokens_per_s_per_gpu'])} "
         f"tokens/s per {per} (cell {top['cell_id']}). Per strategy, by tokens/s per {per} among ok cells:"
@@ -381,7 +383,7 @@ def _baseline_section(configs: pd.DataFrame, cells: Cells, requested: str | None
     table = baseline_table(configs, cells, baseline)
     if table.empty:
         return Section(title, text=f"No ok {baseline} cell shares a workload with another strategy's ok cell.")
-    per = "process" if on_cpu(cells.frame) else "GPU"
+    per = frame_rank_words(cells.frame).one
     text = (
         f"Baseline: {baseline}, compared at the same model, sequence, batch shape, checkpointing and "
         f"resources. Speed-up = tokens/s per {per} / baseline's; memory saving = 1 - peak / baseline's peak."

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..contracts.gpus import GPU_WORDS, PROCESS_WORDS, RankWords, rank_words
 from ..contracts.record import (
     MISSING,
     STATUSES,
@@ -69,10 +70,10 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
     columns[SPREAD_HEADER] = spread_texts(ranked)
     columns["cell"] = ranked["cell_id"].map(value_text)
     table = pd.DataFrame(columns, columns=headers).reset_index(drop=True)
-    return table.rename(columns={"tokens/s/gpu": PER_PROCESS}) if on_cpu(frame) else table
+    return in_rank_words(table, frame)
 
 
-PER_PROCESS = "tokens/s/process"  # the cell table's tokens/s/gpu where no cell used a GPU
+PER_PROCESS = PROCESS_WORDS.rate  # the cell table's tokens/s/gpu where no cell used a GPU
 SPREAD_HEADER = "p10-p90"  # beside tokens/s: the window's slow and fast steps (contracts/record.py Spread)
 
 
@@ -96,11 +97,21 @@ def _outcome(frame: pd.DataFrame) -> pd.Series:
     return frame["outcome"] if "outcome" in frame else frame["status"]
 
 
-def on_cpu(frame: pd.DataFrame) -> bool:
-    """No cell of these used a GPU: every record's device_type says cpu (cells without a record
-    aside). Their tables then speak of processes, not GPUs."""
-    devices = frame["device_type"].dropna() if "device_type" in frame else pd.Series(dtype=object)
-    return bool(len(devices)) and bool(devices.eq("cpu").all())
+def frame_rank_words(frame: pd.DataFrame) -> RankWords:
+    """GPU words, or process words where every record's device_type says cpu (cells without a
+    record aside): what the tables and the report call a rank of these cells."""
+    return rank_words(frame.get("device_type", ()))
+
+
+def metric_name(metric: str, frame: pd.DataFrame) -> str:
+    """A metric's short name (METRIC_NAMES) in frame's rank words: tokens/s/process on the CPU."""
+    return METRIC_NAMES[metric].replace(GPU_WORDS.rate, frame_rank_words(frame).rate)
+
+
+def in_rank_words(table: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
+    """The table with its tokens/s/gpu headers ("ddp tokens/s/gpu" too) in frame's rank words."""
+    rate = frame_rank_words(frame).rate
+    return table.rename(columns=lambda header: header.replace(GPU_WORDS.rate, rate))
 
 
 # What `collect --json` gives of each cell: (DataFrame column, key), the figures the table shows.
@@ -207,7 +218,7 @@ def best_table(configs: pd.DataFrame, cells: Cells) -> pd.DataFrame:
     rows = _config_rows(best, cells, ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib"))
     after_tokens = list(rows.columns).index(METRIC_NAMES["tokens_per_s_per_gpu"]) + 1
     rows.insert(after_tokens, SPREAD_HEADER, spread_texts(best).to_numpy())
-    return rows
+    return in_rank_words(rows, cells.frame)
 
 
 def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.DataFrame:
@@ -230,7 +241,7 @@ def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.Dat
     rows[f"{baseline} peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["base_peak_memory_gib"]]
     saving = 1 - paired["peak_memory_gib"] / paired["base_peak_memory_gib"]
     rows["memory saving"] = [f"{v:.1%}" if pd.notna(v) else "-" for v in saving]
-    return rows
+    return in_rank_words(rows, cells.frame)
 
 
 def probe_rows(cells: Cells) -> pd.DataFrame:
@@ -421,14 +432,24 @@ def history_table(rows: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def _utc_text(moment: Any) -> str | None:
+    """A history time (stored as UTC without a zone) as ISO 8601 that says it: ...T12:00:00+00:00."""
+    if pd.isna(moment):
+        return None
+    stamp = pd.Timestamp(moment)
+    return (stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")).isoformat()
+
+
 def history_document(rows: pd.DataFrame) -> dict[str, Any]:
-    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601, UTC),
+    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601 with its
+    offset, +00:00),
     with each run's Slurm job, git commit, sweep folder and the first line of its error."""
     shown = [column for column, _ in HISTORY_COLUMNS]
     extra = ("slurm_job_id", "git_commit", "sweep_dir", "error")
     runs = [
         {
             **{column: row[column] for column in shown},
+            "started_at": _utc_text(row["started_at"]),
             "job_id": row["slurm_job_id"],
             "git_commit": row["git_commit"],
             "sweep_dir": row["sweep_dir"],

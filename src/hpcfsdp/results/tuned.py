@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..contracts.files import RecordError
+from ..contracts.gpus import rank_words_named
 from ..sweep.folder.tune_outcome import read_outcome
 from .render import Section
 
@@ -26,10 +27,11 @@ def tune_section(sweep_dir: Path) -> Section | None:
     best = found.get("best") or {}
     spend = found.get("spend") or {}
     grid = spend.get("grid_estimate_gpu_hours")
-    spent = f"{spend.get('tune_gpu_hours') or 0.0:.4f} GPU-hours in {spend.get('launches') or 0} launch(es)"
+    words = rank_words_named(found.get("rank"))  # GPU, or process on the CPU (tune.json's `rank`)
+    spent = f"{spend.get('tune_gpu_hours') or 0.0:.4f} {words.hours} in {spend.get('launches') or 0} launch(es)"
     text = (
         f"Chosen by `hpcfsdp tune`: {best.get('cell_id') or 'none'}"
-        + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU" if best.get("tokens_per_s_per_gpu") else "")
+        + (f", {best['tokens_per_s_per_gpu']:,.1f} tokens/s {words.per}" if best.get("tokens_per_s_per_gpu") else "")
         + (f" (mean of {len(best['runs_tokens_per_s_per_gpu'])} runs)" if best.get("runs_tokens_per_s_per_gpu") else "")
         + (f", within noise of {', '.join(best['within_noise_of'])}" if best.get("within_noise_of") else "")
         + f". The search spent {spent}"

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from ..contracts.files import RecordError, write_json
+from ..contracts.gpus import rank_words_named
 from ..contracts.record import RECORD_NAME, read_record
 from ..contracts.validity import invalid_reasons, within_noise
-from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.define.matrix import Cell, Sweep, cells_rank_words
 from ..sweep.folder.layout import TUNE_NAME, cell_dir
 from ..sweep.launch.plan import PLAN_FIELDS
 from . import gridcost
@@ -53,6 +54,7 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
     spent = sum(by_stage.values())
     return {
         "sweep": sweep.name,
+        "rank": cells_rank_words(sweep.cells).one,  # what tokens/s and hours are per: GPU, or process on the CPU
         "best": best,
         "ranking": ranked,
         "oom_frontier": [r for r in ranked if r["status"] == "oom"],
@@ -150,15 +152,16 @@ def write_outcome(sweep_dir: Path, found: dict[str, Any]) -> Path:
 
 
 def summary_lines(found: dict[str, Any]) -> list[str]:
+    words = rank_words_named(found.get("rank"))  # GPU, or process on the CPU
     lines = [*(f"note: {note}" for note in found["notes"])]
     best = found["best"]
     if best:
         setup = " ".join(f"{k}={v}" for k, v in best["setup"].items())
-        speed = f"{best['tokens_per_s_per_gpu']:,.1f} tokens/s per GPU"
+        speed = f"{best['tokens_per_s_per_gpu']:,.1f} tokens/s {words.per}"
         lines.append(f"chosen: {best['cell_id']} ({setup}): {speed}{_sureness(best)}")
     else:
         lines.append("chosen: none (no setup finished its final stage ok)")
-    lines.append("ranking (furthest stage first, then tokens/s per GPU):")
+    lines.append(f"ranking (furthest stage first, then tokens/s {words.per}):")
     for rank, row in enumerate(found["ranking"], 1):
         speed = f"{row['tokens_per_s_per_gpu']:>12,.1f}" if row["status"] == "ok" else f"{row['status']:>12}"
         setup = " ".join(f"{k}={v}" for k, v in row["setup"].items())
@@ -173,7 +176,7 @@ def summary_lines(found: dict[str, Any]) -> list[str]:
     spend = found["spend"]
     grid = spend["grid_estimate_gpu_hours"]
     versus = f" against about {grid:.4f} for the grid ({spend['grid_estimate_basis']})" if grid else ""
-    lines.append(f"spent {spend['tune_gpu_hours']:.4f} GPU-hours in {spend['launches']} launch(es){versus}")
+    lines.append(f"spent {spend['tune_gpu_hours']:.4f} {words.hours} in {spend['launches']} launch(es){versus}")
     return lines
 
 

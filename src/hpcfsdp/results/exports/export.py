@@ -46,6 +46,18 @@ def tracking_uri(destination: str) -> str:
     return Path(destination).resolve().as_uri()
 
 
+def artifact_location(uri: str, sweep: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a sqlite database, in
+    <its folder>/mlartifacts/<sweep>, as an absolute file: URI. MLflow's default there is
+    ./mlartifacts of the directory the export ran in, which another directory's `mlflow ui` does
+    not find. None (MLflow's own choice) for a file store (its folder holds them), another
+    database or a server (the server's artifact root)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///").split("?", 1)[0]).resolve()
+    return (database.parent / "mlartifacts" / sweep).as_uri()
+
+
 def _database_needs(uri: str) -> None:
     """A database store (sqlite:///x.db, postgresql://...) is MLflow's SQLAlchemy store, which
     mlflow-skinny alone lacks (it then fails on the model registry, in a 44-line traceback):
@@ -106,7 +118,9 @@ def _mlflow(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int,
     _database_needs(uri)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(sweep)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(sweep)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(sweep, artifact_location(uri, sweep))
+    )
     exported = _exported_attempts(client, experiment_id)
     written = skipped = 0
     for run in runs:

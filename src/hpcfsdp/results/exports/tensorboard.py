@@ -5,11 +5,22 @@ Written with tensorboard's own event file writer and protos, as torch's SummaryW
 torchtitan) writes them: plain scalar summaries, which `EventAccumulator.Scalars()` reads, each
 at its step and the wall time the record gives it; the hparams session's start, and its end with a
 status (success for an ok cell, failure for any other), so the HParams dashboard can filter on it.
+
+The experiment declares each hparam with its type and, where its values are few, their domain
+(strings, booleans, a handful of numbers: the dashboard filters by checkbox; more numbers: an
+interval), the hparams whose value differs between the runs first: those the dashboard shows as
+columns are the ones that tell runs apart. Without a type the dashboard can filter on nothing,
+and with 60 columns in the spec's order the varying ones are hidden.
+
+Each file is named from the cell (its record's start and the cell id), not from the export's time,
+host and process as the event writer names it: a re-export writes the same names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .runs import FIGURES, FINAL_PREFIX, ExportedRun, import_extra
 
@@ -23,7 +34,7 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     root = Path(destination) / sweep
-    hparam_names: dict[str, None] = {}
+    declared: list[dict[str, Any]] = []
     for run in runs:
         folder = root / run.cell_id  # the cell's folder name (read.load_records): one plain name
         for old in folder.glob("events.out.tfevents.*"):  # a re-export replaces the run
@@ -32,7 +43,7 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
         writer = EventFileWriter(str(folder))
         try:
             hparams = {**run.spec, "status": run.status, **run.provenance}
-            hparam_names.update(dict.fromkeys(hparams))
+            declared.append(hparams)
             start = hp.hparams_pb(hparams, trial_id=run.cell_id, start_time_secs=run.started_at)
             writer.add_event(event_pb2.Event(wall_time=run.started_at or end, summary=start))
             for step, loss in run.losses:
@@ -54,19 +65,64 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
             )
         finally:
             writer.close()
+        _name_from_cell(folder, f"{int(run.started_at or 0):010d}.{run.cell_id}")
     for old in root.glob("events.out.tfevents.*"):
         old.unlink()
     writer = EventFileWriter(str(root))
+    first = min((run.started_at or 0.0 for run in runs), default=0.0)
     try:  # the experiment: which hparams and metrics the HParams dashboard shows as columns
-        config = hp.hparams_config_pb(
-            hparams=[hp.HParam(name) for name in hparam_names],
-            metrics=[hp.Metric(FINAL_PREFIX + name) for name in FIGURES],
-        )
-        first = min((run.started_at or 0.0 for run in runs), default=0.0)
-        writer.add_event(event_pb2.Event(wall_time=first, summary=config))
+        writer.add_event(event_pb2.Event(wall_time=first, summary=experiment_summary(declared)))
     finally:
         writer.close()
+    _name_from_cell(root, f"{int(first):010d}.{sweep}")
     return len(runs), 0
+
+
+def experiment_summary(runs: Sequence[dict[str, Any]]):  # -> summary_pb2.Summary
+    """The experiment of these runs' hparams: each with its domain, those whose value differs
+    between runs first and marked `differs` (the dashboard sorts on it, then on the name, and
+    shows the first ones), then the others; and the records' figures as metrics."""
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+    from tensorboard.plugins.hparams import summary_v2 as hp
+
+    names = list(dict.fromkeys(name for hparams in runs for name in hparams))
+    values = {name: [hparams.get(name) for hparams in runs] for name in names}
+    varying = [name for name in names if len({repr(value) for value in values[name]}) > 1]
+    ordered = [*varying, *(name for name in names if name not in varying)]
+    config = hp.hparams_config_pb(
+        hparams=[hp.HParam(name, _domain(values[name])) for name in ordered],
+        metrics=[hp.Metric(FINAL_PREFIX + name) for name in FIGURES],
+    )
+    experiment = metadata.parse_experiment_plugin_data(config.value[0].metadata.plugin_data.content)
+    for info in experiment.hparam_infos:
+        info.differs = info.name in varying
+    return _plugin_summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment))
+
+
+DISCRETE_NUMBERS = 20  # at most this many distinct numbers: a checkbox each; more: an interval
+
+
+def _domain(values: list[Any]):  # -> hp.Domain | None
+    """The hparam's domain from the values the runs that have it give it (a failed cell has no
+    Slurm job id); None (no type) when they mix types."""
+    from tensorboard.plugins.hparams import summary_v2 as hp
+
+    values = [value for value in values if value is not None]
+    kinds = {bool if isinstance(v, bool) else float if isinstance(v, (int, float)) else type(v) for v in values}
+    if len(kinds) != 1 or kinds - {bool, float, str}:
+        return None
+    (kind,) = kinds
+    distinct = sorted({kind(value) for value in values})
+    if kind is float and len(distinct) > DISCRETE_NUMBERS:
+        return hp.RealInterval(distinct[0], distinct[-1])
+    return hp.Discrete(distinct, dtype=kind)
+
+
+def _name_from_cell(folder: Path, name: str) -> None:
+    """Rename the one event file of folder (the writer names it events.out.tfevents.<now>.<host>.
+    <pid>.<n>) events.out.tfevents.<name>: TensorBoard reads any file whose name holds `tfevents`."""
+    (path,) = folder.glob("events.out.tfevents.*")  # the runs' earlier files are deleted before writing
+    path.rename(path.with_name(f"events.out.tfevents.{name}"))
 
 
 def _scalar(tag: str, value: float):  # -> summary_pb2.Summary (tensorboard is imported lazily)

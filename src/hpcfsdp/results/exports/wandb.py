@@ -1,5 +1,7 @@
 """`hpcfsdp export --to wandb DIR`: offline Weights & Biases runs in DIR/wandb/offline-run-<time>-<id>/,
-project = the sweep (docs/history.md). Nothing leaves the machine: `wandb sync` uploads them.
+project = the sweep (docs/history.md). Nothing leaves the machine: `wandb sync` uploads them. The
+folder's time is the record's start (UTC), not the export's, and its id is the record's
+(wandb_run_id): the same record is the same folder in every export.
 
 wandb.init describes the process that calls it, so the run is told the record's host and git
 commit, and neither the exporting machine's metadata, requirements nor git checkout are read. It
@@ -15,6 +17,7 @@ import hashlib
 import json
 import struct
 import zlib
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,18 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
     for run, run_id in made:
         (log,) = (root / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
         _date_from_record(log, run)
+        _name_from_record(log.parent, run, run_id)
+    for link in (root / "wandb").iterdir():  # latest-run, debug.log: links into the last folder by its old name
+        if link.is_symlink() and not link.exists():
+            link.unlink()
     return len(made), skipped
+
+
+def _name_from_record(folder: Path, run: ExportedRun, run_id: str) -> None:
+    """offline-run-<the record's start, UTC, as wandb writes a time>-<run id>: wandb names it
+    from the time of the export."""
+    started = datetime.fromtimestamp(run.started_at or 0.0, timezone.utc).strftime("%Y%m%d_%H%M%S")
+    folder.rename(folder.with_name(f"offline-run-{started}-{run_id}"))
 
 
 def _write_run(wandb: Any, run: ExportedRun, run_id: str, sweep: str, root: Path) -> None:

@@ -9,6 +9,7 @@ one copy to keep up to date.
 
 from __future__ import annotations
 
+import re
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -30,11 +31,17 @@ def examples() -> dict[str, Path]:
 
 
 def summary(path: Path) -> str:
-    """The file's first comment line: what the example is."""
+    """What the example is: the first sentence of the file's opening comment, whole (its lines
+    joined; a command line, indented in the comment, ends the prose)."""
+    prose: list[str] = []
     for line in path.read_text().splitlines():
-        if line.startswith("#") and not line.startswith("#!"):
-            return line.lstrip("#").strip()
-    return ""
+        if line.startswith("#!"):
+            continue
+        text = line[1:].removeprefix(" ") if line.startswith("#") and not line.startswith("#SBATCH") else None
+        if text is None or text.startswith(" ") or not text:
+            break
+        prose.append(text)
+    return re.split(r"(?<=[.!?])\s", " ".join(prose), maxsplit=1)[0]
 
 
 def listing() -> list[str]:

@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ...contracts.fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ...contracts.gpus import RankWords, rank_words
 from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
@@ -87,6 +88,17 @@ def arrays(cells: Iterable[Cell], max_size: int | None) -> list[tuple[tuple[int,
         size = max_size or len(group)
         out += [(shape, group[start : start + size]) for start in range(0, len(group), size)]
     return out
+
+
+def cells_rank_words(cells: Iterable[Cell]) -> RankWords:
+    """What one rank of these cells is called in what is printed (GPU, or process on the CPU)."""
+    return rank_words(cell.spec.device for cell in cells)
+
+
+def cells_on_shape(cells: list[Cell], nodes: int, ranks: int, count: int | None = None) -> str:
+    """ "3 cell(s) on 2 node(s) x 4 GPU(s)" (process(es) on the CPU): `count` of these cells, else all."""
+    shown = len(cells) if count is None else count
+    return f"{shown} cell(s) on {nodes} node(s) x {ranks} {cells_rank_words(cells).count}"
 
 
 def cell_id(spec: RunSpec) -> str:
@@ -329,6 +341,29 @@ def _plain_partial(values: dict) -> str:
 def plain_value(value: object) -> str:
     """YAML's spelling: true / false, not Python's."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def varying_columns(specs: list[Mapping[str, Any]], already: Iterable[str]) -> dict[str, list[str]]:
+    """The RunSpec fields other than those `already` shown whose value differs between these specs (a RunSpec's
+    to_dict, or a cell's spec.json): name -> each spec's value as YAML spells it. What tells two
+    rows of a table apart where the cell ids alone would look alike (optimizer_order, cpu_offload)."""
+    left_out = set(already)
+    names = [
+        name
+        for name in field_names(RunSpec)
+        if name not in left_out and len({plain_value(spec.get(name, "-")) for spec in specs}) > 1
+    ]
+    return {name: [plain_value(spec.get(name, "-")) for spec in specs] for name in names}
+
+
+def column_texts(columns: dict[str, list[str]], rows: int) -> tuple[str, list[str]]:
+    """varying_columns as text to append to a table: the header's part, then each row's, every
+    value right-aligned in its column."""
+    widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
+    header = "".join(f" {name:>{widths[name]}}" for name in columns)
+    return header, [
+        "".join(f" {values[row]:>{widths[name]}}" for name, values in columns.items()) for row in range(rows)
+    ]
 
 
 def _cell_error(

@@ -40,7 +40,7 @@ def sweep_lock(sweep_dir: Path, log: Callable[[str], None], command: Literal["su
                 "waiting for it to finish (Ctrl-C to stop waiting)"
             )
             fcntl.flock(fd, fcntl.LOCK_EX)
-        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        since = time.strftime("%Y-%m-%d %H:%M:%S %z")  # with the offset: readers elsewhere see the zone
         write_lock_note(fd, f"{command}: pid {os.getpid()} on {os.uname().nodename}, since {since}")
         try:
             yield

@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
-from ...contracts.fields import SpecError, field_names
-from ...contracts.spec import RunSpec
-from ..define.matrix import Cell, Sweep, arrays, plain_value
+from ...contracts.fields import SpecError
+from ...contracts.gpus import GPU_WORDS
+from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, cells_rank_words, column_texts, varying_columns
 from ..track.cluster import array_size_limit
 from .environment import sbatch_from_shell, sbatch_note
 
-RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
-
-
-def rank_word(cells: Iterable[Cell]) -> str:
-    """What one rank of these cells runs on, as plan names it: a GPU, or, where every cell says
-    `device: cpu`, a process."""
-    return "process" if all(cell.spec.device == "cpu" for cell in cells) else "GPU"
 
 
 def print_plan(sweep: Sweep, memory: bool = False) -> int:
@@ -35,13 +28,13 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
     print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s){where}")
     sys.stdout.write("\n".join(memory_table(sweep) if memory else plan_table(sweep, planned)) + "\n")
     for index, ((nodes, gpus), cells) in enumerate(planned):
-        print(f"array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]}")
+        print(f"array {index}: {cells_on_shape(cells, nodes, gpus)}")
     if len(planned) > len(sweep.groups()):
         limit = "slurm.max_array_size" if size == res.max_array_size else "the cluster's MaxArraySize"
         print(f"(an array holds at most {size} cells: {limit})")
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(
-        f"upper bound: {rank_hours(sweep):.1f} {rank_word(sweep.cells)}-hours at a {res.time_min} min limit "
+        f"upper bound: {rank_hours(sweep):.1f} {cells_rank_words(sweep.cells).hours} at a {res.time_min} min limit "
         f"per cell{requeues}"
     )
     if res.pass_env:
@@ -91,11 +84,17 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
         "exit_status": 2 if problems else 0,
         "cells": list(cells.values()),
         "arrays": [
-            {"array": index, "nodes": nodes, "ranks_per_node": ranks, "rank": rank_word(members), "cells": len(members)}
+            {
+                "array": index,
+                "nodes": nodes,
+                "ranks_per_node": ranks,
+                "rank": cells_rank_words(members).one,
+                "cells": len(members),
+            }
             for index, ((nodes, ranks), members) in enumerate(planned)
         ],
         "upper_bound_hours": rank_hours(sweep),
-        "hours_of": rank_word(sweep.cells),
+        "hours_of": cells_rank_words(sweep.cells).one,
         "time_min": res.time_min,
         "max_requeue": res.max_requeue,
         "problems": problems,
@@ -133,9 +132,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     for index, ((nodes, gpus), cells) in enumerate(
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     ):
-        print(
-            f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]} ====="
-        )
+        print(f"# ===== array {index}: {cells_on_shape(cells, nodes, gpus)} =====")
         print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
     return 0
 
@@ -143,25 +140,18 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
 def plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) -> list[str]:
     cells = sweep.cells
     array_of = {cell.id: index for index, (_, members) in enumerate(planned) for cell in members}
-    varying = [
-        name
-        for name in field_names(RunSpec)
-        if name not in PLAN_FIELDS and len({getattr(c.spec, name) for c in cells}) > 1
-    ]
-    columns = {name: [plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
-    widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
+    extra_header, extra = column_texts(varying_columns([c.spec.to_dict() for c in cells], PLAN_FIELDS), len(cells))
     id_width = max(4, *(len(c.id) for c in cells))
-    shape = "nodes x gpus" if rank_word(cells) == "GPU" else "nodes x procs"
+    shape = "nodes x gpus" if cells_rank_words(cells) == GPU_WORDS else "nodes x procs"
     lines = [
         f"{'cell':{id_width}} {'strategy':19} {'batch':>5} {'accum':>5} {'ckpt':>9} {shape:>12} {'array':>5}"
-        + "".join(f" {name:>{widths[name]}}" for name in varying)
+        + extra_header
     ]
     for row, cell in enumerate(cells):
         s = cell.spec
         lines.append(
             f"{cell.id:{id_width}} {s.strategy:19} {s.batch_size:5} {s.grad_accum:5} {s.activation_checkpointing:>9} "
-            f"{f'{s.nodes} x {s.gpus_per_node}':>12} {array_of[cell.id]:5}"
-            + "".join(f" {columns[name][row]:>{widths[name]}}" for name in varying)
+            f"{f'{s.nodes} x {s.gpus_per_node}':>12} {array_of[cell.id]:5}" + extra[row]
         )
     return lines
 
@@ -177,11 +167,14 @@ def memory_table(sweep: Sweep) -> list[str]:
     rows = predict_cells(sweep.cells, capacity, res.cache_dir or None)
     hosts = predict_host_cells(sweep.cells, res.cache_dir or None)
     id_width = max(4, *(len(r.cell_id) for r in rows))
+    # Then the fields that tell cells apart beyond these (optimizer_order, cpu_offload, nodes, ...)
+    shown = ("strategy", "batch_size", "activation_checkpointing", "seq_len")
+    extra_header, extra = column_texts(varying_columns([r.spec.to_dict() for r in rows], shown), len(rows))
     lines = [
-        f"{'cell':{id_width}} {'strategy':19} {'batch':>9} {'ckpt':>9} {'seq':>6} {'states':>7} {'gathered':>8} "
-        f"{'activ.':>7} {'loss':>7} {'peak GiB':>8} {'peak at':>9} {'host/node':>9} fit"
+        f"{'cell':{id_width}} {'strategy':19} {'batch':>9} {'ckpt':>9} {'seq':>6}{extra_header} {'states':>7} "
+        f"{'gathered':>8} {'activ.':>7} {'loss':>7} {'peak GiB':>8} {'peak at':>9} {'host/node':>9} fit"
     ]
-    for row in rows:
+    for index, row in enumerate(rows):
         s, p = row.spec, row.prediction
         batch = f"auto:{row.batch}" if s.auto_batch and capacity and s.device != "cpu" else str(row.batch)
         figures = (
@@ -195,8 +188,9 @@ def memory_table(sweep: Sweep) -> list[str]:
         fit = {"oom": "OOM", "": "n/a (cpu)" if s.device == "cpu" else "-"}.get(row.fit, row.fit)
         host = hosts[row.cell_id]
         lines.append(
-            f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6} "
-            f"{figures} {f'{host.node_gib:9.2f}' if host else '-':>9} {fit}" + (f"  ({row.note})" if row.note else "")
+            f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6}"
+            f"{extra[index]} {figures} {f'{host.node_gib:9.2f}' if host else '-':>9} {fit}"
+            + (f"  ({row.note})" if row.note else "")
         )
     lines.append("host/node: predicted host memory (RAM) per node, GiB; preflight compares it with slurm.mem_gb")
     if capacity is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask
-from ..define.matrix import Cell, Sweep, by_shape
+from ..define.matrix import Cell, Sweep, by_shape, cells_on_shape
 from ..predict.hostmemory import predict_host_cells, requested_mem_gb
 from ..track.cluster import Partition, array_size_limit, known_clusters, read_partitions, read_qos, tres_counts
 from .environment import shell_part_in, slurm_environment
@@ -79,8 +79,7 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
         if first is not None and all(found):  # the first partition's reason
             key, value, why = first
             problems.append(
-                f"{place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
-                f"can never run in {where}: {why}"
+                f"{place(sweep, key, value)}: {cells_on_shape(group, nodes, gpus)} can never run in {where}: {why}"
             )
     if problems:
         return problems
@@ -131,7 +130,7 @@ def host_memory_problems(sweep: Sweep, cells: list[Cell], partition: Partition) 
         over = [need for need in needs.values() if need * 1024 > given_mb]
         if over:
             problems.append(
-                f"{place(sweep, 'slurm.mem_gb')}: {len(over)} cell(s) on {nodes} node(s) x {gpus} GPU(s) are "
+                f"{place(sweep, 'slurm.mem_gb')}: {cells_on_shape(group, nodes, gpus, len(over))} are "
                 f"predicted to need {max(over):.1f} GiB of host memory per node, above the {given_mb / 1024:.1f} GiB "
                 f"they get ({how}); raise slurm.mem_gb to at least {math.ceil(max(over))} (or mem_gb: auto)"
             )
@@ -183,7 +182,7 @@ def qos_problems(sweep: Sweep, cells: list[Cell]) -> list[str]:
                 tres = beyond[0]
                 key, value = _tres_key(tres, nodes, gpus)
                 problems.append(
-                    f"{place(sweep, key, value)}: {len(group)} cell(s) on {nodes} node(s) x {gpus} GPU(s) can never "
+                    f"{place(sweep, key, value)}: {cells_on_shape(group, nodes, gpus)} can never "
                     f"start under QOS {qos.name}: they ask for {tres}={asked[tres]} per {scope}, above its "
                     f"MaxTRESPer{scope.capitalize()} {tres}={limits[tres]}"
                 )
@@ -228,7 +227,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
             why = refusal_text(exc.stderr)
         key = next((key for word, key in REFUSAL_KEYS if re.search(rf"\b{word}\b", why.lower())), "slurm")
         problems.append(
-            f"{place(sweep, key)}: Slurm refuses the array of {count} cell(s) on {nodes} node(s) x {gpus} GPU(s) "
+            f"{place(sweep, key)}: Slurm refuses the array of {cells_on_shape(group, nodes, gpus, count)} "
             f"(sbatch --test-only): {why}{shell_part_in(why, sweep)}"
         )
     return problems

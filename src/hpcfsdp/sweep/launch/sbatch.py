@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ...contracts.errors import UserError
 from ...contracts.spec import JOB_END_ENV, MAX_REQUEUE_ENV
-from ..define.matrix import Cell, Sweep, arrays
+from ..define.matrix import Cell, Sweep, arrays, cells_on_shape
 from ..define.resources import Resources
 from ..folder.layout import (
     cell_dir,
@@ -193,7 +193,7 @@ def _submit_array(
         except FailedJobError as exc:
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(
-                f"sbatch refused the array of {len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s): {reason}"
+                f"sbatch refused the array of {cells_on_shape(cells, nodes, gpus)}: {reason}"
                 + shell_part_in(reason, sweep)
             ) from None
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
@@ -211,8 +211,5 @@ def _submit_array(
             },
         )
     where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
-    log(
-        f"submitted array {jobs[0].job_id.split('_')[0]}{where}: "
-        f"{len(cells)} cell(s) on {nodes} node(s) x {gpus} GPU(s)"
-    )
+    log(f"submitted array {jobs[0].job_id.split('_')[0]}{where}: {cells_on_shape(cells, nodes, gpus)}")
     return job_ids

@@ -20,7 +20,7 @@ from ...contracts.files import RecordError, read_json_object
 from ...contracts.record import CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ...contracts.spec import SEARCHED_FIELDS
 from ...slurm import SlurmError, Watcher, on_cluster
-from ..define.matrix import Cell
+from ..define.matrix import Cell, column_texts, varying_columns
 from ..folder.layout import (
     MANIFEST_NAME,
     SLURM_DIR,
@@ -55,6 +55,7 @@ class CellStatus:
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
     resources: str = ""  # its record's resource_problems as one line (resources_line)
+    spec: dict[str, Any] = field(default_factory=dict, compare=False)  # its spec.json's: what tells it apart
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def sweep_status(
     for cid in cell_ids:
         jid = jobs.get(cid, "")
         job = queued.get(jid)
+        spec = _cell_spec(sweep_dir, cid)
+        strategy = str(spec["strategy"]) if isinstance(spec.get("strategy"), str) else "?"
         if job is None:
             ended = finished.get(jid)
             record = states[cid].record or {}
@@ -188,7 +191,7 @@ def sweep_status(
             cells.append(
                 CellStatus(
                     cid,
-                    _strategy(sweep_dir, cid),
+                    strategy,
                     states[cid].status,
                     jid,
                     ended.states[0] if ended else "",
@@ -196,19 +199,21 @@ def sweep_status(
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                     error=_first_line(record.get("error")) if states[cid].status != CellState.OK else "",
                     resources=resources_line(cid, record.get("resource_problems")) or "",
+                    spec=spec,
                 )
             )
         else:
             cells.append(
                 CellStatus(
                     cid,
-                    _strategy(sweep_dir, cid),
+                    strategy,
                     _scheduler_state(job.state),
                     jid,
                     job.state,
                     job.reason,
                     jid in blocked,
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
+                    spec=spec,
                 )
             )
     cells += [CellStatus(name, "?", CORRUPT) for name in unnamed]
@@ -255,13 +260,13 @@ def _blocked_jobs(queued: dict[str, QueuedJob], cluster: str) -> set[str]:
     }
 
 
-def _strategy(sweep_dir: Path, cell_id: str) -> str:
+def _cell_spec(sweep_dir: Path, cell_id: str) -> dict[str, Any]:
+    """The spec its spec.json holds; empty where there is none, or none readable."""
     try:
         spec = read_json_object(cell_dir(sweep_dir, cell_id) / SPEC_NAME, root=sweep_dir, kind="cell spec").get("spec")
     except (FileNotFoundError, RecordError):
-        return "?"
-    strategy = spec.get("strategy") if isinstance(spec, dict) else None
-    return strategy if isinstance(strategy, str) else "?"
+        return {}
+    return spec if isinstance(spec, dict) else {}
 
 
 def progress_line(report: StatusReport, width: int = 30) -> str:
@@ -347,16 +352,25 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     for c in report.cells:
         if c.resources:
             print(f"warning: {c.resources}", file=sys.stderr)
-    rows = [c for c in report.cells if c.state != "ok" or c.preempted]
-    if not rows:
+    shown = [i for i, c in enumerate(report.cells) if c.state != "ok" or c.preempted]
+    if not shown:
         return
+    rows = [report.cells[i] for i in shown]
+    # After the job, the fields beyond those the cell id spells that tell cells apart (optimizer_order, ...)
+    differ = varying_columns([c.spec for c in report.cells], ("strategy", "batch_size", "grad_accum"))
+    extra_header, extra = column_texts({name: [values[i] for i in shown] for name, values in differ.items()}, len(rows))
     width = max(4, *(len(c.cell_id) for c in rows))
-    print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
-    for c in rows:
+    strategy_width = max(len("strategy"), *(len(c.strategy) for c in rows))
+    state_width = max(len("state"), *(len(str(c.state)) for c in rows))  # cancelled, node_fail, preempted
+    print(f"{'cell':{width}} {'strategy':{strategy_width}} {'state':{state_width}} {'job':12}{extra_header} slurm")
+    for c, more in zip(rows, extra):
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
         slurm += f": {c.advice}" if c.advice else ""
         slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
-        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
+        print(
+            f"{c.cell_id:{width}} {c.strategy:{strategy_width}} {c.state:{state_width}} {c.job_id or '-':12}{more} "
+            f"{slurm}"
+        )
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
         print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
