@@ -44,6 +44,7 @@ class StatusCell(Strict):
     advice: str
     blocked: bool
     preempted: int
+    resources: str  # "" when the cell ran on what it asked for, else its resource_problems as one line
 
 
 class StatusAnswer(Strict):
