@@ -51,6 +51,7 @@ from .measure.metrics import (
     ok_record,
     reset_peak_memory,
 )
+from .measure.phases import PhaseClock, launch_span
 from .measure.provenance import launch_id, launch_rank, provenance
 from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
@@ -114,7 +115,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
     """Train one cell on this process's rank and write the record; returns the status. `sources`:
     the spec's model, data and tokenizer as resolved where the cell was planned; None (a spec given
     here): resolved in this process, at the cell's stage setup."""
-    started = time.time()
+    clock = PhaseClock(time.time())
     if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
         # run (by hand, or a command --executor print printed) is kept in attempts/, not overwritten.
@@ -130,10 +131,10 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
         error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_first_line(exc)}"
         if not _keeps_earlier_failure(cell_dir, "error"):
             failure = failure_record("error", "setup", error, traceback.format_exc(), failed_rank=launch_rank())
-            failure.update(_start_context(spec, cell_id, sweep, node, started))
+            failure.update(_start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
-    progress = _Progress()
+    progress = _Progress(clock)
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
@@ -145,7 +146,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
         print(f"[hpcfsdp] {cell_id}: {error}", flush=True)
         if not _keeps_earlier_failure(cell_dir, status):
             failure = failure_record(status, progress.stage, error, stack, failed_rank=env.rank)
-            failure.update(_context(progress.measured or spec, env, cell_id, sweep, [node], started))
+            failure.update(_context(progress.measured or spec, env, cell_id, sweep, [node], clock))
             write_record(path, failure)
 
     # Started while the entry point still holds the signals: its thread never takes them itself.
@@ -156,7 +157,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
         hosts = all_gather_objects(node) if status == "ok" else [node]
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
-            record.update(_context(spec, env, cell_id, sweep, hosts, started))
+            record.update(_context(spec, env, cell_id, sweep, hosts, clock))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
             final = _read_or(path, record)
@@ -203,6 +204,7 @@ def _trained_record(
 
 @dataclass
 class _Progress:
+    clock: PhaseClock  # where the launch's time went: the record's phases
     stage: str = "setup"
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
@@ -218,6 +220,7 @@ def _train_cell(
 
     def enter(stage: str) -> None:
         progress.stage = stage
+        progress.clock.enter(stage)
         inject_fault(stage, env)
 
     enter("setup")
@@ -292,6 +295,7 @@ def _train_cell(
             progress.watchdog.disarm()
         if sampler is not None:
             sampler.stop()
+    progress.clock.trained(log)
     memory["end"] = memory_reading(env.device)
     record = ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(
@@ -386,7 +390,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: float) -> Record:
+def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, clock: PhaseClock) -> Record:
     """What a record of a rank that never formed its process group can say of where it ran."""
     return {
         "cell_id": cell_id,
@@ -395,12 +399,11 @@ def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: 
         "nodes": spec.nodes,
         "hostnames": [node],
         **provenance(),
-        "started_at": started,
-        "duration_s": time.time() - started,
+        **_timing(spec, clock),
     }
 
 
-def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, started: float) -> Record:
+def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list, clock: PhaseClock) -> Record:
     return {
         "cell_id": cell_id,
         "sweep": sweep,
@@ -413,6 +416,16 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "backend": env.backend,
         "hostnames": sorted(set(hosts)),
         **provenance(),
-        "started_at": started,
-        "duration_s": time.time() - started,
+        **_timing(spec, clock),
     }
+
+
+def _timing(spec: RunSpec, clock: PhaseClock) -> Record:
+    """The run's start, and its length up to now (the record's write): the cell's own
+    (duration_s), the launch's (launch_span_s) and where it went (phases)."""
+    written = time.time()
+    timing: Record = {"started_at": clock.started, "duration_s": written - clock.started}
+    timing["phases"] = clock.phases(spec, written)
+    if (span := launch_span(written)) is not None:
+        timing["launch_span_s"] = span
+    return timing

@@ -186,7 +186,9 @@ class Record(TypedDict, total=False):
     git_commit: Checked[str | None]
     launch_id: Checked[str | None]
     started_at: Moment[float | None]
-    duration_s: Figure[float | None]
+    duration_s: Figure[float | None]  # run_cell's start to the record's write: start-up and imports left out
+    launch_span_s: Figure[float | None]  # the launcher's start (torchrun, srun) to the record's write
+    phases: dict[str, float]  # where the launch's time went, in seconds (cell/measure/phases.py)
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
 

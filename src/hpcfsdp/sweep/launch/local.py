@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ...contracts.record import MISSING
-from ...contracts.spec import JOB_END_ENV
+from ...contracts.files import RecordError
+from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
+from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
 from ..track.lost import log_tails, record_launch_failure
@@ -168,8 +169,10 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
     with open(directory / LOG_NAME, "w") as out:
-        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
-        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}"}
+        launched = time.time()
+        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel; and
+        # the launch's start, from which the cell counts its phases and launch_span_s.
+        limits = {JOB_END_ENV: f"{launched + limit_s:.0f}", LAUNCH_STARTED_ENV: repr(launched)}
         proc = subprocess.Popen(
             torchrun_command(directory, processes),
             stdout=out,
@@ -178,7 +181,23 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
             start_new_session=True,
             preexec_fn=_end_with_parent(os.getpid()),
         )
-        return _wait_within(proc, limit_s)
+        returncode = _wait_within(proc, limit_s)
+    add_teardown(directory / RECORD_NAME, launched, time.time())
+    return returncode
+
+
+def add_teardown(path: Path, launched: float, ended: float) -> None:
+    """Add to the record this launch wrote its tear-down (phases.teardown): from the record's write
+    (launched + launch_span_s, which the cell counted from `launched`) to the launch's end, which
+    only the launching side sees. A record of another launch, or none, is left as it is."""
+    try:
+        record = read_record(path)
+    except (RecordError, FileNotFoundError):
+        return
+    span, phases = record.get("launch_span_s"), record.get("phases")
+    if not isinstance(span, float) or not isinstance(phases, dict) or (record.get("started_at") or 0) < launched:
+        return
+    write_record(path, {**record, "phases": {**phases, "teardown": max(0.0, ended - (launched + span))}})
 
 
 def _end_with_parent(parent: int) -> Callable[[], None]:
