@@ -24,6 +24,7 @@ from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import (
+    BATCH_PREDICTION_KEY,
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -108,13 +109,22 @@ def run_cell_dir(cell_dir: Path) -> str:
             return read_record(cell_dir / RECORD_NAME)["status"]
         except (RecordError, FileNotFoundError):
             return "missing"
-    return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"], sources=sources)
+    prediction = meta.get(BATCH_PREDICTION_KEY)
+    return run_cell(spec, cell_dir, meta["cell_id"], meta["sweep"], sources, prediction)
 
 
-def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: Sources | None = None) -> str:
+def run_cell(
+    spec: RunSpec,
+    cell_dir: Path,
+    cell_id: str,
+    sweep: str,
+    sources: Sources | None = None,
+    batch_prediction: Mapping[str, Any] | None = None,
+) -> str:
     """Train one cell on this process's rank and write the record; returns the status. `sources`:
     the spec's model, data and tokenizer as resolved where the cell was planned; None (a spec given
-    here): resolved in this process, at the cell's stage setup."""
+    here): resolved in this process, at the cell's stage setup. `batch_prediction`: where a
+    `batch_size: auto` search starts (batch_search.predicted_batch)."""
     clock = PhaseClock(time.time())
     if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
@@ -134,7 +144,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
             failure.update(_start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
-    progress = _Progress(clock)
+    progress = _Progress(clock, batch_prediction=batch_prediction)
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
@@ -205,6 +215,7 @@ def _trained_record(
 @dataclass
 class _Progress:
     clock: PhaseClock  # where the launch's time went: the record's phases
+    batch_prediction: Mapping[str, Any] | None = None  # batch_size: auto: spec.json's predicted memory
     stage: str = "setup"
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
@@ -241,7 +252,9 @@ def _train_cell(
                 print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
 
         progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
-        spec = progress.measured = search_batch_size(progress.batch_search, spec, sources, env, cell_dir, log=say)
+        spec = progress.measured = search_batch_size(
+            progress.batch_search, spec, sources, env, cell_dir, say, progress.batch_prediction
+        )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}

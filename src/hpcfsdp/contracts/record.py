@@ -101,6 +101,8 @@ ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status onc
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
+# In spec.json of a `batch_size: auto` cell: the predicted memory per batch its search starts from.
+BATCH_PREDICTION_KEY = "batch_prediction"
 
 # ---------------------------------------------------------------------------------------------
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
@@ -162,6 +164,7 @@ class BatchSearchRecord(TypedDict, total=False):
     limit_gib: float | None
     probe_steps: int
     wall_s: float
+    predicted_batch: int | None  # the prediction's batch the search probed first; null without one
 
 
 class Record(TypedDict, total=False):

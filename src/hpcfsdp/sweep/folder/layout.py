@@ -19,7 +19,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -30,7 +30,7 @@ from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
 from ...contracts.names import slurm_name_problem
-from ...contracts.record import SPEC_NAME, is_job_id
+from ...contracts.record import BATCH_PREDICTION_KEY, SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
     from ...contracts.sources import Sources
@@ -220,12 +220,16 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
 
 
-def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
-    """matrix.yaml, and the spec.json of each cell about to run."""
+def write_sweep_files(
+    sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], batch_predictions: Mapping[str, dict] | None = None
+) -> None:
+    """matrix.yaml, and the spec.json of each cell about to run (with its batch_prediction, by cell
+    id, for a `batch_size: auto` cell: sweep/predict/memory.py)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources)
+        prediction = (batch_predictions or {}).get(cell.id)
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, prediction)
 
 
 @contextmanager
@@ -248,12 +252,16 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
         raise
 
 
-def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
+def write_cell_spec(
+    cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources, batch_prediction: dict | None = None
+) -> Path:
     """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
     spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
-    not its strings)."""
+    not its strings), and where given the predicted memory its batch search starts from."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
+    if batch_prediction is not None:
+        meta[BATCH_PREDICTION_KEY] = batch_prediction
     write_text(path, json.dumps(meta, indent=2))
     return path
