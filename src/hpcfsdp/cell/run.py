@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import (
+    BATCH_FOUND_KEY,
+    BATCH_HINT_KEYS,
     BATCH_PREDICTION_KEY,
     RECORD_NAME,
     SPEC_NAME,
@@ -109,8 +111,8 @@ def run_cell_dir(cell_dir: Path) -> str:
             return read_record(cell_dir / RECORD_NAME)["status"]
         except (RecordError, FileNotFoundError):
             return "missing"
-    prediction = meta.get(BATCH_PREDICTION_KEY)
-    return run_cell(spec, cell_dir, meta["cell_id"], meta["sweep"], sources, prediction)
+    hints = {key: meta[key] for key in BATCH_HINT_KEYS if key in meta}
+    return run_cell(spec, cell_dir, meta["cell_id"], meta["sweep"], sources, hints)
 
 
 def run_cell(
@@ -119,12 +121,13 @@ def run_cell(
     cell_id: str,
     sweep: str,
     sources: Sources | None = None,
-    batch_prediction: Mapping[str, Any] | None = None,
+    batch_hints: Mapping[str, Any] | None = None,
 ) -> str:
     """Train one cell on this process's rank and write the record; returns the status. `sources`:
     the spec's model, data and tokenizer as resolved where the cell was planned; None (a spec given
-    here): resolved in this process, at the cell's stage setup. `batch_prediction`: where a
-    `batch_size: auto` search starts (batch_search.predicted_batch)."""
+    here): resolved in this process, at the cell's stage setup. `batch_hints`: spec.json's hints
+    for a `batch_size: auto` cell (record.BATCH_HINT_KEYS): the prediction its search starts from,
+    or the batch a tune probe found, measured without a search."""
     clock = PhaseClock(time.time())
     if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
@@ -144,7 +147,7 @@ def run_cell(
             failure.update(_start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
-    progress = _Progress(clock, batch_prediction=batch_prediction)
+    progress = _Progress(clock, batch_hints=batch_hints or {})
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
@@ -208,14 +211,16 @@ def _trained_record(
         record = failure
     if progress.batch_search is not None:
         record["batch_search"] = progress.batch_search.record()
-        spec = progress.measured or spec  # the record holds the batch the search chose
+    elif found := progress.batch_hints.get(BATCH_FOUND_KEY):
+        record["batch_search"] = found  # the tune probe's search, whose batch this cell measured
+    spec = progress.measured or spec  # batch_size: auto: the record holds the batch chosen
     return record, spec
 
 
 @dataclass
 class _Progress:
     clock: PhaseClock  # where the launch's time went: the record's phases
-    batch_prediction: Mapping[str, Any] | None = None  # batch_size: auto: spec.json's predicted memory
+    batch_hints: Mapping[str, Any] = field(default_factory=dict)  # batch_size: auto: spec.json's hints
     stage: str = "setup"
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
@@ -251,10 +256,16 @@ def _train_cell(
             if env.is_main:
                 print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
 
-        progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
-        spec = progress.measured = search_batch_size(
-            progress.batch_search, spec, sources, env, cell_dir, say, progress.batch_prediction
-        )
+        if found := progress.batch_hints.get(BATCH_FOUND_KEY):
+            say(f"batch {found['chosen_batch_size']}, as {found['reused_from']} found it: no search")
+            spec = progress.measured = spec.with_batch_size(int(found["chosen_batch_size"]))
+        else:
+            progress.batch_search = BatchSearch(
+                spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps
+            )
+            spec = progress.measured = search_batch_size(
+                progress.batch_search, spec, sources, env, cell_dir, say, progress.batch_hints.get(BATCH_PREDICTION_KEY)
+            )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}

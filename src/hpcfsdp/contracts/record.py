@@ -101,8 +101,12 @@ ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status onc
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
-# In spec.json of a `batch_size: auto` cell: the predicted memory per batch its search starts from.
+# In spec.json of a `batch_size: auto` cell: the predicted memory per batch its search starts from
+# (sweep/predict/memory.py), or the batch_search record of a tune probe of the same setup, whose
+# chosen batch the cell measures without searching again (tune's final stage).
 BATCH_PREDICTION_KEY = "batch_prediction"
+BATCH_FOUND_KEY = "batch_found"
+BATCH_HINT_KEYS = (BATCH_PREDICTION_KEY, BATCH_FOUND_KEY)
 
 # ---------------------------------------------------------------------------------------------
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
@@ -165,6 +169,7 @@ class BatchSearchRecord(TypedDict, total=False):
     probe_steps: int
     wall_s: float
     predicted_batch: int | None  # the prediction's batch the search probed first; null without one
+    reused_from: str  # tune's final stage: the probe (stage/run) whose search this is; the cell searched none
 
 
 class Record(TypedDict, total=False):

@@ -50,7 +50,7 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
         "oom_frontier": [r for r in ranked if r["status"] == "oom"],
         "failed": [r for r in ranked if r["status"] not in ("ok", "oom")],
         "pruned": state.pruned,
-        "notes": list(prune(sweep).notes),
+        "notes": [*prune(sweep).notes, *_grid_note(state)],
         "spend": {
             "tune_gpu_hours": spent,
             "by_stage": by_stage,
@@ -62,6 +62,13 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
         },
         "stages": [{"name": s.name, "runs": len(s.runs), "jobs": sorted(s.jobs)} for s in state.stages],
     }
+
+
+def _grid_note(state: TuneState) -> list[str]:
+    """Say so where the search ran the grid's cells themselves, no probe (stages.search)."""
+    if [stage.name for stage in state.stages] != [FINAL]:
+        return []
+    return [f"no probes: the grid's {len(state.stages[0].runs)} cell(s) ran themselves (probing could not save)"]
 
 
 def _setup_fields(sweep: Sweep) -> tuple[str, ...]:
@@ -82,6 +89,9 @@ def _row(sweep_dir: Path, stage: Stage, run: str, grid_id: str, depth: int, cell
     except (RecordError, FileNotFoundError):
         return {**row, "status": "missing"}
     row["status"] = record["status"]
+    ran = record.get("spec") or {}
+    if cell.spec.auto_batch and "batch_size" in row["setup"] and isinstance(ran.get("batch_size"), int):
+        row["setup"]["batch_size"] = ran["batch_size"]  # the batch its search chose, which it ran at
     if record["status"] == "ok":
         row.update(
             tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"],

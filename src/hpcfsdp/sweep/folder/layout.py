@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import yaml
 
@@ -30,7 +30,7 @@ from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
 from ...contracts.names import slurm_name_problem
-from ...contracts.record import BATCH_PREDICTION_KEY, SPEC_NAME, is_job_id
+from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
     from ...contracts.sources import Sources
@@ -221,15 +221,14 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
 
 
 def write_sweep_files(
-    sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], batch_predictions: Mapping[str, dict] | None = None
+    sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], hints: Mapping[str, Mapping[str, Any]] | None = None
 ) -> None:
-    """matrix.yaml, and the spec.json of each cell about to run (with its batch_prediction, by cell
-    id, for a `batch_size: auto` cell: sweep/predict/memory.py)."""
+    """matrix.yaml, and the spec.json of each cell about to run, with its batch hints by cell id
+    (write_cell_spec)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        prediction = (batch_predictions or {}).get(cell.id)
-        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, prediction)
+        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, (hints or {}).get(cell.id))
 
 
 @contextmanager
@@ -253,15 +252,20 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
 
 
 def write_cell_spec(
-    cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources, batch_prediction: dict | None = None
+    cell_dir: Path,
+    spec: RunSpec,
+    cell_id: str,
+    sweep: str,
+    sources: Sources,
+    hints: Mapping[str, Any] | None = None,
 ) -> Path:
     """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
     spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
-    not its strings), and where given the predicted memory its batch search starts from."""
+    not its strings); for a `batch_size: auto` cell its batch hints (record.BATCH_HINT_KEYS: the
+    predicted memory its search starts from, or the batch a tune probe already found)."""
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
-    if batch_prediction is not None:
-        meta[BATCH_PREDICTION_KEY] = batch_prediction
+    meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})
     write_text(path, json.dumps(meta, indent=2))
     return path

@@ -260,10 +260,13 @@ def still_queued(sub: Submission) -> int | None:
 
 
 def auto_batch_predictions(sweep: Sweep, cells: list[Cell]) -> dict[str, dict]:
-    """The predicted memory each `batch_size: auto` cell's search starts from (predict/memory.py)."""
+    """The spec.json hint of each `batch_size: auto` cell: the predicted memory its search starts
+    from (predict/memory.py), by cell id."""
     if not any(cell.spec.auto_batch for cell in cells):
         return {}
+    from ...contracts.record import BATCH_PREDICTION_KEY
     from ..predict.memory import batch_predictions, capacity_gib
 
     res = sweep.resources
-    return batch_predictions(cells, capacity_gib(res.gpu_memory_gib, res.gpu_name), res.cache_dir or None)
+    found = batch_predictions(cells, capacity_gib(res.gpu_memory_gib, res.gpu_name), res.cache_dir or None)
+    return {cell_id: {BATCH_PREDICTION_KEY: prediction} for cell_id, prediction in found.items()}
