@@ -53,7 +53,9 @@ def main() -> None:
         ]
         print("| " + " | ".join(row) + " |")
     fixed = [
-        sum(seconds for name, seconds in (r.get("phases") or {}).items() if name not in ("timed_window", "batch_search"))
+        sum(
+            seconds for name, seconds in (r.get("phases") or {}).items() if name not in ("timed_window", "batch_search")
+        )
         for r in records
         if r.get("phases")
     ]
@@ -64,13 +66,18 @@ def main() -> None:
     )
     print()
     if fixed:
-        print(f"fixed cost per launch (every phase but the timed window and the batch search): median {statistics.median(fixed):.1f} s, max {max(fixed):.1f} s")
+        print(
+            "fixed cost per launch (every phase but the timed window and the batch search): "
+            f"median {statistics.median(fixed):.1f} s, max {max(fixed):.1f} s"
+        )
     wall = f"{args.wall_s:.0f} s" if args.wall_s else "-"
     print(f"{len(records)} cells: submit's wall time {wall}, {gpu_hours:.4f} GPU-hours (launches x GPUs)")
     for record in records:
         search = record.get("batch_search")
         if search:
-            probes = ", ".join(f"{p['batch_size']} {p['status']} ({p['wall_s']:.1f} s)" for p in search.get("probes", []))
+            probes = ", ".join(
+                f"{p['batch_size']} {p['status']} ({p['wall_s']:.1f} s)" for p in search.get("probes", [])
+            )
             print(
                 f"{record['cell_id']}: predicted batch {search.get('predicted_batch')}, probes {probes}; "
                 f"chose {search.get('chosen_batch_size')} in {search.get('wall_s', 0):.1f} s"

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import run_torchrun_cell, torchrun_cell
-from hpcfsdp.cli import main
 from hpcfsdp.cell.batch_search import Probe, largest_batch_for, next_batch
+from hpcfsdp.cli import main
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results.read import label_cells, load_records
 from hpcfsdp.results.report import write_report

@@ -150,7 +150,7 @@ def launch(record: dict) -> tuple[float, float]:
 def test_the_exported_runs_last_the_launchs_whole_span_not_the_cells_duration(cells):
     """A real launch's record: its span (torchrun's start to the record's write) holds the imports
     and start-up that duration_s leaves out, and each exporter's run lasts that span."""
-    sweep_dir, records = cells
+    _, records = cells
     record = records["ok"]
     assert record["launch_span_s"] > record["duration_s"] + record["phases"]["imports"] * 0.99
     started, length = launch(record)

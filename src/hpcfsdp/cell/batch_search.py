@@ -174,10 +174,12 @@ def predicted_batch(prediction: Mapping[str, Any] | None, capacity_gib: float | 
     """The largest batch the prediction puts within (1 - batch_margin) of the memory less its
     reserve (as plan --memory's auto:N): the memory this device has, else the sweep's GPU memory;
     None without a prediction, a memory, or a batch predicted to fit."""
+    if not prediction:
+        return None
     largest = None
     try:
-        capacity = capacity_gib if capacity_gib is not None else prediction and prediction["capacity_gib"]
-        if not prediction or capacity is None:
+        capacity = capacity_gib if capacity_gib is not None else prediction["capacity_gib"]
+        if capacity is None:
             return None
         limit = (float(capacity) - float(prediction["reserve_gib"])) * (1 - spec.batch_margin)
         for batch, gib in zip(range(spec.batch_size, spec.batch_cap + 1), prediction["required_gib"], strict=False):

@@ -54,7 +54,7 @@ from .measure.metrics import (
     ok_record,
     reset_peak_memory,
 )
-from .measure.phases import PhaseClock, launch_span
+from .measure.phases import PhaseClock, timing_fields
 from .measure.provenance import launch_id, launch_rank, provenance
 from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
@@ -423,7 +423,7 @@ def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, clock: Ph
         "nodes": spec.nodes,
         "hostnames": [node],
         **provenance(),
-        **_timing(spec, clock),
+        **timing_fields(spec, clock),
     }
 
 
@@ -440,16 +440,5 @@ def _context(spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, hosts: list,
         "backend": env.backend,
         "hostnames": sorted(set(hosts)),
         **provenance(),
-        **_timing(spec, clock),
+        **timing_fields(spec, clock),
     }
-
-
-def _timing(spec: RunSpec, clock: PhaseClock) -> Record:
-    """The run's start, and its length up to now (the record's write): the cell's own
-    (duration_s), the launch's (launch_span_s) and where it went (phases)."""
-    written = time.time()
-    timing: Record = {"started_at": clock.started, "duration_s": written - clock.started}
-    timing["phases"] = clock.phases(spec, written)
-    if (span := launch_span(written)) is not None:
-        timing["launch_span_s"] = span
-    return timing

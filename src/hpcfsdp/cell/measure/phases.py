@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ...contracts.record import Record
 from ...contracts.spec import LAUNCH_STARTED_ENV, RunSpec
 from .metrics import TrainLog
 
@@ -86,7 +87,9 @@ class PhaseClock:
         if "train" not in found or self.train_log is None:
             return found
         split = _train_split(found["train"], self.train_log, spec)  # in the train stage's place
-        return {k: v for name, seconds in found.items() for k, v in (split if name == "train" else {name: seconds}).items()}
+        return {
+            k: v for name, seconds in found.items() for k, v in (split if name == "train" else {name: seconds}).items()
+        }
 
 
 def _train_split(train_s: float, log: TrainLog, spec: RunSpec) -> dict[str, float]:
@@ -105,3 +108,14 @@ def launch_span(written: float) -> float | None:
     """From the launcher's start (else this process's) to the record's write."""
     start = launch_started() or process_started()
     return max(0.0, written - start) if start is not None else None
+
+
+def timing_fields(spec: RunSpec, clock: PhaseClock) -> Record:
+    """The run's start, and its length up to now (the record's write): the cell's own
+    (duration_s), the launch's (launch_span_s) and where it went (phases)."""
+    written = time.time()
+    fields: Record = {"started_at": clock.started, "duration_s": written - clock.started}
+    fields["phases"] = clock.phases(spec, written)
+    if (span := launch_span(written)) is not None:
+        fields["launch_span_s"] = span
+    return fields

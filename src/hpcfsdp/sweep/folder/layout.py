@@ -228,7 +228,9 @@ def write_sweep_files(
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, (hints or {}).get(cell.id))
+        write_cell_spec(
+            cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, (hints or {}).get(cell.id)
+        )
 
 
 @contextmanager
