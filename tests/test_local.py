@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +82,31 @@ def test_a_local_launchs_record_accounts_for_its_whole_span_phase_by_phase_tear_
     launched = record["started_at"] + record["duration_s"] - span
     assert entry["submitted_at"] <= launched
     assert launched + span + phases["teardown"] == pytest.approx(entry["ended_at"], abs=1.0)
+
+
+def test_the_local_executors_torchrun_names_its_rendezvous_events_without_walking_the_stack(monkeypatch):
+    """torch's rendezvous names each event's method by inspect.stack() (every frame's source read);
+    the torchrun the local executor and tune start reads the same name off the frame."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from hpcfsdp.cell.torchrun import name_callers_from_frames
+    from hpcfsdp.sweep.launch.local import QUICK_TORCHRUN, torchrun_command
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
+
+    def _record():  # as DynamicRendezvousHandler._record calls it: the name two frames up
+        return dynamic_rendezvous.get_method_name()
+
+    def next_rendezvous():
+        return _record()
+
+    assert next_rendezvous() == "next_rendezvous"
+    monkeypatch.setattr(inspect, "stack", lambda *a: pytest.fail("inspect.stack walked"))
+    name_callers_from_frames()
+    assert next_rendezvous() == "next_rendezvous"
+    assert QUICK_TORCHRUN in torchrun_command(Path("cells/x"), 2, launcher=QUICK_TORCHRUN)
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):

@@ -28,11 +28,15 @@ from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_se
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TORCHRUN = "torch.distributed.run"
+# What the local executor and tune's launches start: torchrun less its rendezvous' stack walks
+# (cell/torchrun.py: about 2 s a launch on a 2-core machine); the print executor prints torchrun.
+QUICK_TORCHRUN = "hpcfsdp.cell.torchrun"
 
 
-def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
+def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1, launcher: str = TORCHRUN) -> list[str]:
     """torchrun for one cell: --standalone on one machine; on several, run the same command on each
-    node with MASTER_ADDR set to the first one (c10d rendezvous)."""
+    node with MASTER_ADDR set to the first one (c10d rendezvous). `launcher`: the module to run."""
     if nnodes == 1:
         launch = ["--standalone"]
     else:
@@ -45,7 +49,7 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         *launch,
         f"--nproc-per-node={nprocs}",
         "-m",
@@ -174,7 +178,7 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
         # the launch's start, from which the cell counts its phases and launch_span_s.
         limits = {JOB_END_ENV: f"{launched + limit_s:.0f}", LAUNCH_STARTED_ENV: repr(launched)}
         proc = subprocess.Popen(
-            torchrun_command(directory, processes),
+            torchrun_command(directory, processes, launcher=QUICK_TORCHRUN),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env | limits,
