@@ -10,6 +10,7 @@ import pytest
 
 from conftest import run_torchrun_cell, torchrun_cell
 from hpcfsdp.cell.batch_search import Probe, largest_batch_for, next_batch
+from hpcfsdp.cli import main
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results.read import label_cells, load_records
 from hpcfsdp.results.report import write_report
@@ -17,11 +18,16 @@ from hpcfsdp.results.tables import frontier_table
 
 
 def search(
-    fits, first: int = 1, cap: int = 256, limit_gib: float | None = None, gib_per_sample: float = 0.0
+    fits,
+    first: int = 1,
+    cap: int = 256,
+    limit_gib: float | None = None,
+    gib_per_sample: float = 0.0,
+    predicted: bool = False,
 ) -> list[int]:
     """The batches next_batch tries when a batch fits iff fits(batch); peaks grow by gib_per_sample."""
     probes: list[Probe] = []
-    while (batch := next_batch(probes, first, cap, limit_gib)) is not None:
+    while (batch := next_batch(probes, first, cap, limit_gib, predicted)) is not None:
         ok = fits(batch)
         peak = 1.0 + gib_per_sample * batch
         probes.append(Probe(batch, "ok" if ok else "oom", peak, peak if gib_per_sample else None, None, 0.0))
@@ -35,6 +41,16 @@ def test_the_search_doubles_until_oom_then_halves_the_gap_to_the_largest_batch_t
     assert search(lambda b: b <= 2, first=8) == [8, 4, 2, 3]  # the first batch too large: down from it
     assert search(lambda b: False) == [1]
     assert search(lambda b: True, cap=20) == [1, 2, 4, 8, 16, 20]  # the cap ends it
+
+
+def test_from_a_predicted_batch_the_search_brackets_it_in_two_probes_when_right_and_three_when_one_off():
+    assert search(lambda b: b <= 21, first=21, predicted=True) == [21, 22]
+    assert search(lambda b: b <= 22, first=21, predicted=True) == [21, 22, 24, 23]
+    assert search(lambda b: b <= 20, first=21, predicted=True) == [21, 20]
+    assert search(lambda b: b <= 19, first=21, predicted=True) == [21, 20, 18, 19]
+    assert search(lambda b: b <= 3, first=21, predicted=True) == [21, 20, 18, 14, 6, 1, 3, 4]  # far off: halving
+    assert search(lambda b: True, first=21, cap=22, predicted=True) == [21, 22]  # the cap ends it
+    assert search(lambda b: False, first=2, predicted=True) == [2, 1]
 
 
 def test_with_a_memory_limit_the_gap_is_narrowed_where_the_peaks_line_meets_it():
@@ -92,6 +108,28 @@ def test_batch_size_auto_finds_the_budget_keeps_every_probe_and_measures_after_t
     assert frontier["batches run"] == "1, 2, 4, 5, 6, 8"
     report = write_report(sweep, plots=False)
     assert report.recommendation[0].startswith("Fastest: fsdp2_zero3 at batch 5 (auto), accum 2")
+
+
+def test_a_submitted_auto_cell_probes_the_predicted_batch_first_and_finds_its_batch_in_two_probes(
+    tmp_path, monkeypatch
+):
+    """submit writes the memory prediction into the cell's spec.json; the cell starts its search at
+    the batch predicted to fit the sweep's GPU memory (tiny, 2.0025 GiB less the 2 GiB reserve:
+    batch 3), and, with batch 4 out of memory, stops after two probes where
+    the search from 1 took four (1, 2, 4, 3)."""
+    monkeypatch.setenv("HPCFSDP_FAULT", "train_step:oom>3")
+    jobs = tmp_path / "auto.yaml"
+    jobs.write_text(
+        "name: auto\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1,"
+        " gpus_per_node: 2, strategy: fsdp2_zero3, batch_size: auto, max_batch_size: 8, comm_profile_steps: 0}\n"
+        "slurm: {gpu_memory_gib: 2.0025}\n"
+    )
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("auto/cells/*/result.json")
+    search = json.loads(path.read_text())["batch_search"]
+    assert search["predicted_batch"] == 3 == search["first_batch"]
+    assert [(p["batch_size"], p["status"]) for p in search["probes"]] == [(3, "ok"), (4, "oom")]
+    assert search["chosen_batch_size"] == 3
 
 
 def test_when_not_even_the_first_batch_fits_the_cell_records_oom_with_its_probes(tmp_path, monkeypatch):

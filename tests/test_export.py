@@ -139,6 +139,24 @@ def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, cap
 # What every export must say of each record, read back from each tool as plain values
 
 
+def launch(record: dict) -> tuple[float, float]:
+    """The exported run's start and length: the launch's (launch_span_s, to the record's write)
+    where the record has it, else the cell's own started_at and duration_s."""
+    end = record["started_at"] + record["duration_s"]
+    length = record.get("launch_span_s", record["duration_s"])
+    return end - length, length
+
+
+def test_the_exported_runs_last_the_launchs_whole_span_not_the_cells_duration(cells):
+    """A real launch's record: its span (torchrun's start to the record's write) holds the imports
+    and start-up that duration_s leaves out, and each exporter's run lasts that span."""
+    _, records = cells
+    record = records["ok"]
+    assert record["launch_span_s"] > record["duration_s"] + record["phases"]["imports"] * 0.99
+    started, length = launch(record)
+    assert length == record["launch_span_s"] and started < record["started_at"]
+
+
 def expected_runs(sweep_dir: Path, records: dict[str, dict]) -> dict[str, dict]:
     """cell id -> what its run must hold in every tool: the loss and step-time series at the steps
     the record counts (the first optimizer step is 1), the record's figures, and its provenance."""
@@ -328,8 +346,9 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
         assert same_losses(history["loss"], want["losses"]), (cell_id, history["loss"])
         assert history["step_times_s"] == want["step_times"]
         assert run.data.metrics.get("step_time_s") == want["step_time_s"]  # the record's median, not the last step's
-        assert run.info.start_time == int(source["started_at"] * 1000)
-        assert run.info.end_time == int((source["started_at"] + source["duration_s"]) * 1000)
+        started, length = launch(source)
+        assert run.info.start_time == int(started * 1000)
+        assert run.info.end_time == int((started + length) * 1000)
         provenance = {f"hpcfsdp.{key}": value for key, value in want["provenance"].items() if value}
         assert run.data.tags.items() >= provenance.items()
         assert run.data.tags["mlflow.source.git.commit"] == source["git_commit"]
@@ -448,22 +467,23 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
         assert run["summary"].get("step_time_s") == want["step_time_s"]  # the record's median
         assert run["summary"].items() >= {k: v for k, v in want["provenance"].items() if v}.items()
         # When and where the run was made, from the record: not when and where it was exported.
-        assert run["run"].start_time.ToNanoseconds() == int(source["started_at"] * 1e9)
-        assert run["summary"]["_runtime"] == pytest.approx(source["duration_s"])
-        assert run["summary"]["_wandb.runtime"] == round(source["duration_s"])
-        assert run["exit"].runtime == round(source["duration_s"])
+        started, length = launch(source)
+        assert run["run"].start_time.ToNanoseconds() == int(started * 1e9)
+        assert run["summary"]["_runtime"] == pytest.approx(length)
+        assert run["summary"]["_wandb.runtime"] == round(length)
+        assert run["exit"].runtime == round(length)
         assert run["run"].host == ",".join(source.get("hostnames", []))
         assert run["run"].git.commit == source["git_commit"] and run["run"].git.remote_url == ""
         assert run["exit"].exit_code == (0 if source["status"] == "ok" else 1)
         for row in rows.values():
-            assert row["_runtime"] == pytest.approx(row["_timestamp"] - source["started_at"])
+            assert row["_runtime"] == pytest.approx(row["_timestamp"] - started)
     for folder in (out / "wandb").glob("offline-run-*"):  # and wandb's own reader (wandb-core) reads the same
         seen = wandb_inspect(folder)
         source = next(r for r in records.values() if r["cell_id"] == seen["name"])
         started = datetime.fromisoformat(seen["start_time"].replace("Z", "+00:00")).timestamp()
-        assert started == pytest.approx(source["started_at"], abs=1e-3)
+        assert started == pytest.approx(launch(source)[0], abs=1e-3)
         assert seen["state"] == ("finished" if source["status"] == "ok" else "failed")
-        assert seen["summary"]["_runtime"] == pytest.approx(source["duration_s"])
+        assert seen["summary"]["_runtime"] == pytest.approx(launch(source)[1])
         assert seen["summary"].get("step_time_s") == source.get("step_time_s")
     ok = runs[record["cell_id"]]
     assert ok["run"].project == "t" and ok["run"].run_group == setup_key(record["spec"])

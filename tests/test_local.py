@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,57 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     log = (tmp_path / "local_e2e/cells" / failed["cell_id"] / "log.txt").read_text()
     assert printed.startswith(f"== {failed['cell_id']}: error at model: ") and log in printed
     assert "no-such-architecture" in log
+
+
+LAUNCH_PHASES = ["launcher_start", "imports", "process_group", "data", "model_build", "shard", "warmup"]
+
+
+def test_a_local_launchs_record_accounts_for_its_whole_span_phase_by_phase_tear_down_included(tmp_path):
+    """The record's phases add up to launch_span_s (torchrun's start to the record's write), which
+    holds the start-up duration_s leaves out; the executor adds the tear-down after the exit."""
+    jobs = tmp_path / "phases.yaml"
+    jobs.write_text(
+        "name: phases\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, warmup_steps: 1,"
+        " gpus_per_node: 2, comm_profile_steps: 0}\nmatrix: {strategy: [ddp]}\n"
+    )
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("phases/cells/*/result.json")
+    record = json.loads(path.read_text())
+    phases = record["phases"]
+    assert set(phases) == {*LAUNCH_PHASES, "timed_window", "measurement", "teardown"}, phases
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["imports"] > 0.1
+    span = record["launch_span_s"]
+    assert sum(phases.values()) - phases["teardown"] == pytest.approx(span, abs=0.01)
+    assert span > record["duration_s"] + phases["imports"]
+    entry = json.loads((tmp_path / "phases/manifest.json").read_text())[record["cell_id"]]
+    launched = record["started_at"] + record["duration_s"] - span
+    assert entry["submitted_at"] <= launched
+    assert launched + span + phases["teardown"] == pytest.approx(entry["ended_at"], abs=1.0)
+
+
+def test_the_local_executors_torchrun_names_its_rendezvous_events_without_walking_the_stack(monkeypatch):
+    """torch's rendezvous names each event's method by inspect.stack() (every frame's source read);
+    the torchrun the local executor and tune start reads the same name off the frame."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from hpcfsdp.cell.torchrun import name_callers_from_frames
+    from hpcfsdp.sweep.launch.local import QUICK_TORCHRUN, torchrun_command
+
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
+
+    def _record():  # as DynamicRendezvousHandler._record calls it: the name two frames up
+        return dynamic_rendezvous.get_method_name()
+
+    def next_rendezvous():
+        return _record()
+
+    assert next_rendezvous() == "next_rendezvous"
+    monkeypatch.setattr(inspect, "stack", lambda *a: pytest.fail("inspect.stack walked"))
+    name_callers_from_frames()
+    assert next_rendezvous() == "next_rendezvous"
+    assert QUICK_TORCHRUN in torchrun_command(Path("cells/x"), 2, launcher=QUICK_TORCHRUN)
 
 
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):

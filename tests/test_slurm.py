@@ -94,6 +94,10 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
             )
             for log in logs
         ), record["cell_id"]
+    # Each task's span counts from the job script's line before srun (HPCFSDP_LAUNCH_STARTED).
+    for record in got.values():
+        phases = record["phases"]
+        assert phases["launcher_start"] >= 0 and record["launch_span_s"] > record["duration_s"] + phases["imports"] / 2
     single = [r for r in got.values() if r["nodes"] == 1 and r["world_size"] == 2]
     assert len({r["slurm"]["array_job_id"] for r in single}) == 1  # one array for the 1-node shape
     assert sorted(int(r["slurm"]["array_task_id"]) for r in single) == [0, 1, 2, 3, 4, 5]

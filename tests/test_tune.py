@@ -22,7 +22,8 @@ from hpcfsdp.cli import main
 from hpcfsdp.sweep.define.matrix import load_sweep
 from hpcfsdp.sweep.launch.local import processes_under
 
-CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 5, warmup_steps: 1, comm_profile_steps: 0"
+# 20 steps a cell, 7 a first-rung probe: probing 2 cells or more, then running 1 of them, can save.
+CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 20, warmup_steps: 1, comm_profile_steps: 0"
 
 
 def write(tmp_path: Path, text: str, name: str = "tt") -> Path:
@@ -119,7 +120,7 @@ def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell
     assert [row["cell_id"] for row in found["oom_frontier"]] == [grid[4]]
     assert found["oom_frontier"][0]["stage"] == "stage0" and not found["failed"]
     best = json.loads((sweep_dir / "cells" / found["best"]["cell_id"] / "result.json").read_text())
-    assert best["status"] == "ok" and best["spec"]["steps"] == 5 and best["spec"]["stop_when_stable"] is False
+    assert best["status"] == "ok" and best["spec"]["steps"] == 20 and best["spec"]["stop_when_stable"] is False
     state = json.loads((sweep_dir / "tune" / "state.json").read_text())
     assert [len(stage["runs"]) for stage in state["stages"]] == [3, 1]
     # Spend: every launch, from the launcher's start to its end, times its 2 processes.
@@ -183,6 +184,79 @@ def test_other_accumulations_are_computed_from_one_probes_optimizer_share(tmp_pa
     estimate = found["spend"]["grid_estimate_gpu_hours"]
     assert len(manifest) == 2 and 0.5 < estimate / grid_h < 2.0, (estimate, grid_h)
     assert "cell by cell" in found["spend"]["grid_estimate_basis"]
+
+
+def test_tune_runs_the_grids_cells_themselves_where_probing_cannot_save_and_says_so(tmp_path, monkeypatch, capsys):
+    """No more cells than the final stage runs, or probes as long as the cells (5 steps a cell, a
+    probe's warm-up and budget as many): no probe runs, each grid cell runs once, and tune spends
+    what the grid spends."""
+    from hpcfsdp.tune.gridcost import probing_cannot_save
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cells = load_sweep(
+        write(tmp_path, f"name: g\nbase: {{{CPU}, gpus_per_node: 2}}\nmatrix: {{batch_size: [1, 2, 3]}}\n")
+    ).cells
+    assert probing_cannot_save(list(cells), list(cells), 1, 3) == ""  # 3 x 7 + 20 steps against 60
+    assert "no more than the final stage's 3" in probing_cannot_save(list(cells), list(cells), 3, 3)
+    short = [dataclasses.replace(c, spec=c.spec.replace(steps=5)) for c in cells]
+    assert probing_cannot_save(short, short, 1, 3).startswith("probes as long as the cells: 20 steps")
+
+    jobs = write(
+        tmp_path,
+        f"""
+        name: tg
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 5}}
+        matrix:
+          batch_size: [1, 2]
+        """,
+    )
+    assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "3"]) == 0
+    out = capsys.readouterr()
+    assert "running the grid's 2 cell(s) themselves, no probes: 2 cell(s) to run" in out.err + out.out
+    sweep_dir = tmp_path / "tg"
+    state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+    assert [stage["name"] for stage in state["stages"]] == ["final"]
+    grid = {cell.id for cell in load_sweep(jobs).cells}
+    assert set(launches(sweep_dir)) == {f"final-{cell_id}" for cell_id in grid}
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    assert found["best"]["cell_id"] in grid and "no probes: the grid's 2 cell(s) ran themselves" in found["notes"][-1]
+    assert found["spend"]["fraction_of_grid"] == pytest.approx(1.0)
+
+
+def test_tunes_final_stage_measures_the_batch_its_probe_found_without_a_second_search_and_prints_it(
+    tmp_path, monkeypatch, capsys
+):
+    """Two `batch_size: auto` setups (batch 4 out of memory): each probe's search starts at the
+    predicted batch 3 and ends at 3; the pick runs at 3 as the probe found it (no search of its
+    own), and the chosen line says batch_size=3, not the 1 the matrix starts its search from."""
+    monkeypatch.setenv("HPCFSDP_FAULT", "train_step:oom>3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    jobs = write(
+        tmp_path,
+        f"""
+        name: tb
+        base: {{{CPU}, gpus_per_node: 2, batch_size: auto, max_batch_size: 8}}
+        slurm: {{time_min: 5, gpu_memory_gib: 2.0025}}
+        matrix:
+          strategy: [ddp, fsdp2_zero3]
+        """,
+    )
+    assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    sweep_dir = tmp_path / "tb"
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    best = found["best"]
+    probe = json.loads(next((sweep_dir / "tune" / "stage0" / "cells").glob("*/result.json")).read_text())
+    assert [p["batch_size"] for p in probe["batch_search"]["probes"]] == [3, 4]
+    final = sweep_dir / "cells" / best["cell_id"]
+    record = json.loads((final / "result.json").read_text())
+    assert record["status"] == "ok" and record["spec"]["batch_size"] == 3 and record["spec"]["auto_batch"]
+    assert record["batch_search"]["reused_from"].startswith("stage0/")
+    assert record["phases"].get("batch_search", 0.0) < 1.0 and not (final / "batch_search").exists()
+    assert best["setup"]["batch_size"] == 3
+    chosen = next(line for line in out.splitlines() if line.startswith("chosen: "))
+    assert "batch_size=3" in chosen and "batch_size=1" not in chosen
 
 
 def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_one_beside_the_killed_ones(tmp_path):

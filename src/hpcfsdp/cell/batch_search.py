@@ -1,8 +1,13 @@
 """`batch_size: auto`: the largest per-device batch that fits, found inside the cell's own allocation.
 
-The search doubles the batch from the spec's `batch_size` until a probe runs out of memory (or
-reaches the cap: `max_batch_size`, and `global_batch_size`'s per-rank share where one is given),
-then narrows the gap between the largest batch that fitted and the smallest that did not until
+Where the cell's spec.json carries the login side's memory prediction (sweep/predict/memory.py's
+batch_prediction: the predicted peak per batch), the search starts at the batch predicted to fit
+the memory the cell finds (`plan --memory`'s auto:N for that memory), and brackets from there:
+one up, then 3, 7, ... up while probes fit, or one down, then 3, 7, ... down while they do not,
+so that a prediction that is right costs two probes and one that is one batch off three. Without
+one, it doubles the batch from the spec's `batch_size` until a probe runs out of memory (or
+reaches the cap: `max_batch_size`, and `global_batch_size`'s per-rank share where one is given).
+Then it narrows the gap between the largest batch that fitted and the smallest that did not until
 the two are neighbours. Inside the gap it tries the batch where a straight line through the peak
 memory of the two largest batches that fitted meets the limit (activation memory grows linearly
 with the batch), else the midpoint; a wrong guess only narrows the gap like a midpoint would, and
@@ -31,11 +36,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -89,6 +94,7 @@ class BatchSearch:
     probe_steps: int
     capacity_gib: float | None = None  # device memory free when the search started
     probes: list[Probe] = field(default_factory=list)
+    predicted_batch: int | None = None  # the prediction's batch for the memory found: the first probe
     chosen_batch_size: int = 0  # what the cell then measured (largest fitting batch, or below it for global_batch_size)
     wall_s: float = 0.0
 
@@ -118,18 +124,25 @@ class BatchSearch:
             "limit_gib": self.limit_gib,
             "probe_steps": self.probe_steps,
             "wall_s": self.wall_s,
+            "predicted_batch": self.predicted_batch,
         }
 
 
-def next_batch(probes: list[Probe], first: int, cap: int, limit_gib: float | None = None) -> int | None:
-    """The next batch to try, or None when the frontier is known (or the cap fits)."""
+def next_batch(
+    probes: list[Probe], first: int, cap: int, limit_gib: float | None = None, predicted: bool = False
+) -> int | None:
+    """The next batch to try, or None when the frontier is known (or the cap fits). `predicted`:
+    `first` is the prediction's batch, and the search brackets it (steps of 1, 2, 4, ... from it)."""
     if not probes:
         return first
     fitted = [p for p in probes if p.fits]
     low = max((p.batch_size for p in fitted), default=0)
     high = min((p.batch_size for p in probes if not p.fits), default=None)
     if high is None:
-        return min(2 * low, cap) if low < cap else None
+        step = low - first + 1 if predicted else low
+        return min(low + step, cap) if low < cap else None
+    if predicted and not fitted:
+        return max(1, high - (first - high + 1)) if high > 1 else None
     if high - low <= 1:
         return None
     guess = _where_memory_meets(fitted, limit_gib)
@@ -157,18 +170,51 @@ def largest_batch_for(spec: RunSpec, fitting: int) -> int:
     return max(b for b in range(1, fitting + 1) if share % b == 0)
 
 
+def predicted_batch(prediction: Mapping[str, Any] | None, capacity_gib: float | None, spec: RunSpec) -> int | None:
+    """The largest batch the prediction puts within (1 - batch_margin) of the memory less its
+    reserve (as plan --memory's auto:N): the memory this device has, else the sweep's GPU memory;
+    None without a prediction, a memory, or a batch predicted to fit."""
+    if not prediction:
+        return None
+    largest = None
+    try:
+        capacity = capacity_gib if capacity_gib is not None else prediction["capacity_gib"]
+        if capacity is None:
+            return None
+        limit = (float(capacity) - float(prediction["reserve_gib"])) * (1 - spec.batch_margin)
+        for batch, gib in zip(range(spec.batch_size, spec.batch_cap + 1), prediction["required_gib"], strict=False):
+            if float(gib) > limit:  # memory grows with the batch: stop at the first miss
+                break
+            largest = batch
+    except (KeyError, TypeError, ValueError):
+        return None  # a spec.json of another hpcfsdp: the search starts where the spec says
+    return largest
+
+
 def search_batch_size(
-    search: BatchSearch, spec: RunSpec, sources: Sources, env: DistEnv, cell_dir: Path, log: Callable[[str], None]
+    search: BatchSearch,
+    spec: RunSpec,
+    sources: Sources,
+    env: DistEnv,
+    cell_dir: Path,
+    log: Callable[[str], None],
+    prediction: Mapping[str, Any] | None = None,
 ) -> RunSpec:
-    """Probe batches into `search` (the caller keeps it, so a failure record still has the probes);
-    return the spec to measure. Raises torch.OutOfMemoryError when not even the smallest batch
-    fits, ProbeFailed / ProbeHung when a probe fails otherwise."""
+    """Probe batches into `search` (the caller keeps it, so a failure record still has the probes),
+    from the batch `prediction` puts within the device's memory where there is one; return the spec
+    to measure. Raises torch.OutOfMemoryError when not even the smallest batch fits, ProbeFailed /
+    ProbeHung when a probe fails otherwise."""
     started = time.perf_counter()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=AGREE_TIMEOUT_S))
     search.capacity_gib = _free_device_memory(env.device)
+    search.predicted_batch = predicted_batch(prediction, search.capacity_gib, spec)
+    if search.predicted_batch is not None:
+        search.first_batch = search.predicted_batch
+        log(f"starting at the predicted batch {search.predicted_batch}")
     folder = cell_dir / PROBE_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    while (batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib)) is not None:
+    predicted = search.predicted_batch is not None
+    while (batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib, predicted)) is not None:
         probe = _probe(spec, sources, env, folder, len(search.probes), batch, search.limit_gib, group)
         search.probes.append(probe)
         speed = f", {probe.tokens_per_s_per_gpu:,.0f} tokens/s/gpu" if probe.tokens_per_s_per_gpu else ""

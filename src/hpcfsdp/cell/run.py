@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import (
+    BATCH_FOUND_KEY,
+    BATCH_HINT_KEYS,
+    BATCH_PREDICTION_KEY,
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -50,6 +53,7 @@ from .measure.metrics import (
     ok_record,
     reset_peak_memory,
 )
+from .measure.phases import PhaseClock, timing_fields
 from .measure.provenance import launch_id, launch_rank, provenance
 from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
@@ -102,14 +106,24 @@ def run_cell_dir(cell_dir: Path) -> str:
             return read_record(cell_dir / RECORD_NAME)["status"]
         except (RecordError, FileNotFoundError):
             return "missing"
-    return run_cell(spec, cell_dir, cell_id=meta["cell_id"], sweep=meta["sweep"], sources=sources)
+    hints = {key: meta[key] for key in BATCH_HINT_KEYS if key in meta}
+    return run_cell(spec, cell_dir, meta["cell_id"], meta["sweep"], sources, hints)
 
 
-def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: Sources | None = None) -> str:
+def run_cell(
+    spec: RunSpec,
+    cell_dir: Path,
+    cell_id: str,
+    sweep: str,
+    sources: Sources | None = None,
+    batch_hints: Mapping[str, Any] | None = None,
+) -> str:
     """Train one cell on this process's rank and write the record; returns the status. `sources`:
     the spec's model, data and tokenizer as resolved where the cell was planned; None (a spec given
-    here): resolved in this process, at the cell's stage setup."""
-    started = time.time()
+    here): resolved in this process, at the cell's stage setup. `batch_hints`: spec.json's hints
+    for a `batch_size: auto` cell (record.BATCH_HINT_KEYS): the prediction its search starts from,
+    or the batch a tune probe found, measured without a search."""
+    clock = PhaseClock(time.time())
     if launch_rank() == 0:
         # Before the process group forms, so no rank has written yet: a record left by an earlier
         # run (by hand, or a command --executor print printed) is kept in attempts/, not overwritten.
@@ -125,11 +139,13 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
         error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_first_line(exc)}"
         if not _keeps_earlier_failure(cell_dir, "error"):
             failure = failure_record("error", "setup", error, traceback.format_exc(), failed_rank=launch_rank())
-            failure.update(_start_context(spec, cell_id, sweep, node, started))
+            failure.update(_start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
     heartbeat = Heartbeat(cell_dir, launch_id(), env.rank, node)
-    progress = _Progress(blame=heartbeat.peer_trouble if env.world_size > 1 else None)
+    progress = _Progress(
+        clock, batch_hints=batch_hints or {}, blame=heartbeat.peer_trouble if env.world_size > 1 else None
+    )
     # The handlers stay until the record is written: torchrun passes a SIGTERM on twice when it is
     # itself signalled twice, and Slurm may signal twice (preemption): the handler lets the second
     # pass, where the default action would end the rank between its failure and its record.
@@ -144,7 +160,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
             blamed(failure, peer)
         print(f"[hpcfsdp] {cell_id}: {failure['error']}", flush=True)
         if not _keeps_earlier_failure(cell_dir, failure["status"]):
-            failure.update(_context(progress.measured or spec, env, cell_id, sweep, progress, node, started))
+            failure.update(_context(progress.measured or spec, env, cell_id, sweep, progress, node, clock))
             write_record(path, failure)
         heartbeat.left()
 
@@ -158,7 +174,7 @@ def run_cell(spec: RunSpec, cell_dir: Path, cell_id: str, sweep: str, sources: S
         progress.ok = status == "ok"
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
-            record.update(_context(spec, env, cell_id, sweep, progress, node, started))
+            record.update(_context(spec, env, cell_id, sweep, progress, node, clock))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
             final = _read_or(path, record)
@@ -207,12 +223,16 @@ def _trained_record(
         record = failure
     if progress.batch_search is not None:
         record["batch_search"] = progress.batch_search.record()
-        spec = progress.measured or spec  # the record holds the batch the search chose
+    elif found := progress.batch_hints.get(BATCH_FOUND_KEY):
+        record["batch_search"] = found  # the tune probe's search, whose batch this cell measured
+    spec = progress.measured or spec  # batch_size: auto: the record holds the batch chosen
     return record, spec
 
 
 @dataclass
 class _Progress:
+    clock: PhaseClock  # where the launch's time went: the record's phases
+    batch_hints: Mapping[str, Any] = field(default_factory=dict)  # batch_size: auto: spec.json's hints
     stage: str = "setup"
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
@@ -231,6 +251,7 @@ def _train_cell(
 
     def enter(stage: str) -> None:
         progress.stage = stage
+        progress.clock.enter(stage)
         inject_fault(stage, env)
 
     enter("setup")
@@ -251,8 +272,16 @@ def _train_cell(
             if env.is_main:
                 print(f"[hpcfsdp] {cell_id}: batch search: {line}", flush=True)
 
-        progress.batch_search = BatchSearch(spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps)
-        spec = progress.measured = search_batch_size(progress.batch_search, spec, sources, env, cell_dir, log=say)
+        if found := progress.batch_hints.get(BATCH_FOUND_KEY):
+            say(f"batch {found['chosen_batch_size']}, as {found['reused_from']} found it: no search")
+            spec = progress.measured = spec.with_batch_size(int(found["chosen_batch_size"]))
+        else:
+            progress.batch_search = BatchSearch(
+                spec.batch_size, spec.batch_cap, spec.batch_margin, spec.batch_probe_steps
+            )
+            spec = progress.measured = search_batch_size(
+                progress.batch_search, spec, sources, env, cell_dir, say, progress.batch_hints.get(BATCH_PREDICTION_KEY)
+            )
     if spec.memory_snapshot and env.device.type == "cuda":  # after a search: the measured batch's history
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     memory: dict[str, dict[str, float]] = {}
@@ -306,6 +335,7 @@ def _train_cell(
             progress.watchdog.disarm()
         if sampler is not None:
             sampler.stop()
+    progress.clock.trained(log)
     memory["end"] = memory_reading(env.device)
     record = ok_record(spec, env, log, flops.flops_per_token, memory)
     record.update(
@@ -402,7 +432,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: float) -> Record:
+def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, clock: PhaseClock) -> Record:
     """What a record of a rank that never formed its process group can say of where it ran."""
     return {
         "cell_id": cell_id,
@@ -411,13 +441,12 @@ def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, started: 
         "nodes": spec.nodes,
         "hostnames": [node],
         **provenance(),
-        "started_at": started,
-        "duration_s": time.time() - started,
+        **timing_fields(spec, clock),
     }
 
 
 def _context(
-    spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, progress: _Progress, node: str, started: float
+    spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, progress: _Progress, node: str, clock: PhaseClock
 ) -> Record:
     """Where and on what the cell ran: every rank's resources where they were gathered (this
     rank's node alone where they were not), and how they differ from the spec."""
@@ -437,6 +466,5 @@ def _context(
         # every rank's host in an ok record; in a failed one, the host of the rank that wrote it
         "hostnames": sorted({s.ranks["host"] for s in seen} if seen and progress.ok else {node}),
         **provenance(),
-        "started_at": started,
-        "duration_s": time.time() - started,
+        **timing_fields(spec, clock),
     }

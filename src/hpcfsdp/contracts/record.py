@@ -104,6 +104,12 @@ ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in
 # a record file sorts its keys, so readers put them back in this order (memory_in_stage_order).
 MEMORY_STAGES = ("after_model", "after_shard", "after_optimizer", "after_warmup", "end")
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
+# In spec.json of a `batch_size: auto` cell: the predicted memory per batch its search starts from
+# (sweep/predict/memory.py), or the batch_search record of a tune probe of the same setup, whose
+# chosen batch the cell measures without searching again (tune's final stage).
+BATCH_PREDICTION_KEY = "batch_prediction"
+BATCH_FOUND_KEY = "batch_found"
+BATCH_HINT_KEYS = (BATCH_PREDICTION_KEY, BATCH_FOUND_KEY)
 
 # ---------------------------------------------------------------------------------------------
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,
@@ -173,6 +179,8 @@ class BatchSearchRecord(TypedDict, total=False):
     limit_gib: float | None
     probe_steps: int
     wall_s: float
+    predicted_batch: int | None  # the prediction's batch the search probed first; null without one
+    reused_from: str  # tune's final stage: the probe (stage/run) whose search this is; the cell searched none
 
 
 class RankResources(TypedDict, total=False):  # a rank in `ranks` (cell/ranks/resources.py); GPU's null on CPU
@@ -209,7 +217,9 @@ class Record(TypedDict, total=False):
     git_commit: Checked[str | None]
     launch_id: Checked[str | None]
     started_at: Moment[float | None]
-    duration_s: Figure[float | None]
+    duration_s: Figure[float | None]  # run_cell's start to the record's write: start-up and imports left out
+    launch_span_s: Figure[float | None]  # the launcher's start (torchrun, srun) to the record's write
+    phases: dict[str, float]  # where the launch's time went, in seconds (cell/measure/phases.py)
     slurm_accounting: Checked[SlurmAccounting | None]
     batch_search: BatchSearchRecord  # a `batch_size: auto` cell's, failed or not
     ranks: list[RankResources]  # what each rank ran on, in rank order

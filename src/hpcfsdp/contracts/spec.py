@@ -55,6 +55,8 @@ ADAMW_BETA1 = 0.9
 MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 # The end of the cell's time limit as its job was scheduled (cell/run.py tells a time limit from a cancel).
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
+# When the launching side started torchrun / srun (Unix time): the record's launcher_start phase and launch_span_s.
+LAUNCH_STARTED_ENV = "HPCFSDP_LAUNCH_STARTED"
 
 
 # Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, record.spec_problem a recorded spec.

@@ -61,7 +61,7 @@ def outcome(sweep: Sweep, sweep_dir: Path, state: TuneState) -> dict[str, Any]:
         "failed": [r for r in ranked if r["status"] not in ("ok", "oom", "invalid")],
         "invalid": [r for r in ranked if r["status"] == "invalid"],
         "pruned": state.pruned,
-        "notes": list(prune(sweep).notes),
+        "notes": [*prune(sweep).notes, *_grid_note(state)],
         "spend": {
             "tune_gpu_hours": spent,
             "by_stage": by_stage,
@@ -94,6 +94,13 @@ def _repeated(final: dict[str, Any], again: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _grid_note(state: TuneState) -> list[str]:
+    """Say so where the search ran the grid's cells themselves, no probe (stages.search)."""
+    if [stage.name for stage in state.stages] != [FINAL]:
+        return []
+    return [f"no probes: the grid's {len(state.stages[0].runs)} cell(s) ran themselves (probing could not save)"]
+
+
 def _setup_fields(sweep: Sweep) -> tuple[str, ...]:
     varying = [name for name in sweep.cells[0].spec.to_dict() if len({getattr(c.spec, name) for c in sweep.cells}) > 1]
     return tuple(dict.fromkeys([*PLAN_FIELDS[:4], *varying]))
@@ -112,6 +119,9 @@ def _row(sweep_dir: Path, stage: Stage, run: str, grid_id: str, depth: int, cell
     except (RecordError, FileNotFoundError):
         return {**row, "status": "missing"}
     row["status"] = record["status"]
+    ran = record.get("spec") or {}
+    if cell.spec.auto_batch and "batch_size" in row["setup"] and isinstance(ran.get("batch_size"), int):
+        row["setup"]["batch_size"] = ran["batch_size"]  # the batch its search chose, which it ran at
     reasons = invalid_reasons(record) if record["status"] == "ok" else []
     if reasons:  # it ran, but its figures rank nowhere
         row.update(status="invalid", invalid_reasons=reasons)

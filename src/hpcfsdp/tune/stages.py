@@ -4,7 +4,10 @@ runs for at most 6 x eta^k timed steps, each stopping once stable; the best 1/et
 next rung, until `top_k` are left or the next rung would be as long as a grid cell: those run as
 the grid's own cells (the final stage), and the fastest of them is the pick. Where others of the
 final stage are within noise of the fastest (their p10-p90 steps overlap), those and the fastest
-run once more (the repeat stage) and the pick is the best mean of the two runs.
+run once more (the repeat stage) and the pick is the best mean of the two runs. Where probing
+cannot spend less than the grid (gridcost.probing_cannot_save: no more cells than the final stage
+runs, or probes as long as the cells), the grid's cells run themselves, as the final stage, at once.
+A `batch_size: auto` cell of the final stage measures the batch its probe found: no second search.
 
 Every stage is written to the state before it runs, and every run's launch after it ends, so
 that a search stopped at any point and started again runs only what is not done."""
@@ -30,8 +33,10 @@ from ..sweep.folder.layout import (
 )
 from ..sweep.launch.environment import job_environment, without_secrets
 from ..sweep.launch.local import end_launches_left
+from ..sweep.launch.submit import auto_batch_predictions
 from ..sweep.track.lost import record_launch_failure
 from .accumulation import computed_speed
+from .gridcost import probing_cannot_save
 from .probe import Planned, probe_rungs, probe_spec, run_launches
 from .prune import prune
 from .state import (
@@ -129,7 +134,13 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         if not candidates:
             log("every cell was left out before running: nothing to probe")
             return
-        state.stages.append(_probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
+        grid = [cells[c] for c in state.grid if c not in state.pruned]
+        if why := probing_cannot_save(candidates, grid, settings.top_k, settings.eta):
+            log(f"running the grid's {len(grid)} cell(s) themselves, no probes: {why}")
+            write_sweep_files(sweep, sweep_dir, grid, auto_batch_predictions(sweep, grid))
+            state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in grid}))
+        else:
+            state.stages.append(_probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
         save_state(sweep_dir, state)
     while True:
         stage = state.stages[-1]
@@ -158,7 +169,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         else:
             final = [cells[grid_id] for grid_id in ranked[: settings.top_k]]
             log(f"{stage.name}: {len(ranked)} ok; the best {len(final)} run as the grid's cells (final stage)")
-            write_sweep_files(sweep, sweep_dir, final)
+            write_sweep_files(sweep, sweep_dir, final, _found_batches(sweep_dir, stage, final))
             state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in final}))
         save_state(sweep_dir, state)
 
@@ -167,9 +178,11 @@ def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, et
     name = f"stage{rung}"
     require_inside(sweep_dir, stage_dir(sweep_dir, name))  # a planted tune/stage<k> link: no spec.json out there
     runs = {}
+    hints = auto_batch_predictions(sweep, cells)  # the probe's search starts at the predicted batch
     for cell in cells:
         probe = Cell.of(probe_spec(cell.spec, rung, eta), cell.sources)
-        write_cell_spec(cell_dir(stage_dir(sweep_dir, name), probe.id), probe.spec, probe.id, sweep.name, probe.sources)
+        folder = cell_dir(stage_dir(sweep_dir, name), probe.id)
+        write_cell_spec(folder, probe.spec, probe.id, sweep.name, probe.sources, hints.get(cell.id))
         runs[probe.id] = cell.id
     return Stage(name, runs)
 
@@ -191,6 +204,22 @@ def noisy_top(sweep_dir: Path, stage: Stage) -> list[str]:
         return []
     top = trusted[ranked[0]].get("tokens_per_s_spread")
     return [ranked[0], *(g for g in ranked[1:] if within_noise(top, trusted[g].get("tokens_per_s_spread")))]
+
+
+def _found_batches(sweep_dir: Path, stage: Stage, final: list[Cell]) -> dict[str, dict]:
+    """The spec.json hint of each `batch_size: auto` cell of the final stage: the batch search its
+    probe in `stage` (the last rung) ran, whose chosen batch the cell measures without a search."""
+    from ..contracts.record import BATCH_FOUND_KEY
+
+    probe_of = {grid_id: run for run, grid_id in stage.runs.items()}
+    hints = {}
+    for cell in final:
+        record = run_record(sweep_dir, stage.name, probe_of.get(cell.id, "")) if cell.spec.auto_batch else None
+        search = record.get("batch_search") if record and record["status"] == "ok" else None
+        if isinstance(search, dict) and search.get("chosen_batch_size"):
+            reused = {**search, "reused_from": f"{stage.name}/{probe_of[cell.id]}"}
+            hints[cell.id] = {BATCH_FOUND_KEY: reused}
+    return hints
 
 
 def ranking(sweep_dir: Path, stage: Stage, state: TuneState, cells: dict[str, Cell]) -> list[tuple[str, float]]:

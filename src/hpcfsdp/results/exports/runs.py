@@ -90,7 +90,7 @@ def exported_runs(sweep_dir: Path, frame: pd.DataFrame, spec_fields: tuple[str, 
     for record in frame.to_dict("records"):
         spec = spec_values({name: record.get(name) for name in spec_fields})
         warmup = int(_number(record.get("warmup_steps")) or 0)
-        started, duration = _number(record.get("started_at")), _number(record.get("duration_s"))
+        started, duration = launch_of(record)
         losses = [(step, _loss(value)) for step, value in enumerate(_list(record.get("losses")), 1)]
         step_times = [
             (warmup + step, float(t))
@@ -121,6 +121,17 @@ def exported_runs(sweep_dir: Path, frame: pd.DataFrame, spec_fields: tuple[str, 
             started_at=started,
             duration_s=duration,
         )
+
+
+def launch_of(record: Mapping[Any, Any]) -> tuple[float | None, float | None]:
+    """The run's start and length: the launch's whole span (launch_span_s: from torchrun's or srun's
+    start, imports and set-up included), ending at the record's write, where the record has it;
+    else the cell's own (started_at, duration_s)."""
+    started, duration = _number(record.get("started_at")), _number(record.get("duration_s"))
+    span = _number(record.get("launch_span_s"))
+    if started is None or duration is None or span is None:
+        return started, duration
+    return started + duration - span, span
 
 
 def wall_times_of(

@@ -20,10 +20,10 @@ import os
 import re
 import secrets
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import yaml
 
@@ -31,7 +31,7 @@ from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
 from ...contracts.names import has_surrogate, readable, slurm_name_problem
-from ...contracts.record import SPEC_NAME, is_job_id
+from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME, is_job_id
 
 if TYPE_CHECKING:
     from ...contracts.sources import Sources
@@ -289,12 +289,17 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
 
 
-def write_sweep_files(sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell]) -> None:
-    """matrix.yaml, and the spec.json of each cell about to run."""
+def write_sweep_files(
+    sweep: Sweep, sweep_dir: Path, cells: Iterable[Cell], hints: Mapping[str, Mapping[str, Any]] | None = None
+) -> None:
+    """matrix.yaml, and the spec.json of each cell about to run, with its batch hints by cell id
+    (write_cell_spec)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
-        write_cell_spec(cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources)
+        write_cell_spec(
+            cell_dir(sweep_dir, cell), cell.spec, cell.id, sweep.name, cell.sources, (hints or {}).get(cell.id)
+        )
 
 
 @contextmanager
@@ -317,13 +322,23 @@ def records_set_aside(sweep_dir: Path, cells: Iterable[Cell]) -> Iterator[None]:
         raise
 
 
-def write_cell_spec(cell_dir: Path, spec: RunSpec, cell_id: str, sweep: str, sources: Sources) -> Path:
+def write_cell_spec(
+    cell_dir: Path,
+    spec: RunSpec,
+    cell_id: str,
+    sweep: str,
+    sources: Sources,
+    hints: Mapping[str, Any] | None = None,
+) -> Path:
     """The spec.json a cell runs from (launch/job.py's CellJob reads it on the compute node): the
     spec as the user wrote it, and beside it its sources as resolved here (the cell uses those,
-    not its strings). Never into a cells/ or cells/<id>/ that is a link out of the folder above them."""
+    not its strings); for a `batch_size: auto` cell its batch hints (record.BATCH_HINT_KEYS: the
+    predicted memory its search starts from, or the batch a tune probe already found). Never into a
+    cells/ or cells/<id>/ that is a link out of the folder above them."""
     require_inside(cell_dir.parent.parent, cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
+    meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})
     write_text(path, json.dumps(meta, indent=2))
     return path

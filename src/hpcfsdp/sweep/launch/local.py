@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ...contracts.record import MISSING
-from ...contracts.spec import JOB_END_ENV
+from ...contracts.files import RecordError
+from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
+from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
 from ..track.lost import log_tails, record_launch_failure
@@ -28,11 +29,15 @@ LAUNCH_DIR_ENV = "HPCFSDP_LAUNCH_DIR"  # the cell folder of a launch, in each of
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TORCHRUN = "torch.distributed.run"
+# What the local executor and tune's launches start: torchrun less its rendezvous' stack walks
+# (cell/torchrun.py: about 2 s a launch on a 2-core machine); the print executor prints torchrun.
+QUICK_TORCHRUN = "hpcfsdp.cell.torchrun"
 
 
-def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
+def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1, launcher: str = TORCHRUN) -> list[str]:
     """torchrun for one cell: --standalone on one machine; on several, run the same command on each
-    node with MASTER_ADDR set to the first one (c10d rendezvous)."""
+    node with MASTER_ADDR set to the first one (c10d rendezvous). `launcher`: the module to run."""
     if nnodes == 1:
         launch = ["--standalone"]
     else:
@@ -45,7 +50,7 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         *launch,
         f"--nproc-per-node={nprocs}",
         "-m",
@@ -169,18 +174,40 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
     with open(directory / LOG_NAME, "w") as out:
-        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel.
-        # The folder marks every process of the launch (ranks_launched_in finds them after a kill).
-        limits = {JOB_END_ENV: f"{time.time() + limit_s:.0f}", LAUNCH_DIR_ENV: str(Path(directory).absolute())}
+        launched = time.time()
+        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel; the
+        # launch's start, from which the cell counts its phases and launch_span_s; and the folder that
+        # marks every process of the launch (ranks_launched_in finds them after a kill).
+        limits = {
+            JOB_END_ENV: f"{launched + limit_s:.0f}",
+            LAUNCH_STARTED_ENV: repr(launched),
+            LAUNCH_DIR_ENV: str(Path(directory).absolute()),
+        }
         proc = subprocess.Popen(
-            torchrun_command(directory, processes),
+            torchrun_command(directory, processes, launcher=QUICK_TORCHRUN),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env | limits,
             start_new_session=True,
             preexec_fn=_end_with_parent(os.getpid()),
         )
-        return _wait_within(proc, limit_s)
+        returncode = _wait_within(proc, limit_s)
+    add_teardown(directory / RECORD_NAME, launched, time.time())
+    return returncode
+
+
+def add_teardown(path: Path, launched: float, ended: float) -> None:
+    """Add to the record this launch wrote its tear-down (phases.teardown): from the record's write
+    (launched + launch_span_s, which the cell counted from `launched`) to the launch's end, which
+    only the launching side sees. A record of another launch, or none, is left as it is."""
+    try:
+        record = read_record(path)
+    except (RecordError, FileNotFoundError):
+        return
+    span, phases = record.get("launch_span_s"), record.get("phases")
+    if not isinstance(span, float) or not isinstance(phases, dict) or (record.get("started_at") or 0) < launched:
+        return
+    write_record(path, {**record, "phases": {**phases, "teardown": max(0.0, ended - (launched + span))}})
 
 
 def _end_with_parent(parent: int) -> Callable[[], None]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...contracts.errors import UserError
-from ...contracts.spec import JOB_END_ENV, MAX_REQUEUE_ENV
+from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV, MAX_REQUEUE_ENV
 from ..define.matrix import Cell, Sweep, arrays, cells_on_shape
 from ..define.resources import Resources
 from ..folder.layout import (
@@ -40,6 +40,8 @@ from .interrupts import interrupts_deferred
 # The job's end time as Slurm scheduled it, asked once per job (not per rank): a rank that gets
 # SIGTERM well before it was cancelled (scancel) or lost a node, not timed out (cell/run.py).
 JOB_END_SETUP = f'export {JOB_END_ENV}="$(timeout 30 squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e 2>/dev/null)"'
+# The last line before srun: the launch's start, from which each cell counts its phases (cell/measure/phases.py).
+LAUNCH_STARTED_SETUP = f'export {LAUNCH_STARTED_ENV}="$(date +%s.%N)"'
 
 
 class SubmitError(UserError, RuntimeError):
@@ -76,6 +78,7 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
             JOB_END_SETUP,
             *sweep.setup,
             *container_command.env_lines(sweep),
+            LAUNCH_STARTED_SETUP,
         ],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
         srun_args=["--kill-on-bad-exit=1", *container_command.srun_args(sweep, sweep_dir)],

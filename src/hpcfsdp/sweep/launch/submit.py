@@ -215,7 +215,7 @@ def _submit_locked(
     if not cells:
         log("nothing to submit")
         return sub
-    write_sweep_files(sweep, sweep_dir, cells)
+    write_sweep_files(sweep, sweep_dir, cells, auto_batch_predictions(sweep, cells))
     # The records of rerun cells are kept as attempts just before each array is queued or each
     # local cell starts (the print executor runs nothing: records stay where they are).
     if executor == "slurm":
@@ -260,3 +260,16 @@ def still_queued(sub: Submission) -> int | None:
     did not answer)."""
     report = sweep_status(sub.sweep_dir, waited_cells(sub))
     return None if report.note else sum(c.state in IN_FLIGHT for c in report.cells)
+
+
+def auto_batch_predictions(sweep: Sweep, cells: list[Cell]) -> dict[str, dict]:
+    """The spec.json hint of each `batch_size: auto` cell: the predicted memory its search starts
+    from (predict/memory.py), by cell id."""
+    if not any(cell.spec.auto_batch for cell in cells):
+        return {}
+    from ...contracts.record import BATCH_PREDICTION_KEY
+    from ..predict.memory import batch_predictions, capacity_gib
+
+    res = sweep.resources
+    found = batch_predictions(cells, capacity_gib(res.gpu_memory_gib, res.gpu_name), res.cache_dir or None)
+    return {cell_id: {BATCH_PREDICTION_KEY: prediction} for cell_id, prediction in found.items()}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...contracts.gpus import gpu_memory_gib
+from ...contracts.gpus import GPUS, gpu_memory_gib
 from ...contracts.sources import Source
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
@@ -361,6 +361,37 @@ def largest_fitting_batch(spec: RunSpec, shape: Shape, capacity_gib: float) -> i
             break
         largest = batch
     return largest
+
+
+def batch_prediction(spec: RunSpec, shape: Shape, capacity: float | None) -> dict[str, Any]:
+    """What a `batch_size: auto` cell needs to start its search at the predicted batch (the cell
+    folder's spec.json; cell/batch_search.py's predicted_batch applies largest_fitting_batch's rule
+    to it with the memory it finds): the predicted peak per batch from spec.batch_size up to the cap
+    or past the largest GPU, the reserve, and the sweep's GPU memory where it names one."""
+    ceiling = capacity or max(gpu.memory_gib or 0.0 for gpu in GPUS)
+    required = []
+    for batch in range(spec.batch_size, spec.batch_cap + 1):
+        required.append(round(predict(spec.replace(batch_size=batch), shape).required_gib, 4))
+        if required[-1] > ceiling:
+            break
+    return {"capacity_gib": capacity, "reserve_gib": RUNTIME_RESERVE_GIB, "required_gib": required}
+
+
+def batch_predictions(cells, capacity: float | None, cache_dir: str | None = None) -> dict[str, dict[str, Any]]:
+    """batch_prediction of each `batch_size: auto` cell whose model's config is at hand, by cell id."""
+    shapes: dict[Source, Shape | None] = {}
+    found = {}
+    for cell in cells:
+        if not cell.spec.auto_batch:
+            continue
+        if cell.sources.model not in shapes:
+            try:
+                shapes[cell.sources.model] = load_shape(cell.sources.model, cache_dir)
+            except ModelConfigError:
+                shapes[cell.sources.model] = None
+        if (shape := shapes[cell.sources.model]) is not None:
+            found[cell.id] = batch_prediction(cell.spec, shape, capacity)
+    return found
 
 
 def capacity_gib(gpu_memory: float, gpu_name: str) -> float | None:

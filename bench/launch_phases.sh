@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# issue 45: where a launch's time goes. The issue's 9-cell matrix (4 strategies x 2 checkpointing
+# settings at batch 4, and one `batch_size: auto` cell; Qwen2.5-1.5B, seq 4096, 12 steps a cell)
+# with `submit --executor local` on the GPUs here, then one table of each cell's phases (its
+# record's `phases` and `launch_span_s`), the matrix's wall time and GPU-hours, and the auto cell's
+# probes (bench/launch_phases_table.py). One device call of under 10 minutes on 2 x H100.
+# Raw logs, records and the table go to $OUT (./bench-out).
+#   bash bench/launch_phases.sh                          # 2 GPUs, Qwen2.5-1.5B
+#   MODEL=tiny DEVICE=cpu bash bench/launch_phases.sh    # the same launches on CPU (no FSDP1 there:
+#                                                        # ddp and FSDP2 only, seq 64, fp32)
+# STEPS overrides the 12 steps a cell; STRATEGIES the four strategies (space-separated).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${OUT:-$root/bench-out}"
+mkdir -p "$out"
+cd "$root"
+model="${MODEL:-qwen2.5-1.5b}"
+device="${DEVICE:-cuda}"
+if [[ $device == cpu ]]; then
+  py="${PYTHON:-python3}"
+  export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  strategies="${STRATEGIES:-ddp fsdp2_zero2 fsdp2_zero3}"
+  shape="precision: fp32, seq_len: 64"
+  memory="gpu_memory_gib: 2.01"  # a memory for the prediction the auto cell's search starts from
+  auto="max_batch_size: 8"  # a CPU never runs out of memory: the search stops at its cap
+else
+  source bench/gpu_env.sh
+  py=python3
+  write_machine_info "$out/machine.$(date -u +%Y%m%dT%H%M%S).txt"
+  strategies="${STRATEGIES:-fsdp1_shard_grad_op fsdp1_full_shard fsdp2_zero2 fsdp2_zero3}"
+  shape="precision: bf16_mixed, seq_len: 4096, adamw_impl: fused"
+  memory="gpu_memory_gib: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 \
+    | awk '{printf "%.1f", $1 / 1024}')"
+  auto="max_batch_size: 64"
+fi
+jobs="$out/launch_phases.yaml"
+cat > "$jobs" <<YAML
+name: launch_phases
+base: {model: $model, device: $device, $shape, gpus_per_node: 2, steps: ${STEPS:-12}, batch_size: 4}
+slurm: {time_min: 10, $memory}
+matrix:
+  strategy: [$(echo "$strategies" | sed 's/ /, /g')]
+  activation_checkpointing: [none, full]
+include:
+  - {strategy: fsdp2_zero2, batch_size: auto, $auto}
+YAML
+echo "[launch_phases] $(date -u +%T) $model on $device: $jobs"
+rm -rf "$out/results/launch_phases"
+started=$(date +%s.%N)
+"$py" -m hpcfsdp submit "$jobs" --executor local --results-dir "$out/results" > "$out/submit.log" 2>&1
+echo "submit exited $? (3: some cells not ok)"
+ended=$(date +%s.%N)
+"$py" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(echo "$ended - $started" | bc)" \
+  | tee "$out/launch_phases.md"
