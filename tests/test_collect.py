@@ -29,8 +29,8 @@ from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import plots
-from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import reference_cells
 from hpcfsdp.sweep.define.matrix import cell_id

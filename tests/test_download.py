@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hpcfsdp.cache.hub import CacheMissError, lookup_tokenized
 from hpcfsdp.cache.plan import DownloadError, Request, build_plan, cache_misses, plan_from_sweep
-from hpcfsdp.contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef
+from hpcfsdp.contracts.names import DatasetRef, ModelRef, TokenizedRef
 from hpcfsdp.contracts.sources import model_source
 from hpcfsdp.sweep.define.matrix import load_sweep, parse_sweep
 from hub_server import HubServer, build_model_folder, chess_dataset_files, chess_games, dataset_files

@@ -19,8 +19,8 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.contracts.validity import invalid_reasons
-from hpcfsdp.results.compare import compare_sweeps
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import recommendation, write_report
 from hpcfsdp.sweep.define.matrix import load_sweep
 from test_collect import GPU_BASE, ok_record, put, spec_of

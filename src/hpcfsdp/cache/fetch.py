@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..contracts.hubrefs import DatasetRef, ModelRef
+from ..contracts.names import DatasetRef, ModelRef
 from .manifest import add_to_manifest, item_lock, manifest_entry, previous_entry
 from .plan import DownloadError
 from .verify import file_records, files_complete

@@ -28,7 +28,7 @@ from typing import Any
 from ..contracts.errors import UserError
 from ..contracts.fields import unknown_home
 from ..contracts.files import RecordError, read_json_object
-from ..contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef
+from ..contracts.names import DatasetRef, ModelRef, TokenizedRef
 
 CACHE_ENV = "HPCFSDP_CACHE"
 MANIFEST_NAME = "manifest.json"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contracts.errors import UserError
-from ..contracts.hubrefs import DatasetRef, ModelRef, TokenizedRef
+from ..contracts.names import DatasetRef, ModelRef, TokenizedRef
 from ..contracts.sources import model_source
 from .hub import CacheMissError, lookup_model, lookup_tokenized
 

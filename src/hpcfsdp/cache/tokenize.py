@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..contracts.hubrefs import TokenizedRef
+from ..contracts.names import TokenizedRef
 from .fetch import DATASETS_WORK_DIR, save_dataset_atomically
 from .hub import lookup_dataset, lookup_model, read_cache_manifest
 from .manifest import add_to_manifest, item_lock, manifest_entry

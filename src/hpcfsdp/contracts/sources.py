@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .fields import SpecError, shown
-from .hubrefs import DatasetRef, ModelRef
+from .names import DatasetRef, ModelRef
 
 PRESETS_DIR = Path(__file__).parents[1] / "presets"
 # The tokenizers the package ships, by name (`tokenizer: tiny`), built by env/make_tiny_tokenizer.py
@@ -43,7 +43,7 @@ class Source:
     """What one model, tokenizer or data value names, as the login node decided it.
 
     preset: `name` (the file is looked up in this installation's presets). local: `path`, absolute.
-    hub: `repo_id` with `revision` (a model) or `config` and `split` (a dataset), as hubrefs parses
+    hub: `repo_id` with `revision` (a model) or `config` and `split` (a dataset), as names.py parses
     them; the cache holds it under that name. `given` is the user's string, for messages.
     """
 

@@ -62,10 +62,10 @@ def collect(
     a cell regressed against `compare` (or, with fail_on_regression, against its reference or
     history); else 3 when the history could not be updated and checked (the gate could not look:
     never a pass); else 0. A collect that takes a while shows its progress on stderr (progress.py)."""
-    from .compare import write_comparison
     from .history_rows import accounting_jobs, merge_accounting
     from .read import load_records
     from .regressions import over_time as check_over_time
+    from .regressions import write_comparison
     from .report import write_report
     from .tables import cells_document, printed_comparison
 
