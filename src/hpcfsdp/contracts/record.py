@@ -13,9 +13,10 @@ A rerun never destroys a record: the current one moves to `attempts/<n>.json` fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict, cast
@@ -24,15 +25,24 @@ from .fields import choices
 from .files import RecordError, read_json_object, write_json
 from .jsontypes import (
     FIGURE,
+    INT64_MAX,
+    JSON_VALUE_REF,
     SCALAR_TYPES,
     TYPE_WORDS,
     Checked,
     Figure,
     Moment,
+    annotation_schema,
     checked_fields,
+    compiled_check,
+    core_schema,
     integer_out_of_int64,
+    number_schema,
     range_problem,
+    scalar_schema,
     shown,
+    single_value_schema,
+    typed_dict_check,
     value_problem,
 )
 from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
@@ -336,7 +346,8 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
         raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {expected})")
     if record.get("status") not in STATUSES:
         raise RecordError(f"{path}: status {shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
-    problem = _record_problem(record)
+    check = _compiled_record_check()
+    problem = None if check is not None and check(record) else _record_problem(record)
     if problem:
         raise RecordError(f"{path}: {problem}")
     return record
@@ -403,6 +414,35 @@ def _spec_range_problem(name: str, value: Any) -> str | None:
     if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS) or (type(value) is float and not math.isfinite(value)):
         return range_problem(f"spec.{name}", value, FIGURE)
     return None
+
+
+@functools.cache
+def _compiled_record_check() -> Callable[[Any], bool] | None:
+    """_record_problem compiled (jsontypes.compiled_check) from the same declarations: the Checked
+    fields and their marks, RunSpec's fields, types, choices and ranges; every other value any
+    JSON whose integers fit 64 bits. None where pydantic-core is missing."""
+    if core_schema is None:
+        return None
+    fields = {name: annotation_schema(hint) for name, hint in CHECKED_FIELDS.items()}
+    any_json = core_schema.definition_reference_schema(JSON_VALUE_REF)
+    return compiled_check(typed_dict_check({**fields, "spec": _spec_schema()}, any_json, required=("spec",)))
+
+
+def _spec_schema() -> Any:
+    """spec_problem's checks as a schema: each RunSpec field of its default's type (a float field
+    takes an integer), one of its choices, counts in their range, floats finite."""
+    allowed = choices(RunSpec)
+    fields = {}
+    for name, kind in _spec_types().items():
+        if name in allowed:
+            fields[name] = core_schema.literal_schema(list(allowed[name]))
+        elif name in POSITIVE_FIELDS:
+            fields[name] = core_schema.int_schema(strict=True, ge=1, le=INT64_MAX)
+        elif name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS):
+            fields[name] = scalar_schema(kind, FIGURE)
+        else:
+            fields[name] = number_schema(finite=True) if kind is float else scalar_schema(kind)
+    return typed_dict_check(fields, single_value_schema(), required=REQUIRED_SPEC_FIELDS)
 
 
 def _spec_types() -> dict[str, type]:
