@@ -894,3 +894,19 @@ def test_collect_prints_the_best_30_of_40_cells_and_says_where_the_rest_are(tmp_
     assert len(printed) == 1 + 30 and printed[1][1] == "35" and printed[-1][1] == "6"  # best tokens/s first
     assert f"10 more row(s) not shown (of 40); the full table: {sweep / 'report' / 'results.csv'}" in lines
     assert len(pd.read_csv(sweep / "report" / "results.csv")) == 40
+
+
+def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_record_redraws_them(gpu, tmp_path):
+    sweep = shutil.copytree(gpu, tmp_path / "copy")
+    shutil.rmtree(sweep / "report")
+    first = write_report(sweep)
+    figures = {path: path.stat().st_mtime_ns for path in first.files if path.suffix == ".png"}
+    assert len(figures) == len(plots.PLOTS)
+    again = write_report(sweep)
+    assert again.skipped_plots == first.skipped_plots
+    assert {path: path.stat().st_mtime_ns for path in figures} == figures  # not drawn again
+    record_path = next(path for path in sorted(sweep.glob("cells/*/result.json")) if read_record(path)["status"] == "ok")
+    record = read_record(record_path)
+    write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
+    write_report(sweep)
+    assert all(path.stat().st_mtime_ns != drawn for path, drawn in figures.items() if path.stem == "throughput")

@@ -10,7 +10,7 @@ otherwise win a ranking or overflow a datetime or a parquet column. And json_rea
 values strict JSON (the `--json` answers).
 
 The same marks also compile (compiled_check) into one pydantic-core validator, which checks a
-record in Rust some hundred times faster than the walk below: collect reads every record of a
+record in Rust several times faster than the walk below: collect reads every record of a
 sweep. The compiled check only ever answers "valid": a record it refuses goes through the walk,
 which words the one-line problem (and has the last word, so the two can never disagree on a
 record the walk takes).
