@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from operator import attrgetter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -121,12 +122,10 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
 def plan_table(sweep: Sweep, planned: list[tuple[tuple[int, int], list[Cell]]]) -> list[str]:
     cells = sweep.cells
     array_of = {cell.id: index for index, (_, members) in enumerate(planned) for cell in members}
-    varying = [
-        name
-        for name in field_names(RunSpec)
-        if name not in PLAN_FIELDS and len({getattr(c.spec, name) for c in cells}) > 1
-    ]
-    columns = {name: [plain_value(getattr(c.spec, name)) for c in cells] for name in varying}
+    names = [name for name in field_names(RunSpec) if name not in PLAN_FIELDS]
+    values = dict(zip(names, zip(*map(attrgetter(*names), (c.spec for c in cells)))))  # name -> every cell's value
+    varying = [name for name in names if len(set(values[name])) > 1]
+    columns = {name: [plain_value(value) for value in values[name]] for name in varying}
     widths = {name: max(len(name), *map(len, values)) for name, values in columns.items()}
     id_width = max(4, *(len(c.id) for c in cells))
     shape = "nodes x gpus" if rank_word(cells) == "GPU" else "nodes x procs"
