@@ -366,6 +366,13 @@ class RunSpec:
             raise SpecError(
                 where, "cpu_offload", f"{self.strategy} has no CPU offload; use an fsdp1_* or fsdp2_* strategy"
             )
+        if self.cpu_offload and self.device == "cpu":
+            raise SpecError(
+                where,
+                "cpu_offload",
+                "offloads parameters from a GPU to the CPU; with device: cpu they are on the CPU already "
+                "(FSDP2's offload needs a GPU); use cpu_offload: false or device: cuda",
+            )
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
             raise SpecError(where, "compile", f"not supported with {self.strategy} on CPU")
         if self.strategy_info.hybrid:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_NAME = ".submit.lock"
+from ..folder.layout import SUBMIT_LOCK_NAME as LOCK_NAME
 
 
 @contextmanager

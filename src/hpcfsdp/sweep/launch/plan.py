@@ -49,7 +49,11 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
             "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
         )
-    problems = plan_problems(sweep)
+    return print_problems(plan_problems(sweep))
+
+
+def print_problems(problems: list[str]) -> int:
+    """One `error:` line per problem on stderr; the exit status: 2 when there is one (docs/submit.md)."""
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
@@ -102,10 +106,14 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
-    comment, once the folder has one: layout.folder_uid)."""
+    comment, once the folder has one: layout.folder_uid); none, with plan's error lines and exit
+    status, for a sweep that plan refuses."""
     from ..folder.layout import folder_uid
     from .sbatch import sbatch_script
 
+    problems = plan_problems(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
+    if problems:
+        return print_problems(problems)
     sweep_dir = results_dir / sweep.name
     uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 

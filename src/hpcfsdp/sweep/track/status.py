@@ -21,7 +21,15 @@ from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, Reco
 from ...contracts.spec import SEARCHED_FIELDS
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell
-from ..folder.layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
+from ..folder.layout import (
+    MANIFEST_NAME,
+    SLURM_DIR,
+    cell_dir,
+    local_run,
+    planned_cell_ids,
+    slurm_jobs,
+    sweep_comment,
+)
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .preemptions import preemption_note, preemptions
@@ -145,6 +153,7 @@ def sweep_status(
     except SlurmError as exc:
         queued, note = {}, f"{exc}; cells still queued show as missing"
     states = {cid: cell_state(sweep_dir, cid) for cid in cell_ids}
+    states |= _locally_in_flight(sweep_dir, states)
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_jobs(unrecorded, cluster, watcher)
@@ -183,6 +192,18 @@ def sweep_status(
                 )
             )
     return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def _locally_in_flight(sweep_dir: Path, states: dict[str, RecordState]) -> dict[str, RecordState]:
+    """The cells without a record that a local submit running now on this folder runs (running)
+    or will run (pending): no scheduler knows them, and they are not missing."""
+    run = local_run(sweep_dir)
+    if run is None:
+        return {}
+    flying = {run.running: CellState.RUNNING, **dict.fromkeys(run.waiting, CellState.PENDING)}
+    return {
+        cid: RecordState(flying[cid]) for cid, state in states.items() if cid in flying and state.status == MISSING
+    }
 
 
 def _first_line(error: object) -> str:
