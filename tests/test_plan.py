@@ -666,3 +666,21 @@ def test_a_jobs_file_with_only_include_makes_only_its_includes(tmp_path):
     assert sorted(cell.spec.batch_size for cell in load_sweep(path).cells) == [2, 3]  # no base cell (batch 1)
     with_base = write(tmp_path, "base: {model: tiny, device: cpu}\ninclude: [{}, {batch_size: 2}]\n", "base.yaml")
     assert sorted(cell.spec.batch_size for cell in load_sweep(with_base).cells) == [1, 2]
+
+
+def test_plan_notes_a_hybrid_strategy_with_one_replica_as_the_strategy_it_is(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        """
+        base: {model: tiny, device: cpu, gpus_per_node: 2}
+        matrix:
+          strategy: [fsdp2_hsdp, fsdp2_zero3]
+          nodes: [1, 2]
+        """,
+    )
+    assert main(["plan", str(path)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: 1 fsdp2_hsdp cell(s) shard over all their ranks (one shard group, one replica): that is fsdp2_zero3 "
+        "under another name; a hybrid needs nodes >= 2 or an hsdp_shard_size below the ranks"
+    ]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 from operator import attrgetter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ...contracts.fields import SpecError, field_names
 from ...contracts.spec import RunSpec
+from ...contracts.strategies import STRATEGIES
 from ..define.matrix import Cell, Sweep, arrays, plain_value
 from ..track.cluster import array_size_limit
 
@@ -44,12 +46,30 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         f"upper bound: {rank_hours(sweep):.1f} {rank_word(sweep.cells)}-hours at a {res.time_min} min limit "
         f"per cell{requeues}"
     )
+    for note in single_replica_notes(sweep.cells):
+        print(note)
     if res.pass_env:
         print(
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
             "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
         )
     return print_problems(plan_problems(sweep))
+
+
+def single_replica_notes(cells: tuple[Cell, ...]) -> list[str]:
+    """A note per hybrid strategy whose cells shard across all their ranks (one node, no smaller
+    hsdp_shard_size): one replica, so no hybrid at all, the non-hybrid strategy under another name."""
+    alike = Counter(
+        cell.spec.strategy
+        for cell in cells
+        if cell.spec.strategy_info.hybrid and (cell.spec.hsdp_shard_size or cell.spec.gpus_per_node) == cell.spec.world_size
+    )
+    return [
+        f"note: {count} {strategy} cell(s) shard over all their ranks (one shard group, one replica): that is "
+        f"{STRATEGIES[strategy].single_replica} under another name; a hybrid needs nodes >= 2 or an "
+        "hsdp_shard_size below the ranks"
+        for strategy, count in alike.items()
+    ]
 
 
 def print_problems(problems: list[str]) -> int:
