@@ -176,3 +176,16 @@ def test_skip_predicted_oom_without_a_gpu_size_is_one_line_error(tmp_path, capsy
     assert main(["submit", str(path), "--executor", "print", "--skip-predicted-oom"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "gpu_memory_gib" in err and "gpu_name" in err
+
+
+def test_submit_warns_of_the_cells_predicted_not_to_fit_with_their_gpu_hours_and_how_to_skip_them(tmp_path, capsys):
+    argv = ["submit", str(jobs(tmp_path)), "--executor", "print", "--results-dir", str(tmp_path / "results")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip().splitlines()) == 3  # warned, not skipped
+    (warning,) = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    # batch 8 at 80 GiB: 2 GPUs x the default 30 min limit
+    assert warning == (
+        "warning: 1 cell(s) predicted not to fit in 80 GiB per GPU (`hpcfsdp plan --memory` shows why), "
+        "up to 1.0 GPU-hours at their time limit; --skip-predicted-oom leaves them out"
+    )

@@ -6,15 +6,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import Counter
-from operator import attrgetter
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...contracts.fields import SpecError, field_names
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
 from ..define.matrix import Cell, Sweep, arrays, plain_value
 from ..track.cluster import array_size_limit
+
+if TYPE_CHECKING:
+    from ..predict.memory import CellPrediction
 
 RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
@@ -246,10 +250,32 @@ def capacity_of(sweep: Sweep) -> float | None:
     return capacity_gib(sweep.resources.gpu_memory_gib, sweep.resources.gpu_name)
 
 
-def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
-    """`submit --skip-predicted-oom`: the sweep less the cells predicted not to fit, each named."""
+def predicted_oom(sweep: Sweep, capacity: float) -> dict[str, CellPrediction]:
+    """cell id -> its memory row, of the cells `plan --memory` predicts not to fit in capacity GiB."""
     from ..predict.memory import predict_cells
 
+    rows = predict_cells(sweep.cells, capacity, sweep.resources.cache_dir or None)
+    return {row.cell_id: row for row in rows if row.fit == "oom"}
+
+
+def predicted_oom_warning(sweep: Sweep) -> str:
+    """`submit` without --skip-predicted-oom: a warning naming how many cells are predicted not to
+    fit and the GPU-hours they may hold, and how to leave them out; "" when none is (or the GPU's
+    memory is not known)."""
+    capacity = capacity_of(sweep)
+    oom = predicted_oom(sweep, capacity) if capacity is not None else {}
+    if not oom:
+        return ""
+    doomed = dataclasses.replace(sweep, cells=tuple(cell for cell in sweep.cells if cell.id in oom))
+    return (
+        f"warning: {len(oom)} cell(s) predicted not to fit in {capacity:g} GiB per GPU (`hpcfsdp plan --memory` "
+        f"shows why), up to {rank_hours(doomed):.1f} {rank_word(doomed.cells)}-hours at their time limit; "
+        "--skip-predicted-oom leaves them out"
+    )
+
+
+def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
+    """`submit --skip-predicted-oom`: the sweep less the cells predicted not to fit, each named."""
     capacity = capacity_of(sweep)
     if capacity is None:
         raise SpecError(
@@ -257,11 +283,7 @@ def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
             "slurm.gpu_memory_gib",
             "--skip-predicted-oom needs the GPU's memory: set slurm.gpu_memory_gib or slurm.gpu_name",
         )
-    oom = {
-        row.cell_id: row
-        for row in predict_cells(sweep.cells, capacity, sweep.resources.cache_dir or None)
-        if row.fit == "oom"
-    }
+    oom = predicted_oom(sweep, capacity)
     for row in oom.values():
         needed = f"{row.prediction.required_gib:.1f}" if row.prediction else "?"
         log(
