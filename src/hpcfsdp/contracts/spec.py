@@ -92,7 +92,11 @@ class RunSpec:
     nodes: int = option(1, "nodes of the cell (a matrix axis: cells of one shape share a job array)")
     gpus_per_node: int = option(1, "GPUs (ranks) per node")
     hsdp_shard_size: int = option(
-        0, "ranks per shard group", "hybrid", default_means="shard within a node, replicate across nodes"
+        0,
+        "ranks per shard group; one group of every rank (one node at 0) is the non-hybrid strategy "
+        "(fsdp2_hsdp is fsdp2_zero3): plan notes it",
+        "hybrid",
+        default_means="shard within a node, replicate across nodes",
     )
     cpu_offload: bool = option(
         False, "the rank's shard of parameters, gradients and AdamW states in pinned host memory", "fsdp1", "fsdp2"
@@ -176,7 +180,10 @@ class RunSpec:
     sync_each_step: bool = option(True, "false: one device sync around the timed window (measures sync overhead)")
     nvml: bool = option(True, "sample GPU utilisation during timed steps", "measurement")
     comm_profile_steps: int = option(
-        2, "extra steps under torch.profiler for communication time", "measurement", default_means="off"
+        2,
+        "steps under torch.profiler for communication time, after the timed window and one more unprofiled step; "
+        "0: off",
+        "measurement",
     )
     profile: bool = option(False, "TensorBoard trace of a window of steps in the cell folder", "measurement")
     memory_snapshot: bool = option(
