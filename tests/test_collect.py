@@ -905,7 +905,8 @@ def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_r
     again = write_report(sweep)
     assert again.skipped_plots == first.skipped_plots
     assert {path: path.stat().st_mtime_ns for path in figures} == figures  # not drawn again
-    record_path = next(path for path in sorted(sweep.glob("cells/*/result.json")) if read_record(path)["status"] == "ok")
+    records = sorted(sweep.glob("cells/*/result.json"))
+    record_path = next(path for path in records if read_record(path)["status"] == "ok")
     record = read_record(record_path)
     write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
     write_report(sweep)

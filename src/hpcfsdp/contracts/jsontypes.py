@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import date
 from types import NoneType, UnionType
-from typing import Annotated, Any, Callable, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 try:  # a dependency of the login side; where it is missing (a compute node), the walk checks alone
     from pydantic_core import SchemaValidator, ValidationError, core_schema
@@ -217,9 +217,7 @@ def one_of(schemas: list[Any]) -> Any:
 
 def single_value_schema() -> Any:
     """Any single JSON value (of a key a newer hpcfsdp wrote): text, a number, true/false or null."""
-    return core_schema.nullable_schema(
-        one_of([scalar_schema(kind) for kind in (float, str, bool)])
-    )
+    return core_schema.nullable_schema(one_of([scalar_schema(kind) for kind in (float, str, bool)]))
 
 
 def json_value_definition() -> Any:

@@ -432,7 +432,7 @@ def _spec_schema() -> Any:
     """spec_problem's checks as a schema: each RunSpec field of its default's type (a float field
     takes an integer), one of its choices, counts in their range, floats finite."""
     allowed = choices(RunSpec)
-    fields = {}
+    fields: dict[str, Any] = {}
     for name, kind in _spec_types().items():
         if name in allowed:
             fields[name] = core_schema.literal_schema(list(allowed[name]))

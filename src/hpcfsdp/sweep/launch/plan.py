@@ -63,10 +63,11 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
 def single_replica_notes(cells: tuple[Cell, ...]) -> list[str]:
     """A note per hybrid strategy whose cells shard across all their ranks (one node, no smaller
     hsdp_shard_size): one replica, so no hybrid at all, the non-hybrid strategy under another name."""
+    specs = [cell.spec for cell in cells]
     alike = Counter(
-        cell.spec.strategy
-        for cell in cells
-        if cell.spec.strategy_info.hybrid and (cell.spec.hsdp_shard_size or cell.spec.gpus_per_node) == cell.spec.world_size
+        spec.strategy
+        for spec in specs
+        if spec.strategy_info.hybrid and (spec.hsdp_shard_size or spec.gpus_per_node) == spec.world_size
     )
     return [
         f"note: {count} {strategy} cell(s) shard over all their ranks (one shard group, one replica): that is "

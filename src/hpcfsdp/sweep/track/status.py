@@ -201,9 +201,7 @@ def _locally_in_flight(sweep_dir: Path, states: dict[str, RecordState]) -> dict[
     if run is None:
         return {}
     flying = {run.running: CellState.RUNNING, **dict.fromkeys(run.waiting, CellState.PENDING)}
-    return {
-        cid: RecordState(flying[cid]) for cid, state in states.items() if cid in flying and state.status == MISSING
-    }
+    return {cid: RecordState(flying[cid]) for cid, state in states.items() if cid in flying and state.status == MISSING}
 
 
 def _first_line(error: object) -> str:
