@@ -57,7 +57,7 @@ MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 
 
-# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, record.spec_problem a recorded spec.
+# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, recordspec.spec_problem a recorded spec.
 POSITIVE_FIELDS = (
     *("seq_len", "nodes", "gpus_per_node", "batch_size"),
     *("grad_accum", "steps", "checkpoint_every", "max_batch_size"),
@@ -92,11 +92,7 @@ class RunSpec:
     nodes: int = option(1, "nodes of the cell (a matrix axis: cells of one shape share a job array)")
     gpus_per_node: int = option(1, "GPUs (ranks) per node")
     hsdp_shard_size: int = option(
-        0,
-        "ranks per shard group; one group of every rank (one node at 0) is the non-hybrid strategy "
-        "(fsdp2_hsdp is fsdp2_zero3): plan notes it",
-        "hybrid",
-        default_means="shard within a node, replicate across nodes",
+        0, "ranks per shard group", "hybrid", default_means="shard within a node, replicate across nodes"
     )
     cpu_offload: bool = option(
         False, "the rank's shard of parameters, gradients and AdamW states in pinned host memory", "fsdp1", "fsdp2"
@@ -374,12 +370,8 @@ class RunSpec:
                 where, "cpu_offload", f"{self.strategy} has no CPU offload; use an fsdp1_* or fsdp2_* strategy"
             )
         if self.cpu_offload and self.device == "cpu":
-            raise SpecError(
-                where,
-                "cpu_offload",
-                "offloads parameters from a GPU to the CPU; with device: cpu they are on the CPU already "
-                "(FSDP2's offload needs a GPU); use cpu_offload: false or device: cuda",
-            )
+            offload = "offloads parameters from a GPU to the CPU; with device: cpu they are on the CPU already"
+            raise SpecError(where, "cpu_offload", f"{offload} (FSDP2's offload needs a GPU); use false or device: cuda")
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
             raise SpecError(where, "compile", f"not supported with {self.strategy} on CPU")
         if self.strategy_info.hybrid:
