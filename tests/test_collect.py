@@ -26,7 +26,7 @@ from matplotlib.patches import Patch
 from PIL import Image
 
 from hpcfsdp.cli import main
-from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
+from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import plots
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
@@ -971,3 +971,20 @@ def test_a_cpu_sweep_speaks_of_processes_in_every_table_and_figure(tmp_path):
     assert "process-hours per billion tokens" in summary
     figure = plots.throughput(plot_data(tmp_path / "cpu"))
     assert "per process" in figure.get_suptitle() and "per process" in figure.get_supylabel()
+
+
+def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_record_redraws_them(gpu, tmp_path):
+    sweep = shutil.copytree(gpu, tmp_path / "copy")
+    shutil.rmtree(sweep / "report", ignore_errors=True)  # drawn by gpu_report, when it ran first
+    first = write_report(sweep)
+    figures = {path: path.stat().st_mtime_ns for path in first.files if path.suffix == ".png"}
+    assert len(figures) == len(plots.PLOTS)
+    again = write_report(sweep)
+    assert again.skipped_plots == first.skipped_plots
+    assert {path: path.stat().st_mtime_ns for path in figures} == figures  # not drawn again
+    records = sorted(sweep.glob("cells/*/result.json"))
+    record_path = next(path for path in records if record_state(path).status == "ok")
+    record = read_record(record_path)
+    write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
+    write_report(sweep)
+    assert all(path.stat().st_mtime_ns != drawn for path, drawn in figures.items() if path.stem == "throughput")

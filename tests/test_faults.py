@@ -777,3 +777,19 @@ def test_a_signal_that_comes_before_torch_is_imported_still_ends_in_a_record(tmp
     record = json.loads(path.read_text())
     assert record["status"] == "timeout" and record["stage"] == "setup", record.get("traceback")
     assert f"received {sig.name} (time limit)" in record["error"]
+
+
+def test_status_of_a_local_submit_still_running_calls_its_cell_running_and_exits_4(ok_sweep, tmp_path, capsys):
+    """No scheduler knows a local submit's cells: while it runs one (its earlier record set aside),
+    `status` says `running` and exits 4 (in flight), not `missing` and 3; once the submit is gone,
+    the cell is what its record says."""
+    jobs, results, cell = copy_of(ok_sweep, tmp_path)
+    with local_submit_in_a_hanging_cell(jobs, results, cell) as (proc, cell_processes):
+        capsys.readouterr()
+        assert main(["status", str(results / "kept")]) == 4
+        out = capsys.readouterr().out
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=90)
+        wait_until(lambda: not alive(cell_processes), 60, "torchrun and its rank to end")
+    assert "running" in out and "missing" not in out, out
+    assert main(["status", str(results / "kept")]) == 0  # the ok record current again

@@ -34,6 +34,14 @@ def test_the_field_tables_of_the_docs_are_the_declarations(page):
     assert rewrite(text) == text, f"docs/{page} drifted: run `python -m hpcfsdp.sweep.define.fielddocs docs`"
 
 
+@pytest.mark.parametrize("cls", [RunSpec, Resources, Container], ids=lambda cls: cls.__name__)
+def test_no_field_whose_default_does_something_says_its_default_is_off(cls):
+    """A default documented as `off` is one that does nothing (0, false, empty): comm_profile_steps
+    said `2 (off)` and profiled 1 + 2 steps of every cell."""
+    said_off = {item.name: item.default for item in fields(cls) if item.metadata.get("default_means") == "off"}
+    assert {name: default for name, default in said_off.items() if default} == {}
+
+
 def test_every_table_sits_in_one_page():
     assert sorted(table for tables in PAGES.values() for table in tables) == sorted(TABLES)
 

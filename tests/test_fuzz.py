@@ -51,8 +51,19 @@ from hypothesis import strategies as st
 
 from conftest import ROOT
 from hpcfsdp.cli import main
+from hpcfsdp.contracts.files import parse_json
 from hpcfsdp.contracts.jsontypes import INT64_MAX, INT64_MIN
-from hpcfsdp.contracts.record import CHECKED_FIELDS, CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, STATUSES, record_state
+from hpcfsdp.contracts.record import (
+    CHECKED_FIELDS,
+    CORRUPT,
+    MISSING,
+    RECORD_NAME,
+    SPEC_NAME,
+    STATUSES,
+    _compiled_record_check,
+    _record_problem,
+    record_state,
+)
 from hpcfsdp.results.exports.runs import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows
@@ -247,6 +258,9 @@ def test_hostile_records_never_crash_hang_or_win(template, store, change):
 
         state = record_state(victim, root=sweep, cell_id=victim.parent.name)  # what status, collect, export read
         assert state.status in (*STATUSES, CORRUPT, MISSING)
+        if change[0] == "mutate":  # the validator compiled from the declarations never passes what the walk refuses
+            parsed = parse_json(victim.read_bytes())
+            assert not _compiled_record_check()(parsed) or _record_problem(parsed) is None, _record_problem(parsed)
         if state.status == CORRUPT:
             assert state.problem.startswith(str(victim)) and "\n" not in state.problem
         elif state.record is not None:

@@ -121,7 +121,7 @@ def test_integers_past_64_bits_in_a_record_make_it_corrupt_however_json_reads_th
     results = tmp_path / "results"
     sweep = write_sweep(results, "big", 0, {"a": 1000.0, "b": 2000.0, "c": 1500.0, "d": 800.0})
     paths = cells_of(sweep)
-    texts = {  # orjson reads the first two as floats, the third as an integer; json keeps all three
+    texts = {  # orjson read the first two as floats, the third as an integer; json keeps all three
         paths[1]: ('"seed": 0', '"seed": 99999999999999999999', "spec.seed"),
         paths[2]: ('"batch_size": ', '"batch_size": 1' + "0" * 400 + ', "x": ', "spec.batch_size"),
         paths[3]: ('"world_size": 2', '"world_size": 18446744073709551615', "world_size"),

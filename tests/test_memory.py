@@ -19,6 +19,7 @@ from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.sweep.predict.memory import (
     GIB,
     WORKSPACE_GIB,
+    fsdp1_units,
     layer_activation_bytes,
     load_shape,
     loss_bytes,
@@ -109,6 +110,27 @@ def test_the_peak_of_a_zero3_cell_by_hand():
     assert prediction.peak_gib == pytest.approx(41.02, rel=0.02)
 
 
+def test_fsdp1_without_a_wrap_policy_is_predicted_to_gather_the_whole_model():
+    """FSDP1's `wrap_policy: none` makes the model one unit: every layer is gathered from the first
+    forward to the end of backward (for a 7B, about 12 GiB of bf16 weights more than `layer`)."""
+    base = dict(model="codellama-7b", strategy="fsdp1_full_shard", gpus_per_node=8, seq_len=2048, device="cuda")
+    shape = load_shape(model_source("codellama-7b"))
+    layer, none, size = (predict(RunSpec(**base, wrap_policy=policy), shape) for policy in ("layer", "none", "size"))
+    whole = (shape.root_params + shape.layers * shape.layer_params) * 2 / GIB  # bf16 copies
+    assert none.gathered_gib == pytest.approx(whole)
+    assert none.peak_gib - layer.peak_gib == pytest.approx((shape.layers - 1) * shape.layer_params * 2 / GIB)
+    assert 11 < none.peak_gib - layer.peak_gib < 13
+    # size: each 7B MLP (135M of a 202M layer), the embedding and the LM head (131M each) are units, and
+    # the decoder, with the attention of every layer (67M each), is the largest: nothing is left to the root
+    root, largest = fsdp1_units(shape, RunSpec(**base, wrap_policy="size"))
+    assert root == 0 and largest == 32 * (4 * 4096 * 4096 + 2 * 4096) + 4096
+    assert size.gathered_gib == pytest.approx((root + largest) * 2 / GIB)
+    # Qwen2.5-1.5B: 47M a layer, under min_num_params: the decoder but its (tied) embedding is one unit
+    qwen = load_shape(model_source("qwen2.5-1.5b"))
+    small = RunSpec(**dict(base, model="qwen2.5-1.5b"), wrap_policy="size")
+    assert fsdp1_units(qwen, small) == (0, qwen.params - qwen.embedding_params)
+
+
 def test_checkpointing_keeps_each_layers_input_only():
     base = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", gpus_per_node=2, seq_len=4096, batch_size=4)
     shape = load_shape(model_source("qwen2.5-1.5b"))
@@ -176,3 +198,16 @@ def test_skip_predicted_oom_without_a_gpu_size_is_one_line_error(tmp_path, capsy
     assert main(["submit", str(path), "--executor", "print", "--skip-predicted-oom"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "gpu_memory_gib" in err and "gpu_name" in err
+
+
+def test_submit_warns_of_the_cells_predicted_not_to_fit_with_their_gpu_hours_and_how_to_skip_them(tmp_path, capsys):
+    argv = ["submit", str(jobs(tmp_path)), "--executor", "print", "--results-dir", str(tmp_path / "results")]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip().splitlines()) == 3  # warned, not skipped
+    (warning,) = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    # batch 8 at 80 GiB: 2 GPUs x the default 30 min limit
+    assert warning == (
+        "warning: 1 cell(s) predicted not to fit in 80 GiB per GPU (`hpcfsdp plan --memory` shows why), "
+        "up to 1.0 GPU-hours at their time limit; --skip-predicted-oom leaves them out"
+    )

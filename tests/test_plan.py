@@ -521,13 +521,16 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         signal.signal(signal.SIGUSR2, previous)
 
 
-def test_plan_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, capsys):
+def test_plan_plan_sbatch_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HPCFSDP_CACHE", str(tmp_path / "empty-cache"))
     jobs = tmp_path / "hub.yaml"
     jobs.write_text("name: hub\nbase: {model: acme/not-downloaded, device: cpu}\n")
     assert main(["plan", str(jobs)]) == 2
     err = capsys.readouterr().err
     assert "acme/not-downloaded" in err and "download_models.py" in err
+    assert main(["plan", "--sbatch", str(jobs)]) == 2  # no script of a sweep plan refuses, the same line
+    sbatch = capsys.readouterr()
+    assert sbatch.out == "" and sbatch.err == err
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 2
     assert "acme/not-downloaded" in capsys.readouterr().err
     assert not (tmp_path / "hub").exists()  # nothing written, nothing run
@@ -650,3 +653,36 @@ def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(ar
     assert timed_out in chosen and done == [ok]
     assert main(["submit", str(path), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
     assert "rerunning 1 cell(s) whose record was made with other values of their fields" in capsys.readouterr().err
+
+
+def test_a_jobs_file_with_only_include_makes_only_its_includes(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        base: {model: tiny, device: cpu, strategy: ddp, gpus_per_node: 2}
+        include:
+          - {batch_size: 2}
+          - {batch_size: 3}
+        """,
+    )
+    assert sorted(cell.spec.batch_size for cell in load_sweep(path).cells) == [2, 3]  # no base cell (batch 1)
+    with_base = write(tmp_path, "base: {model: tiny, device: cpu}\ninclude: [{}, {batch_size: 2}]\n", "base.yaml")
+    assert sorted(cell.spec.batch_size for cell in load_sweep(with_base).cells) == [1, 2]
+
+
+def test_plan_notes_a_hybrid_strategy_with_one_replica_as_the_strategy_it_is(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        """
+        base: {model: tiny, device: cpu, gpus_per_node: 2}
+        matrix:
+          strategy: [fsdp2_hsdp, fsdp2_zero3]
+          nodes: [1, 2]
+        """,
+    )
+    assert main(["plan", str(path)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: 1 fsdp2_hsdp cell(s) shard over all their ranks (one shard group, one replica): that is fsdp2_zero3 "
+        "under another name; a hybrid needs nodes >= 2 or an hsdp_shard_size below the ranks"
+    ]

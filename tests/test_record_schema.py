@@ -10,13 +10,13 @@ import json
 import pytest
 
 from conftest import ROOT, run_torchrun_cell
-from hpcfsdp.contracts.recordschema import main, schema_text
+from hpcfsdp.recordschema import main, schema_text
 
 SCHEMA = ROOT / "docs" / "record.schema.json"
 
 
 def test_the_checked_in_record_schema_is_the_one_the_record_declarations_generate(capsys):
-    assert SCHEMA.read_text() == schema_text(), "run: python -m hpcfsdp.contracts.recordschema docs/record.schema.json"
+    assert SCHEMA.read_text() == schema_text(), "run: python -m hpcfsdp.recordschema docs/record.schema.json"
     assert main([str(SCHEMA), "--check"]) == 0
     assert "up to date" in capsys.readouterr().out
 

@@ -114,7 +114,7 @@ def test_exclude_matches_coerced_values_and_may_drop_invalid_combinations(tmp_pa
         write(
             tmp_path,
             """
-        base: {device: cpu, lr: 3e-4}
+        base: {device: cuda, lr: 3e-4}
         matrix:
           strategy: [ddp, fsdp2_zero3]
           activation_checkpointing: [none, full]

@@ -65,7 +65,7 @@ def plan(args: argparse.Namespace) -> int:
 def submit(args: argparse.Namespace) -> int:
     from .cache.plan import cache_misses
     from .results.collect import collect
-    from .sweep.launch.plan import without_predicted_oom
+    from .sweep.launch.plan import predicted_oom_warning, without_predicted_oom
     from .sweep.launch.submit import default_executor, still_queued, submit, wait_for
     from .sweep.track.status import blocked_message, cells_exit_status, print_status
 
@@ -82,6 +82,8 @@ def submit(args: argparse.Namespace) -> int:
     log = _to_stderr if executor in ("print", "local") else print
     if args.skip_predicted_oom:
         sweep = without_predicted_oom(sweep, log)
+    elif warning := predicted_oom_warning(sweep):
+        log(warning)
     if args.only_best:
         from .tune.output import best_only
 

@@ -79,6 +79,8 @@ def readable(text: str) -> str:
 def unseen_character(text: str) -> str:
     """The first character of text that is invisible or changes the direction of the text around
     it, as 'U+202E (RIGHT-TO-LEFT OVERRIDE)'; "" when there is none. A plain space is visible."""
+    if text.isascii() and text.isprintable():  # the usual text, checked in C: ASCII's unseen are its controls
+        return ""
     for char in text:
         if char == " ":
             continue

@@ -12,30 +12,30 @@ A rerun never destroys a record: the current one moves to `attempts/<n>.json` fi
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict, cast
 
-from .fields import choices
 from .files import RecordError, read_json_object, write_json
 from .jsontypes import (
-    FIGURE,
-    SCALAR_TYPES,
-    TYPE_WORDS,
+    JSON_VALUE_REF,
     Checked,
     Figure,
     Moment,
+    annotation_schema,
     checked_fields,
+    compiled_check,
+    core_schema,
     integer_out_of_int64,
-    range_problem,
     shown,
+    typed_dict_check,
     value_problem,
 )
-from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
+from .recordspec import spec_problem, spec_schema
 
 # The version write_record writes, and those read_record reads. 2: strict JSON, `losses` holds null
 # for a step whose loss was not finite and `nonfinite_steps` names those steps; 1 wrote a bare NaN
@@ -301,8 +301,6 @@ class FailedRecord(Record, total=False):
 
 
 CHECKED_FIELDS = checked_fields(OkRecord, FailedRecord)  # name -> annotation: what read_record checks
-# Every record has these spec fields (the cell id and every table group by them).
-REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
 
 
 def stage_rank(stage: str) -> tuple[int, str]:
@@ -388,7 +386,8 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
         raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {expected})")
     if record.get("status") not in STATUSES:
         raise RecordError(f"{path}: status {shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
-    problem = _record_problem(record)
+    check = _compiled_record_check()
+    problem = None if check is not None and check(record) else _record_problem(record)
     if problem:
         raise RecordError(f"{path}: {problem}")
     return record
@@ -427,43 +426,16 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-def spec_problem(spec: Any) -> str | None:
-    """What makes a recorded spec unusable, or None. A field RunSpec has must have its type (and
-    be one of its choices); a field it lacks (written by a newer hpcfsdp) must be a single value.
-    A field the spec lacks is newer than the record: its default is what the record was made with."""
-    if not isinstance(spec, dict):
-        return f"spec: expected an object (the run's RunSpec), got {shown(spec)}"
-    for name in REQUIRED_SPEC_FIELDS:
-        if name not in spec:
-            return f"spec.{name}: missing"
-    types, allowed = _spec_types(), choices(RunSpec)
-    for name, value in spec.items():
-        expected = types.get(name)
-        if expected is None:
-            if value is not None and type(value) not in SCALAR_TYPES:
-                return f"spec.{name}: expected text, a number or true/false, got {shown(value)}"
-        elif not (type(value) is expected or (expected is float and type(value) is int)):
-            return f"spec.{name}: expected {TYPE_WORDS[expected]}, got {shown(value)}"
-        elif name in allowed and value not in allowed[name]:
-            return f"spec.{name}: expected one of {', '.join(allowed[name])}, got {shown(value)}"
-        else:
-            problem = _spec_range_problem(name, value)
-            if problem:
-                return problem
-    return None
-
-
-def _spec_range_problem(name: str, value: Any) -> str | None:
-    """A recorded spec's numbers as RunSpec takes them: counts positive (or 0 and more), all finite."""
-    if name in POSITIVE_FIELDS and type(value) is int and value < 1:
-        return f"spec.{name}: expected a positive integer, got {shown(value)}"
-    if name in (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS) or (type(value) is float and not math.isfinite(value)):
-        return range_problem(f"spec.{name}", value, FIGURE)
-    return None
-
-
-def _spec_types() -> dict[str, type]:
-    return {f.name: type(f.default) for f in dataclasses.fields(RunSpec)}
+@functools.cache
+def _compiled_record_check() -> Callable[[Any], bool] | None:
+    """_record_problem compiled (jsontypes.compiled_check) from the same declarations: the Checked
+    fields and their marks, RunSpec's fields, types, choices and ranges; every other value any
+    JSON whose integers fit 64 bits. None where pydantic-core is missing."""
+    if core_schema is None:
+        return None
+    fields = {name: annotation_schema(hint) for name, hint in CHECKED_FIELDS.items()}
+    any_json = core_schema.definition_reference_schema(JSON_VALUE_REF)
+    return compiled_check(typed_dict_check({**fields, "spec": spec_schema()}, any_json, required=("spec",)))
 
 
 def slurm_job_of(slurm: Any) -> str | None:

@@ -59,7 +59,7 @@ JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 LAUNCH_STARTED_ENV = "HPCFSDP_LAUNCH_STARTED"
 
 
-# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, record.spec_problem a recorded spec.
+# Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, recordspec.spec_problem a recorded spec.
 POSITIVE_FIELDS = (
     *("seq_len", "nodes", "gpus_per_node", "batch_size"),
     *("grad_accum", "steps", "checkpoint_every", "max_batch_size"),
@@ -182,7 +182,10 @@ class RunSpec:
     sync_each_step: bool = option(True, "false: one device sync around the timed window (measures sync overhead)")
     nvml: bool = option(True, "sample GPU utilisation during timed steps", "measurement")
     comm_profile_steps: int = option(
-        2, "extra steps under torch.profiler for communication time", "measurement", default_means="off"
+        2,
+        "steps under torch.profiler for communication time, after the timed window and one more unprofiled step; "
+        "0: off",
+        "measurement",
     )
     profile: bool = option(False, "TensorBoard trace of a window of steps in the cell folder", "measurement")
     memory_snapshot: bool = option(
@@ -372,6 +375,9 @@ class RunSpec:
             raise SpecError(
                 where, "cpu_offload", f"{self.strategy} has no CPU offload; use an fsdp1_* or fsdp2_* strategy"
             )
+        if self.cpu_offload and self.device == "cpu":
+            offload = "offloads parameters from a GPU to the CPU; with device: cpu they are on the CPU already"
+            raise SpecError(where, "cpu_offload", f"{offload} (FSDP2's offload needs a GPU); use false or device: cuda")
         if self.compile and self.device == "cpu" and self.family == "fsdp1":
             raise SpecError(where, "compile", f"not supported with {self.strategy} on CPU")
         if self.strategy_info.hybrid:

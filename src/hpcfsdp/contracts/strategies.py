@@ -29,6 +29,7 @@ class StrategyInfo:
     hybrid: bool = False  # replicate across shard groups (a 2-D mesh; reads hsdp_shard_size)
     reshard_after_forward: bool = True  # False: ZeRO-2 (parameters stay gathered until backward)
     fsdp1_sharding: str = ""  # torch.distributed.fsdp.ShardingStrategy member
+    single_replica: str = ""  # a hybrid's: the strategy it is with one shard group of every rank (plan notes it)
 
 
 STRATEGIES: dict[StrategyName, StrategyInfo] = {
@@ -36,13 +37,19 @@ STRATEGIES: dict[StrategyName, StrategyInfo] = {
     "ddp": StrategyInfo("ddp"),
     "fsdp1_full_shard": StrategyInfo("fsdp1", fsdp1_sharding="FULL_SHARD"),
     "fsdp1_shard_grad_op": StrategyInfo("fsdp1", reshard_after_forward=False, fsdp1_sharding="SHARD_GRAD_OP"),
-    "fsdp1_hybrid_shard": StrategyInfo("fsdp1", hybrid=True, fsdp1_sharding="HYBRID_SHARD"),
+    "fsdp1_hybrid_shard": StrategyInfo(
+        "fsdp1", hybrid=True, fsdp1_sharding="HYBRID_SHARD", single_replica="fsdp1_full_shard"
+    ),
     "fsdp1_hybrid_zero2": StrategyInfo(
-        "fsdp1", hybrid=True, reshard_after_forward=False, fsdp1_sharding="_HYBRID_SHARD_ZERO2"
+        "fsdp1",
+        hybrid=True,
+        reshard_after_forward=False,
+        fsdp1_sharding="_HYBRID_SHARD_ZERO2",
+        single_replica="fsdp1_shard_grad_op",
     ),
     "fsdp1_no_shard": StrategyInfo("fsdp1", fsdp1_sharding="NO_SHARD"),
     "fsdp2_zero3": StrategyInfo("fsdp2"),
     "fsdp2_zero2": StrategyInfo("fsdp2", reshard_after_forward=False),
-    "fsdp2_hsdp": StrategyInfo("fsdp2", hybrid=True),
+    "fsdp2_hsdp": StrategyInfo("fsdp2", hybrid=True, single_replica="fsdp2_zero3"),
 }
 assert set(STRATEGIES) == set(get_args(StrategyName)), "every StrategyName needs a registry entry"

@@ -8,10 +8,17 @@ that fails for any other reason, with the error as the note.
 Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the
 ok cells of one workload run by most strategies, `probes` the batches `batch_size: auto` tried
 (drawn as unjoined markers beside the lines); all carry `variant` and `setting` labels.
+
+Drawing is most of a large sweep's collection (text layout and PNG encoding), so a collect draws
+only when what the figures show changed: plots/drawn.json keeps a digest of the figures' input
+(the frames, this module's code, matplotlib's version) and which figures were skipped and why; a
+collect whose digest matches, with every figure still there, keeps them as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import multiprocessing
 import os
@@ -24,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib import __version__ as matplotlib_version
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -31,12 +39,13 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator, NullLocator
 
-from ..contracts.files import atomic_output
+from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .scaling import scaling_table
 
 DPI = 100
+DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
 MARKERS = "osD^vP*Xh<>p"
 LINESTYLES = ("-", "--", ":", "-.")
@@ -80,7 +89,8 @@ def write_plots(
     out_dir: Path,
     probes: pd.DataFrame | None = None,
 ) -> tuple[list[tuple[str, Path]], dict[str, str]]:
-    """Draw every figure into out_dir; returns [(caption, path)] and {name: why skipped}.
+    """Draw every figure into out_dir, unless the figures there were drawn from the same input;
+    returns [(caption, path)] and {name: why skipped}.
 
     Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
     so they are drawn in worker processes, one per core.
@@ -88,12 +98,18 @@ def write_plots(
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            outcomes = list(pool.map(_draw_and_save, *zip(*jobs)))
-    else:
-        outcomes = [_draw_and_save(*job) for job in jobs]
+    digest = _input_digest(data)
+    outcomes = _drawn_before(out_dir, digest)
+    if outcomes is None:
+        (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
+        workers = min(len(jobs), os.cpu_count() or 1)
+        if workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                outcomes = list(pool.map(_draw_and_save, *zip(*jobs)))
+        else:
+            outcomes = [_draw_and_save(*job) for job in jobs]
+        names = [name for name, _, _ in PLOTS]
+        write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip(names, outcomes))})
     written, skipped = [], {}
     for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
         if why is None:
@@ -101,6 +117,38 @@ def write_plots(
         elif why:
             skipped[name] = why
     return written, skipped
+
+
+def _input_digest(data: PlotData) -> str:
+    """What the figures are drawn from, as a digest of values (pickle's bytes would depend on
+    which equal strings are one object): the frames and styles, the code that draws them and
+    matplotlib's version (another one draws other pixels)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for frame in (data.configs, data.reference, data.probes):
+        digest.update(frame.to_json(orient="split", default_handler=str).encode())
+    drawers = [f"{name}={draw.__module__}.{draw.__qualname__}" for name, _, draw in PLOTS]
+    digest.update(json.dumps([data.reference_label, data.styles, drawers], sort_keys=True, default=str).encode())
+    digest.update(Path(__file__).read_bytes())
+    digest.update(matplotlib_version.encode())
+    return digest.hexdigest()
+
+
+def _drawn_before(out_dir: Path, digest: str) -> list[str | None] | None:
+    """Each figure's outcome (None: drawn; else why skipped) when out_dir holds every figure drawn
+    from input of this digest; None when they must be drawn."""
+    try:
+        drawn = read_json_object(out_dir / DRAWN_NAME, kind="list of drawn figures")
+    except (FileNotFoundError, RecordError):
+        return None
+    outcomes, names = drawn.get("outcomes"), [name for name, _, _ in PLOTS]
+    if drawn.get("digest") != digest or not isinstance(outcomes, dict) or sorted(outcomes) != sorted(names):
+        return None
+    kept = [outcomes[name] for name in names]
+    if not all(why is None or isinstance(why, str) for why in kept):
+        return None
+    if any(why is None and not (out_dir / f"{name}.png").is_file() for name, why in zip(names, kept)):
+        return None
+    return kept
 
 
 def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData, path: Path) -> str | None:

@@ -16,7 +16,8 @@ from typing import Any
 import pandas as pd
 
 from ..contracts.files import RecordError, read_json_object
-from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state, spec_problem
+from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state
+from ..contracts.recordspec import spec_problem
 from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
 from ..contracts.validity import invalid_reasons
 from ..progress import Progress

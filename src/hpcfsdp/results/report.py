@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..contracts.files import atomic_output, write_text
 from ..contracts.gpus import gpu_memory_gib
-from ..contracts.recordschema import declared_type
+from ..recordschema import declared_type
 from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs

@@ -285,7 +285,7 @@ def _key_lines(raw: dict) -> dict[str, int]:
 
 def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cells: int) -> None:
     """Refuse a sweep of more than `max_cells` cells from the axis lengths, before expanding it."""
-    product = math.prod(len(values) for values in axes.values())
+    product = math.prod(len(values) for values in axes.values()) if _has_product(axes, include) else 0
     if product + len(include) > max_cells:
         sizes = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items()) or "1 base cell"
         extra = f" + {len(include):,} include" if include else ""
@@ -297,11 +297,18 @@ def _check_cell_count(source: str, raw: dict, axes: dict, include: list, max_cel
         )
 
 
+def _has_product(axes: dict, include: list[dict]) -> bool:
+    """Whether the matrix makes cells: a file with `include:` and no matrix makes only its
+    includes (the product of no axes, the base cell, is a cell nobody asked for there)."""
+    return bool(axes) or not include
+
+
 def _expand(base: dict, axes: dict, include: list[dict]) -> Iterator[tuple[int | None, dict]]:
     """(None, values) for each cell of the product, then (i, values) for include entry i."""
-    keys = list(axes)
-    for combo in itertools.product(*(axes[k] for k in keys)):
-        yield None, {**base, **dict(zip(keys, combo))}
+    if _has_product(axes, include):
+        keys = list(axes)
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            yield None, {**base, **dict(zip(keys, combo))}
     for index, partial in enumerate(include):
         yield index, {**base, **partial}
 

@@ -15,6 +15,7 @@ Submit writes it; status, collect, export and the accounting read it. No torch, 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -342,3 +343,47 @@ def write_cell_spec(
     meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})
     write_text(path, json.dumps(meta, indent=2))
     return path
+
+
+# A local submit's queue (the local executor runs its cells one at a time, with no scheduler to
+# ask): which cell runs and which wait, for `status` to tell them from cells that have no record
+# and will get none. Believed only while the submit that wrote it holds the sweep's lock.
+SUBMIT_LOCK_NAME = ".submit.lock"  # launch/lock.py: the flock of one submit at a time
+LOCAL_RUN_NAME = ".local_run.json"
+
+
+class LocalRun(NamedTuple):
+    running: str  # the cell id running now
+    waiting: frozenset[str]  # those after it
+
+
+def write_local_run(sweep_dir: Path, running: str, waiting: Iterable[str]) -> None:
+    """Say which cell the local submit of this process runs now, and which wait (read by local_run)."""
+    holder = f"pid {os.getpid()} on {os.uname().nodename}"
+    write_json(Path(sweep_dir) / LOCAL_RUN_NAME, {"holder": holder, "running": running, "waiting": list(waiting)})
+
+
+def end_local_run(sweep_dir: Path) -> None:
+    (Path(sweep_dir) / LOCAL_RUN_NAME).unlink(missing_ok=True)
+
+
+def local_run(sweep_dir: Path) -> LocalRun | None:
+    """The queue of the local submit running on this folder now; None when none runs (no file, or
+    its writer no longer holds the sweep's lock: it ended, or was killed)."""
+    try:
+        run = read_json_object(Path(sweep_dir) / LOCAL_RUN_NAME, kind="local run")
+    except (FileNotFoundError, RecordError):
+        return None
+    holder, running, waiting = run.get("holder"), run.get("running"), run.get("waiting")
+    if not (isinstance(holder, str) and isinstance(running, str) and isinstance(waiting, list)):
+        return None
+    try:
+        with open(Path(sweep_dir) / SUBMIT_LOCK_NAME) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: by the writer, if its line says so
+                return LocalRun(running, frozenset(map(str, waiting))) if handle.read().startswith(holder) else None
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None

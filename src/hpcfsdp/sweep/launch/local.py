@@ -20,7 +20,7 @@ from ...contracts.files import RecordError
 from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
 from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
 from ..define.matrix import Cell, Sweep
-from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
+from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest, write_local_run
 from ..track.lost import log_tails, record_launch_failure
 from ..track.status import cell_status
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
@@ -87,6 +87,7 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
         log("note: slurm.container is for Slurm jobs; the local executor runs the cells here, outside it")
     outcomes: dict[str, str] = {}
     for index, cell in enumerate(cells, 1):
+        write_local_run(sweep_dir, cell.id, [later.id for later in cells[index:]])  # for `status`; submit ends it
         directory = cell_dir(sweep_dir, cell)
         if cell.spec.nodes > 1:
             log(

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from ...contracts.files import lock_holder, open_lock, write_lock_note
-
-LOCK_NAME = ".submit.lock"
+from ..folder.layout import SUBMIT_LOCK_NAME as LOCK_NAME
 
 
 @contextmanager

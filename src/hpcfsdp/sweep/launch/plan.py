@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...contracts.fields import SpecError
 from ...contracts.gpus import GPU_WORDS
+from ...contracts.strategies import STRATEGIES
 from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, cells_rank_words, column_texts, varying_columns
 from ..track.cluster import array_size_limit
 from .environment import sbatch_from_shell, sbatch_note
 
+if TYPE_CHECKING:
+    from ..predict.memory import CellPrediction
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
 
@@ -37,6 +42,8 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         f"upper bound: {rank_hours(sweep):.1f} {cells_rank_words(sweep.cells).hours} at a {res.time_min} min limit "
         f"per cell{requeues}"
     )
+    for note in single_replica_notes(sweep.cells):
+        print(note)
     if res.pass_env:
         print(
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
@@ -44,7 +51,28 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         )
     if note := sbatch_note(sweep):
         print(note)
-    problems = plan_problems(sweep)
+    return print_problems(plan_problems(sweep))
+
+
+def single_replica_notes(cells: tuple[Cell, ...]) -> list[str]:
+    """A note per hybrid strategy whose cells shard across all their ranks (one node, no smaller
+    hsdp_shard_size): one replica, so no hybrid at all, the non-hybrid strategy under another name."""
+    specs = [cell.spec for cell in cells]
+    alike = Counter(
+        spec.strategy
+        for spec in specs
+        if spec.strategy_info.hybrid and (spec.hsdp_shard_size or spec.gpus_per_node) == spec.world_size
+    )
+    return [
+        f"note: {count} {strategy} cell(s) shard over all their ranks (one shard group, one replica): that is "
+        f"{STRATEGIES[strategy].single_replica} under another name; a hybrid needs nodes >= 2 or an "
+        "hsdp_shard_size below the ranks"
+        for strategy, count in alike.items()
+    ]
+
+
+def print_problems(problems: list[str]) -> int:
+    """One `error:` line per problem on stderr; the exit status: 2 when there is one (docs/submit.md)."""
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
@@ -122,10 +150,14 @@ def refused_document(problem: str, exit_status: int) -> dict:
 
 def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
-    comment, once the folder has one: layout.folder_uid)."""
+    comment, once the folder has one: layout.folder_uid); none, with plan's error lines and exit
+    status, for a sweep that plan refuses."""
     from ..folder.layout import folder_uid
     from .sbatch import sbatch_script
 
+    problems = plan_problems(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
+    if problems:
+        return print_problems(problems)
     sweep_dir = results_dir / sweep.name
     uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 
@@ -235,10 +267,32 @@ def capacity_of(sweep: Sweep) -> float | None:
     return capacity_gib(sweep.resources.gpu_memory_gib, sweep.resources.gpu_name)
 
 
-def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
-    """`submit --skip-predicted-oom`: the sweep less the cells predicted not to fit, each named."""
+def predicted_oom(sweep: Sweep, capacity: float) -> dict[str, CellPrediction]:
+    """cell id -> its memory row, of the cells `plan --memory` predicts not to fit in capacity GiB."""
     from ..predict.memory import predict_cells
 
+    rows = predict_cells(sweep.cells, capacity, sweep.resources.cache_dir or None)
+    return {row.cell_id: row for row in rows if row.fit == "oom"}
+
+
+def predicted_oom_warning(sweep: Sweep) -> str:
+    """`submit` without --skip-predicted-oom: a warning naming how many cells are predicted not to
+    fit and the GPU-hours they may hold, and how to leave them out; "" when none is (or the GPU's
+    memory is not known)."""
+    capacity = capacity_of(sweep)
+    oom = predicted_oom(sweep, capacity) if capacity is not None else {}
+    if not oom:
+        return ""
+    doomed = dataclasses.replace(sweep, cells=tuple(cell for cell in sweep.cells if cell.id in oom))
+    return (
+        f"warning: {len(oom)} cell(s) predicted not to fit in {capacity:g} GiB per GPU (`hpcfsdp plan --memory` "
+        f"shows why), up to {rank_hours(doomed):.1f} {cells_rank_words(doomed.cells).hours} at their time limit; "
+        "--skip-predicted-oom leaves them out"
+    )
+
+
+def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
+    """`submit --skip-predicted-oom`: the sweep less the cells predicted not to fit, each named."""
     capacity = capacity_of(sweep)
     if capacity is None:
         raise SpecError(
@@ -246,11 +300,7 @@ def without_predicted_oom(sweep: Sweep, log: Callable[[str], None]) -> Sweep:
             "slurm.gpu_memory_gib",
             "--skip-predicted-oom needs the GPU's memory: set slurm.gpu_memory_gib or slurm.gpu_name",
         )
-    oom = {
-        row.cell_id: row
-        for row in predict_cells(sweep.cells, capacity, sweep.resources.cache_dir or None)
-        if row.fit == "oom"
-    }
+    oom = predicted_oom(sweep, capacity)
     for row in oom.values():
         needed = f"{row.prediction.required_gib:.1f}" if row.prediction else "?"
         log(

@@ -20,7 +20,15 @@ from ...contracts.names import sbatch_word_problem
 from ...contracts.record import MISSING
 from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
 from ..define.matrix import Cell, Sweep
-from ..folder.layout import MANIFEST_NAME, SLURM_DIR, manifest_cluster, slurm_jobs, sweep_comment, write_sweep_files
+from ..folder.layout import (
+    MANIFEST_NAME,
+    SLURM_DIR,
+    end_local_run,
+    manifest_cluster,
+    slurm_jobs,
+    sweep_comment,
+    write_sweep_files,
+)
 from ..track.scheduler import queued_states
 from ..track.status import (
     IN_FLIGHT,
@@ -224,7 +232,10 @@ def _submit_locked(
         sub.job_ids, sub.not_queued = submit_arrays(sweep, sweep_dir, cells, log, room_poll_s)
         sub.submitted = [cell for cell in cells if cell.id in sub.job_ids]
     elif executor == "local":
-        sub.outcomes = run_local(sweep, sweep_dir, cells, log)
+        try:
+            sub.outcomes = run_local(sweep, sweep_dir, cells, log)
+        finally:
+            end_local_run(sweep_dir)
     else:
         for cell in cells:
             print(print_command(sweep, sweep_dir, cell))

@@ -9,7 +9,8 @@ measured peaks of the GPU records. Units are bytes unless a name says GiB. For a
               sharding over N ranks, none on the GPU with cpu_offload
   gathered    compute-dtype copies of parameters held unsharded at the start of backward: all of
               them for ZeRO-2 / SHARD_GRAD_OP / NO_SHARD (mixed precision), the root (embeddings,
-              LM head) and the last layer for ZeRO-3, autocast's bf16 weight cache for DDP
+              LM head) and the last layer for ZeRO-3 (FSDP1: the root unit and the largest other
+              unit of its wrap_policy; `none`, the whole model), autocast's bf16 weight cache for DDP
   activations tensors autograd saves per token, per decoder layer and for the loss (the logits
               in fp32 three times over at the start of backward); a checkpointed layer saves its
               input only and recomputes one layer at a time
@@ -304,7 +305,44 @@ def _gathered_bytes(spec: RunSpec, shape: Shape) -> float:
         layer -= shape.layer_matmul_params * (c - 1)
     if not STRATEGIES[spec.strategy].reshard_after_forward:
         return shape.root_params * c + shape.layers * layer  # ZeRO-2: every layer stays gathered until backward
+    if spec.family == "fsdp1" and spec.wrap_policy != "layer":
+        root, largest = fsdp1_units(shape, spec)
+        return (root + largest) * c  # what the root unit keeps, and the largest other unit gathered
     return shape.root_params * c + layer  # ZeRO-3: the root and the last layer
+
+
+def fsdp1_units(shape: Shape, spec: RunSpec) -> tuple[int, int]:
+    """(parameters of FSDP1's root unit, of its largest other unit) under wrap_policy none or size.
+    `none`: the whole model is the root unit, gathered from the first forward to the end of
+    backward. `size` (torch's size_based_auto_wrap_policy): bottom-up, a module of at least
+    min_num_params not wrapped below it becomes a unit (never a ModuleList); what no unit takes
+    stays in the root unit, which FSDP1 does not reshard after forward."""
+    if spec.wrap_policy == "none":
+        return shape.params, 0
+    h, f, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    attention = [h * q + q * shape.qkv_bias, h * kv + kv * shape.qkv_bias, h * kv + kv * shape.qkv_bias]
+    attention += [q * h + h * shape.o_bias]
+    mlp = [h * f + f * shape.mlp_bias] * 2 + [f * h + h * shape.mlp_bias]
+    norms = 2 * h + 2 * shape.head_dim * shape.qk_norm
+    units: list[int] = []
+
+    def left(children: list[int], own: int = 0, wrappable: bool = True) -> int:
+        """What a module leaves to its parent (children: what each of its own left): nothing once
+        it is a unit. A module under min_num_params is not looked into: nothing below it is either."""
+        remaining = own + sum(children)
+        if wrappable and remaining >= spec.min_num_params:
+            units.append(remaining)
+            return 0
+        return remaining
+
+    def leaves(sizes: list[int]) -> list[int]:
+        return [left([], size) for size in sizes]
+
+    layer = left([left(leaves(attention)), left(leaves(mlp))], norms)
+    layers = left([layer] * shape.layers, wrappable=False)  # a ModuleList is never a unit
+    inner = left([*leaves([shape.embedding_params]), layers], h)  # the decoder: embedding, layers, final norm
+    head = 0 if shape.tied else leaves([shape.embedding_params])[0]
+    return inner + head, max(units, default=0)
 
 
 def checkpoint_bytes(shape: Shape, spec: RunSpec) -> float:

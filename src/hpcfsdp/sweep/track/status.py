@@ -25,6 +25,7 @@ from ..folder.layout import (
     MANIFEST_NAME,
     SLURM_DIR,
     cell_dir,
+    local_run,
     moved_from,
     planned_cell_ids,
     slurm_jobs,
@@ -174,6 +175,7 @@ def sweep_status(
     except SlurmError as exc:
         queued, note = {}, f"{exc}{UNKNOWN_NOTE}"
     states = {cid: _what_status_shows(cell_state(sweep_dir, cid)) for cid in cell_ids}
+    states |= _locally_in_flight(sweep_dir, states)
     problems += [state.problem for state in states.values() if state.problem]
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_jobs(unrecorded, cluster, watcher)
@@ -238,6 +240,16 @@ def resources_line(cell_id: str, problems: Any) -> str | None:
     if not isinstance(problems, list) or not problems:
         return None
     return f"{cell_id} did not run on the resources it asked for ({'; '.join(map(str, problems))}): not ranked"
+
+
+def _locally_in_flight(sweep_dir: Path, states: dict[str, RecordState]) -> dict[str, RecordState]:
+    """The cells without a record that a local submit running now on this folder runs (running)
+    or will run (pending): no scheduler knows them, and they are not missing."""
+    run = local_run(sweep_dir)
+    if run is None:
+        return {}
+    flying = {run.running: CellState.RUNNING, **dict.fromkeys(run.waiting, CellState.PENDING)}
+    return {cid: RecordState(flying[cid]) for cid, state in states.items() if cid in flying and state.status == MISSING}
 
 
 def _first_line(error: object) -> str:
