@@ -182,6 +182,24 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
     assert "--array" not in two_nodes and "#SBATCH --nodes=2" in two_nodes  # one cell: a plain job
 
 
+def test_plan_sbatch_shows_under_each_script_the_srun_and_torchrun_one_cell_runs(tmp_path, capsys):
+    path = write(tmp_path, SBATCH_SWEEP.replace("{gpu_request}", "gpus_per_node").replace("{{", "{").replace("}}", "}"))
+    one_node, two_nodes = sbatch_scripts(capsys, path, tmp_path / "results")
+    assert main(["submit", str(path), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out.splitlines()  # the print executor's torchrun of every cell
+    for script, nodes in ((one_node, 1), (two_nodes, 2)):
+        hand_run = script[script.index("# Its cell ") :].splitlines()
+        cell = hand_run[0].split()[3]
+        srun = next(line for line in hand_run if line.startswith("srun "))
+        prefix = f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        assert srun.startswith(prefix) and srun.removeprefix(prefix) in printed
+        assert srun.endswith(f"--cell-dir {(tmp_path / 'results' / 'resources' / 'cells' / cell).absolute()}")
+        assert "--nproc-per-node=4 -m hpcfsdp run" in srun
+    assert "--standalone" in one_node and "--rdzv-endpoint=${MASTER_ADDR:?}:29500" in two_nodes
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in two_nodes
+    assert two_nodes.rstrip().splitlines()[-1].startswith("# Without hpcfsdp: slurm/fsdp_job.sbatch, ")
+
+
 @pytest.mark.parametrize("gpu_request, flag", [("gres", "#SBATCH --gres=gpu:4"), ("none", None)])
 def test_sbatch_gpu_request_and_cache_from_the_environment(tmp_path, capsys, monkeypatch, gpu_request, flag):
     monkeypatch.setenv("HPCFSDP_CACHE", "/scratch/me/cache")

@@ -71,6 +71,15 @@ def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
     )
 
 
+def srun_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> list[str]:
+    """The cell as a Slurm user would start it by hand inside an allocation of its shape: srun with
+    one task per node, each running print_command's torchrun; on several nodes the rendezvous is on
+    the allocation's first node (MASTER_ADDR)."""
+    first_node = ['export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"']
+    srun = f"srun --nodes={cell.spec.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
+    return [*(first_node if cell.spec.nodes > 1 else []), f"{srun} {print_command(sweep, sweep_dir, cell)}"]
+
+
 def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None]) -> dict[str, str]:
     """Run the cells one at a time; cell id -> the status each recorded. Interrupted (Ctrl-C,
     SIGTERM, SIGHUP): the running cell's processes are ended, and its earlier record is current

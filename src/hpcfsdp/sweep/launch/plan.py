@@ -15,6 +15,7 @@ from ..track.cluster import array_size_limit
 
 RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
+SBATCH_EXAMPLE = "slurm/fsdp_job.sbatch"  # the plain sbatch script, for a run without submitit (docs/submit.md)
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
 
 
@@ -103,6 +104,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
     comment, once the folder has one: layout.folder_uid)."""
     from ..folder.layout import folder_uid
+    from .local import srun_command
     from .sbatch import sbatch_script
 
     sweep_dir = results_dir / sweep.name
@@ -115,6 +117,15 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
             f"# ===== array {index}: {len(cells)} cell(s) on {nodes} node(s) x {gpus} {RANKS[rank_word(cells)]} ====="
         )
         print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
+        print(
+            f"# Its cell {cells[0].id} by hand, in an allocation of {nodes} node(s): what the task runs, as srun + "
+            "torchrun (`hpcfsdp submit --executor print` writes the cell folder and prints every cell's torchrun)"
+        )
+        print("\n".join(srun_command(sweep, sweep_dir, cells[0])) + "\n")
+    print(
+        f"# Without hpcfsdp: {SBATCH_EXAMPLE}, a plain sbatch script of the same srun + torchrun that takes "
+        "the cell's fields as KEY=VALUE (`hpcfsdp examples fsdp_job.sbatch --copy-to .`)"
+    )
     return 0
 
 
