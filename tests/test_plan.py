@@ -477,7 +477,7 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
     assert (
         lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
     ), lines
-    assert lines[1:] == [
+    assert [re.sub(r", \w+ elapsed$", "", line) for line in lines[1:]] == [
         "[..............................] 0/1 finished (running 1)",
         "[##############################] 1/1 finished (missing 1)",
     ]
@@ -485,6 +485,53 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
     monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     report = watch(sweep_dir, 0.01, [running.id], stream=io.StringIO(), patience_s=0.05)
     assert report.note.startswith("squeue: slurm_load_jobs error: Unable to contact slurm controller"), report.note
+
+
+@pytest.mark.slurm
+def test_watch_shows_elapsed_time_and_each_running_cells_step_from_its_progress_file(flight):
+    _, sweep, sweep_dir, array = flight
+    running = sweep.cells[2]
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    manifest[running.id]["submitted_at"] = time.time() - 125  # queued two minutes ago
+    (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
+    progress = {"stage": "train", "step": 3, "steps": 6, "at": time.time()}  # what rank 0 writes (cell/run.py)
+    (sweep_dir / "cells" / running.id / "progress.json").write_text(json.dumps(progress))
+
+    class Scheduler(io.StringIO):
+        def write(self, text: str) -> int:
+            if "(running 1)" in text:
+                arrange(array, cancel=(2,))
+            return super().write(text)
+
+    err = Scheduler()
+    watch(sweep_dir, 0.01, [running.id], stream=err)
+    first, last = err.getvalue().splitlines()
+    assert re.fullmatch(
+        rf"\[\.{{30}}\] 0/1 finished \(running 1\), 2m0[5-9]s elapsed; {running.id} step 3/6", first
+    ), first
+    assert re.fullmatch(r"\[#{30}\] 1/1 finished \(missing 1\), 2m\d\ds elapsed", last), last
+
+
+@pytest.mark.slurm
+def test_submit_without_wait_ends_with_the_commands_to_run_next(slurm_cluster, tmp_path, capsys):
+    jobs = write(
+        tmp_path,
+        """
+        name: later
+        base: {model: tiny, device: cpu, gpus_per_node: 1, steps: 2, warmup_steps: 1}
+        slurm: {time_min: 5, cpus_per_task: 1, extra_sbatch: {hold: true}}
+        """,
+    )
+    results = tmp_path / "results"
+    try:
+        assert main(["submit", str(jobs), "--results-dir", str(results)]) == 0
+    finally:
+        slurm("scancel", "--name=hpcfsdp-later")
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        f"next: `hpcfsdp status {results / 'later'} --watch` (progress until the cells end), "
+        f"then `hpcfsdp collect {results / 'later'}`"
+    )
 
 
 @pytest.mark.slurm
@@ -666,3 +713,32 @@ def test_a_record_made_with_another_default_is_rerun_and_an_older_one_is_kept(ar
     assert timed_out in chosen and done == [ok]
     assert main(["submit", str(path), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
     assert "rerunning 1 cell(s) whose record was made with other values of their fields" in capsys.readouterr().err
+
+
+def test_watch_eta_comes_from_how_fast_the_cells_in_flight_at_its_first_look_finished(tmp_path):
+    from hpcfsdp.sweep.track.status import CellStatus, StatusReport, _Clock
+
+    def report(*states: str) -> StatusReport:
+        return StatusReport(tmp_path, [CellStatus(f"c{i}", "ddp", state) for i, state in enumerate(states)])
+
+    clock = _Clock(time.time() - 120, {"c0", "c1", "c2"})
+    assert clock.timing(report("ok", "running", "pending")) == "2m00s elapsed, ETA 4m00s"
+    assert clock.timing(report("running", "running", "pending")) == "2m00s elapsed"  # none finished: no ETA yet
+    assert clock.timing(report("ok", "oom", "error")) == "2m00s elapsed"
+
+
+def test_states_are_coloured_on_a_terminal_only_and_never_with_no_color(monkeypatch):
+    import pty
+
+    from hpcfsdp.progress import coloured
+
+    leader, follower = pty.openpty()
+    with open(follower, "w") as terminal:
+        assert coloured("ok", "ok", terminal) == "\033[32mok\033[0m"
+        assert coloured("oom     ", "oom", terminal) == "\033[31moom     \033[0m"
+        assert coloured("hang", "hang", terminal) == "\033[31mhang\033[0m"
+        monkeypatch.setenv("NO_COLOR", "1")
+        assert coloured("oom", "oom", terminal) == "oom"
+    os.close(leader)
+    monkeypatch.delenv("NO_COLOR")
+    assert coloured("oom", "oom", io.StringIO()) == "oom"  # a log or a pipe

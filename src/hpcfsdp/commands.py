@@ -115,11 +115,19 @@ def submit(args: argparse.Namespace) -> int:
     elif executor == "local":
         states = list(sub.outcomes.values())
     else:
+        if executor == "slurm" and (sub.job_ids or sub.in_flight):
+            log(_next_commands(sub.sweep_dir, args.then_collect))
         return 0
     collected = collect(sub.sweep_dir)
     if failed := sum(state != "ok" for state in states):
         print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
     return cells_exit_status(states) or collected
+
+
+def _next_commands(sweep_dir: Path, then_collect: bool) -> str:
+    """What to run once submit has queued cells and returned: watch them, then the tables."""
+    tables = f"then `hpcfsdp collect {sweep_dir}`" if not then_collect else "the collect job writes the tables"
+    return f"next: `hpcfsdp status {sweep_dir} --watch` (progress until the cells end), {tables}"
 
 
 def tune(args: argparse.Namespace) -> int:

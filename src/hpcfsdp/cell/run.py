@@ -22,8 +22,9 @@ import torch
 
 from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
-from ..contracts.files import RecordError, read_json_object
+from ..contracts.files import RecordError, read_json_object, write_json
 from ..contracts.record import (
+    PROGRESS_NAME,
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -81,6 +82,7 @@ from .train import Diverged, train
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.
 BACKSTOP_S = 60.0
+PROGRESS_EVERY_S = 1.0  # the progress file at most this often during training
 # What a collective that ran past the process group's timeout raises (gloo; NCCL's watchdog).
 COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout")
 
@@ -207,6 +209,20 @@ class _Progress:
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
     watchdog: Watchdog | None = None  # ends the rank when a step hangs or it cannot end itself
+    noted_at: float = 0.0  # when rank 0 last wrote the progress file (note_progress)
+
+    def note(self, env: DistEnv, cell_dir: Path, step: int = 0, steps: int = 0) -> None:
+        """Rank 0's stage and step in the cell folder's progress file, for `status --watch`: at each
+        stage, and at most once a second during training (a small atomic write, off the timed path's
+        device work); a file that cannot be written is not the cell's failure."""
+        now = time.time()
+        if not env.is_main or (0 < step < steps and now - self.noted_at < PROGRESS_EVERY_S):
+            return
+        self.noted_at = now
+        try:
+            write_json(cell_dir / PROGRESS_NAME, {"stage": self.stage, "step": step, "steps": steps, "at": now})
+        except OSError:
+            pass
 
 
 def _train_cell(
@@ -218,6 +234,7 @@ def _train_cell(
 
     def enter(stage: str) -> None:
         progress.stage = stage
+        progress.note(env, cell_dir)
         inject_fault(stage, env)
 
     enter("setup")
@@ -281,6 +298,7 @@ def _train_cell(
             if sampler is not None:
                 sampler.start()  # utilisation of the timed steps only
         _print_progress(env, spec, step, log)
+        progress.note(env, cell_dir, step + 1, spec.steps)
 
     if sampler is not None and spec.warmup_steps == 0:
         sampler.start()

@@ -101,6 +101,8 @@ ACCOUNTING_KEY = "slurm_accounting"  # added to a record by collect / status onc
 RECORD_NAME = "result.json"  # the current record: the latest attempt
 ATTEMPTS_DIR = "attempts"  # earlier records of the cell, 1.json, 2.json, ... in the order they were replaced
 SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by submit
+# Beside the record while the cell runs: rank 0's stage and step ({stage, step, steps, at}), for status --watch
+PROGRESS_NAME = "progress.json"
 
 # ---------------------------------------------------------------------------------------------
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,

@@ -17,17 +17,27 @@ from typing import TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
+from ...contracts.record import MISSING, PROGRESS_NAME, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
 from ...contracts.spec import SEARCHED_FIELDS
+from ...progress import coloured, duration
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell
-from ..folder.layout import MANIFEST_NAME, SLURM_DIR, cell_dir, planned_cell_ids, slurm_jobs, sweep_comment
+from ..folder.layout import (
+    MANIFEST_NAME,
+    SLURM_DIR,
+    cell_dir,
+    planned_cell_ids,
+    read_manifest,
+    slurm_jobs,
+    sweep_comment,
+)
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .preemptions import preemption_note, preemptions
 from .scheduler import QueuedJob, finished_jobs, queued_states
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
+RUNNING_SHOWN = 3  # the running cells whose step a watch's line shows
 STALE = CellState.STALE
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
 
@@ -44,6 +54,7 @@ class CellStatus:
     advice: str = ""  # what to change (endings.py): the record's, or from sacct and the logs for a lost cell
     preempted: int = 0  # its records (current and earlier attempts) that say preempted (preemptions.py)
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
+    progress: str = ""  # a running cell's stage or step, from rank 0's progress file ("step 3/6")
 
 
 @dataclass(frozen=True)
@@ -180,9 +191,23 @@ def sweep_status(
                     job.reason,
                     jid in blocked,
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
+                    progress=cell_progress(sweep_dir, cid) if _scheduler_state(job.state) == CellState.RUNNING else "",
                 )
             )
     return StatusReport(sweep_dir, cells, note, problems, cluster)
+
+
+def cell_progress(sweep_dir: Path, cell_id: str) -> str:
+    """What rank 0 of a running cell last wrote of itself (cell/run.py): 'step 3/6' while it trains,
+    else its stage ('model_build'); "" before it wrote any, or where the file cannot be read."""
+    try:
+        note = read_json_object(cell_dir(sweep_dir, cell_id) / PROGRESS_NAME, root=sweep_dir, kind="progress file")
+    except (OSError, RecordError):
+        return ""
+    step, steps, stage = note.get("step"), note.get("steps"), note.get("stage")
+    if isinstance(step, int) and isinstance(steps, int) and steps > 0 and stage == "train":
+        return f"step {step}/{steps}"
+    return stage if isinstance(stage, str) else ""
 
 
 def _first_line(error: object) -> str:
@@ -214,13 +239,46 @@ def _strategy(sweep_dir: Path, cell_id: str) -> str:
     return strategy if isinstance(strategy, str) else "?"
 
 
-def progress_line(report: StatusReport, width: int = 30) -> str:
+def progress_line(report: StatusReport, width: int = 30, timing: str = "", stream: TextIO | None = None) -> str:
+    """The bar, the counts by state (coloured where `stream` is a terminal), `timing` (elapsed, ETA),
+    then what each running cell's rank 0 last said of itself (its step)."""
     counts = report.counts()
     total = len(report.cells)
     finished = total - sum(counts[s] for s in IN_FLIGHT)
     filled = width * finished // max(1, total)
-    states = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+    states = ", ".join(f"{coloured(state, state, stream)} {n}" for state, n in sorted(counts.items()))
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+    line += f", {timing}" if timing else ""
+    running = [f"{c.cell_id} {c.progress}" for c in report.cells if c.state == CellState.RUNNING and c.progress]
+    more = f" and {len(running) - RUNNING_SHOWN} more" if len(running) > RUNNING_SHOWN else ""
+    return line + (f"; {', '.join(running[:RUNNING_SHOWN])}{more}" if running else "")
+
+
+@dataclass
+class _Clock:
+    """A watch's elapsed time and ETA: from when the cells in flight at its first look were queued
+    (the manifest's submitted_at), the ETA from how fast those of them that finished did."""
+
+    start: float
+    batch: set[str]
+
+    @classmethod
+    def first_look(cls, report: StatusReport) -> _Clock:
+        batch = {c.cell_id for c in report.cells if c.state in IN_FLIGHT}
+        try:
+            manifest = read_manifest(report.sweep_dir)
+        except RecordError:
+            manifest = {}
+        queued = [manifest.get(cid, {}).get("submitted_at") for cid in batch]
+        now = time.time()
+        return cls(min([t for t in queued if isinstance(t, (int, float)) and t <= now], default=now), batch)
+
+    def timing(self, report: StatusReport) -> str:
+        elapsed = time.time() - self.start
+        done = sum(c.cell_id in self.batch and c.state not in IN_FLIGHT for c in report.cells)
+        left = sum(c.state in IN_FLIGHT for c in report.cells)
+        eta = f", ETA {duration(elapsed * left / done)}" if done and left else ""
+        return f"{duration(elapsed)} elapsed{eta}"
 
 
 def watch(
@@ -248,6 +306,7 @@ def watch(
     unanswered_since: float | None = None
     stuck_before = False
     watcher = Watcher()
+    clock: _Clock | None = None
     while True:
         watcher.poll()
         report = sweep_status(sweep_dir, cell_ids, watcher)
@@ -263,13 +322,14 @@ def watch(
             time.sleep(interval_s)
             continue
         unanswered_since = None
-        line = progress_line(report)
+        clock = clock or _Clock.first_look(report)
+        timing = clock.timing(report)
         if tty:
-            stream.write(f"\r\033[K{line}")
-        elif line != last:
-            stream.write(f"{line}\n")
+            stream.write(f"\r\033[K{progress_line(report, timing=timing, stream=stream)}")
+        elif (line := progress_line(report)) != last:  # in a log, a line when a cell moved on, with the time then
+            stream.write(f"{progress_line(report, timing=timing)}\n")
+            last = line
         stream.flush()
-        last = line
         if not report.in_flight or (report.stuck and stuck_before):
             if tty:
                 stream.write("\n")
@@ -291,7 +351,7 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
             f"{report.sweep_dir}: {len(report.cells)} cell(s)"
             + (f" on cluster {report.cluster}" if report.cluster else "")
             + ": "
-            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + ", ".join(f"{coloured(k, k)} {v}" for k, v in sorted(counts.items()))
             + preemption_note(c.preempted for c in report.cells)
         )
     rows = [c for c in report.cells if c.state != "ok" or c.preempted]
@@ -301,9 +361,10 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     print(f"{'cell':{width}} {'strategy':19} {'state':8} {'job':12} slurm")
     for c in rows:
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        slurm += f", {c.progress}" if c.progress else ""
         slurm += f": {c.advice}" if c.advice else ""
         slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
-        print(f"{c.cell_id:{width}} {c.strategy:19} {c.state:8} {c.job_id or '-':12} {slurm}")
+        print(f"{c.cell_id:{width}} {c.strategy:19} {coloured(f'{c.state:8}', c.state)} {c.job_id or '-':12} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
         print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
@@ -327,6 +388,7 @@ def status_document(report: StatusReport) -> dict:
                 "advice": c.advice,
                 "blocked": c.blocked,
                 "preempted": c.preempted,
+                "progress": c.progress,
             }
             for c in report.cells
         ],
