@@ -742,3 +742,68 @@ def test_states_are_coloured_on_a_terminal_only_and_never_with_no_color(monkeypa
     os.close(leader)
     monkeypatch.delenv("NO_COLOR")
     assert coloured("oom", "oom", io.StringIO()) == "oom"  # a log or a pipe
+
+
+def test_every_mistyped_key_of_a_jobs_file_is_named_in_one_run(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        """
+        name: typos
+        base: {model: tiny, devize: cpu}
+        slurm:
+          partitin: gpu
+          time_mn: 10
+          cpus_per_tsk: 1
+        matrix:
+          strategy: [ddp]
+        """,
+    )
+    assert main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}:3: base.devize: unknown key; did you mean 'device'?",
+        f"error: {path}:5: slurm.partitin: unknown key; did you mean 'partition'?",
+        f"error: {path}:6: slurm.time_mn: unknown key; did you mean 'time_min'?",
+        f"error: {path}:7: slurm.cpus_per_tsk: unknown key; did you mean 'cpus_per_task'?",
+    ]
+
+
+def test_a_file_of_many_bad_cells_shows_its_first_twenty_problems_and_how_many_more(tmp_path, capsys):
+    entries = "".join(f"  - {{strategy: ddp, batch_size: {n}, warmup_steps: 9, steps: 2}}\n" for n in range(1, 26))
+    path = write(tmp_path, f"include:\n{entries}")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 21 and err[-1] == "error: ... and 5 more", err
+    assert err[0].startswith(f"error: {path}:2: include[0].warmup_steps: expected fewer than steps (2), got 9"), err
+    assert err[19].startswith(f"error: {path}:21: include[19].warmup_steps: "), err
+
+
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ("name: x\nbase:\n  model: tiny\n   device: cpu\n", 4, "a key indented deeper than the keys above it"),
+        ("base:\n  model: tiny\n device: cpu\n", 3, "a line indented differently from the lines above it"),
+        ("base:\n\tmodel: tiny\n", 2, "a tab: YAML indents with spaces only"),
+        ("name: x\nbase\n  model: tiny\n", 2, "a key without its ':'"),
+    ],
+    ids=["indented_deeper", "indented_less", "tab", "no_colon"],
+)
+def test_a_yaml_syntax_error_is_one_line_at_the_line_to_fix_in_words(tmp_path, capsys, text, line, words):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(text)
+    assert main(["plan", str(path)]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith(f"error: {path}:{line}: not valid YAML (column ") and words in err, err
+    assert "mapping values" not in err and "<block end>" not in err and "could not find" not in err
+
+
+def test_plan_says_in_one_line_that_the_clusters_checks_were_skipped_without_a_controller(tmp_path, capsys):
+    # The autouse fixture leaves no SLURM_CONF: sinfo finds no controller (or is not installed).
+    assert main(["plan", "jobs/smoke.yaml"]) == 0
+    (note,) = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(
+        r"note: no Slurm (here \(sinfo is not on PATH\)|controller answered): the partition, QOS, host-memory "
+        r"and sbatch --test-only checks were skipped; plan on a machine whose Slurm answers runs them",
+        note,
+    ), note
+    assert main(["plan", "jobs/smoke.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster_checks_skipped"] == note.removeprefix("note: ")

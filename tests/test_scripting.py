@@ -42,6 +42,7 @@ class StatusCell(Strict):
     advice: str
     blocked: bool
     preempted: int
+    progress: str
 
 
 class StatusAnswer(Strict):
@@ -93,6 +94,7 @@ class PlanAnswer(Strict):
     time_min: int
     max_requeue: int
     problems: list[str]
+    cluster_checks_skipped: str
 
 
 class CollectCell(Strict):

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except UserError as exc:
-        print(one_line(exc.line()), file=sys.stderr)
+        print("\n".join(one_line(line) for line in exc.lines()), file=sys.stderr)
         return exc.exit_status
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at

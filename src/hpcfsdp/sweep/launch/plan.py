@@ -15,6 +15,11 @@ from ..track.cluster import array_size_limit
 
 RANKS = {"GPU": "GPU(s)", "process": "process(es)"}  # rank_word -> how a count of them is written
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
+# What plan could not check where no Slurm answered (preflight.py).
+SKIPPED_CHECKS = (
+    "the partition, QOS, host-memory and sbatch --test-only checks were skipped; "
+    "plan on a machine whose Slurm answers runs them"
+)
 SBATCH_EXAMPLE = "slurm/fsdp_job.sbatch"  # the plain sbatch script, for a run without submitit (docs/submit.md)
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
 
@@ -49,7 +54,10 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
             f"note: slurm.pass_env: {', '.join(res.pass_env)} go to the Slurm jobs as set where you submit, "
             "and slurmctld saves their values with each job (its state folder, read by the cluster's administrators)"
         )
-    problems = plan_problems(sweep)
+    skipped: list[str] = []
+    problems = plan_problems(sweep, skipped)
+    for reason in skipped:
+        print(f"note: {reason}: {SKIPPED_CHECKS}", file=sys.stderr)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return 2 if problems else 0
@@ -62,12 +70,13 @@ def rank_hours(sweep: Sweep) -> float:
     return sum(c.spec.world_size for c in sweep.cells) * sweep.resources.time_min * runs / 60
 
 
-def plan_problems(sweep: Sweep) -> list[str]:
-    """What stops the sweep here: cache misses, shapes the partition cannot run."""
+def plan_problems(sweep: Sweep, skipped: list[str] | None = None) -> list[str]:
+    """What stops the sweep here: cache misses, shapes the partition cannot run; why the cluster's
+    checks were skipped, if they were, is added to `skipped`."""
     from ...cache.plan import cache_misses
     from .preflight import cluster_problems
 
-    return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep)
+    return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep, skipped=skipped)
 
 
 def plan_document(sweep: Sweep, memory: bool = False) -> dict:
@@ -82,7 +91,8 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
     if memory:
         for cell_id, figures in memory_figures(sweep).items():
             cells[cell_id]["memory"] = figures
-    problems = plan_problems(sweep)
+    skipped: list[str] = []
+    problems = plan_problems(sweep, skipped)
     return {
         "sweep": sweep.name,
         "cluster": res.clusters,
@@ -97,6 +107,7 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
         "time_min": res.time_min,
         "max_requeue": res.max_requeue,
         "problems": problems,
+        "cluster_checks_skipped": "; ".join(f"{reason}: {SKIPPED_CHECKS}" for reason in skipped),
     }
 
 
