@@ -506,9 +506,9 @@ def test_watch_shows_elapsed_time_and_each_running_cells_step_from_its_progress_
     err = Scheduler()
     watch(sweep_dir, 0.01, [running.id], stream=err)
     first, last = err.getvalue().splitlines()
-    assert re.fullmatch(
-        rf"\[\.{{30}}\] 0/1 finished \(running 1\), 2m0[5-9]s elapsed; {running.id} step 3/6", first
-    ), first
+    assert re.fullmatch(rf"\[\.{{30}}\] 0/1 finished \(running 1\), 2m0[5-9]s elapsed; {running.id} step 3/6", first), (
+        first
+    )
     assert re.fullmatch(r"\[#{30}\] 1/1 finished \(missing 1\), 2m\d\ds elapsed", last), last
 
 

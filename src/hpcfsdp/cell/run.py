@@ -209,18 +209,26 @@ class _Progress:
     batch_search: BatchSearch | None = None  # batch_size: auto: its probes so far
     measured: RunSpec | None = None  # batch_size: auto: the spec at the batch it chose
     watchdog: Watchdog | None = None  # ends the rank when a step hangs or it cannot end itself
-    noted_at: float = 0.0  # when rank 0 last wrote the progress file (note_progress)
+    noted_at: float = 0.0  # when rank 0 last wrote the progress file (note)
+    step: int = 0  # the training steps done so far, of `steps`, as the progress file says
+    steps: int = 0
 
-    def note(self, env: DistEnv, cell_dir: Path, step: int = 0, steps: int = 0) -> None:
+    def note(self, env: DistEnv, cell_dir: Path, step: int | None = None, steps: int = 0) -> None:
         """Rank 0's stage and step in the cell folder's progress file, for `status --watch`: at each
-        stage, and at most once a second during training (a small atomic write, off the timed path's
-        device work); a file that cannot be written is not the cell's failure."""
+        stage (with the steps trained so far), and at most once a second during training (a small
+        atomic write, off the timed path's device work); a file that cannot be written is not the
+        cell's failure."""
         now = time.time()
-        if not env.is_main or (0 < step < steps and now - self.noted_at < PROGRESS_EVERY_S):
+        if step is not None:
+            if 0 < step < steps and now - self.noted_at < PROGRESS_EVERY_S:
+                return
+            self.step, self.steps = step, steps
+        if not env.is_main:
             return
         self.noted_at = now
+        note = {"stage": self.stage, "step": self.step, "steps": self.steps, "at": now}
         try:
-            write_json(cell_dir / PROGRESS_NAME, {"stage": self.stage, "step": step, "steps": steps, "at": now})
+            write_json(cell_dir / PROGRESS_NAME, note)
         except OSError:
             pass
 
