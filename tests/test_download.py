@@ -419,7 +419,9 @@ def test_two_downloaders_on_one_cache(repos: SimpleNamespace, tmp_path: Path) ->
             assert p.returncode == 0, out + err
         missing = _run(["download_models.py", "--cache-dir", str(cache), "--model", "acme/no-such-model"], env)
     assert missing.returncode == 1
-    assert missing.stderr.startswith("error: model acme/no-such-model was not found") and missing.stderr.count("\n") == 2
+    assert (
+        missing.stderr.startswith("error: model acme/no-such-model was not found") and missing.stderr.count("\n") == 2
+    )
     items = json.loads((cache / "manifest.json").read_text())["items"]
     assert len(items) == 4  # model, dataset, tokenized at 16 and at 8
     proc = _run(["download_models.py", "--verify", "--cache-dir", str(cache)], _env(tmp_path))

@@ -64,9 +64,10 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     started = time.monotonic()
     untimed = log
 
-    def log(line: str) -> None:  # every line says how long the search has run
+    def timed(line: str) -> None:  # every line says how long the search has run
         untimed(f"[{duration(time.monotonic() - started)}] {line}")
 
+    log = timed
     try:
         with interrupts_raise(), sweep_lock(sweep_dir, log):
             state = load_state(sweep_dir)
