@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ...contracts.record import MISSING
 from ...contracts.spec import JOB_END_ENV
+from ...progress import coloured
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest
 from ..track.lost import log_tails, record_launch_failure
@@ -124,7 +125,7 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
                 status=status,
             )
             status += f" ({ended} without a record; see {directory / LOG_NAME})"
-        log(f"    {status}")
+        log(f"    {coloured(status, outcomes[cell.id], sys.stderr)}")  # the local executor logs to stderr
     return outcomes
 
 
