@@ -132,6 +132,10 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
             f"# Its cell {cells[0].id} by hand, in an allocation of {nodes} node(s): what the task runs, as srun + "
             "torchrun (`hpcfsdp submit --executor print` writes the cell folder and prints every cell's torchrun)"
         )
+        if container := sweep.resources.container:
+            print(
+                f"# (this line runs outside slurm.container's image; the task runs inside it, through {container.runtime})"
+            )
         print("\n".join(srun_command(sweep, sweep_dir, cells[0])) + "\n")
     print(
         f"# Without hpcfsdp: {SBATCH_EXAMPLE}, a plain sbatch script of the same srun + torchrun that takes "
