@@ -134,7 +134,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
         )
         if container := sweep.resources.container:
             print(
-                f"# (this line runs outside slurm.container's image; the task runs inside it, through {container.runtime})"
+                f"# (this line runs outside slurm.container's image; the task runs in it, through {container.runtime})"
             )
         print("\n".join(srun_command(sweep, sweep_dir, cells[0])) + "\n")
     print(
