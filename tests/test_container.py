@@ -42,7 +42,8 @@ CPU_CELL = {
 
 
 def srun_line(script: str) -> str:
-    (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    """The script's srun line (not the hand-run srun + torchrun plan --sbatch prints after it)."""
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ") and "submitit" in line]
     return line
 
 

@@ -419,7 +419,9 @@ def test_two_downloaders_on_one_cache(repos: SimpleNamespace, tmp_path: Path) ->
             assert p.returncode == 0, out + err
         missing = _run(["download_models.py", "--cache-dir", str(cache), "--model", "acme/no-such-model"], env)
     assert missing.returncode == 1
-    assert missing.stderr.strip().count("\n") == 0 and "acme/no-such-model was not found" in missing.stderr
+    assert (
+        missing.stderr.startswith("error: model acme/no-such-model was not found") and missing.stderr.count("\n") == 2
+    )
     items = json.loads((cache / "manifest.json").read_text())["items"]
     assert len(items) == 4  # model, dataset, tokenized at 16 and at 8
     proc = _run(["download_models.py", "--verify", "--cache-dir", str(cache)], _env(tmp_path))
@@ -536,10 +538,62 @@ def test_unreachable_hub_fails_in_one_line_naming_the_item(tmp_path: Path) -> No
     for kind, name, item in (("dataset", DATASET, f"{DATASET}:default@train"), ("model", MODEL, MODEL)):
         proc = _run(["download_models.py", f"--{kind}", name, "--cache-dir", str(tmp_path / "cache")], env)
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert (
-            proc.stderr.strip()
-            == f"error: {kind} {item} could not be fetched: the hub at {endpoint} is not reachable from here"
-        )
+        assert proc.stderr.splitlines() == [
+            f"error: {kind} {item} could not be fetched: the hub at {endpoint} is not reachable from here",
+            f"error: 1 of 1 item(s) not downloaded: {what_to_do(endpoint)}",
+        ]
+
+
+def what_to_do(endpoint: str) -> str:
+    return (
+        f"run the same command where the hub at {endpoint} answers (a login node with internet), or set HF_ENDPOINT "
+        "to a mirror that does; run again, it resumes (what is cached stays, partial files go on where they stopped)"
+    )
+
+
+def test_with_the_hub_stopped_download_lists_every_item_tries_each_and_says_what_to_do(tmp_path: Path) -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        f"name: dl\nbase: {{device: cpu, seq_len: {SEQ_LEN}}}\nmatrix:\n  model: [{MODEL}]\n  data: [{DATASET}]\n"
+    )
+    proc = _run(
+        ["download_models.py", str(jobs), "--cache-dir", str(tmp_path / "cache")], _env(tmp_path, HF_ENDPOINT=endpoint)
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    listed = proc.stdout[proc.stdout.index("needs ") :].splitlines()[:4]
+    assert listed == [
+        "needs 3 item(s), 3 of them not in the cache:",
+        f"  model     {MODEL}  missing",
+        f"  dataset   {DATASET}:default@train  missing",
+        f"  tokenized {DATASET}:default@train tokenized for {MODEL}, seq_len {SEQ_LEN}  missing",
+    ]
+    unreachable = f"could not be fetched: the hub at {endpoint} is not reachable from here"
+    assert proc.stderr.splitlines() == [
+        f"error: model {MODEL} {unreachable}",  # the first failure, and then the next item all the same
+        f"error: dataset {DATASET}:default@train {unreachable}",
+        f"error: tokenized dataset {DATASET}:default@train tokenized for {MODEL}, seq_len {SEQ_LEN}: not made: "
+        "its model or dataset was not downloaded",
+        f"error: 3 of 3 item(s) not downloaded: {what_to_do(endpoint)}",
+    ]
+
+
+def test_one_item_the_hub_lacks_does_not_stop_the_others_which_a_rerun_lists_as_cached(
+    repos: SimpleNamespace, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    args = ["download_models.py", "--model", "acme/not-there", "--model", MODEL, "--cache-dir", str(cache)]
+    with _serve(repos) as hub:
+        proc = _run(args, _env(tmp_path, HF_ENDPOINT=hub.url))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "needs 2 item(s), 2 of them not in the cache:" in proc.stdout
+        assert proc.stderr.splitlines()[0].startswith("error: model acme/not-there was not found on the hub")
+        assert proc.stderr.splitlines()[1] == f"error: 1 of 2 item(s) not downloaded: {what_to_do(hub.url)}"
+        manifest = json.loads((cache / "manifest.json").read_text())
+        assert [entry["item"] for entry in manifest["items"].values()] == [MODEL]  # fetched all the same
+        again = _run([args[0], *args[3:]], _env(tmp_path, HF_ENDPOINT=hub.url))  # the one the hub has
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"needs 1 item(s), 0 of them not in the cache:\n  model     {MODEL}  cached" in again.stdout
 
 
 def test_verify_a_sweep_checks_weights_and_finds_a_model_by_commit_sha(repos: SimpleNamespace, tmp_path: Path) -> None:

@@ -189,3 +189,17 @@ def test_setup_builds_for_gpu_or_cpu_nodes_as_told_whatever_the_machine_it_runs_
         f"{pip} --no-index --find-links {wheels} -e {ROOT}[gpu]"
     ]
     assert not venv.exists()
+
+
+def test_the_readme_quick_start_holds_the_demo_and_cis_test_command_and_the_smoke_file_as_it_is():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start") : readme.index("## On a cluster")]
+    blocks = quick.split("```")[1::2]
+    commands = [block.removeprefix("bash\n").strip() for block in blocks if block.startswith("bash\n")]
+    ci = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
+    assert commands == ["bash env/setup.sh && .venv/bin/hpcfsdp submit jobs/smoke.yaml --wait", ci]
+    (jobs,) = [block.removeprefix("yaml\n") for block in blocks if block.startswith("yaml\n")]
+    smoke = (ROOT / "jobs/smoke.yaml").read_text().splitlines()
+    assert jobs.splitlines() == [line for line in smoke if not line.startswith("#")]
+    assert "`docs/testing.md`" in quick and ci in (ROOT / "docs/testing.md").read_text()
+    assert len(quick.splitlines()) <= 60  # one screen

@@ -71,6 +71,18 @@ def test_status_collect_and_history_load_no_torch(printed):
     assert "RuntimeError: x" in (sweep / "report" / "summary.md").read_text()
 
 
+def test_run_refuses_a_bad_field_in_one_error_line_before_torch_is_imported():
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(["run", "steps=2", "warmup_steps=2"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "loaded": []}
+    assert proc.stderr == "error: run arguments: warmup_steps: expected fewer than steps (2), got 2\n"
+
+
 def test_the_cache_side_loads_no_torch_outside_tokenising():
     probe = (
         "import sys, hpcfsdp.cache.download, hpcfsdp.cache.fetch, hpcfsdp.cache.hub, hpcfsdp.cache.manifest, "

@@ -39,6 +39,10 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
         for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))
     }
     assert records["fsdp2_zero3"]["status"] == "ok" and records["fsdp2_zero3"]["world_size"] == 2
+    # Rank 0 said how far it got, for status --watch: the last step of its training (and any stage after).
+    cell = tmp_path / "local_e2e/cells" / records["fsdp2_zero3"]["cell_id"]
+    progress = json.loads((cell / "progress.json").read_text())
+    assert (progress["step"], progress["steps"]) == (3, 3) and progress["stage"] in ("train", "comm_profile"), progress
     # Each launch's wall time is in the manifest: from before torchrun started to after it ended.
     manifest = json.loads((tmp_path / "local_e2e/manifest.json").read_text())
     for record in records.values():

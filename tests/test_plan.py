@@ -182,6 +182,24 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
     assert "--array" not in two_nodes and "#SBATCH --nodes=2" in two_nodes  # one cell: a plain job
 
 
+def test_plan_sbatch_shows_under_each_script_the_srun_and_torchrun_one_cell_runs(tmp_path, capsys):
+    path = write(tmp_path, SBATCH_SWEEP.replace("{gpu_request}", "gpus_per_node").replace("{{", "{").replace("}}", "}"))
+    one_node, two_nodes = sbatch_scripts(capsys, path, tmp_path / "results")
+    assert main(["submit", str(path), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out.splitlines()  # the print executor's torchrun of every cell
+    for script, nodes in ((one_node, 1), (two_nodes, 2)):
+        hand_run = script[script.index("# Its cell ") :].splitlines()
+        cell = hand_run[0].split()[3]
+        srun = next(line for line in hand_run if line.startswith("srun "))
+        prefix = f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        assert srun.startswith(prefix) and srun.removeprefix(prefix) in printed
+        assert srun.endswith(f"--cell-dir {(tmp_path / 'results' / 'resources' / 'cells' / cell).absolute()}")
+        assert "--nproc-per-node=4 -m hpcfsdp run" in srun
+    assert "--standalone" in one_node and "--rdzv-endpoint=${MASTER_ADDR:?}:29500" in two_nodes
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in two_nodes
+    assert two_nodes.rstrip().splitlines()[-1].startswith("# Without hpcfsdp: slurm/fsdp_job.sbatch, ")
+
+
 @pytest.mark.parametrize("gpu_request, flag", [("gres", "#SBATCH --gres=gpu:4"), ("none", None)])
 def test_sbatch_gpu_request_and_cache_from_the_environment(tmp_path, capsys, monkeypatch, gpu_request, flag):
     monkeypatch.setenv("HPCFSDP_CACHE", "/scratch/me/cache")
@@ -369,7 +387,7 @@ def test_status_counts_states_and_lists_unfinished_cells(flight, tmp_path, monke
         cancel.cancel()
     captured = capsys.readouterr()
     bars, note = captured.err.splitlines()[:-1], captured.err.splitlines()[-1]
-    assert bars == [
+    assert [re.sub(r", \w+ elapsed$", "", bar) for bar in bars] == [
         "[######################........] 3/4 finished (missing 1, ok 1, running 1, timeout 1)",
         "[##############################] 4/4 finished (missing 2, ok 1, timeout 1)",
     ]
@@ -461,7 +479,7 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
     assert (
         lines[0].startswith("warning: squeue: slurm_load_jobs error: Socket timed out") and "asking again" in lines[0]
     ), lines
-    assert lines[1:] == [
+    assert [re.sub(r", \w+ elapsed$", "", line) for line in lines[1:]] == [
         "[..............................] 0/1 finished (running 1)",
         "[##############################] 1/1 finished (missing 1)",
     ]
@@ -469,6 +487,53 @@ def test_watch_asks_a_timed_out_squeue_again_instead_of_ending_the_wait(flight, 
     monkeypatch.setenv("SLURM_CONF", unanswering_controller(tmp_path))
     report = watch(sweep_dir, 0.01, [running.id], stream=io.StringIO(), patience_s=0.05)
     assert report.note.startswith("squeue: slurm_load_jobs error: Unable to contact slurm controller"), report.note
+
+
+@pytest.mark.slurm
+def test_watch_shows_elapsed_time_and_each_running_cells_step_from_its_progress_file(flight):
+    _, sweep, sweep_dir, array = flight
+    running = sweep.cells[2]
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    manifest[running.id]["submitted_at"] = time.time() - 125  # queued two minutes ago
+    (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
+    progress = {"stage": "train", "step": 3, "steps": 6, "at": time.time()}  # what rank 0 writes (cell/run.py)
+    (sweep_dir / "cells" / running.id / "progress.json").write_text(json.dumps(progress))
+
+    class Scheduler(io.StringIO):
+        def write(self, text: str) -> int:
+            if "(running 1)" in text:
+                arrange(array, cancel=(2,))
+            return super().write(text)
+
+    err = Scheduler()
+    watch(sweep_dir, 0.01, [running.id], stream=err)
+    first, last = err.getvalue().splitlines()
+    assert re.fullmatch(rf"\[\.{{30}}\] 0/1 finished \(running 1\), 2m0[5-9]s elapsed; {running.id} step 3/6", first), (
+        first
+    )
+    assert re.fullmatch(r"\[#{30}\] 1/1 finished \(missing 1\), 2m\d\ds elapsed", last), last
+
+
+@pytest.mark.slurm
+def test_submit_without_wait_ends_with_the_commands_to_run_next(slurm_cluster, tmp_path, capsys):
+    jobs = write(
+        tmp_path,
+        """
+        name: later
+        base: {model: tiny, device: cpu, gpus_per_node: 1, steps: 2, warmup_steps: 1}
+        slurm: {time_min: 5, cpus_per_task: 1, extra_sbatch: {hold: true}}
+        """,
+    )
+    results = tmp_path / "results"
+    try:
+        assert main(["submit", str(jobs), "--results-dir", str(results)]) == 0
+    finally:
+        slurm("scancel", "--name=hpcfsdp-later")
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        f"next: `hpcfsdp status {results / 'later'} --watch` (progress until the cells end), "
+        f"then `hpcfsdp collect {results / 'later'}`"
+    )
 
 
 @pytest.mark.slurm
@@ -686,3 +751,97 @@ def test_plan_notes_a_hybrid_strategy_with_one_replica_as_the_strategy_it_is(tmp
         "note: 1 fsdp2_hsdp cell(s) shard over all their ranks (one shard group, one replica): that is fsdp2_zero3 "
         "under another name; a hybrid needs nodes >= 2 or an hsdp_shard_size below the ranks"
     ]
+
+
+def test_watch_eta_comes_from_how_fast_the_cells_in_flight_at_its_first_look_finished(tmp_path):
+    from hpcfsdp.sweep.track.status import CellStatus, StatusReport, _Clock
+
+    def report(*states: str) -> StatusReport:
+        return StatusReport(tmp_path, [CellStatus(f"c{i}", "ddp", state) for i, state in enumerate(states)])
+
+    clock = _Clock(time.time() - 120, {"c0", "c1", "c2"})
+    assert clock.timing(report("ok", "running", "pending")) == "2m00s elapsed, ETA 4m00s"
+    assert clock.timing(report("running", "running", "pending")) == "2m00s elapsed"  # none finished: no ETA yet
+    assert clock.timing(report("ok", "oom", "error")) == "2m00s elapsed"
+
+
+def test_states_are_coloured_on_a_terminal_only_and_never_with_no_color(monkeypatch):
+    import pty
+
+    from hpcfsdp.progress import coloured
+
+    leader, follower = pty.openpty()
+    with open(follower, "w") as terminal:
+        assert coloured("ok", "ok", terminal) == "\033[32mok\033[0m"
+        assert coloured("oom     ", "oom", terminal) == "\033[31moom     \033[0m"
+        assert coloured("hang", "hang", terminal) == "\033[31mhang\033[0m"
+        monkeypatch.setenv("NO_COLOR", "1")
+        assert coloured("oom", "oom", terminal) == "oom"
+    os.close(leader)
+    monkeypatch.delenv("NO_COLOR")
+    assert coloured("oom", "oom", io.StringIO()) == "oom"  # a log or a pipe
+
+
+def test_every_mistyped_key_of_a_jobs_file_is_named_in_one_run(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        """
+        name: typos
+        base: {model: tiny, devize: cpu}
+        slurm:
+          partitin: gpu
+          time_mn: 10
+          cpus_per_tsk: 1
+        matrix:
+          strategy: [ddp]
+        """,
+    )
+    assert main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}:3: base.devize: unknown key; did you mean 'device'?",
+        f"error: {path}:5: slurm.partitin: unknown key; did you mean 'partition'?",
+        f"error: {path}:6: slurm.time_mn: unknown key; did you mean 'time_min'?",
+        f"error: {path}:7: slurm.cpus_per_tsk: unknown key; did you mean 'cpus_per_task'?",
+    ]
+
+
+def test_a_file_of_many_bad_cells_shows_its_first_twenty_problems_and_how_many_more(tmp_path, capsys):
+    entries = "".join(f"  - {{strategy: ddp, batch_size: {n}, warmup_steps: 9, steps: 2}}\n" for n in range(1, 26))
+    path = write(tmp_path, f"include:\n{entries}")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 21 and err[-1] == "error: ... and 5 more", err
+    assert err[0].startswith(f"error: {path}:2: include[0].warmup_steps: expected fewer than steps (2), got 9"), err
+    assert err[19].startswith(f"error: {path}:21: include[19].warmup_steps: "), err
+
+
+@pytest.mark.parametrize(
+    "text, line, words",
+    [
+        ("name: x\nbase:\n  model: tiny\n   device: cpu\n", 4, "a key indented deeper than the keys above it"),
+        ("base:\n  model: tiny\n device: cpu\n", 3, "a line indented differently from the lines above it"),
+        ("base:\n\tmodel: tiny\n", 2, "a tab: YAML indents with spaces only"),
+        ("name: x\nbase\n  model: tiny\n", 2, "a key without its ':'"),
+    ],
+    ids=["indented_deeper", "indented_less", "tab", "no_colon"],
+)
+def test_a_yaml_syntax_error_is_one_line_at_the_line_to_fix_in_words(tmp_path, capsys, text, line, words):
+    path = tmp_path / "jobs.yaml"
+    path.write_text(text)
+    assert main(["plan", str(path)]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert err.startswith(f"error: {path}:{line}: not valid YAML (column ") and words in err, err
+    assert "mapping values" not in err and "<block end>" not in err and "could not find" not in err
+
+
+def test_plan_says_in_one_line_that_the_clusters_checks_were_skipped_without_a_controller(tmp_path, capsys):
+    # The autouse fixture leaves no SLURM_CONF: sinfo finds no controller (or is not installed).
+    assert main(["plan", "jobs/smoke.yaml"]) == 0
+    (note,) = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(
+        r"note: no Slurm (here \(sinfo is not on PATH\)|controller answered): the partition, QOS, host-memory "
+        r"and sbatch --test-only checks were skipped; plan on a machine whose Slurm answers runs them",
+        note,
+    ), note
+    assert main(["plan", "jobs/smoke.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster_checks_skipped"] == note.removeprefix("note: ")

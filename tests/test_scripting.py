@@ -45,6 +45,7 @@ class StatusCell(Strict):
     blocked: bool
     preempted: int
     resources: str  # "" when the cell ran on what it asked for, else its resource_problems as one line
+    progress: str
 
 
 class StatusAnswer(Strict):
@@ -97,6 +98,7 @@ class PlanAnswer(Strict):
     max_requeue: int
     problems: list[str]
     sbatch_from_shell: dict[str, str]
+    cluster_checks_skipped: str
 
 
 class CollectCell(Strict):

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,9 @@ def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell
     argv = ["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert re.search(r"^\[\w+\] stage0: 3 run\(s\)$", out, re.M) and re.search(
+        r"^\[\w+\] \[3/3\] stage0 ", out, re.M
+    ), out
     sweep_dir = tmp_path / "tt"
     grid = {cell.spec.batch_size: cell.id for cell in load_sweep(jobs).cells}
     found = json.loads((sweep_dir / "tune.json").read_text())
@@ -355,6 +359,9 @@ def test_tune_under_slurm_runs_several_probes_per_allocation(slurm_cluster, tmp_
     )
     argv = ["tune", str(jobs), "--executor", "slurm", "--results-dir", str(tmp_path), "--top", "1"]
     assert main([*argv, "--probes-per-job", "2"]) == 0
+    out = capsys.readouterr().out  # each line says how long tune has run; a wait, how many probes are done
+    assert re.search(r"^\[\w+\] stage0: 3 run\(s\)$", out, re.M), out
+    assert re.search(r"^\[\w+\] stage0: [0-2] of 3 probe\(s\) done; waiting for [12] job\(s\): ", out, re.M), out
     sweep_dir = tmp_path / "ts"
     state = json.loads((sweep_dir / "tune" / "state.json").read_text())
     probe_jobs = state["stages"][0]["jobs"]

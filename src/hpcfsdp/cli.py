@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return args.func(args) or 0
     except UserError as exc:
-        return _failed(one_line(exc.line()), one_line(str(exc)), exc.exit_status)
+        return _failed("\n".join(one_line(line) for line in exc.lines()), one_line(str(exc)), exc.exit_status)
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
         # /dev/null so that the interpreter's final flush does not fail again.

@@ -124,11 +124,19 @@ def submit(args: argparse.Namespace) -> int:
     elif executor == "local":
         states = list(sub.outcomes.values())
     else:
+        if executor == "slurm" and (sub.job_ids or sub.in_flight):
+            log(_next_commands(sub.sweep_dir, args.then_collect))
         return 0
     collected = collect(sub.sweep_dir)
     if failed := sum(state != "ok" for state in states):
         print(f"{failed} cell(s) did not finish ok", file=sys.stderr)
     return cells_exit_status(states) or collected
+
+
+def _next_commands(sweep_dir: Path, then_collect: bool) -> str:
+    """What to run once submit has queued cells and returned: watch them, then the tables."""
+    tables = f"then `hpcfsdp collect {sweep_dir}`" if not then_collect else "the collect job writes the tables"
+    return f"next: `hpcfsdp status {sweep_dir} --watch` (progress until the cells end), {tables}"
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -175,8 +183,8 @@ def run(args: argparse.Namespace) -> NoReturn:
 
 
 def _run_one_cell(args: argparse.Namespace) -> str:
-    from .cell.ranks.distributed import launched_shape
-    from .cell.run import run_cell, run_cell_dir
+    """The cell's arguments are checked before torch is imported (seconds): a mistyped field is one
+    `error:` line at once, as from every other command."""
     from .sweep.define.matrix import Cell
     from .sweep.folder.layout import cell_dir
 
@@ -187,19 +195,33 @@ def _run_one_cell(args: argparse.Namespace) -> str:
             raise SpecError(
                 f"{args.cell_dir}: no {SPEC_NAME} here (--cell-dir takes a cells/<id> folder written by submit)"
             )
-        status = run_cell_dir(Path(args.cell_dir))
-    else:
-        values = {}
-        for item in args.fields:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise SpecError(f"run: {item!r}: expected KEY=VALUE")
-            values[key] = yaml.safe_load(value)
-        spec, sources = RunSpec.resolved({**launched_shape(), **values}, where="run arguments")
-        cell = Cell.of(spec, sources)
-        check_folder_name("run", "--sweep", args.sweep)
-        status = run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep, sources)
-    return status
+        from .cell.run import run_cell_dir
+
+        return run_cell_dir(Path(args.cell_dir))
+    values = {}
+    for item in args.fields:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecError(f"run: {item!r}: expected KEY=VALUE")
+        values[key] = yaml.safe_load(value)
+    spec, sources = RunSpec.resolved({**_torchrun_shape(), **values}, where="run arguments")
+    cell = Cell.of(spec, sources)
+    check_folder_name("run", "--sweep", args.sweep)
+    from .cell.run import run_cell
+
+    return run_cell(spec, cell_dir(Path(args.results_dir) / args.sweep, cell), cell.id, args.sweep, sources)
+
+
+def _torchrun_shape() -> dict[str, int]:
+    """nodes and gpus_per_node as torchrun launched this process; empty when not under torchrun.
+
+    Lets `torchrun --nproc-per-node 2 -m hpcfsdp run strategy=...` work without repeating the
+    process count as RunSpec fields.
+    """
+    if "WORLD_SIZE" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return {}
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return {"nodes": max(1, world // per_node), "gpus_per_node": per_node}
 
 
 def _exit_worker(code: int) -> NoReturn:

@@ -2,14 +2,21 @@
 redrawn in place on a terminal, plain lines where stderr is a file (a Slurm log, CI), never escape
 codes there. Silent for small work (a count below `min_count`, so that what a small sweep's
 collect prints does not depend on how busy the machine is) and for work that ends soon (nothing
-before `quiet_s`).
+before `quiet_s`). Also the one way a cell's state is coloured on a terminal (`coloured`), and a
+span of time as people read it (`duration`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
+
+# A cell state's colour on a terminal (SGR codes): ok green, in flight yellow / cyan, never run or
+# unreadable magenta, every other ending (oom, error, hang, timeout, ...) red.
+STATE_COLOURS = {"ok": "32", "running": "36", "pending": "33", "missing": "35", "corrupt": "35", "stale": "35"}
+FAILED_COLOUR = "31"
 
 BAR_WIDTH = 30
 REDRAW_S = 0.2  # a terminal's bar at most this often
@@ -79,3 +86,26 @@ class Progress:
     def _write(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+
+def colour_on(stream: TextIO) -> bool:
+    """Whether to colour what goes to `stream`: a terminal, and NO_COLOR unset or empty (no-color.org)."""
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+def coloured(text: str, state: str, stream: TextIO | None = None) -> str:
+    """`text` (a cell state, perhaps padded to its column) in the state's colour where `stream`
+    (stdout by default) is a terminal; as it is in a file, a pipe or with NO_COLOR."""
+    if not colour_on(stream or sys.stdout):
+        return text
+    return f"\033[{STATE_COLOURS.get(state, FAILED_COLOUR)}m{text}\033[0m"
+
+
+def duration(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m': a span of time as a person reads it."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"

@@ -26,6 +26,7 @@ verify.py hashes the files and manifest.py records each item.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -35,9 +36,10 @@ from ..contracts.names import name_problem
 from .fetch import HUB_DIR, auth_source, download_dataset, download_model, hub_endpoint
 from .hub import (
     MANIFEST_NAME,
+    CacheMissError,
     default_cache_dir,
 )
-from .plan import DownloadError, Plan, Request, build_plan
+from .plan import DownloadError, Plan, Request, build_plan, plan_items
 from .tokenize import tokenize_dataset
 from .verify import human_size, verify_cache
 
@@ -78,7 +80,12 @@ def download_main(
         os.environ.setdefault("HF_HUB_CACHE", str(cache / HUB_DIR))
     out(f"cache: {cache}")
     out(f"hub: {hub_endpoint()} ({auth_source()})")
-    entries = download_plan(plan, cache, allow_patterns=allow_patterns, num_proc=num_proc, force=force, out=out)
+    items = plan_items(plan, str(cache))
+    missing = sum(bool(item.missing) for item in items)
+    out(f"needs {len(items)} item(s), {missing} of them not in the cache:")
+    for item in items:
+        out(f"  {item.kind:9} {item.name}  {'missing' if item.missing else 'cached'}")
+    entries, failed = download_plan(plan, cache, allow_patterns=allow_patterns, num_proc=num_proc, force=force, out=out)
     out("")
     for entry in entries:
         out(
@@ -86,6 +93,14 @@ def download_main(
             f"{len(entry['files'])} files, {human_size(entry['total_bytes'])}"
         )
     out(f"manifest: {cache / MANIFEST_NAME}")
+    if failed:
+        for problem in failed:
+            print(f"error: {problem}", file=sys.stderr)
+        raise DownloadError(
+            f"{len(failed)} of {len(entries) + len(failed)} item(s) not downloaded: run the same command where "
+            f"the hub at {hub_endpoint()} answers (a login node with internet), or set HF_ENDPOINT to a mirror "
+            "that does; run again, it resumes (what is cached stays, partial files go on where they stopped)"
+        )
     out(f"on compute nodes: export HPCFSDP_CACHE={cache}  (read offline; nothing is downloaded there)")
     return 0
 
@@ -97,14 +112,48 @@ def download_plan(
     num_proc: int | None = None,
     force: bool = False,
     out: Callable[[str], None] = print,
-) -> list[dict]:
-    entries = []
-    for model, weights in plan.models.values():
-        entries.append(
-            download_model(model, cache, weights=weights, allow_patterns=allow_patterns, force=force, out=out)
+) -> tuple[list[dict], list[str]]:
+    """Fetch every item of the plan, going on past one that fails (a hub that does not answer, a
+    gated repo): the manifest entries of those fetched, and one line per item that was not."""
+    # (the keys it needs fetched first, its key, its name, the fetch): tokenizing needs its model and dataset
+    fetches: list[tuple[tuple[str, ...], str, str, Callable[[], dict]]] = [
+        (
+            (),
+            model.key,
+            f"model {model.name}",
+            functools.partial(
+                download_model, model, cache, weights=weights, allow_patterns=allow_patterns, force=force, out=out
+            ),
         )
-    for dataset in plan.datasets.values():
-        entries.append(download_dataset(dataset, cache, num_proc=num_proc, force=force, out=out))
-    for tokenized in plan.tokenized.values():
-        entries.append(tokenize_dataset(tokenized, cache, num_proc=num_proc, force=force, out=out))
-    return entries
+        for model, weights in plan.models.values()
+    ]
+    fetches += [
+        (
+            (),
+            ref.key,
+            f"dataset {ref.name}",
+            functools.partial(download_dataset, ref, cache, num_proc=num_proc, force=force, out=out),
+        )
+        for ref in plan.datasets.values()
+    ]
+    fetches += [
+        (
+            (ref.model.key, ref.dataset.key),
+            ref.key,
+            f"tokenized dataset {ref.name}",
+            functools.partial(tokenize_dataset, ref, cache, num_proc=num_proc, force=force, out=out),
+        )
+        for ref in plan.tokenized.values()
+    ]
+    entries: list[dict] = []
+    failed: dict[str, str] = {}  # key -> why
+    for needs, key, name, fetch in fetches:
+        if any(need in failed for need in needs):
+            failed[key] = f"{name}: not made: its model or dataset was not downloaded"
+            continue
+        try:
+            entries.append(fetch())
+        except (DownloadError, CacheMissError) as exc:
+            failed[key] = str(exc)
+            out(f"  -> not downloaded: {exc}")
+    return entries, list(failed.values())

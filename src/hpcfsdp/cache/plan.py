@@ -11,7 +11,7 @@ from typing import Any
 from ..contracts.errors import UserError
 from ..contracts.names import DatasetRef, ModelRef, TokenizedRef
 from ..contracts.sources import model_source
-from .hub import CacheMissError, lookup_model, lookup_tokenized
+from .hub import CacheMissError, lookup_dataset, lookup_model, lookup_tokenized
 
 
 class DownloadError(UserError, RuntimeError):
@@ -125,19 +125,54 @@ def _parse(cls: Any, text: str, where: str) -> Any:
         raise DownloadError(f"{where}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Item:
+    """One thing a plan fetches, as the downloader lists it: its kind and name, and why the cache
+    lacks it ("" when it is there, whole)."""
+
+    kind: str  # model, dataset, tokenized
+    name: str
+    missing: str = ""
+
+
+def plan_items(plan: Plan, cache_dir: str | None = None) -> list[Item]:
+    """Every item of the plan (models, datasets, tokenized splits) and whether the cache holds it,
+    from the cache's manifest only (nothing is fetched)."""
+    checks = [
+        (
+            "model",
+            ref.name + (" (with weights)" if weights else ""),
+            functools.partial(lookup_model, ref.name, cache_dir, weights),
+        )
+        for ref, weights in plan.models.values()
+    ]
+    checks += [
+        ("dataset", ref.name, functools.partial(lookup_dataset, ref.name, cache_dir)) for ref in plan.datasets.values()
+    ]
+    checks += [
+        (
+            "tokenized",
+            ref.name,
+            functools.partial(
+                lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column
+            ),
+        )
+        for ref in plan.tokenized.values()
+    ]
+    items = []
+    for kind, name, check in checks:
+        try:
+            check()
+        except CacheMissError as exc:
+            items.append(Item(kind, name, str(exc)))
+        else:
+            items.append(Item(kind, name))
+    return items
+
+
 def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
     """One line per hub item the sweep's cells read that the cache lacks (models, and datasets in
     their tokenized form): `plan` and `submit` check this before anything is queued."""
     plan = plan_from_sweep(sweep)
-    checks = [functools.partial(lookup_model, ref.name, cache_dir, weights) for ref, weights in plan.models.values()]
-    checks += [
-        functools.partial(lookup_tokenized, ref.dataset.name, ref.model.name, ref.seq_len, cache_dir, ref.text_column)
-        for ref in plan.tokenized.values()
-    ]
-    misses = []
-    for check in checks:
-        try:
-            check()
-        except CacheMissError as exc:
-            misses.append(str(exc))
-    return misses
+    plan.datasets.clear()  # the cells read a dataset in its tokenized form only
+    return [item.missing for item in plan_items(plan, cache_dir) if item.missing]

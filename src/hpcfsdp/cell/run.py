@@ -21,11 +21,12 @@ import torch
 
 from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
-from ..contracts.files import RecordError, read_json_object
+from ..contracts.files import RecordError, read_json_object, write_json
 from ..contracts.record import (
     BATCH_FOUND_KEY,
     BATCH_HINT_KEYS,
     BATCH_PREDICTION_KEY,
+    PROGRESS_NAME,
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
@@ -80,6 +81,7 @@ from .train import Diverged, train
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.
 BACKSTOP_S = 60.0
+PROGRESS_EVERY_S = 1.0  # the progress file at most this often during training
 # What a collective that ran past the process group's timeout raises (gloo; NCCL's watchdog).
 COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout")
 
@@ -240,6 +242,28 @@ class _Progress:
     blame: Blame | None = None  # the peer that died or stopped answering (heartbeats), with several ranks
     seen: list[Seen] | None = None  # what each rank runs on, gathered at set-up
     ok: bool = False  # the cell trained to its end on this rank
+    noted_at: float = 0.0  # when rank 0 last wrote the progress file (note)
+    step: int = 0  # the training steps done so far, of `steps`, as the progress file says
+    steps: int = 0
+
+    def note(self, env: DistEnv, cell_dir: Path, step: int | None = None, steps: int = 0) -> None:
+        """Rank 0's stage and step in the cell folder's progress file, for `status --watch`: at each
+        stage (with the steps trained so far), and at most once a second during training (a small
+        atomic write, off the timed path's device work); a file that cannot be written is not the
+        cell's failure."""
+        now = time.time()
+        if step is not None:
+            if 0 < step < steps and now - self.noted_at < PROGRESS_EVERY_S:
+                return
+            self.step, self.steps = step, steps
+        if not env.is_main:
+            return
+        self.noted_at = now
+        note = {"stage": self.stage, "step": self.step, "steps": self.steps, "at": now}
+        try:
+            write_json(cell_dir / PROGRESS_NAME, note)
+        except OSError:
+            pass
 
 
 def _train_cell(
@@ -252,6 +276,7 @@ def _train_cell(
     def enter(stage: str) -> None:
         progress.stage = stage
         progress.clock.enter(stage)
+        progress.note(env, cell_dir)
         inject_fault(stage, env)
 
     enter("setup")
@@ -324,6 +349,7 @@ def _train_cell(
             if sampler is not None:
                 sampler.start()  # utilisation of the timed steps only
         _print_progress(env, spec, step, log)
+        progress.note(env, cell_dir, step + 1, spec.steps)
 
     if sampler is not None and spec.warmup_steps == 0:
         sampler.start()

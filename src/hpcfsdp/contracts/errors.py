@@ -37,6 +37,10 @@ class UserError(Exception):
         """What `hpcfsdp` prints on stderr."""
         return f"error: {self}"
 
+    def lines(self) -> list[str]:
+        """Every line `hpcfsdp` prints on stderr: one, but for several problems of one file at once."""
+        return [self.line()]
+
 
 class Stopped(UserError):
     """An interrupt (Ctrl-C, SIGTERM, SIGHUP) ended the command: what it left, and how to go on.

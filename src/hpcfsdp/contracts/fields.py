@@ -58,6 +58,31 @@ def documented(default: Any, doc: str, *, default_means: str = "", **metadata: A
     return field(default=default, metadata=meta)
 
 
+MAX_PROBLEMS = 20  # what one run shows of a file's problems, at most
+
+
+class SpecErrors(SpecError):
+    """Several problems of one file, each its own `error:` line (the first MAX_PROBLEMS of them),
+    so that three mistyped keys take one run to find, not three. As a SpecError it is the first."""
+
+    def __init__(self, problems: list[SpecError]):
+        self.problems = problems
+        first = problems[0]
+        super().__init__(first.where, first.key, first.what)
+
+    def lines(self) -> list[str]:
+        more = len(self.problems) - MAX_PROBLEMS
+        return [p.line() for p in self.problems[:MAX_PROBLEMS]] + ([f"error: ... and {more} more"] if more > 0 else [])
+
+
+def raise_problems(problems: list[SpecError]) -> None:
+    """One SpecError for one problem, SpecErrors for several; nothing for none."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise SpecErrors(problems)
+
+
 def unknown_key(where: str, key: str, known: tuple[str, ...], section: str = "") -> SpecError:
     close = difflib.get_close_matches(str(key), known, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(known)}"

@@ -110,6 +110,8 @@ SPEC_NAME = "spec.json"  # beside the record: {cell_id, sweep, spec}, written by
 BATCH_PREDICTION_KEY = "batch_prediction"
 BATCH_FOUND_KEY = "batch_found"
 BATCH_HINT_KEYS = (BATCH_PREDICTION_KEY, BATCH_FOUND_KEY)
+# Beside the record while the cell runs: rank 0's stage and step ({stage, step, steps, at}), for status --watch
+PROGRESS_NAME = "progress.json"
 
 # ---------------------------------------------------------------------------------------------
 # The record's shape (docs/record.md). A field marked Checked is one that collect, the history,

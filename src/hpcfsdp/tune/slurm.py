@@ -98,8 +98,15 @@ def _submit_probe_array(
     )
 
 
-def wait_for_jobs(job_ids: list[str], cluster: str, poll_s: float, log: Callable[[str], None]) -> None:
-    """Until none of these jobs is pending or running (squeue); UserError when squeue stops answering."""
+def wait_for_jobs(
+    job_ids: list[str],
+    cluster: str,
+    poll_s: float,
+    log: Callable[[str], None],
+    probes_done: Callable[[], str] = lambda: "",
+) -> None:
+    """Until none of these jobs is pending or running (squeue); UserError when squeue stops answering.
+    A line each time the probes done (`probes_done`: "stage1: 3 of 8 probe(s) done") or the jobs' states change."""
     said = ""
     while True:
         try:
@@ -110,7 +117,10 @@ def wait_for_jobs(job_ids: list[str], cluster: str, poll_s: float, log: Callable
             ) from None
         if not queued:
             return
-        line = f"waiting for {len(queued)} job(s): " + ", ".join(sorted({q.state.lower() for q in queued.values()}))
+        done = probes_done()
+        line = f"{done}{'; ' if done else ''}waiting for {len(queued)} job(s): " + ", ".join(
+            sorted({q.state.lower() for q in queued.values()})
+        )
         if line != said:
             log(line)
             said = line

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contracts.validity import is_trusted, within_noise
+from ..progress import duration
 from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import (
     cell_dir,
@@ -77,6 +78,13 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     from .output import outcome, write_outcome
 
     sweep_dir = Path(results_dir) / sweep.name
+    started = time.monotonic()
+    untimed = log
+
+    def timed(line: str) -> None:  # every line says how long the search has run
+        untimed(f"[{duration(time.monotonic() - started)}] {line}")
+
+    log = timed
     try:
         with interrupts_raise(), sweep_lock(sweep_dir, log, "tune"):
             require_inside(sweep_dir, tune_dir(sweep_dir))
@@ -275,14 +283,19 @@ def run_stage(
     # A resumed search: its jobs still queued, those the state names and those the manifest names
     # (a search stopped after sbatch queued a stage's array and before the state said so).
     queued_before = set(stage.jobs) | set(slurm_jobs(directory, stage.runs).ids.values())
-    wait_for_jobs(sorted(queued_before), cluster, settings.poll_s, log)
+
+    def probes_done() -> str:
+        done = sum(is_done(sweep_dir, stage.name, run) for run in stage.runs)
+        return f"{stage.name}: {done} of {len(stage.runs)} probe(s) done"
+
+    wait_for_jobs(sorted(queued_before), cluster, settings.poll_s, log, probes_done)
     for _ in range(TRIES):
         pending = todo()
         if not pending:
             break
         submit_stage_jobs(sweep, directory, stage, pending, settings.probes_per_job, launches, log)
         save_state(sweep_dir, state)
-        wait_for_jobs(list(stage.jobs), cluster, settings.poll_s, log)
+        wait_for_jobs(list(stage.jobs), cluster, settings.poll_s, log, probes_done)
         _count_array_launches(sweep_dir, stage, cells)
     for cell, planned in todo():  # their jobs ended before they ran, TRIES times
         jobs = [job for job, runs in stage.jobs.items() if cell.id in runs]

@@ -53,18 +53,6 @@ def export_launcher_env() -> str:
     return "single"
 
 
-def launched_shape() -> dict[str, int]:
-    """nodes and gpus_per_node as torchrun launched this process; empty when not under torchrun.
-
-    Lets `torchrun --nproc-per-node 2 -m hpcfsdp run strategy=...` work without repeating the
-    process count as RunSpec fields.
-    """
-    if "WORLD_SIZE" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
-        return {}
-    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    return {"nodes": max(1, world // per_node), "gpus_per_node": per_node}
-
-
 class StartupError(RuntimeError):
     """The device or the process group could not be set up: one line, for the record."""
 

@@ -19,17 +19,26 @@ from typing import Any
 
 import yaml
 
-from ...contracts.fields import SpecError, check_folder_name, coerce_fields, field_names, shown, unknown_key
+from ...contracts.fields import (
+    SpecError,
+    check_folder_name,
+    coerce_fields,
+    field_names,
+    raise_problems,
+    shown,
+    unknown_key,
+)
 from ...contracts.gpus import RankWords, rank_words
 from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
 from .resources import Resources
 from .secret_shapes import require_no_secret
-from .yamlfile import BoundedLoader, read_text
+from .yamlfile import BoundedLoader, read_text, syntax_error
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
+_RESOURCE_FIELDS = field_names(Resources)
 _DEFAULTS = RunSpec().to_dict()
 MAX_CELLS = 100_000  # a sweep larger than this is refused before it is expanded; plan / submit --max-cells N
 # Setup lines are shell the user writes: a newline or tab may be meant; other control characters
@@ -190,10 +199,10 @@ def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
         raise SpecError(
             f"{path}:{line}", "", f"not valid YAML (unacceptable character #x{exc.character:04x}: {exc.reason})"
         ) from None
+    except yaml.MarkedYAMLError as exc:
+        raise syntax_error(path, exc) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}{at}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        raise SpecError(str(path), "", f"not valid YAML ({exc})") from None
     except OSError as exc:
         raise SpecError(str(path), "", f"cannot read the jobs file ({exc.strerror})") from None
     if raw is None:  # nothing but comments and blank lines: a mistake, never a sweep of one default cell
@@ -206,27 +215,33 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping with sections {', '.join(SECTIONS)}")
-    for key in raw:
-        if key not in SECTIONS:
-            raise unknown_key(_where(source, raw, key), key, SECTIONS)
+    # The file's structure: every unknown key of every section (and the slurm section's values) at once.
+    problems = [unknown_key(_where(source, raw, key), key, SECTIONS) for key in raw if key not in SECTIONS]
     name = raw.get("name", default_name)
     check_folder_name(_where(source, raw, "name"), "name", name)
     base = _mapping(raw, "base", source)
     axes = _mapping(raw, "matrix", source)
     for axis, values in axes.items():
         if not isinstance(values, list) or not values:
-            raise SpecError(_where(source, axes, axis), f"matrix.{axis}", "expected a non-empty list of values")
+            problems.append(
+                SpecError(_where(source, axes, axis), f"matrix.{axis}", "expected a non-empty list of values")
+            )
     for section, mapping in (("base", base), ("matrix", axes)):
-        for key in mapping:
-            if key not in _SPEC_FIELDS:
-                raise unknown_key(_where(source, mapping, key), key, _SPEC_FIELDS, section)
+        problems += [
+            unknown_key(_where(source, mapping, key), key, _SPEC_FIELDS, section)
+            for key in mapping
+            if key not in _SPEC_FIELDS
+        ]
     include = _partials(raw, "include", source)
     exclude = _partials(raw, "exclude", source)
     slurm = _mapping(raw, "slurm", source)
+    unknown = [key for key in slurm if key not in _RESOURCE_FIELDS]
+    problems += [unknown_key(_where(source, slurm, key), key, _RESOURCE_FIELDS, "slurm") for key in unknown]
     try:
-        resources = Resources.from_dict(slurm, where=source)
+        resources = Resources.from_dict({k: v for k, v in slurm.items() if k not in unknown}, where=source)
     except SpecError as exc:
-        raise _located(exc, source, [("slurm", slurm)], _where(source, raw, "slurm"), prefix="slurm.") from None
+        problems.append(_located(exc, source, [("slurm", slurm)], _where(source, raw, "slurm"), prefix="slurm."))
+    raise_problems(problems)
     setup = raw.get("setup", [])
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
         raise SpecError(_where(source, raw, "setup"), "setup", "expected a list of shell lines")
@@ -247,10 +262,14 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
             continue
         try:
             spec, sources = RunSpec.resolved(values, where=source)
-        except SpecError as exc:
-            raise _cell_error(exc, source, raw, base, axes, include, origin, values) from None
+        except SpecError as exc:  # a problem once per place (line and key), then on to the next cell
+            problem = _cell_error(exc, source, raw, base, axes, include, origin, values)
+            if (problem.where, problem.key) not in {(p.where, p.key) for p in problems}:
+                problems.append(problem)
+            continue
         cell = Cell.of(spec, sources)
         cells.setdefault(cell.id, cell)
+    raise_problems(problems)
     for exclusion in exclusions:
         if not exclusion.matched:
             raise SpecError(

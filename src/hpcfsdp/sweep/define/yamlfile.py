@@ -50,6 +50,43 @@ def read_text(path: Path) -> str:
         ) from None
 
 
+# PyYAML's words for a syntax error -> what to change, for the mistakes people make by hand.
+SYNTAX_HINTS = (
+    (
+        "mapping values are not allowed here",
+        "a ': ' YAML cannot take here: a key indented deeper than the keys "
+        "above it, or a value holding ': ' (quote the value)",
+    ),
+    (
+        "expected <block end>, but found",
+        "a line indented differently from the lines above it: the keys of "
+        "one section line up, each list item starts with '- ' at the same column",
+    ),
+    ("found character '\\t' that cannot start any token", "a tab: YAML indents with spaces only"),
+    ("expected ',' or ']'", "a list opened with '[' and not closed with ']'"),
+    ("expected ',' or '}'", "a mapping opened with '{' and not closed with '}'"),
+    ("found unexpected end of stream", "a quote opened and never closed"),
+    ("could not find expected ':'", "a key without its ':' (or a line that is neither 'key: value' nor '- item')"),
+)
+
+
+# The problems PyYAML marks where it gave up, past the line to fix: named at what they began with.
+AT_CONTEXT = ("could not find expected ':'", "expected ',' or ']'", "expected ',' or '}'")
+
+
+def syntax_error(path: Path, exc: yaml.MarkedYAMLError) -> SpecError:
+    """A YAML syntax error as one line: the file, the line to fix, and what to change there in
+    words (PyYAML's own only where no hint fits). A key without its ':' or a bracket never closed
+    is named at its own line (PyYAML's mark is where it gave up, further on)."""
+    problem = exc.problem or str(exc)
+    hint = next((words for start, words in SYNTAX_HINTS if problem.startswith(start)), None)
+    mark = exc.context_mark if problem.startswith(AT_CONTEXT) and exc.context_mark else exc.problem_mark
+    where = f"{path}:{mark.line + 1}" if mark else str(path)
+    if hint is None:
+        return SpecError(where, "", f"not valid YAML ({problem})")
+    return SpecError(where, "", f"not valid YAML{f' (column {mark.column + 1})' if mark else ''}: {hint}")
+
+
 class BoundedLoader(yaml.SafeLoader):
     """A SafeLoader that refuses documents nested deeper than MAX_DEPTH, or holding more than
     MAX_VALUES nodes once aliases are expanded (checked on the node graph, before any Python

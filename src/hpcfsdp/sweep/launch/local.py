@@ -19,6 +19,7 @@ from pathlib import Path
 from ...contracts.files import RecordError
 from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
 from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
+from ...progress import coloured
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest, write_local_run
 from ..track.lost import log_tails, record_launch_failure
@@ -77,6 +78,15 @@ def print_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> str:
     )
 
 
+def srun_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> list[str]:
+    """The cell as a Slurm user would start it by hand inside an allocation of its shape: srun with
+    one task per node, each running print_command's torchrun; on several nodes the rendezvous is on
+    the allocation's first node (MASTER_ADDR)."""
+    first_node = ['export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"']
+    srun = f"srun --nodes={cell.spec.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
+    return [*(first_node if cell.spec.nodes > 1 else []), f"{srun} {print_command(sweep, sweep_dir, cell)}"]
+
+
 def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None]) -> dict[str, str]:
     """Run the cells one at a time; cell id -> the status each recorded. Interrupted (Ctrl-C,
     SIGTERM, SIGHUP): the running cell's processes are ended, and its earlier record is current
@@ -122,7 +132,7 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
                 status=status,
             )
             status += f" ({ended} without a record; see {directory / LOG_NAME})"
-        log(f"    {status}")
+        log(f"    {coloured(status, outcomes[cell.id], sys.stderr)}")  # the local executor logs to stderr
     return outcomes
 
 

@@ -20,6 +20,12 @@ from .environment import sbatch_from_shell, sbatch_note
 if TYPE_CHECKING:
     from ..predict.memory import CellPrediction
 # Always shown by plan; any other RunSpec field gets a column when its value varies across the sweep.
+# What plan could not check where no Slurm answered (preflight.py).
+SKIPPED_CHECKS = (
+    "the partition, QOS, host-memory and sbatch --test-only checks were skipped; "
+    "plan on a machine whose Slurm answers runs them"
+)
+SBATCH_EXAMPLE = "slurm/fsdp_job.sbatch"  # the plain sbatch script, for a run without submitit (docs/submit.md)
 PLAN_FIELDS = ("strategy", "batch_size", "grad_accum", "activation_checkpointing", "nodes", "gpus_per_node")
 
 
@@ -51,7 +57,11 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         )
     if note := sbatch_note(sweep):
         print(note)
-    return print_problems(plan_problems(sweep))
+    skipped: list[str] = []
+    problems = plan_problems(sweep, skipped)
+    for reason in skipped:
+        print(f"note: {reason}: {SKIPPED_CHECKS}", file=sys.stderr)
+    return print_problems(problems)
 
 
 def single_replica_notes(cells: tuple[Cell, ...]) -> list[str]:
@@ -85,12 +95,13 @@ def rank_hours(sweep: Sweep) -> float:
     return sum(c.spec.world_size for c in sweep.cells) * sweep.resources.time_min * runs / 60
 
 
-def plan_problems(sweep: Sweep) -> list[str]:
-    """What stops the sweep here: cache misses, shapes the partition cannot run."""
+def plan_problems(sweep: Sweep, skipped: list[str] | None = None) -> list[str]:
+    """What stops the sweep here: cache misses, shapes the partition cannot run; why the cluster's
+    checks were skipped, if they were, is added to `skipped`."""
     from ...cache.plan import cache_misses
     from .preflight import cluster_problems
 
-    return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep)
+    return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep, skipped=skipped)
 
 
 def plan_document(sweep: Sweep, memory: bool = False) -> dict:
@@ -105,7 +116,8 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
     if memory:
         for cell_id, figures in memory_figures(sweep).items():
             cells[cell_id]["memory"] = figures
-    problems = plan_problems(sweep)
+    skipped: list[str] = []
+    problems = plan_problems(sweep, skipped)
     return {
         "sweep": sweep.name,
         "cluster": res.clusters,
@@ -127,6 +139,7 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
         "max_requeue": res.max_requeue,
         "problems": problems,
         "sbatch_from_shell": sbatch_from_shell(sweep),  # the shell's SBATCH_* variables that reach sbatch
+        "cluster_checks_skipped": "; ".join(f"{reason}: {SKIPPED_CHECKS}" for reason in skipped),
     }
 
 
@@ -145,6 +158,7 @@ def refused_document(problem: str, exit_status: int) -> dict:
         "max_requeue": 0,
         "problems": [problem],
         "sbatch_from_shell": {},
+        "cluster_checks_skipped": "",
     }
 
 
@@ -153,6 +167,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     comment, once the folder has one: layout.folder_uid); none, with plan's error lines and exit
     status, for a sweep that plan refuses."""
     from ..folder.layout import folder_uid
+    from .local import srun_command
     from .sbatch import sbatch_script
 
     problems = plan_problems(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
@@ -166,6 +181,19 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     ):
         print(f"# ===== array {index}: {cells_on_shape(cells, nodes, gpus)} =====")
         print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
+        print(
+            f"# Its cell {cells[0].id} by hand, in an allocation of {nodes} node(s): what the task runs, as srun + "
+            "torchrun (`hpcfsdp submit --executor print` writes the cell folder and prints every cell's torchrun)"
+        )
+        if container := sweep.resources.container:
+            print(
+                f"# (this line runs outside slurm.container's image; the task runs in it, through {container.runtime})"
+            )
+        print("\n".join(srun_command(sweep, sweep_dir, cells[0])) + "\n")
+    print(
+        f"# Without hpcfsdp: {SBATCH_EXAMPLE}, a plain sbatch script of the same srun + torchrun that takes "
+        "the cell's fields as KEY=VALUE (`hpcfsdp examples fsdp_job.sbatch --copy-to .`)"
+    )
     return 0
 
 

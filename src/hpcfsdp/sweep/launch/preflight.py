@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask
+from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
 from ..define.matrix import Cell, Sweep, by_shape, cells_on_shape
 from ..predict.hostmemory import predict_host_cells, requested_mem_gb
 from ..track.cluster import Partition, array_size_limit, known_clusters, read_partitions, read_qos, tres_counts
@@ -33,10 +33,11 @@ from .environment import shell_part_in, slurm_environment
 from .sbatch import sbatch_script  # submitit's script text
 
 
-def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[str]:
+def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None, skipped: list[str] | None = None) -> list[str]:
     """One line per shape of `cells` (default: every cell) that the sweep's partition can never run;
     when every shape can, one per shape beyond its host memory, the QOS's limits, or refused by
-    sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here."""
+    sbatch --test-only (module docstring); [] when all pass, or when no Slurm answers here (then
+    why is added to `skipped`, for plan to say so)."""
     res = sweep.resources
     clusters = known_clusters() if res.clusters else None
     if clusters is not None and res.clusters not in clusters:  # sbatch -M, scancel -M: never a cluster it guesses
@@ -51,6 +52,10 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None) -> list[
                 f"{place(sweep, 'slurm.clusters')}: no cluster {res.clusters!r} answers here "
                 "(`sacctmgr show clusters` lists those its slurmdbd knows)"
             ]
+        if skipped is not None:
+            skipped.append(
+                "no Slurm here (sinfo is not on PATH)" if not installed("sinfo") else "no Slurm controller answered"
+            )
         return []
     # sbatch takes a list of partitions (the job runs in the first that can run it); "": the default.
     names = [n.strip() for n in res.partition.split(",") if n.strip()]

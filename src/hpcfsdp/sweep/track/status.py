@@ -17,8 +17,18 @@ from typing import Any, TextIO
 
 from ...contracts.errors import EXIT_IN_FLIGHT, EXIT_NOT_OK, EXIT_OK
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import CORRUPT, MISSING, RECORD_NAME, SPEC_NAME, CellState, RecordState, record_state
+from ...contracts.record import (
+    CORRUPT,
+    MISSING,
+    PROGRESS_NAME,
+    RECORD_NAME,
+    SPEC_NAME,
+    CellState,
+    RecordState,
+    record_state,
+)
 from ...contracts.spec import SEARCHED_FIELDS
+from ...progress import coloured, duration
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell, column_texts, varying_columns
 from ..folder.layout import (
@@ -28,6 +38,7 @@ from ..folder.layout import (
     local_run,
     moved_from,
     planned_cell_ids,
+    read_manifest,
     slurm_jobs,
     sweep_comment,
     unnamed_cell_folders,
@@ -38,6 +49,7 @@ from .preemptions import preemption_note, preemptions
 from .scheduler import QueuedJob, finished_jobs, queued_states
 
 IN_FLIGHT = (CellState.PENDING, CellState.RUNNING)
+RUNNING_SHOWN = 3  # the running cells whose step a watch's line shows
 STALE = CellState.STALE
 UNKNOWN_NOTE = "; cells still queued show as missing"  # the report's note when squeue did not answer
 SCHEDULER_PATIENCE_S = 300.0  # how long watch keeps asking a scheduler that does not answer
@@ -57,6 +69,7 @@ class CellStatus:
     error: str = ""  # the first line of its record's error, for a cell that did not end ok
     resources: str = ""  # its record's resource_problems as one line (resources_line)
     spec: dict[str, Any] = field(default_factory=dict, compare=False)  # its spec.json's: what tells it apart
+    progress: str = ""  # a running cell's stage or step, from rank 0's progress file ("step 3/6")
 
 
 @dataclass(frozen=True)
@@ -216,6 +229,7 @@ def sweep_status(
                     jid in blocked,
                     preempted=preemptions(cell_dir(sweep_dir, cid)),
                     spec=spec,
+                    progress=cell_progress(sweep_dir, cid) if _scheduler_state(job.state) == CellState.RUNNING else "",
                 )
             )
     cells += [CellStatus(name, "?", CORRUPT) for name in unnamed]
@@ -252,6 +266,19 @@ def _locally_in_flight(sweep_dir: Path, states: dict[str, RecordState]) -> dict[
     return {cid: RecordState(flying[cid]) for cid, state in states.items() if cid in flying and state.status == MISSING}
 
 
+def cell_progress(sweep_dir: Path, cell_id: str) -> str:
+    """What rank 0 of a running cell last wrote of itself (cell/run.py): 'step 3/6' while it trains,
+    else its stage ('model_build'); "" before it wrote any, or where the file cannot be read."""
+    try:
+        note = read_json_object(cell_dir(sweep_dir, cell_id) / PROGRESS_NAME, root=sweep_dir, kind="progress file")
+    except (OSError, RecordError):
+        return ""
+    step, steps, stage = note.get("step"), note.get("steps"), note.get("stage")
+    if isinstance(step, int) and isinstance(steps, int) and steps > 0 and stage == "train":
+        return f"step {step}/{steps}"
+    return stage if isinstance(stage, str) else ""
+
+
 def _first_line(error: object) -> str:
     return error.strip().splitlines()[0] if isinstance(error, str) and error.strip() else ""
 
@@ -281,13 +308,46 @@ def _cell_spec(sweep_dir: Path, cell_id: str) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
-def progress_line(report: StatusReport, width: int = 30) -> str:
+def progress_line(report: StatusReport, width: int = 30, timing: str = "", stream: TextIO | None = None) -> str:
+    """The bar, the counts by state (coloured where `stream` is a terminal), `timing` (elapsed, ETA),
+    then what each running cell's rank 0 last said of itself (its step)."""
     counts = report.counts()
     total = len(report.cells)
     finished = total - sum(counts[s] for s in IN_FLIGHT)
     filled = width * finished // max(1, total)
-    states = ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+    states = ", ".join(f"{coloured(state, state, stream)} {n}" for state, n in sorted(counts.items()))
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{total} finished ({states})"
+    line += f", {timing}" if timing else ""
+    running = [f"{c.cell_id} {c.progress}" for c in report.cells if c.state == CellState.RUNNING and c.progress]
+    more = f" and {len(running) - RUNNING_SHOWN} more" if len(running) > RUNNING_SHOWN else ""
+    return line + (f"; {', '.join(running[:RUNNING_SHOWN])}{more}" if running else "")
+
+
+@dataclass
+class _Clock:
+    """A watch's elapsed time and ETA: from when the cells in flight at its first look were queued
+    (the manifest's submitted_at), the ETA from how fast those of them that finished did."""
+
+    start: float
+    batch: set[str]
+
+    @classmethod
+    def first_look(cls, report: StatusReport) -> _Clock:
+        batch = {c.cell_id for c in report.cells if c.state in IN_FLIGHT}
+        try:
+            manifest = read_manifest(report.sweep_dir)
+        except RecordError:
+            manifest = {}
+        queued = [manifest.get(cid, {}).get("submitted_at") for cid in batch]
+        now = time.time()
+        return cls(min([t for t in queued if isinstance(t, (int, float)) and t <= now], default=now), batch)
+
+    def timing(self, report: StatusReport) -> str:
+        elapsed = time.time() - self.start
+        done = sum(c.cell_id in self.batch and c.state not in IN_FLIGHT for c in report.cells)
+        left = sum(c.state in IN_FLIGHT for c in report.cells)
+        eta = f", ETA {duration(elapsed * left / done)}" if done and left else ""
+        return f"{duration(elapsed)} elapsed{eta}"
 
 
 def watch(
@@ -315,6 +375,7 @@ def watch(
     unanswered_since: float | None = None
     stuck_before = False
     watcher = Watcher()
+    clock: _Clock | None = None
     while True:
         watcher.poll()
         report = sweep_status(sweep_dir, cell_ids, watcher)
@@ -330,13 +391,14 @@ def watch(
             time.sleep(interval_s)
             continue
         unanswered_since = None
-        line = progress_line(report)
+        clock = clock or _Clock.first_look(report)
+        timing = clock.timing(report)
         if tty:
-            stream.write(f"\r\033[K{line}")
-        elif line != last:
-            stream.write(f"{line}\n")
+            stream.write(f"\r\033[K{progress_line(report, timing=timing, stream=stream)}")
+        elif (line := progress_line(report)) != last:  # in a log, a line when a cell moved on, with the time then
+            stream.write(f"{progress_line(report, timing=timing)}\n")
+            last = line
         stream.flush()
-        last = line
         if not report.in_flight or (report.stuck and stuck_before):
             if tty:
                 stream.write("\n")
@@ -358,7 +420,7 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
             f"{report.sweep_dir}: {len(report.cells)} cell(s)"
             + (f" on cluster {report.cluster}" if report.cluster else "")
             + ": "
-            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + ", ".join(f"{coloured(k, k)} {v}" for k, v in sorted(counts.items()))
             + preemption_note(c.preempted for c in report.cells)
         )
     for c in report.cells:
@@ -377,12 +439,11 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     print(f"{'cell':{width}} {'strategy':{strategy_width}} {'state':{state_width}} {'job':12}{extra_header} slurm")
     for c, more in zip(rows, extra):
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
+        slurm += f", {c.progress}" if c.progress else ""
         slurm += f": {c.advice}" if c.advice else ""
         slurm += f" [preempted {c.preempted} time(s)]" if c.preempted else ""
-        print(
-            f"{c.cell_id:{width}} {c.strategy:{strategy_width}} {c.state:{state_width}} {c.job_id or '-':12}{more} "
-            f"{slurm}"
-        )
+        state = coloured(f"{c.state:{state_width}}", c.state)
+        print(f"{c.cell_id:{width}} {c.strategy:{strategy_width}} {state} {c.job_id or '-':12}{more} {slurm}")
     if any(c.job_id and c.state not in IN_FLIGHT for c in rows):
         files = report.sweep_dir / SLURM_DIR / "<job>" / "<job>_<rank>_log.err"
         print(f"logs: `hpcfsdp logs {report.sweep_dir} CELL` ({files})")
@@ -407,6 +468,7 @@ def status_document(report: StatusReport) -> dict:
                 "blocked": c.blocked,
                 "preempted": c.preempted,
                 "resources": c.resources,
+                "progress": c.progress,
             }
             for c in report.cells
         ],
