@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints, is_typeddict
 
 from .contracts.jsontypes import EARLIEST_MOMENT, FIGURE, FIGURE_MAX, MOMENT
-from .contracts.record import READ_SCHEMA_VERSIONS, REQUIRED_SPEC_FIELDS, STATUSES, FailedRecord, OkRecord
+from .contracts.record import READ_SCHEMA_VERSIONS, STATUSES, FailedRecord, OkRecord
+from .contracts.recordspec import REQUIRED_SPEC_FIELDS
 from .contracts.spec import RunSpec
 
 SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
