@@ -21,17 +21,15 @@ import torch
 
 from ..contracts.attempts import keep_as_attempt
 from ..contracts.fields import SpecError
-from ..contracts.files import RecordError, read_json_object, write_json
+from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import (
     BATCH_FOUND_KEY,
     BATCH_HINT_KEYS,
     BATCH_PREDICTION_KEY,
-    PROGRESS_NAME,
     RECORD_NAME,
     SPEC_NAME,
     FailedRecord,
     OkRecord,
-    Record,
     failure_record,
     read_record,
     write_record,
@@ -43,10 +41,10 @@ from .batch_search import BatchSearch, ProbeHung, search_batch_size
 from .build import build
 from .data import open_data, training_batches
 from .levers import check_device, float8_linear_count
+from .measure.context import cell_context, start_context
 from .measure.metrics import (
     NvmlSampler,
     TrainLog,
-    device_name,
     energy,
     full_param_norm,
     gpu_utilisation,
@@ -54,12 +52,13 @@ from .measure.metrics import (
     ok_record,
     reset_peak_memory,
 )
-from .measure.phases import PhaseClock, timing_fields
+from .measure.phases import PhaseClock
 from .measure.provenance import launch_id, launch_rank, provenance
+from .measure.steps import ProgressFile, print_step
 from .measure.summary import summary_line
 from .profiling import memory_snapshot, profile_communication, write_trace
 from .ranks.distributed import DistEnv, StartupError, init_distributed, set_collective_timeout, shutdown
-from .ranks.resources import Seen, gather, node_name, ranks_fields
+from .ranks.resources import Seen, gather, node_name
 from .stopping import early_signals
 from .stopping.faults import inject_fault
 from .stopping.heartbeats import Heartbeat, PeerFailed, PeerTrouble, blamed
@@ -81,7 +80,6 @@ from .train import Diverged, train
 # The process groups' own timeout lies this far past the watchdog's deadline, so that a hung rank is
 # ended by the watchdog, with its record, before NCCL's error handling tears the process down.
 BACKSTOP_S = 60.0
-PROGRESS_EVERY_S = 1.0  # the progress file at most this often during training
 # What a collective that ran past the process group's timeout raises (gloo; NCCL's watchdog).
 COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout")
 
@@ -141,7 +139,7 @@ def run_cell(
         error = str(exc) if isinstance(exc, StartupError) else f"{type(exc).__name__}: {_first_line(exc)}"
         if not _keeps_earlier_failure(cell_dir, "error"):
             failure = failure_record("error", "setup", error, traceback.format_exc(), failed_rank=launch_rank())
-            failure.update(_start_context(spec, cell_id, sweep, node, clock))
+            failure.update(start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
     heartbeat = Heartbeat(cell_dir, launch_id(), env.rank, node)
@@ -162,7 +160,11 @@ def run_cell(
             blamed(failure, peer)
         print(f"[hpcfsdp] {cell_id}: {failure['error']}", flush=True)
         if not _keeps_earlier_failure(cell_dir, failure["status"]):
-            failure.update(_context(progress.measured or spec, env, cell_id, sweep, progress, node, clock))
+            failure.update(
+                cell_context(
+                    progress.measured or spec, env, cell_id, sweep, progress.seen or [], progress.ok, node, clock
+                )
+            )
             write_record(path, failure)
         heartbeat.left()
 
@@ -176,7 +178,7 @@ def run_cell(
         progress.ok = status == "ok"
         final: Mapping[str, Any] = record  # the cell's record: this rank's, or the one that failed first
         if (env.is_main or status != "ok") and not _keeps_earlier_failure(cell_dir, status):
-            record.update(_context(spec, env, cell_id, sweep, progress, node, clock))
+            record.update(cell_context(spec, env, cell_id, sweep, progress.seen or [], progress.ok, node, clock))
             write_record(path, record)
         elif env.is_main:  # another rank failed first, and its record says why
             final = _read_or(path, record)
@@ -242,28 +244,7 @@ class _Progress:
     blame: Blame | None = None  # the peer that died or stopped answering (heartbeats), with several ranks
     seen: list[Seen] | None = None  # what each rank runs on, gathered at set-up
     ok: bool = False  # the cell trained to its end on this rank
-    noted_at: float = 0.0  # when rank 0 last wrote the progress file (note)
-    step: int = 0  # the training steps done so far, of `steps`, as the progress file says
-    steps: int = 0
-
-    def note(self, env: DistEnv, cell_dir: Path, step: int | None = None, steps: int = 0) -> None:
-        """Rank 0's stage and step in the cell folder's progress file, for `status --watch`: at each
-        stage (with the steps trained so far), and at most once a second during training (a small
-        atomic write, off the timed path's device work); a file that cannot be written is not the
-        cell's failure."""
-        now = time.time()
-        if step is not None:
-            if 0 < step < steps and now - self.noted_at < PROGRESS_EVERY_S:
-                return
-            self.step, self.steps = step, steps
-        if not env.is_main:
-            return
-        self.noted_at = now
-        note = {"stage": self.stage, "step": self.step, "steps": self.steps, "at": now}
-        try:
-            write_json(cell_dir / PROGRESS_NAME, note)
-        except OSError:
-            pass
+    file: ProgressFile = field(default_factory=ProgressFile)  # rank 0's stage and step, for status --watch
 
 
 def _train_cell(
@@ -276,7 +257,7 @@ def _train_cell(
     def enter(stage: str) -> None:
         progress.stage = stage
         progress.clock.enter(stage)
-        progress.note(env, cell_dir)
+        progress.file.note(env, cell_dir, stage)
         inject_fault(stage, env)
 
     enter("setup")
@@ -348,8 +329,8 @@ def _train_cell(
             memory["after_warmup"] = memory_reading(env.device)
             if sampler is not None:
                 sampler.start()  # utilisation of the timed steps only
-        _print_progress(env, spec, step, log)
-        progress.note(env, cell_dir, step + 1, spec.steps)
+        print_step(env, spec, step, log)
+        progress.file.note(env, cell_dir, progress.stage, step + 1, spec.steps)
 
     if sampler is not None and spec.warmup_steps == 0:
         sampler.start()
@@ -441,56 +422,6 @@ def _keeps_earlier_failure(cell_dir: Path, status: str) -> bool:
     return earlier["status"] != "ok" and earlier.get("launch_id") == launch_id()
 
 
-def _print_progress(env: DistEnv, spec: RunSpec, step: int, log: TrainLog) -> None:
-    """Five lines a cell, as torchtitan's: the step, its loss (where the step synced) and speed."""
-    if not env.is_main or (step + 1) % max(1, spec.steps // 5):
-        return
-    line = f"[hpcfsdp]   step {step + 1}/{spec.steps}"
-    if len(log.losses) > step:
-        line += f"  loss {log.losses[step]:.4f}"
-    tokens = spec.batch_size * spec.grad_accum * spec.seq_len
-    per = "GPU" if env.device.type == "cuda" else "process"
-    print(f"{line}  {tokens / log.step_times_s[step]:,.0f} tokens/s per {per}", flush=True)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
-
-
-def _start_context(spec: RunSpec, cell_id: str, sweep: str, node: str, clock: PhaseClock) -> Record:
-    """What a record of a rank that never formed its process group can say of where it ran."""
-    return {
-        "cell_id": cell_id,
-        "sweep": sweep,
-        "spec": spec.to_dict(),
-        "nodes": spec.nodes,
-        "hostnames": [node],
-        **provenance(),
-        **timing_fields(spec, clock),
-    }
-
-
-def _context(
-    spec: RunSpec, env: DistEnv, cell_id: str, sweep: str, progress: _Progress, node: str, clock: PhaseClock
-) -> Record:
-    """Where and on what the cell ran: every rank's resources where they were gathered (this
-    rank's node alone where they were not), and how they differ from the spec."""
-    seen = progress.seen or []
-    resources = ranks_fields(seen, spec.nodes, spec.gpus_per_node, env.device.type) if seen else {}
-    return {
-        **resources,  # type: ignore[typeddict-item]
-        "cell_id": cell_id,
-        "sweep": sweep,
-        "spec": spec.to_dict(),
-        "world_size": env.world_size,
-        "nodes": spec.nodes,
-        "device_type": env.device.type,
-        "device_name": device_name(env.device),
-        "gpu_count": torch.cuda.device_count() if env.device.type == "cuda" else 0,
-        "backend": env.backend,
-        # every rank's host in an ok record; in a failed one, the host of the rank that wrote it
-        "hostnames": sorted({s.ranks["host"] for s in seen} if seen and progress.ok else {node}),
-        **provenance(),
-        **timing_fields(spec, clock),
-    }
