@@ -357,9 +357,13 @@ def fault_time(sweep_dir: Path) -> float | None:
 
 
 def run_faults(work: Path, out: Path) -> list[dict]:
+    """SLURM_ACCEPTANCE_FAULTS names a subset (of FAULTS, timelimit, preempt, retry)."""
+    wanted = set(
+        os.environ.get("SLURM_ACCEPTANCE_FAULTS", " ".join([*FAULTS, "timelimit", "preempt", "retry"])).split()
+    )
+    faults = {name: fault for name, fault in FAULTS.items() if name in wanted}
     results = work / "faults"
-    started: dict[str, float] = {}
-    for name, (kind, _) in FAULTS.items():
+    for name, (kind, _) in faults.items():
         (work / f"{name}.yaml").write_text(yaml.safe_dump(fault_jobs(name, max_requeue=0)))
         sub = hpcfsdp(
             "submit",
@@ -370,25 +374,26 @@ def run_faults(work: Path, out: Path) -> list[dict]:
             timeout=120,
         )
         keep(out, f"fault_{name}_submit", sub)
-        started[name] = time.time()
     # Slurm's time limit: time_min 1 and more steps than a minute holds
     (work / "timelimit.yaml").write_text(
-        yaml.safe_dump(fault_jobs("timelimit", steps=100000, time_min=1, max_requeue=0))
+        yaml.safe_dump(fault_jobs("timelimit", steps=100000, time_min=1, signal_delay_s=20, max_requeue=0))
     )
-    keep(
-        out,
-        "fault_timelimit_submit",
-        hpcfsdp("submit", str(work / "timelimit.yaml"), "--results-dir", str(results), timeout=120),
-    )
+    if "timelimit" in wanted:
+        keep(
+            out,
+            "fault_timelimit_submit",
+            hpcfsdp("submit", str(work / "timelimit.yaml"), "--results-dir", str(results), timeout=120),
+        )
     # A preemption: once the cell runs, a job of partition urgent takes both nodes; the cell is requeued
     (work / "preempt.yaml").write_text(yaml.safe_dump(fault_jobs("preempt", steps=60, max_requeue=1)))
-    keep(
-        out,
-        "fault_preempt_submit",
-        hpcfsdp("submit", str(work / "preempt.yaml"), "--results-dir", str(results), timeout=120),
-    )
+    if "preempt" in wanted:
+        keep(
+            out,
+            "fault_preempt_submit",
+            hpcfsdp("submit", str(work / "preempt.yaml"), "--results-dir", str(results), timeout=120),
+        )
     rows = []
-    for name, (_, expected) in FAULTS.items():
+    for name, (_, expected) in faults.items():
         sweep = results / name
         wait_for(sweep, 1, 240)
         recs = records(sweep)
@@ -415,7 +420,30 @@ def run_faults(work: Path, out: Path) -> list[dict]:
                 and took <= limit,
             )
         )
-    # the preemption: wait until the cell runs, then take both nodes from partition urgent
+    if "preempt" in wanted:
+        rows += preemption_rows(results, out)
+    if "timelimit" in wanted:
+        wait_for(results / "timelimit", 1, 200)
+        tl = (records(results / "timelimit") or [{}])[0]
+        rows.append(
+            row(
+                "faults",
+                "Slurm's time limit (time_min 1): status, reason",
+                (tl.get("status"), (tl.get("error") or "")[:120]),
+                tl.get("status") == "timeout",
+            )
+        )
+    if "retry" in wanted:
+        rows += retry_rows(work, results, out, [name for name in ("error", "sigkill") if name in faults])
+    time.sleep(3)
+    left = sorted(gpu_pids())
+    rows.append(row("faults", "processes left on a GPU", left, not left))
+    return rows
+
+
+def preemption_rows(results: Path, out: Path) -> list[dict]:
+    """Wait until the preempt cell runs, then take both nodes from partition urgent: the cell is
+    requeued, runs again and ends ok, its preempted record kept in attempts/."""
     sweep = results / "preempt"
     deadline = time.time() + 300
     while (
@@ -446,49 +474,38 @@ def run_faults(work: Path, out: Path) -> list[dict]:
         text=True,
     )
     (out / "fault_preempt_urgent.log").write_text(urgent.stdout + urgent.stderr)
-    wait_for(results / "timelimit", 1, 200)
-    tl = (records(results / "timelimit") or [{}])[0]
-    rows.append(
-        row(
-            "faults",
-            "Slurm's time limit (time_min 1): status, reason",
-            (tl.get("status"), (tl.get("error") or "")[:120]),
-            tl.get("status") == "timeout",
-        )
-    )
     deadline = time.time() + 240
     while time.time() < deadline and not [r for r in records(sweep) if r["status"] == "ok"]:
         time.sleep(3)
     pre = (records(sweep) or [{}])[0]
     attempts = [json.loads(p.read_text()).get("status") for p in sweep.glob("cells/*/attempts/*.json")]
-    rows.append(
+    return [
         row(
             "faults",
             "preempted, requeued: final status, earlier attempts",
             (pre.get("status"), attempts),
             pre.get("status") == "ok" and "preempted" in attempts,
         )
-    )
-    # the failed cells again, without the fault
+    ]
+
+
+def retry_rows(work: Path, results: Path, out: Path, names: list[str]) -> list[dict]:
+    """The failed cells again, without the fault: `submit --retry-failed` ends them ok."""
     retried = []
-    for name in ("error", "sigkill"):
+    for name in names:
         retry = hpcfsdp(
             "submit", str(work / f"{name}.yaml"), "--results-dir", str(results), "--retry-failed", "--wait", timeout=240
         )
         keep(out, f"fault_{name}_retry", retry)
         retried.append((name, retry.returncode, [r["status"] for r in records(results / name)]))
-    rows.append(
+    return [
         row(
             "faults",
             "submit --retry-failed without the fault: exit, status",
             retried,
             all(code == 0 and statuses == ["ok"] for _, code, statuses in retried),
         )
-    )
-    time.sleep(3)
-    left = sorted(gpu_pids())
-    rows.append(row("faults", "processes left on a GPU", left, not left))
-    return rows
+    ]
 
 
 def run_daytoday(work: Path, out: Path) -> list[dict]:

@@ -445,3 +445,16 @@ def test_the_sigterm_a_rank_gets_after_its_peer_stopped_is_no_time_limit(tmp_pat
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
     assert "rank 1 (pid" in record["error"] and "received SIGTERM" in record["error"]
     assert "time limit" not in record["error"]
+
+
+def test_a_sigcont_before_srun_ends_a_step_is_no_time_limit_for_a_rank_blocked_in_a_collective():
+    """srun ends a step whose task died with SIGCONT, then SIGTERM. A rank blocked in NCCL leaves
+    through its watchdog, which asks signal_outcome what each signal means: on 2 x H100 under Slurm
+    the SIGCONT read as the time limit ("received SIGCONT (time limit)"), before the SIGTERM that
+    names the dead peer. Only the ending signals end a rank."""
+    from hpcfsdp.cell.stopping.signals import LAUNCHER_GONE, signal_outcome
+
+    assert signal_outcome(signal.SIGCONT, requeue=False) is None
+    assert signal_outcome(signal.SIGUSR1, requeue=False) is None
+    assert signal_outcome(signal.SIGUSR2, requeue=False) == ("timeout", "received SIGUSR2 (time limit)")
+    assert signal_outcome(LAUNCHER_GONE, requeue=False)[0] == "cancelled"

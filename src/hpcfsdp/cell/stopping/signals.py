@@ -116,9 +116,13 @@ def submitit_requeues(previous: dict) -> bool:
 def signal_outcome(signum: int, requeue: bool) -> tuple[str, str] | None:
     """The status and error a signal gives the record, as the handler would raise them, for a rank
     whose main thread cannot run the handler (blocked in CUDA or NCCL: watchdog.py). None for the
-    time limit's SIGUSR2 while submitit requeues the task: the requeued run writes the record."""
+    time limit's SIGUSR2 while submitit requeues the task (the requeued run writes the record), and
+    for a signal that ends nothing (srun sends SIGCONT first when it ends a step whose task died; on
+    2 x H100 under Slurm that SIGCONT was recorded as the time limit)."""
     if signum == signal.SIGUSR2 and requeue:
         return None
+    if signum not in (signal.SIGTERM, signal.SIGUSR2, LAUNCHER_GONE):
+        return None  # not an ending: srun's SIGCONT before the SIGTERM that ends a step whose task died
     name = signal.Signals(signum).name
     if signum == LAUNCHER_GONE:
         return "cancelled", LAUNCHER_GONE_TEXT
