@@ -435,9 +435,8 @@ def run_faults(work: Path, out: Path) -> list[dict]:
         )
     if "retry" in wanted:
         rows += retry_rows(work, results, out, [name for name in ("error", "sigkill") if name in faults])
-    rows.append(
-        row("faults", "processes left on a GPU once the jobs left the queue", left_on_gpus(), not left_on_gpus())
-    )
+    left = left_on_gpus()
+    rows.append(row("faults", "processes left on a GPU once the jobs left the queue", left, not left))
     return rows
 
 
