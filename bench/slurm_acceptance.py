@@ -549,7 +549,7 @@ def run_daytoday(work: Path, out: Path) -> list[dict]:
     status = hpcfsdp("status", str(sweep), "--json", timeout=60)
     keep(out, "day_status", status)
     try:
-        states = sorted(c.get("state") for c in json.loads(status.stdout).get("cells", []))
+        states = sorted(str(c.get("status")) for c in json.loads(status.stdout).get("cells", []))
     except (json.JSONDecodeError, AttributeError):
         states = []
     rows = [
