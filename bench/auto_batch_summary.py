@@ -22,7 +22,8 @@ from memory_prediction import spec_of  # bench/, beside this script
 
 from hpcfsdp.contracts.sources import model_source
 from hpcfsdp.contracts.spec import RunSpec
-from hpcfsdp.sweep.predict.memory import largest_fitting_batch, load_shape, predict
+from hpcfsdp.sweep.predict.memory import largest_fitting_batch, predict
+from hpcfsdp.sweep.predict.modelshape import load_shape
 
 
 def grid_seconds(record: dict, cell_wall: float) -> float | None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from hpcfsdp.contracts.sources import model_source
 from hpcfsdp.contracts.spec import RunSpec
-from hpcfsdp.sweep.predict.memory import load_shape, predict
+from hpcfsdp.sweep.predict.memory import predict
+from hpcfsdp.sweep.predict.modelshape import load_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "bench" / "results" / "2026-11-22-h200x2"

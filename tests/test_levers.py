@@ -204,7 +204,8 @@ def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):
     ],
 )
 def test_weights_are_gathered_in_float8_only_where_there_is_something_to_gather(fields, gathers_float8):
-    from hpcfsdp.sweep.predict.memory import _gathered_bytes, load_shape
+    from hpcfsdp.sweep.predict.memory import _gathered_bytes
+    from hpcfsdp.sweep.predict.modelshape import load_shape
 
     spec = RunSpec.from_dict({"device": "cuda", "float8": "tensorwise", "model": "qwen3-1.7b", **fields}, "t.yaml")
     assert spec.float8_all_gather is gathers_float8

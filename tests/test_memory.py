@@ -16,15 +16,8 @@ from hpcfsdp.cell.train import build_optimizer
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.sources import model_source, preset_names
 from hpcfsdp.contracts.spec import RunSpec
-from hpcfsdp.sweep.predict.memory import (
-    GIB,
-    WORKSPACE_GIB,
-    fsdp1_units,
-    layer_activation_bytes,
-    load_shape,
-    loss_bytes,
-    predict,
-)
+from hpcfsdp.sweep.predict.memory import GIB, WORKSPACE_GIB, fsdp1_units, layer_activation_bytes, loss_bytes, predict
+from hpcfsdp.sweep.predict.modelshape import load_shape
 from test_layout import loaded_by
 
 sys.path.insert(0, str(ROOT / "bench"))

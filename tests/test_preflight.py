@@ -26,7 +26,7 @@ from hpcfsdp.sweep.define.matrix import load_sweep
 from hpcfsdp.sweep.define.resources import Resources
 from hpcfsdp.sweep.launch.preflight import memory_given_mb, refusal_text
 from hpcfsdp.sweep.predict.hostmemory import AUTO_MEM_MARGIN, auto_mem_gb, predict_host
-from hpcfsdp.sweep.predict.memory import load_shape
+from hpcfsdp.sweep.predict.modelshape import load_shape
 from hpcfsdp.sweep.track.cluster import Node, Partition, tres_counts
 
 TINY = "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0"

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
-from hpcfsdp.contracts.record import slurm_job_of
+from hpcfsdp.contracts.names import slurm_job_of
 from hpcfsdp.sweep.define.matrix import load_sweep
 
 pytestmark = pytest.mark.slurm

@@ -39,7 +39,8 @@ def launches(sweep_dir: Path) -> dict[str, dict]:
 
 def test_pruning_leaves_out_only_cells_that_do_not_fit_even_at_the_predictions_error(tmp_path):
     from hpcfsdp.contracts.sources import model_source
-    from hpcfsdp.sweep.predict.memory import load_shape, predict, usable_gib
+    from hpcfsdp.sweep.predict.memory import predict, usable_gib
+    from hpcfsdp.sweep.predict.modelshape import load_shape
     from hpcfsdp.tune.prune import PREDICTION_ERROR, prune
 
     jobs = write(

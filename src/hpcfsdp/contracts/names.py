@@ -11,6 +11,8 @@ one SpecError line naming the file, line and key (docs/refusals.md lists the rul
   them for every sweep of that folder. It also becomes sbatch's job name and log paths, where `%`
   is a filename pattern (%j, %u, ...) that sbatch expands.
 - A partition, account, QOS or constraint is one sbatch argument: a space would make it two.
+- A Slurm job id read back from a file (a record, the manifest) becomes an argument of squeue,
+  sacct or scancel: digits and an array task's `_N` only, or a comma would name other jobs.
 - A lone surrogate (U+D800..U+DFFF: JSON's "\ud800", or a byte of a file name that is not UTF-8,
   which Python carries as one) is no text: no UTF-8 file, terminal, CSV or strict JSON parser
   (orjson, DuckDB) takes it. Such text is refused, and a folder so named is shown escaped.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass
+from typing import Any
 
 MAX_NAME_BYTES = 255  # a file name, on the file systems Linux clusters use
 # Files `collect` and `history` keep in the results folder beside the sweep folders (the history's
@@ -150,6 +153,34 @@ def slurm_name_problem(value: str) -> str:
     if value == "":
         return ""
     return name_problem(value) or sbatch_word_problem(value)
+
+
+# Slurm job ids read back from a file (a record's `slurm`, the manifest), for squeue, sacct and scancel
+
+
+def slurm_job_of(slurm: Any) -> str | None:
+    """The id Slurm knows a record's job by (a record's `slurm` object): ARRAY_TASK for an array
+    task, as sacct and squeue print it, else the job id; None outside Slurm."""
+    if not isinstance(slurm, dict):
+        return None
+    array, task, job = (_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
+    found = f"{array}_{task}" if array and task else job
+    return found if found and is_job_id(found) else None
+
+
+def is_job_id(text: str) -> bool:
+    """A Slurm job id as squeue and sacct take it (JOB or ARRAY_TASK): a value from a file that
+    becomes their argument must be nothing else (a comma would name other jobs)."""
+    return bool(re.fullmatch(r"[0-9]+(_[0-9]+)?", text))
+
+
+def _id_text(value: Any) -> str | None:
+    """An id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0; None for nothing."""
+    if value is None or value != value or value == "":  # None, NaN, empty
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
@@ -438,28 +437,3 @@ def _compiled_record_check() -> Callable[[Any], bool] | None:
     fields = {name: annotation_schema(hint) for name, hint in CHECKED_FIELDS.items()}
     any_json = core_schema.definition_reference_schema(JSON_VALUE_REF)
     return compiled_check(typed_dict_check({**fields, "spec": spec_schema()}, any_json, required=("spec",)))
-
-
-def slurm_job_of(slurm: Any) -> str | None:
-    """The id Slurm knows a record's job by (a record's `slurm` object): ARRAY_TASK for an array
-    task, as sacct and squeue print it, else the job id; None outside Slurm."""
-    if not isinstance(slurm, dict):
-        return None
-    array, task, job = (_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
-    found = f"{array}_{task}" if array and task else job
-    return found if found and is_job_id(found) else None
-
-
-def is_job_id(text: str) -> bool:
-    """A Slurm job id as squeue and sacct take it (JOB or ARRAY_TASK): a value from a file that
-    becomes their argument must be nothing else (a comma would name other jobs)."""
-    return bool(re.fullmatch(r"[0-9]+(_[0-9]+)?", text))
-
-
-def _id_text(value: Any) -> str | None:
-    """An id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0; None for nothing."""
-    if value is None or value != value or value == "":  # None, NaN, empty
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)

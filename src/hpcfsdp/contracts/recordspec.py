@@ -1,12 +1,14 @@
 """A recorded spec (a record's `spec`, the RunSpec it ran with) checked as RunSpec takes it: the
 walk that words one line (spec_problem) and the same checks as a pydantic-core schema
-(spec_schema), which record.py compiles into the record's validator."""
+(spec_schema), which record.py compiles into the record's validator. And the groups of its fields
+the readers of records compare and group cells by (the strategy knobs, the measurement-only fields,
+those a batch search chose), derived from the groups RunSpec's fields name (spec.fields_in)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, get_args
 
 from .fields import choices
 from .jsontypes import (
@@ -22,10 +24,26 @@ from .jsontypes import (
     single_value_schema,
     typed_dict_check,
 )
-from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
+from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec, fields_in
+from .strategies import Family
 
 # Every record has these spec fields (the cell id and every table group by them).
 REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
+
+# RunSpec's field groups, each named once on its fields (spec.option):
+# RunSpec fields that only one family of strategies reads; a cell of another family carries their
+# defaults. The collector uses this to match a cell with its baseline and to name variants.
+FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {family: fields_in(family) for family in get_args(Family)}
+STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + fields_in("hybrid")
+# RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
+# what it runs: cells that differ only in these are the same *setup* to the history and its
+# regression checks (results/history_rows.py). Not among them: sync_each_step (it changes what the step
+# time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
+MEASUREMENT_FIELDS = fields_in("measurement")
+# The fields whose values a `batch_size: auto` cell's record holds as the search chose them.
+SEARCHED_FIELDS = fields_in("searched")
+# The fields that say how the search ran (not what its cell then measured).
+BATCH_SEARCH_FIELDS = fields_in("batch_search")
 
 
 def spec_problem(spec: Any) -> str | None:

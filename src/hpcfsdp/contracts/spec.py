@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 from .fields import SpecError, coerce_fields, documented, require_choices, require_no_control_characters, text_fields
 from .sources import Sources, resolve_sources
@@ -435,19 +435,3 @@ class RunSpec:
 def fields_in(group: str) -> tuple[str, ...]:
     """The RunSpec fields of a group, in field order."""
     return tuple(f.name for f in fields(RunSpec) if group in f.metadata.get("groups", ()))
-
-
-# The groups, each named once on its fields above:
-# RunSpec fields that only one family of strategies reads; a cell of another family carries their
-# defaults. The collector uses this to match a cell with its baseline and to name variants.
-FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {family: fields_in(family) for family in get_args(Family)}
-STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + fields_in("hybrid")
-# RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
-# what it runs: cells that differ only in these are the same *setup* to the history and its
-# regression checks (results/history_rows.py). Not among them: sync_each_step (it changes what the step
-# time measures) and memory_snapshot (recording every allocation from set-up on slows the steps).
-MEASUREMENT_FIELDS = fields_in("measurement")
-# The fields whose values a `batch_size: auto` cell's record holds as the search chose them.
-SEARCHED_FIELDS = fields_in("searched")
-# The fields that say how the search ran (not what its cell then measured).
-BATCH_SEARCH_FIELDS = fields_in("batch_search")

@@ -6,7 +6,7 @@ collect adds to the records before their rows are made.
   start time): collecting a sweep again replaces its rows instead of adding them, and a cell rerun
   in the same folder adds a row for the new attempt, keeping the old one.
 - The *setup* is a hash of the spec's fields that differ from their defaults, leaving out the
-  measurement-only ones (spec.MEASUREMENT_FIELDS): cells that differ in steps or seed are one setup.
+  measurement-only ones (recordspec.MEASUREMENT_FIELDS): cells that differ in steps or seed are one setup.
 - The *system* is the Slurm cluster name (else the first host name) and the GPU name.
 
 Login side: pandas only, no torch.
@@ -24,8 +24,10 @@ from typing import Any
 
 import pandas as pd
 
-from ..contracts.record import ACCOUNTING_KEY, slurm_job_of
-from ..contracts.spec import MEASUREMENT_FIELDS, RunSpec
+from ..contracts.names import slurm_job_of
+from ..contracts.record import ACCOUNTING_KEY
+from ..contracts.recordspec import MEASUREMENT_FIELDS
+from ..contracts.spec import RunSpec
 from .read import INVALID, Collection
 
 KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder
@@ -169,7 +171,7 @@ SLURM_ID_COLUMNS = ("slurm.job_id", "slurm.array_job_id", "slurm.array_task_id")
 
 
 def _slurm_jobs(frame: pd.DataFrame) -> list[str | None]:
-    """Each row's Slurm job (record.slurm_job_of), from the frame's dotted columns."""
+    """Each row's Slurm job (names.slurm_job_of), from the frame's dotted columns."""
     ids = frame.reindex(columns=list(SLURM_ID_COLUMNS))
     keys = ("job_id", "array_job_id", "array_task_id")
     return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in ids.itertuples(index=False)]

@@ -17,8 +17,7 @@ import pandas as pd
 
 from ..contracts.files import RecordError, read_json_object
 from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state
-from ..contracts.recordspec import spec_problem
-from ..contracts.spec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS
+from ..contracts.recordspec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, spec_problem
 from ..contracts.validity import invalid_reasons
 from ..progress import Progress
 from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids, unnamed_cell_folders

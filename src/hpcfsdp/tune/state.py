@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ..contracts.files import RecordError, read_json_object, write_json
 from ..contracts.jsontypes import MOMENT_SLACK_S, shown
-from ..contracts.record import RECORD_NAME, is_job_id, read_record
+from ..contracts.names import is_job_id
+from ..contracts.record import RECORD_NAME, read_record
 from ..sweep.define.matrix import is_cell_id
 from ..sweep.folder.layout import cell_dir
 

@@ -13,7 +13,8 @@ import pandas as pd
 
 from ...contracts.errors import UserError
 from ...contracts.files import RecordError
-from ...contracts.record import CellState, slurm_job_of
+from ...contracts.names import slurm_job_of
+from ...contracts.record import CellState
 from ...sweep.folder.layout import read_manifest
 from ..history_rows import attempt_of, setup_key, spec_values, system_of
 from ..read import METRICS

@@ -34,7 +34,7 @@ from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
 from .resources import Resources
 from .secret_shapes import require_no_secret
-from .yamlfile import BoundedLoader, read_text, syntax_error
+from .yamlfile import LineLoader, read_text, syntax_error
 
 SECTIONS = ("name", "base", "slurm", "matrix", "include", "exclude", "setup")
 _SPEC_FIELDS = field_names(RunSpec)
@@ -135,65 +135,13 @@ def is_cell_id(text: object) -> bool:
     return isinstance(text, str) and CELL_ID.fullmatch(text) is not None
 
 
-class _LineLoader(BoundedLoader):
-    """A SafeLoader, with bounds, that remembers the line of every mapping key, for error messages."""
-
-
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> _LinedDict:
-    """A mapping that knows its keys' lines, refuses a duplicate key, and takes YAML merge keys
-    (`<<: *defaults`, `<<: [*a, *b]`): merged keys come first, so that the mapping's own keys
-    override them (the YAML merge rules); a key the mapping itself repeats is still a duplicate.
-    The loader's bounds (depth, values once aliases are expanded) were checked on the node graph,
-    merges included, before this runs."""
-    own = sum(not _is_merge(key_node) for key_node, _ in node.value)
-    loader.flatten_mapping(node)  # SafeLoader's: the merged pairs, then the mapping's own
-    merged = len(node.value) - own
-    mapping = _LinedDict()
-    for position, (key_node, value_node) in enumerate(node.value):
-        key = loader.construct_object(key_node)
-        try:
-            hash(key)
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
-                key_node.start_mark,
-            ) from None
-        if key in mapping and (position < merged or key not in mapping.own):
-            mapping.pop(key)  # a merged value: a later merge or the mapping's own key overrides it
-        if key in mapping:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark
-            )
-        mapping[key] = loader.construct_object(value_node, deep=True)
-        mapping.lines[key] = key_node.start_mark.line + 1
-        if position >= merged:
-            mapping.own.add(key)
-    return mapping
-
-
-def _is_merge(key_node: yaml.Node) -> bool:
-    return key_node.tag == "tag:yaml.org,2002:merge"
-
-
-class _LinedDict(dict):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: dict[Any, int] = {}
-        self.own: set[Any] = set()  # keys the mapping itself writes (not merged into it)
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such jobs file")
     try:
         text = read_text(path)
-        raw = yaml.load(text, Loader=_LineLoader)
+        raw = yaml.load(text, Loader=LineLoader)
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow; it has a position, not a mark
         line = text.count("\n", 0, exc.position) + 1
         raise SpecError(

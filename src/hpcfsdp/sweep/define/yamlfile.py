@@ -1,4 +1,5 @@
-"""Read a jobs file within bounds: size, encoding, nesting depth and alias expansion.
+"""Read a jobs file within bounds: size, encoding, nesting depth and alias expansion; and load it
+with the line of every mapping key (LineLoader), so that a message names the line that set a value.
 
 A careless or hostile file (a YAML "billion laughs", thousands of nested brackets, Latin-1 or
 UTF-16 text, a lone surrogate written as "\ud800", a generated file of megabytes) becomes one
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 from pathlib import Path
+from typing import Any
 
 import yaml
 from yaml.composer import ComposerError
@@ -150,3 +152,55 @@ def _expanded_size(root: Node) -> int:
         return total
 
     return size(root)
+
+
+class LineLoader(BoundedLoader):
+    """A SafeLoader, with bounds, that remembers the line of every mapping key, for error messages."""
+
+
+def _construct_mapping(loader: LineLoader, node: yaml.MappingNode) -> _LinedDict:
+    """A mapping that knows its keys' lines, refuses a duplicate key, and takes YAML merge keys
+    (`<<: *defaults`, `<<: [*a, *b]`): merged keys come first, so that the mapping's own keys
+    override them (the YAML merge rules); a key the mapping itself repeats is still a duplicate.
+    The loader's bounds (depth, values once aliases are expanded) were checked on the node graph,
+    merges included, before this runs."""
+    own = sum(not _is_merge(key_node) for key_node, _ in node.value)
+    loader.flatten_mapping(node)  # SafeLoader's: the merged pairs, then the mapping's own
+    merged = len(node.value) - own
+    mapping = _LinedDict()
+    for position, (key_node, value_node) in enumerate(node.value):
+        key = loader.construct_object(key_node)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"a {'mapping' if isinstance(key, dict) else 'list'} cannot be a key; keys are names",
+                key_node.start_mark,
+            ) from None
+        if key in mapping and (position < merged or key not in mapping.own):
+            mapping.pop(key)  # a merged value: a later merge or the mapping's own key overrides it
+        if key in mapping:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {mapping.lines[key]})", key_node.start_mark
+            )
+        mapping[key] = loader.construct_object(value_node, deep=True)
+        mapping.lines[key] = key_node.start_mark.line + 1
+        if position >= merged:
+            mapping.own.add(key)
+    return mapping
+
+
+def _is_merge(key_node: yaml.Node) -> bool:
+    return key_node.tag == "tag:yaml.org,2002:merge"
+
+
+class _LinedDict(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[Any, int] = {}
+        self.own: set[Any] = set()  # keys the mapping itself writes (not merged into it)
+
+
+LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)

@@ -31,8 +31,8 @@ import yaml
 from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
 from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
-from ...contracts.names import has_surrogate, readable, slurm_name_problem
-from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME, is_job_id
+from ...contracts.names import has_surrogate, is_job_id, readable, slurm_name_problem
+from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME
 
 if TYPE_CHECKING:
     from ...contracts.sources import Sources

@@ -29,16 +29,8 @@ from dataclasses import dataclass
 from ...contracts.sources import Source
 from ...contracts.spec import RunSpec
 from ..define.matrix import Sweep
-from .memory import (
-    GIB,
-    ModelConfigError,
-    Shape,
-    load_shape,
-    optimizer_temporary,
-    precision_bytes,
-    predict,
-    shard_degree,
-)
+from .memory import GIB, optimizer_temporary, precision_bytes, predict, shard_degree
+from .modelshape import ModelConfigError, Shape, load_shape
 
 # Peak RSS of one rank of the tiny model (whose own memory is negligible), as the record's
 # memory.end.cpu_max_rss_gib reports it: on the CPU (torch 2.13 CPU, transformers 5, gloo, this

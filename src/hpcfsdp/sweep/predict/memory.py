@@ -1,8 +1,8 @@
 """Predicted peak GPU memory per rank of a cell, before anything is queued (`hpcfsdp plan --memory`).
 
 An analytic model of what the one training loop allocates, read off the model's config.json (a
-preset, a local folder, or a cached hub model) and the cell's RunSpec; no torch, so it runs on a
-login node. docs/metrics.md derives each term; bench/memory_prediction.py compares it with the
+preset, a local folder, or a cached hub model: its Shape, modelshape.py) and the cell's RunSpec; no
+torch, so it runs on a login node. docs/metrics.md derives each term; bench/memory_prediction.py compares it with the
 measured peaks of the GPU records. Units are bytes unless a name says GiB. For a rank:
 
   states      parameters, AdamW's two states (and DDP's gradient buckets), 1/N of them under
@@ -25,16 +25,15 @@ sharding) is reported apart and counts only towards whether the cell fits.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...contracts.gpus import GPUS, gpu_memory_gib
 from ...contracts.sources import Source
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
+from .modelshape import ModelConfigError, Shape, load_shape
 
 GIB = 1024**3
 # What the allocator never gets of a GPU: the CUDA context, NCCL's and cuBLAS's buffers, and the
@@ -52,106 +51,6 @@ LIGER_COMPILE_ACTIVATION_FACTOR = 0.735
 # cuBLAS's and cuBLASLt's workspaces (32 MiB each on Hopper), which torch allocates through its
 # caching allocator: the whole 0.07 GiB peak of a tiny model's cell on 2 x H200.
 WORKSPACE_GIB = 1 / 16
-
-
-class ModelConfigError(ValueError):
-    """The model's config.json cannot be found or lacks a field the prediction needs."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the prediction reads from a decoder-only model's config.json (Llama-style blocks:
-    attention with grouped KV heads, a gated MLP, two RMSNorms)."""
-
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys (head_dim weights each)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], where: str = "config.json") -> Shape:
-        try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            attention_bias = bool(config.get("attention_bias", False))
-            return cls(
-                vocab=int(config["vocab_size"]),
-                hidden=hidden,
-                intermediate=int(config["intermediate_size"]),
-                layers=int(config["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                tied=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=attention_bias or config.get("model_type") == "qwen2",  # Qwen2 always has q/k/v biases
-                o_bias=attention_bias,
-                mlp_bias=bool(config.get("mlp_bias", False)),
-                qk_norm=config.get("model_type") == "qwen3",
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelConfigError(f"{where}: not a decoder config this prediction knows ({exc})") from None
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def layer_matmul_params(self) -> int:
-        """The weights of a layer's seven matmuls (no biases, no norms)."""
-        h = self.hidden
-        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate
-
-    @property
-    def layer_params(self) -> int:
-        h, f = self.hidden, self.intermediate
-        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        attention += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + h * self.o_bias
-        mlp = 3 * h * f + (2 * f + h) * self.mlp_bias
-        return attention + mlp + 2 * h + 2 * self.head_dim * self.qk_norm  # RMSNorm weights
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def root_params(self) -> int:
-        """Outside the decoder layers: embedding, final norm, and an untied LM head."""
-        return self.embedding_params * (1 if self.tied else 2) + self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.root_params
-
-
-def load_shape(model: Source, cache_dir: str | None = None) -> Shape:
-    """The Shape of a resolved model: a preset, a local folder, or a hub id in the cache."""
-    if model.kind == "preset":
-        path = model.preset_file
-    elif model.kind == "local":
-        path = Path(model.path) / "config.json"
-    else:
-        from ...cache.hub import CacheMissError, lookup_model
-
-        try:
-            path = lookup_model(model.model_ref.name, cache_dir).path / "config.json"
-        except (CacheMissError, ValueError) as exc:
-            raise ModelConfigError(str(exc)) from None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelConfigError(f"{path}: unreadable ({exc})") from None
-    return Shape.from_config(config, str(path))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any
 
 from ...contracts.endings import ENDINGS, ending_fields
 from ...contracts.files import RecordError
-from ...contracts.record import ACCOUNTING_KEY, RECORD_NAME, read_record, slurm_job_of, write_record
+from ...contracts.names import slurm_job_of
+from ...contracts.record import ACCOUNTING_KEY, RECORD_NAME, read_record, write_record
 from ...slurm import SlurmError, Watcher
 from ..folder.layout import cell_dir, manifest_cluster
 

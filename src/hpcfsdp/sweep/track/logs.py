@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from ...contracts.files import RecordError, read_json_object
-from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME, is_job_id, slurm_job_of
+from ...contracts.names import is_job_id, slurm_job_of
+from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME
 from ...contracts.spec import SpecError
 from ..folder.layout import (
     LOG_NAME,

@@ -27,7 +27,7 @@ from ...contracts.record import (
     RecordState,
     record_state,
 )
-from ...contracts.spec import SEARCHED_FIELDS
+from ...contracts.recordspec import SEARCHED_FIELDS
 from ...progress import coloured, duration
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell, column_texts, varying_columns
