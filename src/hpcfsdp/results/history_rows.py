@@ -1,6 +1,7 @@
 """The rows a sweep adds to the history (results/history.py): one per cell record, in the history's
 columns, keyed by its attempt and naming its setup and system; and the Slurm accounting that
-collect adds to the records before their rows are made.
+collect adds to the records before their rows are made; and the other way, the history's rows as
+`hpcfsdp history` shows them (its table and --json).
 
 - A row is keyed by the sweep folder, the cell id and the record's *attempt* (its launch id and
   start time): collecting a sweep again replaces its rows instead of adding them, and a cell rerun
@@ -29,6 +30,7 @@ from ..contracts.record import ACCOUNTING_KEY
 from ..contracts.recordspec import MEASUREMENT_FIELDS
 from ..contracts.spec import RunSpec
 from .read import INVALID, Collection
+from .tables import first_line
 
 KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder
 # name -> DuckDB type, in table order. A later hpcfsdp may add columns: History adds them to an older file.
@@ -257,3 +259,59 @@ def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
         rows[name] = column(field)
     rows["invalid_reasons"] = column(INVALID).map(lambda r: "; ".join(r) if isinstance(r, list) and r else None)
     return rows[list(COLUMNS)].reset_index(drop=True)
+
+
+# Columns of `hpcfsdp history`'s table: (history column, header).
+HISTORY_COLUMNS = (
+    ("started_at", "started (UTC)"),
+    ("sweep", "sweep"),
+    ("cluster", "cluster"),
+    ("gpu", "gpu"),
+    ("model", "model"),
+    ("strategy", "strategy"),
+    ("batch_size", "batch"),
+    ("grad_accum", "accum"),
+    ("world_size", "ranks"),
+    ("status", "status"),
+    ("tokens_per_s_per_gpu", "tokens/s/gpu"),
+    ("mfu", "MFU"),
+    ("peak_memory_gib", "peak GiB"),
+    ("torch_version", "torch"),
+    ("setup", "setup"),
+    ("cell_id", "cell"),
+)
+
+
+def history_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The runs of a history (History.select) as `hpcfsdp history` prints them."""
+    table = rows[[column for column, _ in HISTORY_COLUMNS]].rename(columns=dict(HISTORY_COLUMNS))
+    table["started (UTC)"] = table["started (UTC)"].dt.strftime("%Y-%m-%d %H:%M")
+    return table
+
+
+def _utc_text(moment: Any) -> str | None:
+    """A history time (stored as UTC without a zone) as ISO 8601 that says it: ...T12:00:00+00:00."""
+    if pd.isna(moment):
+        return None
+    stamp = pd.Timestamp(moment)
+    return (stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")).isoformat()
+
+
+def history_document(rows: pd.DataFrame) -> dict[str, Any]:
+    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601 with its
+    offset, +00:00),
+    with each run's Slurm job, git commit, sweep folder and the first line of its error."""
+    shown = [column for column, _ in HISTORY_COLUMNS]
+    extra = ("slurm_job_id", "git_commit", "sweep_dir", "error")
+    runs = [
+        {
+            **{column: row[column] for column in shown},
+            "started_at": _utc_text(row["started_at"]),
+            "job_id": row["slurm_job_id"],
+            "git_commit": row["git_commit"],
+            "sweep_dir": row["sweep_dir"],
+            "reason": None if first_line(row["error"]) == "-" else first_line(row["error"]),
+        }
+        for row in rows[[*shown, *extra]].to_dict("records")
+    ]
+    return {"runs": runs, "count": len(runs), "setups": int(rows["setup"].nunique())}

@@ -11,7 +11,7 @@ ok cells of one workload run by most strategies, `probes` the batches `batch_siz
 
 Drawing is most of a large sweep's collection (text layout and PNG encoding), so a collect draws
 only when what the figures show changed: plots/drawn.json keeps a digest of the figures' input
-(the frames, this module's code, matplotlib's version) and which figures were skipped and why; a
+(the frames, the drawing code, matplotlib's version) and which figures were skipped and why; a
 collect whose digest matches, with every figure still there, keeps them as they are.
 """
 
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import multiprocessing
 import os
-import textwrap
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -32,26 +30,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib import __version__ as matplotlib_version
-from matplotlib import colormaps
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator, NullLocator
+from matplotlib.ticker import MaxNLocator
 
 from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
+from .drawing import layout
 from .scaling import scaling_table
 
 DPI = 100
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
-MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
-MARKERS = "osD^vP*Xh<>p"
-LINESTYLES = ("-", "--", ":", "-.")
-
-INCHES_PER_CHAR = 0.085  # how wide a character of a label is at matplotlib's default 10 pt, roughly
-TITLE_SIZE = 13
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
 
@@ -79,7 +70,7 @@ class PlotData:
     ) -> PlotData:
         probes = probes if probes is not None else pd.DataFrame()
         variants = [*configs["variant"], *reference["variant"], *probes.get("variant", [])]
-        return cls(configs, reference, reference_label, _styles(variants), probes)
+        return cls(configs, reference, reference_label, layout.styles(variants), probes)
 
 
 def write_plots(
@@ -121,14 +112,15 @@ def write_plots(
 
 def _input_digest(data: PlotData) -> str:
     """What the figures are drawn from, as a digest of values (pickle's bytes would depend on
-    which equal strings are one object): the frames and styles, the code that draws them and
-    matplotlib's version (another one draws other pixels)."""
+    which equal strings are one object): the frames and styles, the code that draws them (this
+    module and drawing/layout.py) and matplotlib's version (another one draws other pixels)."""
     digest = hashlib.blake2b(digest_size=16)
     for frame in (data.configs, data.reference, data.probes):
         digest.update(frame.to_json(orient="split", default_handler=str).encode())
     drawers = [f"{name}={draw.__module__}.{draw.__qualname__}" for name, _, draw in PLOTS]
     digest.update(json.dumps([data.reference_label, data.styles, drawers], sort_keys=True, default=str).encode())
-    digest.update(Path(__file__).read_bytes())
+    for code in (__file__, layout.__file__):
+        digest.update(Path(code).read_bytes())
     digest.update(matplotlib_version.encode())
     return digest.hexdigest()
 
@@ -220,10 +212,10 @@ def time_breakdown(data: PlotData) -> Figure:
     rows = pd.MultiIndex.from_frame(
         frame[["variant", "batch_size"]].drop_duplicates().sort_values(["variant", "batch_size"])
     )
-    row_labels = [f"{v}, b{_number(b)}" for v, b in rows]
-    legend = _legend_inches(name for name, _ in TIME_PARTS)
+    row_labels = [f"{v}, b{layout.number_text(b)}" for v, b in rows]
+    legend = layout.legend_inches(name for name, _ in TIME_PARTS)
     panel = (5.5, 0.25 * len(rows) + 1.2)
-    figure, panels = _facets(frame, title, panel=panel, labels=_text_inches(row_labels), legend=legend)
+    figure, panels = layout.facets(frame, title, panel=panel, labels=layout.text_inches(row_labels), legend=legend)
     for setting, ax, part in panels:
         shares = parts.loc[part.index].groupby(["variant", "batch_size"]).mean().reindex(rows).fillna(0)
         left = np.zeros(len(rows))
@@ -245,7 +237,7 @@ def loss_curves(data: PlotData) -> Figure:
     cells = cells[cells["losses"].map(lambda v: isinstance(v, list) and len(v) > 0)]
     if cells.empty:
         raise NoData("no ok cell recorded losses")
-    legend = _legend_inches(cells["variant"])
+    legend = layout.legend_inches(cells["variant"])
     figure = Figure(figsize=(7 + legend, 5), layout="constrained")
     ax = figure.subplots()
     for variant, group in cells.groupby("variant", sort=True):
@@ -259,7 +251,7 @@ def loss_curves(data: PlotData) -> Figure:
                 label=variant if i == 0 else "_nolegend_",
             )
     workload = "(the workload most strategies ran; one line per cell)"
-    _title(figure, f"Training loss per step at {data.reference_label}\n{workload}", legend)
+    layout.figure_title(figure, f"Training loss per step at {data.reference_label}\n{workload}", legend)
     ax.set(xlabel="step", ylabel="training loss")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
@@ -281,7 +273,7 @@ def memory_stages(data: PlotData) -> Figure:
     if not bars:
         raise NoData("no ok cell recorded memory by stage")
     means = cells[[c for _, c in bars]].apply(pd.to_numeric, errors="coerce").groupby(cells["variant"]).mean()
-    legend = _legend_inches(means.index)
+    legend = layout.legend_inches(means.index)
     figure = Figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
     ax = figure.subplots()
     width = 0.8 / len(means)
@@ -296,7 +288,7 @@ def memory_stages(data: PlotData) -> Figure:
     ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
     what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"
     note = "" if on_gpu else " (CPU run: max RSS only grows)"
-    _title(figure, f"Memory by stage at {data.reference_label}{note}", legend)
+    layout.figure_title(figure, f"Memory by stage at {data.reference_label}{note}", legend)
     ax.set(xlabel="stage", ylabel=what)
     ax.grid(axis="y", alpha=0.3)
     figure.legend(loc="outside right upper", title="strategy")
@@ -347,66 +339,7 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared pieces
-
-
-def _styles(variants: list[str]) -> dict[str, dict[str, Any]]:
-    names = sorted({str(v) for v in variants if pd.notna(v)})
-    colours = colormaps["tab10" if len(names) <= 10 else "tab20"]
-    return {
-        name: {
-            "color": colours(i % colours.N),
-            "marker": MARKERS[i % len(MARKERS)],
-            "linestyle": LINESTYLES[i % len(LINESTYLES)],
-        }
-        for i, name in enumerate(names)
-    }
-
-
-def _facets(
-    frame: pd.DataFrame,
-    title: str,
-    panel: tuple[float, float] = (5.0, 3.6),
-    labels: float = 0.5,
-    legend: float = 2.0,
-) -> tuple[Figure, list[tuple[str, Axes, pd.DataFrame]]]:
-    """One panel per setting (grad_accum, checkpointing, ...), at most MAX_PANELS of them, on
-    shared axes: panels compare at a glance, and only the outer ones carry tick labels. `labels`
-    and `legend`: the inches the tick labels take on the left, the legend on the right."""
-    groups = list(frame.groupby("setting", observed=True, sort=True))
-    if len(groups) > MAX_PANELS:
-        kept = set(sorted(range(len(groups)), key=lambda i: -len(groups[i][1]))[:MAX_PANELS])
-        title += f"\n({MAX_PANELS} of {len(groups)} settings, those with the most cells; all are in summary.md)"
-        groups = [group for i, group in enumerate(groups) if i in kept]
-    cols = min(3, len(groups))
-    rows = math.ceil(len(groups) / cols)
-    figure = Figure(figsize=(panel[0] * cols + labels + legend, panel[1] * rows + 1.2), layout="constrained")
-    axes = figure.subplots(rows, cols, squeeze=False, sharex=True, sharey=True).ravel()
-    for i in range(len(groups), len(axes)):
-        axes[i].set_visible(False)
-        axes[i - cols].xaxis.set_tick_params(labelbottom=True)  # now the bottom panel of its column
-    _title(figure, title, legend)
-    return figure, [(str(setting), ax, part) for (setting, part), ax in zip(groups, axes)]
-
-
-def _text_inches(labels: Any) -> float:
-    """About how wide the longest of these labels is drawn: what a legend or tick labels take."""
-    return INCHES_PER_CHAR * max((len(str(label)) for label in labels), default=0)
-
-
-def _legend_inches(labels: Any) -> float:
-    """The width a legend of these labels takes beside the plot (its box and markers included)."""
-    return _text_inches(labels) + 1.0
-
-
-def _title(figure: Figure, text: str, legend: float) -> None:
-    """The figure's title, centred over the plots left of the legend (`legend` inches wide, top
-    right) and each line wrapped to that width: a long reference label or a wide legend never
-    pushes it past the canvas or over the legend."""
-    width = figure.get_figwidth() - legend
-    chars = max(30, int(width / (INCHES_PER_CHAR * TITLE_SIZE / 10)))
-    wrapped = "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
-    figure.suptitle(wrapped, x=width / 2 / figure.get_figwidth(), fontsize=TITLE_SIZE, fontweight="bold")
+# Shared pieces (the layout of every figure: drawing/layout.py)
 
 
 def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
@@ -418,7 +351,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
     legend = [*frame["variant"], *(levels or {}), *(["search probe: did not fit"] if not probes.empty else [])]
-    figure, panels = _facets(frame, title, legend=_legend_inches(legend))
+    figure, panels = layout.facets(frame, title, legend=layout.legend_inches(legend))
     for setting, ax, part in panels:
         for variant, line in part.groupby("variant", sort=True):
             line = line.sort_values("batch_size")
@@ -435,7 +368,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
             ax.axhline(level, color="crimson", linestyle="--", linewidth=1.2)
         ax.set_title(setting)
         ax.grid(alpha=0.3)
-    _batch_axis(ax, pd.concat([frame["batch_size"], probes.get("batch_size", pd.Series(dtype=float))]))
+    layout.batch_axis(ax, pd.concat([frame["batch_size"], probes.get("batch_size", pd.Series(dtype=float))]))
     top = max([frame[column].max(), *(probes[column] if not probes.empty else []), *(levels or {}).values()])
     ax.set_ylim(0, 1.08 * top)  # from 0, headroom over every panel
     figure.supxlabel("per-device batch size")
@@ -463,7 +396,7 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
         low, high = low - (abs(low) * 0.05 or 1.0), high + (abs(high) * 0.05 or 1.0)
     variants, batches = sorted(frame["variant"].unique()), sorted(frame["batch_size"].unique())
     panel = (0.75 * len(batches) + 1.5, 0.4 * len(variants) + 1.0)
-    figure, panels = _facets(frame, title, panel=panel, labels=_text_inches(variants), legend=2.0)
+    figure, panels = layout.facets(frame, title, panel=panel, labels=layout.text_inches(variants), legend=2.0)
     for setting, ax, part in panels:
         grid = part.pivot_table(index="variant", columns="batch_size", values=column, aggfunc="mean")
         values = grid.reindex(index=variants, columns=batches).to_numpy(dtype=float)
@@ -480,21 +413,8 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
                     color="white" if value < (low + high) / 2 else "black",
                 )
         ax.set_title(setting)
-    ax.set_xticks(np.arange(len(batches)), [_number(b) for b in batches])
+    ax.set_xticks(np.arange(len(batches)), [layout.number_text(b) for b in batches])
     ax.set_yticks(np.arange(len(variants)), variants)
     figure.supxlabel("per-device batch size")
     figure.colorbar(image, ax=[ax for _, ax, _ in panels], label=label, shrink=0.85, format=cell_format)
     return figure
-
-
-def _batch_axis(ax: Axes, batches: pd.Series) -> None:
-    """Batch sizes usually double: a log2 axis with a tick at each batch run."""
-    values = sorted(batches.unique())
-    if values[0] > 0 and values[-1] / values[0] >= 4:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticks(values, [_number(v) for v in values])
-
-
-def _number(value: Any) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"

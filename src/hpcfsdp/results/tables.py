@@ -134,7 +134,7 @@ def cells_document(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[di
     ranked = _ranked(frame)
     cells = []
     for _, row in ranked.iterrows():
-        error = _first_line(row.get("error"))
+        error = first_line(row.get("error"))
         cells.append(
             {
                 "cell_id": row["cell_id"],
@@ -324,7 +324,7 @@ def failures_table(cells: Cells) -> pd.DataFrame:
                 "batch": failed["batch_size"].map(value_text),
                 "setting": failed["setting"].astype(str),
                 "stage": stage.map(value_text),
-                "reason": error.map(_first_line),
+                "reason": error.map(first_line),
             }
         )
         .sort_values(["status", "cell"])
@@ -332,7 +332,8 @@ def failures_table(cells: Cells) -> pd.DataFrame:
     )
 
 
-def _first_line(error: Any, limit: int = 160) -> str:
+def first_line(error: Any, limit: int = 160) -> str:
+    """A record's error as one line of at most `limit` characters; a dash for none."""
     text = value_text(error).strip().splitlines()[0] if pd.notna(error) and str(error).strip() else "-"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -402,59 +403,3 @@ def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
     chosen = ok[groups.ngroup() == best]
     first = chosen.iloc[0]
     return chosen, describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
-
-
-# Columns of `hpcfsdp history`'s table: (history column, header).
-HISTORY_COLUMNS = (
-    ("started_at", "started (UTC)"),
-    ("sweep", "sweep"),
-    ("cluster", "cluster"),
-    ("gpu", "gpu"),
-    ("model", "model"),
-    ("strategy", "strategy"),
-    ("batch_size", "batch"),
-    ("grad_accum", "accum"),
-    ("world_size", "ranks"),
-    ("status", "status"),
-    ("tokens_per_s_per_gpu", "tokens/s/gpu"),
-    ("mfu", "MFU"),
-    ("peak_memory_gib", "peak GiB"),
-    ("torch_version", "torch"),
-    ("setup", "setup"),
-    ("cell_id", "cell"),
-)
-
-
-def history_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """The runs of a history (History.select) as `hpcfsdp history` prints them."""
-    table = rows[[column for column, _ in HISTORY_COLUMNS]].rename(columns=dict(HISTORY_COLUMNS))
-    table["started (UTC)"] = table["started (UTC)"].dt.strftime("%Y-%m-%d %H:%M")
-    return table
-
-
-def _utc_text(moment: Any) -> str | None:
-    """A history time (stored as UTC without a zone) as ISO 8601 that says it: ...T12:00:00+00:00."""
-    if pd.isna(moment):
-        return None
-    stamp = pd.Timestamp(moment)
-    return (stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")).isoformat()
-
-
-def history_document(rows: pd.DataFrame) -> dict[str, Any]:
-    """`history --json`: the runs as the table lists them, as values (started_at ISO 8601 with its
-    offset, +00:00),
-    with each run's Slurm job, git commit, sweep folder and the first line of its error."""
-    shown = [column for column, _ in HISTORY_COLUMNS]
-    extra = ("slurm_job_id", "git_commit", "sweep_dir", "error")
-    runs = [
-        {
-            **{column: row[column] for column in shown},
-            "started_at": _utc_text(row["started_at"]),
-            "job_id": row["slurm_job_id"],
-            "git_commit": row["git_commit"],
-            "sweep_dir": row["sweep_dir"],
-            "reason": None if _first_line(row["error"]) == "-" else _first_line(row["error"]),
-        }
-        for row in rows[[*shown, *extra]].to_dict("records")
-    ]
-    return {"runs": runs, "count": len(runs), "setups": int(rows["setup"].nunique())}
