@@ -20,6 +20,7 @@ import torch
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
+from hpcfsdp.results.exports.runs import launch_of
 from hpcfsdp.results.history_rows import setup_key
 
 SETTINGS = {"NCCL_DEBUG": "WARN", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTORCH_JIT": "1"}
@@ -297,9 +298,9 @@ def test_tensorboard_dashboard_gets_each_hparam_typed_the_varying_ones_first_and
         names.append(sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "tb").rglob("events.*")))
     assert names[0] == names[1] and len(names[0]) == 5
     record = records["ok"]
-    assert (
-        f"tb/t/{record['cell_id']}/events.out.tfevents.{int(record['started_at']):010d}.{record['cell_id']}" in names[0]
-    )
+    # named from the run's start: the launch's (started_at less what came before the cell's own clock)
+    launched = record["started_at"] + record["duration_s"] - record["launch_span_s"]
+    assert f"tb/t/{record['cell_id']}/events.out.tfevents.{int(launched):010d}.{record['cell_id']}" in names[0]
     assert not any(socket.gethostname() in name for name in names[0])
     logdir = str(tmp_path / "tb" / "t")
     runs = plugin_event_multiplexer.EventMultiplexer()
@@ -445,7 +446,7 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
 
     # Each folder named from its record (its start, UTC, and its id), not the export's time; no link left dangling
     named = {
-        f"offline-run-{datetime.fromtimestamp(r['started_at'], timezone.utc):%Y%m%d_%H%M%S}" for r in records.values()
+        f"offline-run-{datetime.fromtimestamp(launch_of(r)[0], timezone.utc):%Y%m%d_%H%M%S}" for r in records.values()
     }
     assert {folder.name.rsplit("-", 1)[0] for folder in (out / "wandb").glob("offline-run-*")} == named
     assert all(path.exists() for path in (out / "wandb").iterdir())
