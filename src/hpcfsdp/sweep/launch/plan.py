@@ -57,11 +57,7 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         )
     if note := sbatch_note(sweep):
         print(note)
-    skipped: list[str] = []
-    problems = plan_problems(sweep, skipped)
-    for reason in skipped:
-        print(f"note: {reason}: {SKIPPED_CHECKS}", file=sys.stderr)
-    return print_problems(problems)
+    return print_problems(problems_noted(sweep))
 
 
 def single_replica_notes(cells: tuple[Cell, ...]) -> list[str]:
@@ -102,6 +98,15 @@ def plan_problems(sweep: Sweep, skipped: list[str] | None = None) -> list[str]:
     from .preflight import cluster_problems
 
     return cache_misses(sweep, sweep.resources.cache_dir or None) + cluster_problems(sweep, skipped=skipped)
+
+
+def problems_noted(sweep: Sweep) -> list[str]:
+    """plan_problems, with a `note:` line on stderr for the cluster's checks that could not run."""
+    skipped: list[str] = []
+    problems = plan_problems(sweep, skipped)
+    for reason in skipped:
+        print(f"note: {reason}: {SKIPPED_CHECKS}", file=sys.stderr)
+    return problems
 
 
 def plan_document(sweep: Sweep, memory: bool = False) -> dict:
@@ -170,7 +175,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     from .local import srun_command
     from .sbatch import sbatch_script
 
-    problems = plan_problems(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
+    problems = problems_noted(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
     if problems:
         return print_problems(problems)
     sweep_dir = results_dir / sweep.name
