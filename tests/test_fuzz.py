@@ -553,8 +553,8 @@ FUZZ_PLANTED = settings(FUZZ, max_examples=max(10, EXAMPLES // 4))
 
 def plant(path: Path, what: str, outside: Path) -> None:
     """Put `what` at path (nothing there before), leading to or made of things in `outside`."""
-    if os.path.lexists(path):
-        return
+    if os.path.lexists(path) or any(os.path.lexists(up) and not up.is_dir() for up in path.parents):
+        return  # something planted before stands where a folder would have to be
     path.parent.mkdir(parents=True, exist_ok=True)
     kinds = {"file": outside / "file.txt", "fifo": outside / "fifo", "folder": outside / "folder"}
     if what.startswith("link_to_"):

@@ -142,6 +142,8 @@ def load_state(sweep_dir: Path) -> TuneState | None:
         data = read_json_object(path, root=sweep_dir, kind="tune state")
     except FileNotFoundError:
         return None
+    except RecordError as exc:  # unreadable (not JSON, a lone surrogate, too big): the same way out
+        raise RecordError(f"{exc}; remove tune/ to start again") from None
     if problem := state_problem(data):
         raise RecordError(f"{path}: not a state this search wrote ({problem}); remove tune/ to start again")
     return TuneState.from_dict(data)
