@@ -25,7 +25,8 @@ from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
 from hpcfsdp.sweep.launch.submit import select_cells
-from hpcfsdp.sweep.track.status import record_lost_cells, sweep_status, watch
+from hpcfsdp.sweep.track.status import record_lost_cells, sweep_status
+from hpcfsdp.sweep.track.watch import watch
 
 BAD_YAML = sorted((ROOT / "tests" / "bad_yaml").glob("*.yaml"))
 EXPECT = re.compile(r"^# expect(?: line (\d+))?: (.+)$")
@@ -754,7 +755,8 @@ def test_plan_notes_a_hybrid_strategy_with_one_replica_as_the_strategy_it_is(tmp
 
 
 def test_watch_eta_comes_from_how_fast_the_cells_in_flight_at_its_first_look_finished(tmp_path):
-    from hpcfsdp.sweep.track.status import CellStatus, StatusReport, _Clock
+    from hpcfsdp.sweep.track.status import CellStatus, StatusReport
+    from hpcfsdp.sweep.track.watch import _Clock
 
     def report(*states: str) -> StatusReport:
         return StatusReport(tmp_path, [CellStatus(f"c{i}", "ddp", state) for i, state in enumerate(states)])

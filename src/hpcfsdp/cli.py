@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, commands
+from .cliargs import add_json, add_max_cells, halving_factor, positive_int
 from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="expand a jobs YAML and print its cells, without submitting")
     plan.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
-    _add_max_cells(plan)
+    add_max_cells(plan)
     plan.add_argument(
         "--sbatch",
         action="store_true",
@@ -85,12 +86,12 @@ def _parser() -> argparse.ArgumentParser:
         "predicted not to fit (slurm.gpu_memory_gib or slurm.gpu_name); batch_size: auto cells show the "
         "batch predicted to be found (docs/submit.md, docs/preflight.md)",
     )
-    _add_json(plan, "the cells (with --memory their predictions), arrays, bound and problems")
+    add_json(plan, "the cells (with --memory their predictions), arrays, bound and problems")
     plan.set_defaults(func=commands.plan)
 
     submit = sub.add_parser("submit", help="submit a jobs YAML: one job array per resource shape")
     submit.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
-    _add_max_cells(submit)
+    add_max_cells(submit)
     submit.add_argument(
         "--executor",
         choices=("slurm", "local", "print"),
@@ -142,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
         "cells. Stopped, the same command goes on where it was. Writes tune.json in the sweep folder.",
     )
     tune.add_argument("jobs", help="jobs YAML file (e.g. jobs/smoke.yaml)")
-    _add_max_cells(tune)
+    add_max_cells(tune)
     tune.add_argument(
         "--executor",
         choices=("slurm", "local"),
@@ -153,12 +154,10 @@ def _parser() -> argparse.ArgumentParser:
         "--results-dir", default=DEFAULT_RESULTS, help=f"parent of the sweep folder (default {DEFAULT_RESULTS}/)"
     )
     tune.add_argument(
-        "--eta", type=_halving_factor, default=3, help="keep the best 1/eta of each stage, 2 or more (default 3)"
+        "--eta", type=halving_factor, default=3, help="keep the best 1/eta of each stage, 2 or more (default 3)"
     )
-    tune.add_argument("--top", type=_positive_int, default=3, help="setups the final stage runs as cells (default 3)")
-    tune.add_argument(
-        "--probes-per-job", type=_positive_int, default=8, help="slurm: probes per allocation (default 8)"
-    )
+    tune.add_argument("--top", type=positive_int, default=3, help="setups the final stage runs as cells (default 3)")
+    tune.add_argument("--probes-per-job", type=positive_int, default=8, help="slurm: probes per allocation (default 8)")
     tune.set_defaults(func=commands.tune)
 
     run = sub.add_parser(
@@ -200,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="redraw a progress bar every SECONDS (default 10) until no cell is pending or running",
     )
-    _add_json(status, "the counts and every cell: state, job, reason, advice")
+    add_json(status, "the counts and every cell: state, job, reason, advice")
     status.set_defaults(func=commands.status)
 
     logs = sub.add_parser(
@@ -259,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare: relative change counted as a regression (default 0.05, i.e. 5%%)",
     )
     collect.add_argument("--no-plots", action="store_true", help="write tables and the report without plots")
-    _add_json(collect, "every cell (status, job, reason, figures), the regressions and the files written")
+    add_json(collect, "every cell (status, job, reason, figures), the regressions and the files written")
     over_time = collect.add_argument_group("over time (docs/history.md)")
     where = over_time.add_mutually_exclusive_group()
     where.add_argument(
@@ -330,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="with --set-reference: the tolerance written into each new reference",
     )
-    _add_json(history, "the runs listed")
+    add_json(history, "the runs listed")
     history.set_defaults(func=commands.history)
 
     export = sub.add_parser(
@@ -413,7 +412,7 @@ def _parser() -> argparse.ArgumentParser:
         help="extra model files to fetch, e.g. '*.bin' (repeatable)",
     )
     download.add_argument("--cache-dir", help="the cache folder (default $HPCFSDP_CACHE, else ~/.cache/hpcfsdp)")
-    _add_max_cells(download)
+    add_max_cells(download)
     download.add_argument(
         "--verify",
         action="store_true",
@@ -423,35 +422,6 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--num-proc", type=int, metavar="N", help="processes for dataset loading and tokenization")
     download.set_defaults(func=commands.download)
     return parser
-
-
-def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
-    text = f"print one JSON document on stdout instead of the tables: {what} (docs/submit.md)"
-    parser.add_argument("--json", action="store_true", help=text)
-
-
-def _add_max_cells(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-cells",
-        type=_positive_int,
-        metavar="N",
-        help="refuse a jobs YAML of more than N cells, counted before expanding it (default 100,000)",
-    )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
-def _halving_factor(text: str) -> int:
-    """--eta: 1 would keep every setup at every stage (and its rungs' count divides by log(1))."""
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer of 2 or more (keep the best 1/eta), got {text}")
-    return value
 
 
 def _run_fields_help() -> str:

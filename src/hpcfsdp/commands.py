@@ -241,7 +241,8 @@ def status(args: argparse.Namespace) -> int:
     from .sweep.folder.layout import require_sweep_folder
     from .sweep.launch.collect_job import collect_line
     from .sweep.track.accounting import note_accounting
-    from .sweep.track.status import blocked_message, print_status, status_document, sweep_status, watch
+    from .sweep.track.status import blocked_message, print_status, status_document, sweep_status
+    from .sweep.track.watch import watch
 
     sweep_dir = Path(args.sweep_dir)
     require_sweep_folder(sweep_dir)

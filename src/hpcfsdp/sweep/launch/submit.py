@@ -39,8 +39,8 @@ from ..track.status import (
     problem_lines,
     record_lost_cells,
     sweep_status,
-    watch,
 )
+from ..track.watch import watch
 from .environment import sbatch_note
 from .interrupts import Interrupted, interrupts_raise
 from .local import print_command, run_local
