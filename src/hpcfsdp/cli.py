@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return args.func(args) or 0
     except UserError as exc:
-        return _failed("\n".join(one_line(line) for line in exc.lines()), one_line(str(exc)), exc.exit_status)
+        lines = "\n".join(one_line(line) for line in exc.lines())
+        return _failed(lines, one_line(str(exc)), exc.exit_status, answered=exc.json_answered)
     except BrokenPipeError:
         # The reader went away (`hpcfsdp plan x.yaml | head`): stop quietly, and point stdout at
         # /dev/null so that the interpreter's final flush does not fail again.
@@ -39,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(exc, "exit_status", 130)
 
 
-def _failed(line: str, error: str, exit_status: int) -> int:
-    """An error: its line on stderr; asked for --json, also the one document on stdout."""
+def _failed(line: str, error: str, exit_status: int, answered: bool = False) -> int:
+    """An error: its line on stderr; asked for --json, also the one document on stdout (unless the
+    command answered with its own)."""
     print(line, file=sys.stderr)
-    if _Parser.json_answers:
+    if _Parser.json_answers and not answered:
         commands.print_json({"error": error, "exit_status": exit_status})
     return exit_status
 

@@ -48,6 +48,7 @@ def plan(args: argparse.Namespace) -> int:
             from .sweep.launch.plan import refused_document
 
             print_json(refused_document(one_line(str(exc)), exc.exit_status))
+            exc.json_answered = True
         raise
     if args.sbatch:
         if args.json:

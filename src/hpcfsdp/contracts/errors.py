@@ -32,6 +32,7 @@ class UserError(Exception):
     exits with (1; 2 for bad input, SpecError)."""
 
     exit_status = EXIT_ERROR
+    json_answered = False  # a --json command already printed its own document of this error (plan's refusal)
 
     def line(self) -> str:
         """What `hpcfsdp` prints on stderr."""
