@@ -289,9 +289,8 @@ def test_yaml_merge_keys_are_accepted_within_the_alias_and_depth_bounds(tmp_path
     )
     sweep = load_sweep(jobs)
     shapes = sorted((c.spec.seq_len, c.spec.strategy, c.spec.device, c.spec.precision) for c in sweep.cells)
-    assert shapes == [
+    assert shapes == [  # the includes only: a file of includes makes no base cell (issue 43)
         (32, "ddp", "cpu", "fp32"),
-        (32, "fsdp2_zero3", "cpu", "fp32"),
         (64, "fsdp2_zero3", "cpu", "fp32"),
     ]
     duplicate = tmp_path / "duplicate.yaml"

@@ -13,8 +13,8 @@ PAT, JWT, CREDENTIAL(S), CREDS, PASSPHRASE, AUTH, COOKIE, DSN or WEBHOOK, or whe
 glued on (PGPASSWORD, SSHPASS, PGPASS, SECRETKEY, AWS_ACCESSKEY, PRIVATEKEY). It is none when it
 names where a secret is (its last word PATH, FILE, DIR, SOCK or SOCKET: HF_TOKEN_PATH,
 SSH_AUTH_SOCK), when it is a switch set to a switch's value (HF_HUB_DISABLE_IMPLICIT_TOKEN=1), or
-when a credential or key is a path (GOOGLE_APPLICATION_CREDENTIALS=/keys/app.json). TOKENS counts
-text (MAX_TOKENS), and PWD and OLDPWD are the working folders.
+when a credential or key is a path (GOOGLE_APPLICATION_CREDENTIALS=/keys/app.json). TOKENS beside MAX,
+MIN, NUM, N, COUNT, LIMIT or TOTAL counts text (MAX_TOKENS; API_TOKENS is a secret), and PWD and OLDPWD are the working folders.
 A value is a secret's when it holds a URL with a password (any scheme, any case, '/' allowed in
 the password; an image pinned by digest, registry:5000/img@sha256:..., is none), a private key, a
 connection string's key or password (Azure's AccountKey=), a JWT, a Slack or Discord webhook, or a
@@ -47,6 +47,8 @@ SECRET_ENDINGS = (
     "SECRETKEY", "ACCESSKEY", "PRIVATEKEY", "AUTHKEY",
 )  # fmt: skip
 NOT_SECRETS = frozenset({"PWD", "OLDPWD"})
+# TOKENS beside one of these is a count of text (MAX_TOKENS), not a list of secrets (API_TOKENS).
+COUNT_WORDS = frozenset({"MAX", "MIN", "NUM", "N", "COUNT", "LIMIT", "TOTAL"})
 # A name whose last word is one of these says where a secret is, not what it is: HF_TOKEN_PATH, SSH_AUTH_SOCK.
 WHERE_WORDS = frozenset({"PATH", "FILE", "DIR", "SOCK", "SOCKET"})
 # A switch (HF_HUB_DISABLE_IMPLICIT_TOKEN) set to a switch's value is none of a secret.
@@ -91,6 +93,8 @@ def is_secret_name(name: str, value: str | None = None) -> bool:
     if upper in NOT_SECRETS or not words or words[-1] in WHERE_WORDS:
         return False
     found = set(words) & SECRET_WORDS
+    if "TOKENS" in words and not set(words) & COUNT_WORDS:  # API_TOKENS: secrets; MAX_TOKENS: a count
+        found.add("TOKENS")
     if not found and not upper.rstrip("0123456789").endswith(SECRET_ENDINGS):
         return False
     if value is not None and set(words) & SWITCH_WORDS and SWITCH_VALUE.fullmatch(value):
