@@ -126,7 +126,9 @@ def test_plan_sbatch_shows_pyxis_as_srun_flags_and_exports_its_variables(tmp_pat
         ]
     )
     setup = script.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert setup[-2:] == ["export NCCL_DEBUG=INFO", "export OMP_NUM_THREADS=4"]
+    # the YAML's setup lines, then the launch's start (the cell's phases count from it: h45a)
+    assert setup[-3:-1] == ["export NCCL_DEBUG=INFO", "export OMP_NUM_THREADS=4"]
+    assert setup[-1].startswith("export HPCFSDP_LAUNCH_STARTED=")
 
 
 def test_a_cells_local_data_folder_is_bound_into_the_container(tmp_path, capsys, monkeypatch):

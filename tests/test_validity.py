@@ -198,7 +198,7 @@ def test_a_cell_whose_optimizer_does_not_update_the_model_wins_nothing_and_is_na
     frontier = section(summary, "OOM frontier")
     assert re.search(r"\| fsdp2_zero3 \(optimizer_order=after_shard\) +\| none \| 1 +\|", frontier)
     assert re.search(r"\| fsdp2_zero3 \(optimizer_order=before_shard\) \| none \| none +\|", frontier)
-    assert "INVALID" in section(summary, "Pivot: tokens/s/process")  # CPU cells: processes
+    assert "INVALID" in section(summary, "Pivot: tokens/s/gpu")
     # The cell table keeps it, after the trusted cells, as `invalid`.
     statuses = list(report.table["status"])
     assert statuses == ["ok", "ok", "ok", "invalid"] and list(report.table["cell"])[-1] == cells["broken"]
