@@ -382,7 +382,8 @@ def local_run(sweep_dir: Path) -> LocalRun | None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:  # held: by the writer, if its line says so
-                return LocalRun(running, frozenset(map(str, waiting))) if handle.read().startswith(holder) else None
+                # files.write_lock_note: "hpcfsdp submit: pid N on HOST, since ..."
+                return LocalRun(running, frozenset(map(str, waiting))) if f": {holder}," in handle.read() else None
             fcntl.flock(handle, fcntl.LOCK_UN)
     except OSError:
         return None
