@@ -86,7 +86,7 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
     submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
     assert main(submit) == 0
     out = capsys.readouterr().out
-    assert re.search(r"submitted array \d+: 3 cell\(s\) on 1 node\(s\) x 1 GPU\(s\)", out), out
+    assert re.search(r"submitted array \d+: 3 cell\(s\) on 1 node\(s\) x 1 process\(es\)", out), out
     (queued,) = re.findall(r"queued (\d+) of 8 cell\(s\): the queue is full \(slurm.max_jobs_in_queue 5\)", out)
     assert 5 <= int(queued) < 8
     # With --wait: the cells in flight are left alone, the others go out as the queue makes room.
@@ -111,12 +111,14 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
         (
             "{time_min: 10}",
             "nodes: [1, 4]",
-            "{jobs}:6: matrix.nodes: 1 cell(s) on 4 node(s) x 1 GPU(s) can never run in partition gpu: it has 2 node(s)",
+            "{jobs}:6: matrix.nodes: 1 cell(s) on 4 node(s) x 1 process(es) can never run in partition gpu: "
+            "it has 2 node(s)",
         ),
         (
             "{time_min: 10}",
             "gpus_per_node: [1, 8]",
-            "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 8 GPU(s) can never run in partition gpu: its nodes "
+            "{jobs}:6: matrix.gpus_per_node: 1 cell(s) on 1 node(s) x 8 process(es) can never run in partition gpu: "
+            "its nodes "
             "have at most 4 GPU(s) each (gres)",
         ),
         (
@@ -127,13 +129,15 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
         (
             "{time_min: 10, cpus_per_task: 2}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.cpus_per_task: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: 1 task(s) x "
+            "{jobs}:4: slurm.cpus_per_task: 1 cell(s) on 1 node(s) x 1 process(es) can never run in partition gpu: "
+            "1 task(s) x "
             "2 CPU(s) = 2 CPUs per node, and its nodes have at most 1",
         ),
         (
             "{time_min: 10, mem_gb: 100}",
             "batch_size: [1]",
-            "{jobs}:4: slurm.mem_gb: 1 cell(s) on 1 node(s) x 1 GPU(s) can never run in partition gpu: mem_gb 100 is above "
+            "{jobs}:4: slurm.mem_gb: 1 cell(s) on 1 node(s) x 1 process(es) can never run in partition gpu: "
+            "mem_gb 100 is above "
             "the 8000 MB its nodes have at most",
         ),
         (

@@ -69,10 +69,10 @@ def test_sweep_runs_as_arrays_including_two_node_cells(slurm_cluster, tmp_path, 
     assert main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")]) == 3
     out, err = capsys.readouterr()
     for shape in (
-        "6 cell(s) on 1 node(s) x 2 GPU(s)",
-        "1 cell(s) on 1 node(s) x 1 GPU(s)",
-        "1 cell(s) on 2 node(s) x 2 GPU(s)",
-        "1 cell(s) on 2 node(s) x 1 GPU(s)",
+        "6 cell(s) on 1 node(s) x 2 process(es)",
+        "1 cell(s) on 1 node(s) x 1 process(es)",
+        "1 cell(s) on 2 node(s) x 2 process(es)",
+        "1 cell(s) on 2 node(s) x 1 process(es)",
     ):
         assert re.search(rf"submitted array \d+: {re.escape(shape)}", out), out
 

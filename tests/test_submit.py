@@ -56,7 +56,8 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
     sweep_dir = results / "held"
     submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
     assert main(submit) == 0
-    (array,) = re.findall(r"submitted array (\d+): 3 cell\(s\) on 1 node\(s\) x 1 GPU\(s\)", capsys.readouterr().out)
+    queued = capsys.readouterr().out
+    (array,) = re.findall(r"submitted array (\d+): 3 cell\(s\) on 1 node\(s\) x 1 process\(es\)", queued)
     job_ids = manifest_jobs(sweep_dir)
     assert sorted(job_ids.values()) == [f"{array}_{i}" for i in range(3)]
 
