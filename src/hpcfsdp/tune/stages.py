@@ -6,7 +6,8 @@ the grid's own cells (the final stage), and the fastest of them is the pick. Whe
 final stage are within noise of the fastest (their p10-p90 steps overlap), those and the fastest
 run once more (the repeat stage) and the pick is the best mean of the two runs. Where probing
 cannot spend less than the grid (gridcost.probing_cannot_save: no more cells than the final stage
-runs, or probes as long as the cells), the grid's cells run themselves, as the final stage, at once.
+runs, or probes as long as the cells), the grid's cells run themselves, as the final stage, at once,
+and no repeat follows (it would spend more than the grid).
 A `batch_size: auto` cell of the final stage measures the batch its probe found: no second search.
 
 Every stage is written to the state before it runs, and every run's launch after it ends, so
@@ -156,6 +157,8 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         if stage.name == REPEAT:
             return
         if stage.final:
+            if len(state.stages) == 1:  # the grid ran itself: a repeat would cost more than the grid
+                return
             close = noisy_top(sweep_dir, stage)
             if len(close) < 2:
                 return

@@ -13,8 +13,9 @@ PAT, JWT, CREDENTIAL(S), CREDS, PASSPHRASE, AUTH, COOKIE, DSN or WEBHOOK, or whe
 glued on (PGPASSWORD, SSHPASS, PGPASS, SECRETKEY, AWS_ACCESSKEY, PRIVATEKEY). It is none when it
 names where a secret is (its last word PATH, FILE, DIR, SOCK or SOCKET: HF_TOKEN_PATH,
 SSH_AUTH_SOCK), when it is a switch set to a switch's value (HF_HUB_DISABLE_IMPLICIT_TOKEN=1), or
-when a credential or key is a path (GOOGLE_APPLICATION_CREDENTIALS=/keys/app.json). TOKENS beside MAX,
-MIN, NUM, N, COUNT, LIMIT or TOTAL counts text (MAX_TOKENS; API_TOKENS is a secret), and PWD and OLDPWD are the working folders.
+when a credential or key is a path (GOOGLE_APPLICATION_CREDENTIALS=/keys/app.json). TOKENS beside
+MAX, MIN, NUM, N, COUNT, LIMIT or TOTAL counts text (MAX_TOKENS; API_TOKENS is a secret), and PWD
+and OLDPWD are the working folders.
 A value is a secret's when it holds a URL with a password (any scheme, any case, '/' allowed in
 the password; an image pinned by digest, registry:5000/img@sha256:..., is none), a private key, a
 connection string's key or password (Azure's AccountKey=), a JWT, a Slack or Discord webhook, or a

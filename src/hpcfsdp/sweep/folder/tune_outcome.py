@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from ...contracts.files import RecordError, read_json_object
 from ...contracts.jsontypes import Checked, Figure, shown, value_problem
+from ...contracts.record import Spread
 from .layout import TUNE_NAME
 
 SetupValue = str | int | float | bool | None
@@ -33,6 +34,12 @@ class TuneRow(TypedDict, total=False):
     timed_steps: Figure[int | None]
     peak_memory_gib: Figure[float | None]
     error: Checked[str]
+    # what tune adds to a row: the spread of its tokens/s, a repeated pick's two runs and the setups
+    # it is within noise of, an untrusted run's reasons (contracts/validity.py)
+    tokens_per_s_spread: Checked[Spread | None]
+    runs_tokens_per_s_per_gpu: Checked[list[Figure[float]]]
+    within_noise_of: Checked[list[str]]
+    invalid_reasons: Checked[list[str]]
 
 
 class TuneSpend(TypedDict, total=False):
@@ -53,7 +60,7 @@ class TuneOutcome(TypedDict, total=False):
     spend: Checked[TuneSpend]
 
 
-ROW_LISTS = ("ranking", "oom_frontier", "failed")  # lists of TuneRow, checked row by row (stages: no reader)
+ROW_LISTS = ("ranking", "oom_frontier", "failed", "invalid")  # lists of TuneRow, checked row by row (stages: no reader)
 
 
 def read_outcome(sweep_dir: Path) -> dict[str, Any]:
