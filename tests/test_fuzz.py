@@ -639,6 +639,8 @@ TUNE_OUTCOME_PATHS = [
     "ranking",
     "ranking.0",
     "ranking.0.tokens_per_s_per_gpu",
+    "ranking.0.runs_tokens_per_s_per_gpu",
+    "ranking.0.runs_tokens_per_s_per_gpu.0",
     "ranking.0.setup.batch_size",
     "oom_frontier",
     "pruned",
@@ -732,5 +734,5 @@ def test_hostile_tune_files_are_a_state_a_report_section_or_one_line(tune_folder
         assert "\n" not in str(exc) and section.text.startswith("Not shown: ")
     else:
         for row in [found.get("best") or {}, *(found.get("ranking") or [])]:
-            speed = row.get("tokens_per_s_per_gpu")
-            assert speed is None or (math.isfinite(speed) and 0 <= speed <= FIGURE_MAX)
+            for speed in [row.get("tokens_per_s_per_gpu"), *(row.get("runs_tokens_per_s_per_gpu") or [])]:
+                assert speed is None or (math.isfinite(speed) and 0 <= speed <= FIGURE_MAX)

@@ -135,6 +135,7 @@ def tune_outcome(best_id: str) -> dict:
         "tokens_per_s_per_gpu": 1234.5,
         "timed_steps": 4,
         "peak_memory_gib": 1.5,
+        "runs_tokens_per_s_per_gpu": [1230.0, 1239.0],
     }
     return {
         "sweep": "tf",

@@ -138,11 +138,11 @@ def _type_problem_of(name: str, value: Any, hint: Any) -> str | None:
                 return problem
         return None
     if get_origin(shape) in (list, Sequence):  # a Sequence: a list the writer may build of a narrower type
-        (element,) = get_args(shape)
+        element, element_bounds = _range_of(get_args(shape)[0])  # list[Figure[float]]: each a figure
         elements = get_args(element) if get_origin(element) in UNIONS else (element,)
         allowed = {kind for kind in elements if kind is not float} | (NUMBER_TYPES if float in elements else set())
         if isinstance(value, list) and set(map(type, value)) <= allowed:
-            return None
+            return range_problem(name, value, element_bounds) if element_bounds else None
         words = "numbers" if float in elements else TYPE_WORDS[elements[0]]
         nulls = " or nulls" if NoneType in elements else ""
         return f"{name}: expected a list of {words}{nulls}, got {shown(value)}"

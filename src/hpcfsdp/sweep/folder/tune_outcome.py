@@ -83,6 +83,8 @@ def outcome_problem(found: dict[str, Any]) -> str:
         if not isinstance(rows, list):
             return f"{key}: expected a list, got {shown(rows)}"
         for index, row in enumerate(rows):
+            if not isinstance(row, dict):
+                return f"{key}[{index}]: expected an object, got {shown(row)}"
             if problem := value_problem(f"{key}[{index}]", row, TuneRow):
                 return problem
     return ""
