@@ -18,7 +18,8 @@ bench/gpu_slurm_acceptance.sh starts the cluster and runs the parts it is given.
              on a GPU. Then `submit --retry-failed` reruns the failed cells without the fault: ok.
   daytoday:  `cancel --pending-only` on an array of which one cell runs, and `tune` with the Slurm
              executor and --probes-per-job.
-  scaling:   the FSDP2 blog's 1 -> 2 -> 4 GPU table (bench/jobs/scaling_slurm.yaml) through Slurm and
+  scaling:   the FSDP2 blog's 1 -> 2 -> 4 GPU table (bench/jobs/scaling_slurm.yaml; the models of
+             SLURM_ACCEPTANCE_SCALING_MODELS only, where set: one model fits a call) through Slurm and
              collect: the report's Scaling section and plot.
   table:     acceptance.md from the parts' rows.
 
@@ -600,6 +601,9 @@ def run_scaling(work: Path, out: Path) -> list[dict]:
     """bench/jobs/scaling_slurm.yaml through the Slurm executor, then collect: the report's Scaling
     section and plot (smoke: the tiny model on CPU processes)."""
     jobs = yaml.safe_load(Path("bench/jobs/scaling_slurm.yaml").read_text())
+    if models := os.environ.get("SLURM_ACCEPTANCE_SCALING_MODELS", "").split():  # one model a call
+        jobs["matrix"]["model"] = models
+        jobs["include"] = [cell for cell in jobs["include"] if cell["model"] in models]
     if smoke():
         jobs["base"] |= base()
         jobs["matrix"]["model"] = ["tiny"]
