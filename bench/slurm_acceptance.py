@@ -628,7 +628,7 @@ def run_scaling(work: Path, out: Path) -> list[dict]:
             "scaling",
             "cells recorded, ok (wall s)",
             (len(recs), sum(r["status"] == "ok" for r in recs), round(time.time() - started)),
-            len(recs) == len(list((sweep / "cells").iterdir())) and bool(recs),
+            bool(recs) and len(recs) == len(list((sweep / "cells").iterdir())),
         ),
         row("scaling", "the report's Scaling section rows", scaling.count("\n| ") - 1, scaling.count("\n| ") > 2),
     ]
