@@ -265,13 +265,9 @@ slurm: {{partition: gpu, time_min: 10, cpus_per_task: 1}}
 """
 
 
-@pytest.mark.slurm
-@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
-def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
-    slurm_cluster, tmp_path, monkeypatch, fault, status
-):
-    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
-    before the watchdog, the hang ran until the job's 10 min limit."""
+def submit_two_node_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> tuple[int, dict, float]:
+    """TWO_NODE_CELL, with `fault` on rank 1 (the second node's), through `submit --executor slurm
+    --wait`: submit's exit status, the cell's record and the seconds submit took."""
     name = f"twonode{fault}"
     jobs = tmp_path / f"{name}.yaml"
     jobs.write_text(TWO_NODE_CELL.format(name=name))
@@ -279,9 +275,19 @@ def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
     started = time.monotonic()
     code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
     took = time.monotonic() - started
-    assert code != 0
     (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
-    record = json.loads(path.read_text())
+    return code, json.loads(path.read_text()), took
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
+def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
+    slurm_cluster, tmp_path, monkeypatch, fault, status
+):
+    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
+    before the watchdog, the hang ran until the job's 10 min limit."""
+    code, record, took = submit_two_node_cell(tmp_path, monkeypatch, fault)
+    assert code != 0
     assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
     assert record["hostnames"] == ["hpcfsdp-n2"]  # written by the failing rank, on the second node
     assert took < 180, f"the two-node job took {took:.0f} s"
@@ -338,16 +344,8 @@ def test_a_rank_killed_or_stopped_on_the_second_node_is_named_under_srun(
     """Under srun (--kill-on-bad-exit) the first node's rank met only the effect: a connection reset
     (SIGKILL; where slurmstepd has reaped rank 1 by then, its signal is not known there) or a step
     past its deadline (SIGSTOP). Its heartbeat names rank 1."""
-    name = f"twonode{fault}"
-    jobs = tmp_path / f"{name}.yaml"
-    jobs.write_text(TWO_NODE_CELL.format(name=name))
-    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
-    started = time.monotonic()
-    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
-    took = time.monotonic() - started
+    code, record, took = submit_two_node_cell(tmp_path, monkeypatch, fault)
     assert code != 0
-    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
-    record = json.loads(path.read_text())
     assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
     assert record.get("failed_signal") in signals
     assert record["error"].startswith("rank 1 (pid ") and "on hpcfsdp-n2)" in record["error"], record["error"]
