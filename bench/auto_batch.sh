@@ -17,12 +17,8 @@
 # collecting and packing take some 15 s more), AUTO_BATCH_GRID=1 (also run a fresh cell at each found batch + 1;
 # default in smoke mode only), AUTO_BATCH_MAX (max_batch_size, default 64), AUTO_BATCH_NPROC (GPUs per cell, default 2).
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-source bench/gpu_env.sh
-python="${PYTHON:-python3}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 budget="${AUTO_BATCH_BUDGET_S:-$([[ "${AUTO_BATCH_SMOKE:-0}" == 1 ]] && echo 900 || echo 265)}"
 nproc="${AUTO_BATCH_NPROC:-2}"  # processes (GPUs) per cell
 started=$SECONDS

@@ -9,10 +9,9 @@
 #   OUT=/tmp/clip CPU=1 bash bench/clip_check.sh     # CPU: ddp, fsdp2_zero3 (a smoke run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:?set OUT to a folder for the logs}  # before gpu_env.sh, which makes $OUT (or bench-out)
 source bench/gpu_env.sh
-OUT=${OUT:?set OUT to a folder for the logs}
 NPROC=${NPROC:-1}
-mkdir -p "$OUT"
 write_machine_info "$OUT/machine.txt"
 device=cuda strategies=(ddp fsdp2_zero3 fsdp1_full_shard)
 if [[ ${CPU:-0} == 1 ]]; then device=cpu strategies=(ddp fsdp2_zero3); NPROC=2; export OMP_NUM_THREADS=1; fi

@@ -19,12 +19,8 @@
 #     sigkill sigstop)
 # Output in $OUT (or ./bench-out).
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-source bench/gpu_env.sh
-python="${PYTHON:-python3}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 work="$(mktemp -d)"
 write_machine_info "$out/machine.txt"
 cat "$out/machine.txt"

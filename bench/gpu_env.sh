@@ -2,10 +2,16 @@
 #   - keeps NVLink multicast off in every process they start (never use it on shared machines);
 #   - installs the wheels carried in .whl/ into /tmp/site (the GPU machine has no network;
 #     docs/levers.md says which), and puts /tmp/site and src/ on PYTHONPATH;
+#   - sets root (the repository root), out (the output folder: $OUT, or bench-out; made here) and
+#     python ($PYTHON, or python3);
 #   - defines write_machine_info FILE: the GPUs, package versions, commit (BENCH_COMMIT where the
 #     caller names it), tree state and date,
 #     the header of every raw log in bench/results/.
 # shellcheck shell=bash
+root=$PWD
+out="${OUT:-$root/bench-out}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # Inductor starts one compile worker per core in every process that compiles. On the lent machines
 # host memory is handed out as it is used, and two processes compiling at once on a 32-core

@@ -7,11 +7,8 @@
 # SWEEP_TIMEOUT_S (default: none) stops a sweep's submit after that many seconds; the cells that
 # finished are collected and packed all the same.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-cd "$root"
-source bench/gpu_env.sh
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 results="$(mktemp -d)"
 write_machine_info "$out/machine.txt"
 for jobs in "$@"; do

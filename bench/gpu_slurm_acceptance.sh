@@ -14,12 +14,8 @@
 #      libmunge2 libhwloc15 liblz4-1 libnuma1 libjson-c5 liblua5.1-0 libyaml-0-2 libreadline8 libdbus-1-3)
 # Output in $OUT (or ./bench-out).
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-source bench/gpu_env.sh
-python="${PYTHON:-python3}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 work="$(mktemp -d)"
 export HPCFSDP_SLURM_DIR=${HPCFSDP_SLURM_DIR:-/tmp/hpcfsdp-slurm-gpu} HPCFSDP_SLURM_PREEMPT=1
 export HPCFSDP_SLURM_CPUS=${HPCFSDP_SLURM_CPUS:-16} HPCFSDP_SLURM_MEM_MB=${HPCFSDP_SLURM_MEM_MB:-100000}

@@ -85,11 +85,9 @@ if [[ ! -f "$data/loss_text/corpus.jsonl" || ! -f "$data/tokenizer/tokenizer.jso
   echo "loss_agreement: no $data/loss_text or $data/tokenizer; run python3 bench/make_text_data.py and carry .data" >&2
   exit 2
 fi
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
 work="$(mktemp -d)"
 mkdir -p "$work/logs" "$work/suite"
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # out (made) and python
 if [[ -z "$GPU_IDS" ]]; then
   GPU_IDS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')
   [[ -n "${GPU_IDS// }" ]] || GPU_IDS=0

@@ -4,11 +4,9 @@
 # ./bench-out): oom_snapshot.json (the record) and oom_snapshot.txt (what the record names, the
 # pickle's size, and the snapshot's largest live blocks at the failure). Prints the summary last.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-out="${OUT:-$root/bench-out}"; mkdir -p "$out"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 work="$(mktemp -d)"
-source bench/gpu_env.sh
 write_machine_info "$out/oom_snapshot.machine.txt"
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
   -m hpcfsdp run --results-dir "$work" --sweep oom model=qwen2.5-1.5b seq_len=8192 batch_size=64 strategy=ddp \

@@ -8,9 +8,8 @@
 #   OUT=/tmp/check CPU=1 bash bench/record_check.sh    # the same on the CPU, tiny model (a smoke run)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:?set OUT to a folder for the logs}  # before gpu_env.sh, which makes $OUT (or bench-out)
 source bench/gpu_env.sh
-OUT=${OUT:?set OUT to a folder for the logs}
-mkdir -p "$OUT"
 write_machine_info "$OUT/machine.txt"
 results="$OUT/results"
 

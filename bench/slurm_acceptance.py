@@ -451,19 +451,22 @@ def left_on_gpus() -> list[int]:
     return sorted(gpu_pids())
 
 
+def wait_until_running(job_name: str, limit_s: float) -> None:
+    """Wait, polling squeue every 2 s, until a job of this name runs or limit_s has passed."""
+    deadline = time.time() + limit_s
+    while (
+        time.time() < deadline
+        and "RUNNING"
+        not in subprocess.run(["squeue", "-h", "-o", "%T", "-n", job_name], capture_output=True, text=True).stdout
+    ):
+        time.sleep(2)
+
+
 def preemption_rows(results: Path, out: Path) -> list[dict]:
     """Wait until the preempt cell runs, then take both nodes from partition urgent: the cell is
     requeued, runs again and ends ok, its preempted record kept in attempts/."""
     sweep = results / "preempt"
-    deadline = time.time() + 300
-    while (
-        time.time() < deadline
-        and "RUNNING"
-        not in subprocess.run(
-            ["squeue", "-h", "-o", "%T", "-n", "hpcfsdp-preempt"], capture_output=True, text=True
-        ).stdout
-    ):
-        time.sleep(2)
+    wait_until_running("hpcfsdp-preempt", 300)
     time.sleep(8)
     urgent = subprocess.run(
         [
@@ -535,15 +538,7 @@ def run_daytoday(work: Path, out: Path) -> list[dict]:
     (work / "queued.yaml").write_text(yaml.safe_dump(jobs))
     sweep = work / "day" / "queued"
     keep(out, "day_submit", hpcfsdp("submit", str(work / "queued.yaml"), "--results-dir", str(work / "day")))
-    deadline = time.time() + 120
-    while (
-        time.time() < deadline
-        and "RUNNING"
-        not in subprocess.run(
-            ["squeue", "-h", "-o", "%T", "-n", "hpcfsdp-queued"], capture_output=True, text=True
-        ).stdout
-    ):
-        time.sleep(2)
+    wait_until_running("hpcfsdp-queued", 120)
     cancel = hpcfsdp("cancel", str(sweep), "--pending-only", timeout=60)
     keep(out, "day_cancel_pending", cancel)
     time.sleep(5)

@@ -53,11 +53,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # the same script on 2 CPU processes with the
   export OMP_NUM_THREADS=1
 fi
 
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
 work="$(mktemp -d)"
 mkdir -p "$work/logs" "$work/suite"
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # out (made) and python
 write_machine_info "$work/machine.txt"
 printf '%s\n' "SUITE: ${SUITE[*]}" "REFERENCE: ${REFERENCE[*]}" "CASES: ${CASES[*]}" \
   "WARMUP=$WARMUP TIMED=$TIMED REPEATS=$REPEATS NPROC=$NPROC" >> "$work/machine.txt"

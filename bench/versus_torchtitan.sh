@@ -83,11 +83,9 @@ else
                   --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
 fi
 
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
 work="$(mktemp -d)"
 mkdir -p "$work/logs" "$work/suite" "$work/titan"
-source bench/gpu_env.sh
+source bench/gpu_env.sh  # out (made) and python
 write_machine_info "$work/machine.txt"
 printf '%s\n' "SUITE: strategy=$strategy ${SUITE[*]}" "CASES: ${CASES[*]}" "TORCHTITAN_DIR: $TORCHTITAN_DIR" \
   "NGPU=$NGPU RESHARD=$RESHARD SEQ=$SEQ WARMUP=$WARMUP TIMED=$TIMED REPEATS=$REPEATS LANES=$LANES" >> "$work/machine.txt"

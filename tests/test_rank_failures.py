@@ -111,6 +111,16 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def run_cell(tmp_path: Path, *fields: str, fault: str, timeout_s: float) -> dict:
+    """start_cell, waited for up to timeout_s and its processes killed either way: the cell's record."""
+    proc = start_cell(tmp_path, *fields, fault=fault)
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        stop(proc)
+    return the_record(tmp_path)
+
+
 def test_a_step_may_run_its_timeout_past_the_slowest_step_before_it():
     deadlines = StepDeadlines(init_timeout_s=300, train_timeout_s=100)
     assert deadlines.limit_s == 300  # the first step: compile, warm-up, the first collectives
@@ -185,12 +195,7 @@ def test_ranks_whose_launcher_is_killed_leave_with_it_and_say_so(tmp_path):
 @pytest.mark.parametrize("strategy", ["fsdp2_zero3"])  # every strategy, on GPUs: bench/gpu_acceptance.sh
 def test_a_rank_that_fails_ends_the_cell_at_once_and_its_record_stands(tmp_path, strategy):
     started = time.monotonic()
-    proc = start_cell(tmp_path, f"strategy={strategy}", fault="train_step:error:1")
-    try:
-        proc.wait(timeout=120)
-    finally:
-        stop(proc)
-    record = the_record(tmp_path)
+    record = run_cell(tmp_path, f"strategy={strategy}", fault="train_step:error:1", timeout_s=120)
     assert (record["status"], record["failed_rank"]) == ("error", 1)
     assert "injected fault" in record["error"]
     assert time.monotonic() - started < 60
@@ -265,13 +270,9 @@ slurm: {{partition: gpu, time_min: 10, cpus_per_task: 1}}
 """
 
 
-@pytest.mark.slurm
-@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
-def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
-    slurm_cluster, tmp_path, monkeypatch, fault, status
-):
-    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
-    before the watchdog, the hang ran until the job's 10 min limit."""
+def submit_two_node_cell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> tuple[int, dict, float]:
+    """TWO_NODE_CELL, with `fault` on rank 1 (the second node's), through `submit --executor slurm
+    --wait`: submit's exit status, the cell's record and the seconds submit took."""
     name = f"twonode{fault}"
     jobs = tmp_path / f"{name}.yaml"
     jobs.write_text(TWO_NODE_CELL.format(name=name))
@@ -279,9 +280,19 @@ def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
     started = time.monotonic()
     code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
     took = time.monotonic() - started
-    assert code != 0
     (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
-    record = json.loads(path.read_text())
+    return code, json.loads(path.read_text()), took
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(("fault", "status"), [("error", "error"), ("hang", "hang")])
+def test_a_rank_failing_on_the_second_node_ends_its_two_node_job_in_seconds(
+    slurm_cluster, tmp_path, monkeypatch, fault, status
+):
+    """srun's --kill-on-bad-exit ends the first node's rank once the second node's rank leaves;
+    before the watchdog, the hang ran until the job's 10 min limit."""
+    code, record, took = submit_two_node_cell(tmp_path, monkeypatch, fault)
+    assert code != 0
     assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
     assert record["hostnames"] == ["hpcfsdp-n2"]  # written by the failing rank, on the second node
     assert took < 180, f"the two-node job took {took:.0f} s"
@@ -301,12 +312,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_signal_not_recorded_as_its_
     """Rank 1 dies by a signal that leaves no record of its own (the OOM killer's SIGKILL, a crash);
     rank 0 met only its effect (gloo's "Connection reset by peer", or torchrun's SIGTERM) and once
     recorded that under its own rank, or as a time limit."""
-    proc = start_cell(tmp_path, f"strategy={strategy}", fault=f"train_step:{fault}:1")
-    try:
-        proc.wait(timeout=120)
-    finally:
-        stop(proc)
-    record = the_record(tmp_path)
+    record = run_cell(tmp_path, f"strategy={strategy}", fault=f"train_step:{fault}:1", timeout_s=120)
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("error", 1, signal_name)
     assert record["error"].startswith("rank 1 (pid "), record["error"]
     assert signal_name in record["error"]
@@ -317,12 +323,9 @@ def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp
     """Rank 1 is stopped (SIGSTOP): its own watchdog stops with it, and rank 0, which waits for it
     inside a collective, once recorded the hang under its own rank."""
     started = time.monotonic()
-    proc = start_cell(tmp_path, f"strategy={strategy}", "train_timeout_s=5", fault="train_step:sigstop:1")
-    try:
-        proc.wait(timeout=150)
-    finally:
-        stop(proc)
-    record = the_record(tmp_path)
+    record = run_cell(
+        tmp_path, f"strategy={strategy}", "train_timeout_s=5", fault="train_step:sigstop:1", timeout_s=150
+    )
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
     assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
     assert time.monotonic() - started < 120
@@ -338,16 +341,8 @@ def test_a_rank_killed_or_stopped_on_the_second_node_is_named_under_srun(
     """Under srun (--kill-on-bad-exit) the first node's rank met only the effect: a connection reset
     (SIGKILL; where slurmstepd has reaped rank 1 by then, its signal is not known there) or a step
     past its deadline (SIGSTOP). Its heartbeat names rank 1."""
-    name = f"twonode{fault}"
-    jobs = tmp_path / f"{name}.yaml"
-    jobs.write_text(TWO_NODE_CELL.format(name=name))
-    monkeypatch.setenv("HPCFSDP_FAULT", f"train_step:{fault}:1")
-    started = time.monotonic()
-    code = main(["submit", str(jobs), "--executor", "slurm", "--wait", "--results-dir", str(tmp_path / "results")])
-    took = time.monotonic() - started
+    code, record, took = submit_two_node_cell(tmp_path, monkeypatch, fault)
     assert code != 0
-    (path,) = (tmp_path / "results" / name / "cells").glob("*/result.json")
-    record = json.loads(path.read_text())
     assert (record["status"], record["failed_rank"]) == (status, 1), record.get("error")
     assert record.get("failed_signal") in signals
     assert record["error"].startswith("rank 1 (pid ") and "on hpcfsdp-n2)" in record["error"], record["error"]

@@ -22,6 +22,7 @@ from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.define.matrix import load_sweep
 from hpcfsdp.sweep.launch.local import processes_under
+from test_faults import alive
 
 # 20 steps a cell, 7 a first-rung probe: probing 2 cells or more, then running 1 of them, can save.
 CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 20, warmup_steps: 1, comm_profile_steps: 0"
@@ -31,6 +32,20 @@ def write(tmp_path: Path, text: str, name: str = "tt") -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(textwrap.dedent(text))
     return path
+
+
+def ddp_batch_sweep(tmp_path: Path, name: str, batch_sizes: list[int]) -> Path:
+    """The jobs YAML of a CPU sweep `name` of ddp on 2 processes, one cell per batch size."""
+    return write(
+        tmp_path,
+        f"""
+        name: {name}
+        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
+        slurm: {{time_min: 5}}
+        matrix:
+          batch_size: {batch_sizes}
+        """,
+    )
 
 
 def launches(sweep_dir: Path) -> dict[str, dict]:
@@ -102,16 +117,7 @@ def test_a_probe_stops_at_its_first_stable_window_or_runs_its_whole_budget(tmp_p
 def test_tune_probes_maps_the_oom_frontier_and_runs_the_winner_as_the_grids_cell(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HPCFSDP_FAULT", "train_step:oom>2")  # batch 4 runs out of memory
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    jobs = write(
-        tmp_path,
-        f"""
-        name: tt
-        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
-        slurm: {{time_min: 5}}
-        matrix:
-          batch_size: [1, 2, 4]
-        """,
-    )
+    jobs = ddp_batch_sweep(tmp_path, "tt", [1, 2, 4])
     argv = ["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -206,16 +212,7 @@ def test_tune_runs_the_grids_cells_themselves_where_probing_cannot_save_and_says
     short = [dataclasses.replace(c, spec=c.spec.replace(steps=5)) for c in cells]
     assert probing_cannot_save(short, short, 1, 3).startswith("probes as long as the cells: 20 steps")
 
-    jobs = write(
-        tmp_path,
-        f"""
-        name: tg
-        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
-        slurm: {{time_min: 5}}
-        matrix:
-          batch_size: [1, 2]
-        """,
-    )
+    jobs = ddp_batch_sweep(tmp_path, "tg", [1, 2])
     assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "3"]) == 0
     out = capsys.readouterr()
     assert "running the grid's 2 cell(s) themselves, no probes: 2 cell(s) to run" in out.err + out.out
@@ -265,16 +262,7 @@ def test_tunes_final_stage_measures_the_batch_its_probe_found_without_a_second_s
 
 
 def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_one_beside_the_killed_ones(tmp_path):
-    jobs = write(
-        tmp_path,
-        f"""
-        name: kk
-        base: {{{CPU}, gpus_per_node: 2, strategy: ddp}}
-        slurm: {{time_min: 5}}
-        matrix:
-          batch_size: [1, 2, 3]
-        """,
-    )
+    jobs = ddp_batch_sweep(tmp_path, "kk", [1, 2, 3])
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "hpcfsdp", "tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]
     argv += ["--top", "1"]
@@ -325,19 +313,8 @@ def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_o
 
 def until_ended(processes: dict[int, str]) -> float:
     """The time the last of the processes ended (a zombie counts as ended), looked at every 0.1 s."""
-
-    def running() -> bool:
-        for pid, started in processes.items():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[19] == started and fields[0] != "Z":
-                return True
-        return False
-
     deadline = time.time() + 120
-    while running():
+    while alive(processes):
         assert time.time() < deadline, "the killed tune's processes outlived 120 s"
         time.sleep(0.1)
     return time.time()

@@ -30,8 +30,18 @@ BROKEN = "the optimizer was built before sharding and does not update the model"
 CPU = "model: tiny, device: cpu, precision: fp32, seq_len: 32, comm_profile_steps: 0"
 
 
-def write_jobs(tmp_path: Path, text: str, name: str) -> Path:
+def optimizer_order_jobs(tmp_path: Path, name: str, base: str, seeds: list[int] | None = None) -> Path:
+    """The jobs YAML `name` of CPU fsdp2_zero3 cells with the optimizer built after sharding (right)
+    and before it (seed 003's bug), each seed of `seeds` where given; `base`: the rest of its base."""
+    seed_line = f"\n          seed: {seeds}" if seeds else ""
     path = tmp_path / f"{name}.yaml"
+    text = f"""
+        name: {name}
+        base: {{{CPU}, strategy: fsdp2_zero3, {base}}}
+        slurm: {{time_min: 5}}
+        matrix:
+          optimizer_order: [after_shard, before_shard]{seed_line}
+        """
     path.write_text(textwrap.dedent(text))
     return path
 
@@ -56,17 +66,7 @@ def seed_003(tmp_path_factory) -> Path:
     """The optimizer built after sharding (right) and before it (seed 003's bug), each a real cell
     of 2 processes, run by the local executor and collected."""
     root = tmp_path_factory.mktemp("seed003")
-    jobs = write_jobs(
-        root,
-        f"""
-        name: optimizer_order
-        base: {{{CPU}, strategy: fsdp2_zero3, gpus_per_node: 2, batch_size: 2, steps: 8, warmup_steps: 2}}
-        slurm: {{time_min: 5}}
-        matrix:
-          optimizer_order: [after_shard, before_shard]
-        """,
-        "optimizer_order",
-    )
+    jobs = optimizer_order_jobs(root, "optimizer_order", "gpus_per_node: 2, batch_size: 2, steps: 8, warmup_steps: 2")
     results = root / "results"
     assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(results)]) == 0
     assert main(["collect", str(results / "optimizer_order"), "--no-plots", "--no-history"]) == 0
@@ -248,18 +248,7 @@ def test_the_regression_gate_neither_checks_an_untrusted_cell_nor_checks_against
 
 def test_tune_never_promotes_a_broken_setup_and_repeats_its_final_cells_within_noise(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    jobs = write_jobs(
-        tmp_path,
-        f"""
-        name: tn
-        base: {{{CPU}, strategy: fsdp2_zero3, gpus_per_node: 1, batch_size: 1, steps: 40, warmup_steps: 1}}
-        slurm: {{time_min: 5}}
-        matrix:
-          optimizer_order: [after_shard, before_shard]
-          seed: [0, 1]
-        """,
-        "tn",
-    )
+    jobs = optimizer_order_jobs(tmp_path, "tn", "gpus_per_node: 1, batch_size: 1, steps: 40, warmup_steps: 1", [0, 1])
     argv = ["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
