@@ -1,7 +1,8 @@
 # Sourced by the bench scripts (from the repository root) before they start any run:
 #   - keeps NVLink multicast off in every process they start (never use it on shared machines);
 #   - installs the wheels carried in .whl/ into /tmp/site (the GPU machine has no network;
-#     docs/levers.md says which), and puts /tmp/site and src/ on PYTHONPATH;
+#     docs/levers.md says which; not again where BENCH_WHEELS_INSTALLED is set, so that scripts
+#     run side by side never replace files the other imports), and puts /tmp/site and src/ on PYTHONPATH;
 #   - sets root (the repository root), out (the output folder: $OUT, or bench-out; made here) and
 #     python ($PYTHON, or python3);
 #   - defines write_machine_info FILE: the GPUs, package versions, commit (BENCH_COMMIT where the
@@ -30,7 +31,7 @@ for wheel in sorted(glob.glob(".whl/*.whl")):
         print(wheel)
 EOF
 )
-if (( ${#wheels[@]} )); then
+if (( ${#wheels[@]} )) && [[ -z ${BENCH_WHEELS_INSTALLED:-} ]]; then  # set by a caller that installed them
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "${wheels[@]}" 2>&1 | tail -2
 fi
 export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
