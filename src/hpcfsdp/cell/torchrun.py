@@ -61,8 +61,9 @@ def join_without_spreading_nodes() -> None:
 
 def exit_status(run: Callable[[], object]) -> int:
     """Call run; the exit status Python would end with after it, having printed an uncaught
-    exception as Python does (sys.excepthook). KeyboardInterrupt is raised on: Python ends by
-    SIGINT then."""
+    exception as Python does (sys.excepthook), from run's frame on: a failed cell's log names
+    torch's frames, none of this module's. KeyboardInterrupt is raised on: Python ends by SIGINT
+    then."""
     try:
         run()
     except SystemExit as exc:
@@ -72,8 +73,10 @@ def exit_status(run: Callable[[], object]) -> int:
         return 1
     except KeyboardInterrupt:
         raise
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as exc:
+        if exc.__traceback__ is not None:
+            exc = exc.with_traceback(exc.__traceback__.tb_next)  # from run's frame on
+        sys.excepthook(type(exc), exc, exc.__traceback__)
         return 1
     return 0
 
