@@ -50,5 +50,5 @@ started=$(date +%s.%N)
 "$py" -m hpcfsdp submit "$jobs" --executor local --results-dir "$out/results" > "$out/submit.log" 2>&1
 echo "submit exited $? (3: some cells not ok)"
 ended=$(date +%s.%N)
-"$py" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(echo "$ended - $started" | bc)" \
+"$py" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(python3 -c "print($ended - $started)")" \
   | tee "$out/launch_phases.md"

@@ -599,6 +599,7 @@ def run_scaling(work: Path, out: Path) -> list[dict]:
     if models := os.environ.get("SLURM_ACCEPTANCE_SCALING_MODELS", "").split():  # one model a call
         jobs["matrix"]["model"] = models
         jobs["include"] = [cell for cell in jobs["include"] if cell["model"] in models]
+    jobs["base"] |= json.loads(os.environ.get("SLURM_ACCEPTANCE_SCALING_BASE") or "{}")  # e.g. checkpointing
     if smoke():
         jobs["base"] |= base()
         jobs["matrix"]["model"] = ["tiny"]
