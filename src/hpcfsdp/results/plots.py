@@ -25,14 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 from matplotlib import __version__ as matplotlib_version
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
@@ -40,6 +37,9 @@ from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
 from .scaling import scaling_table
+
+if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says why)
+    from matplotlib.figure import Figure
 
 DPI = 100
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
@@ -93,6 +93,8 @@ def write_plots(
     outcomes = _drawn_before(out_dir, digest)
     if outcomes is None:
         (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
+        import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
+
         workers = min(len(jobs), os.cpu_count() or 1)
         if workers > 1:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
@@ -226,6 +228,8 @@ def time_breakdown(data: PlotData) -> Figure:
     ax.set_yticks(np.arange(len(rows)), row_labels)
     ax.invert_yaxis()  # shared: the first row at the top of every panel
     figure.supxlabel("fraction of step time")
+    from matplotlib.patches import Patch  # with the figure (drawing/layout.py)
+
     figure.legend(handles=[Patch(color=c, label=n) for n, c in TIME_PARTS], loc="outside right upper")
     return figure
 
@@ -238,7 +242,7 @@ def loss_curves(data: PlotData) -> Figure:
     if cells.empty:
         raise NoData("no ok cell recorded losses")
     legend = layout.legend_inches(cells["variant"])
-    figure = Figure(figsize=(7 + legend, 5), layout="constrained")
+    figure = layout.new_figure(figsize=(7 + legend, 5), layout="constrained")
     ax = figure.subplots()
     for variant, group in cells.groupby("variant", sort=True):
         for i, losses in enumerate(group["losses"]):
@@ -274,7 +278,7 @@ def memory_stages(data: PlotData) -> Figure:
         raise NoData("no ok cell recorded memory by stage")
     means = cells[[c for _, c in bars]].apply(pd.to_numeric, errors="coerce").groupby(cells["variant"]).mean()
     legend = layout.legend_inches(means.index)
-    figure = Figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
+    figure = layout.new_figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
@@ -305,7 +309,7 @@ def scaling(data: PlotData) -> Figure:
     if table.empty:
         raise NotApplicable
     models = list(table["model"].unique())
-    figure = Figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
+    figure = layout.new_figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
     axes = figure.subplots(1, len(models), squeeze=False, sharey=True).ravel()
     for ax, model in zip(axes, models):
         part = table[table["model"] == model]
@@ -373,6 +377,8 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     ax.set_ylim(0, 1.08 * top)  # from 0, headroom over every panel
     figure.supxlabel("per-device batch size")
     figure.supylabel(ylabel)
+    from matplotlib.lines import Line2D  # with the figure (drawing/layout.py)
+
     handles = [Line2D([], [], **data.styles[name], label=name) for name in sorted(set(frame["variant"]))]
     if not probes.empty:
         handles += [

@@ -56,15 +56,21 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
     """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
     whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
-    # What Path.glob(f"cells/*/{name}") finds (a folder, or a link to one, holding `name` that
-    # exists, or links to what exists), sorted as it would be, in a third of its time: one scandir.
+    cells = Path(sweep_dir) / CELLS_DIR
+    return [Path(cells, cell_id, name) for cell_id in cell_ids_with(sweep_dir, name)]
+
+
+def cell_ids_with(sweep_dir: Path, name: str) -> list[str]:
+    """The ids (folder names) of the cells of cell_files(sweep_dir, name), without making a Path of
+    each. What Path.glob(f"cells/*/{name}") finds (a folder, or a link to one, holding `name` that
+    exists or links to what exists), sorted as it sorts them, by one scandir in a third of its time."""
     cells = os.path.join(sweep_dir, CELLS_DIR)
     try:
         with os.scandir(cells) as entries:
             folders = sorted(entry.name for entry in entries if _is_folder(entry) and not _no_cell_id(entry.name))
     except OSError:
         return []
-    return [Path(path) for folder in folders if os.path.exists(path := os.path.join(cells, folder, name))]
+    return [folder for folder in folders if os.path.exists(os.path.join(cells, folder, name))]
 
 
 def _is_folder(entry: os.DirEntry[str]) -> bool:
@@ -102,7 +108,7 @@ def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
 
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
     """The cells of the folder: those with a spec.json, sorted."""
-    return [path.parent.name for path in cell_files(sweep_dir, SPEC_NAME)]
+    return cell_ids_with(sweep_dir, SPEC_NAME)
 
 
 LOG_SUFFIXES = {"stdout": "_log.out", "stderr": "_log.err"}  # submitit's names: slurm/<job>/<job>_<rank>_log.out
