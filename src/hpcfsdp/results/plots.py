@@ -21,8 +21,9 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,36 +74,56 @@ class PlotData:
         return cls(configs, reference, reference_label, layout.styles(variants), probes)
 
 
-def write_plots(
+Drawn = tuple[list[tuple[str, Path]], dict[str, str]]  # [(caption, path)] and {name: why skipped}
+
+
+@contextmanager
+def drawing_plots(
     configs: pd.DataFrame,
     reference: pd.DataFrame,
     reference_label: str,
     out_dir: Path,
     probes: pd.DataFrame | None = None,
-) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
-    returns [(caption, path)] and {name: why skipped}.
+    yields a function that waits for them and returns [(caption, path)] and {name: why skipped}.
 
     Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
-    so they are drawn in worker processes, one per core.
+    so they are drawn in worker processes, one per core, started (forked) here, before the caller
+    goes on: it writes the tables and the report's text while they draw.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
     digest = _input_digest(data)
-    outcomes = _drawn_before(out_dir, digest)
-    if outcomes is None:
-        (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
-        import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
+    kept = _drawn_before(out_dir, digest)
+    if kept is not None:
+        yield lambda: _listed(jobs, kept)
+        return
+    (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
+    import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
 
-        workers = min(len(jobs), os.cpu_count() or 1)
-        if workers > 1:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                outcomes = list(pool.map(_draw_and_save, *zip(*jobs)))
-        else:
-            outcomes = [_draw_and_save(*job) for job in jobs]
+    def recorded(outcomes: list[str | None]) -> Drawn:
         names = [name for name, _, _ in PLOTS]
         write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip(names, outcomes))})
+        return _listed(jobs, outcomes)
+
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers == 1:
+        drawn = [_draw_and_save(*job) for job in jobs]
+        yield lambda: recorded(drawn)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        pending = pool.map(_draw_and_save, *zip(*jobs))  # every job submitted now
+        yield lambda: recorded(list(pending))
+
+
+def nothing_drawn() -> Drawn:
+    """What drawing_plots yields where no figure is drawn (collect --no-plots)."""
+    return [], {}
+
+
+def _listed(jobs: list[tuple[str, Any, PlotData, Path]], outcomes: list[str | None]) -> Drawn:
     written, skipped = [], {}
     for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
         if why is None:
