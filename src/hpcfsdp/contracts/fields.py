@@ -50,17 +50,15 @@ def field_names(cls: type) -> tuple[str, ...]:
 def spelt_alike(values: Iterable[Any], spell: Callable[[Any], str]) -> bool:
     """Whether every value has the same spelling (at most one distinct text): each distinct value
     spelt once, not each of 10,000 cells'. Values are told apart by type as well (True == 1, but
-    they are spelt apart) and floats by repr (0.0 == -0.0)."""
+    they are spelt apart) and a float zero by its sign (0.0 == -0.0)."""
     values = list(values)
     try:
-        distinct = list({_distinct_key(value): value for value in values}.values())
+        distinct = [
+            value for _, value, _ in {(type(v), v, isinstance(v, float) and v == 0 and repr(v)) for v in values}
+        ]
     except TypeError:  # an unhashable value (a list in a hand-edited spec.json): spell them all
         distinct = values
     return len({spell(value) for value in distinct}) <= 1
-
-
-def _distinct_key(value: Any) -> tuple[type, Any]:
-    return (type(value), repr(value) if isinstance(value, float) else value)
 
 
 def documented(default: Any, doc: str, *, default_means: str = "", **metadata: Any) -> Any:
