@@ -24,9 +24,9 @@ from ...contracts.fields import (
     check_folder_name,
     coerce_fields,
     field_names,
-    spelt_alike,
     raise_problems,
     shown,
+    spelt_alike,
     unknown_key,
 )
 from ...contracts.gpus import RankWords, rank_words
