@@ -17,6 +17,7 @@ collect whose digest matches, with every figure still there, keeps them as they 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -86,12 +87,9 @@ def drawing_plots(
     probes: pd.DataFrame | None = None,
 ) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
-    yields a function that waits for them and returns [(caption, path)] and {name: why skipped}.
-
-    Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
-    so they are drawn in worker processes, one per core, started (forked) here, before the caller
-    goes on: it writes the tables and the report's text while they draw.
-    """
+    yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per
+    core, forked here, while the caller writes the tables and the report's text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
@@ -104,8 +102,7 @@ def drawing_plots(
     import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
 
     def recorded(outcomes: list[str | None]) -> Drawn:
-        names = [name for name, _, _ in PLOTS]
-        write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip(names, outcomes))})
+        write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip([n for n, _, _ in PLOTS], outcomes))})
         return _listed(jobs, outcomes)
 
     workers = min(len(jobs), os.cpu_count() or 1)
@@ -113,13 +110,18 @@ def drawing_plots(
         drawn = [_draw_and_save(*job) for job in jobs]
         yield lambda: recorded(drawn)
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        pending = pool.map(_draw_and_save, *zip(*jobs))  # every job submitted now
+    # Forked workers that draw a few figures and end: no garbage collection in them (a pass would walk,
+    # and copy the pages of, every object of this process), a tenth of their CPU time.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
+        gc.freeze()
+        try:
+            pending = pool.map(_draw_and_save, *zip(*jobs))  # every job submitted, every worker forked, now
+        finally:
+            gc.unfreeze()
         yield lambda: recorded(list(pending))
 
 
-def nothing_drawn() -> Drawn:
-    """What drawing_plots yields where no figure is drawn (collect --no-plots)."""
+def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
     return [], {}
 
 
