@@ -12,7 +12,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -45,6 +45,20 @@ class SpecError(UserError, ValueError):
 
 def field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
+
+
+def spelt_alike(values: Iterable[Any], spell: Callable[[Any], str]) -> bool:
+    """Whether every value has the same spelling (at most one distinct text): each distinct value
+    spelt once, not each of 10,000 cells'. Values are told apart by type as well (True == 1, but
+    they are spelt apart) and a float zero by its sign (0.0 == -0.0)."""
+    values = list(values)
+    try:
+        distinct = [
+            value for _, value, _ in {(type(v), v, isinstance(v, float) and v == 0 and repr(v)) for v in values}
+        ]
+    except TypeError:  # an unhashable value (a list in a hand-edited spec.json): spell them all
+        distinct = values
+    return len({spell(value) for value in distinct}) <= 1
 
 
 def documented(default: Any, doc: str, *, default_means: str = "", **metadata: Any) -> Any:

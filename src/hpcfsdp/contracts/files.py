@@ -328,4 +328,32 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _inside(path: Path, root: str | Path) -> bool:
+    """Whether path resolves to a place under root's real path. A path written as root/a/b (no
+    `..`) none of whose parts below root is a link resolves to realpath(root)/a/b: inside, found
+    with one lstat per part instead of realpath's one per part of the whole path and of root (collect
+    checks every record of a sweep). Any link, `..` or missing part: realpath decides."""
+    base = str(root if isinstance(root, Path) else Path(root))  # as Path writes it: no `.`, `//` or end `/`
+    below = _plain_parts_below(str(path), base)
+    if below is not None:
+        try:
+            for part in below:
+                base = f"{base}/{part}" if base != "/" else f"/{part}"
+                if stat.S_ISLNK(os.lstat(base).st_mode):
+                    break
+            else:
+                return True
+        except OSError:
+            pass
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+def _plain_parts_below(path: str, root: str) -> list[str] | None:
+    """The parts of path (as Path writes it) below root as written, or None where path is not
+    written under root or has a `..` part."""
+    prefix = root if root.endswith("/") else root + "/"
+    if path == root:
+        return []
+    if not path.startswith(prefix):
+        return None
+    parts = path[len(prefix) :].split("/")
+    return None if ".." in parts else parts

@@ -219,7 +219,10 @@ class RunSpec:
         return self.float8 == "tensorwise" and self.family == "fsdp2" and self.world_size > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Field name -> value. Every field holds a str, int, float or bool (coerce_fields makes them
+        so), which dataclasses.asdict would return as they are after a deep copy per field: the same
+        dict without that copy, a tenth of the time (plan reads 10,000 cells' dicts)."""
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str = "spec") -> RunSpec:
@@ -430,6 +433,9 @@ class RunSpec:
             raise SpecError(where, "float8", f"supported with ddp and fsdp2_* strategies, got {self.strategy}")
         if self.float8 != "none" and self.cpu_offload:
             raise SpecError(where, "float8", "not with cpu_offload (the float8 casts would run on the CPU)")
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(RunSpec))
 
 
 def fields_in(group: str) -> tuple[str, ...]:

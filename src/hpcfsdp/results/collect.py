@@ -17,7 +17,7 @@ from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
 from ..contracts.record import RECORD_NAME
 from ..progress import Progress
-from ..sweep.folder.layout import cell_files, read_manifest, require_sweep_folder, slurm_jobs
+from ..sweep.folder.layout import cell_ids_with, read_manifest, require_sweep_folder, slurm_jobs
 from ..sweep.track.accounting import note_accounting
 from ..sweep.track.status import resources_line
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
@@ -152,7 +152,7 @@ def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
     None when squeue does not answer (collect then says it does not know)."""
     from ..sweep.track.status import sweep_status
 
-    recorded = {path.parent.name for path in cell_files(sweep_dir, RECORD_NAME)}
+    recorded = set(cell_ids_with(sweep_dir, RECORD_NAME))
     try:
         cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
     except RecordError:  # collect names the broken manifest itself

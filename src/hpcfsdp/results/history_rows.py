@@ -110,17 +110,35 @@ def utc_now() -> datetime:
 def spec_values(spec: Mapping[str, Any]) -> dict[str, Any]:
     """A spec as plain values: absent (None, NaN) fields dropped, and integers that a DataFrame
     column turned into floats (4096.0 beside an older record without the field) made integers again."""
-    out = {}
-    for name, value in spec.items():
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            continue
-        if hasattr(value, "item"):  # a numpy scalar
-            value = value.item()
-        default = _DEFAULTS.get(name)
-        if type(default) is int and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        out[name] = value
-    return out
+    return {name: plain for name, value in spec.items() if (plain := _spec_value(name, value)) is not _ABSENT}
+
+
+def _spec_columns(names: list[str], columns: list[list[Any]]) -> list[dict[str, Any]]:
+    """spec_values of each row of these columns (one list of values per field), a column at a time."""
+    plain = [
+        [value if type(value) in _PLAIN else _spec_value(name, value) for value in values]
+        for name, values in zip(names, columns, strict=True)
+    ]
+    return [
+        {name: value for name, value in zip(names, row, strict=True) if value is not _ABSENT}
+        for row in zip(*plain, strict=True)
+    ]
+
+
+_ABSENT = object()  # _spec_value of None and NaN: the field is left out
+_PLAIN = {str, bool, int}  # a value of these types (not subclasses) is its own _spec_value
+
+
+def _spec_value(name: str, value: Any) -> Any:
+    if type(value) in _PLAIN:
+        return value
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return _ABSENT
+    if hasattr(value, "item"):  # a numpy scalar
+        value = value.item()
+    if type(_DEFAULTS.get(name)) is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def setup_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,8 +229,7 @@ def history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
         return frame[name] if name in frame else pd.Series([None] * len(frame), index=frame.index, dtype=object)
 
     names = list(collection.spec_fields)
-    columns = [frame[name].tolist() for name in names]  # column-wise: far faster than row dicts of a wide frame
-    specs = [spec_values(dict(zip(names, values, strict=True))) for values in zip(*columns, strict=True)]
+    specs = _spec_columns(names, [frame[name].tolist() for name in names])  # column-wise: faster than row dicts
     rows = pd.DataFrame(index=frame.index)
     rows["sweep_dir"] = str(Path(sweep_dir).resolve())
     rows["cell_id"] = frame["cell_id"]

@@ -17,22 +17,21 @@ collect whose digest matches, with every figure still there, keeps them as they 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 from matplotlib import __version__ as matplotlib_version
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
@@ -40,6 +39,9 @@ from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
 from .scaling import scaling_table
+
+if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says why)
+    from matplotlib.figure import Figure
 
 DPI = 100
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
@@ -73,34 +75,57 @@ class PlotData:
         return cls(configs, reference, reference_label, layout.styles(variants), probes)
 
 
-def write_plots(
+Drawn = tuple[list[tuple[str, Path]], dict[str, str]]  # [(caption, path)] and {name: why skipped}
+
+
+@contextmanager
+def drawing_plots(
     configs: pd.DataFrame,
     reference: pd.DataFrame,
     reference_label: str,
     out_dir: Path,
     probes: pd.DataFrame | None = None,
-) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
-    returns [(caption, path)] and {name: why skipped}.
-
-    Figures are independent, and text layout and PNG encoding dominate a large sweep's collection,
-    so they are drawn in worker processes, one per core.
-    """
+    yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per
+    core, forked here, while the caller writes the tables and the report's text."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
     digest = _input_digest(data)
-    outcomes = _drawn_before(out_dir, digest)
-    if outcomes is None:
-        (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
-        workers = min(len(jobs), os.cpu_count() or 1)
-        if workers > 1:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                outcomes = list(pool.map(_draw_and_save, *zip(*jobs)))
-        else:
-            outcomes = [_draw_and_save(*job) for job in jobs]
-        names = [name for name, _, _ in PLOTS]
-        write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip(names, outcomes))})
+    kept = _drawn_before(out_dir, digest)
+    if kept is not None:
+        yield lambda: _listed(jobs, kept)
+        return
+    (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
+    import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
+
+    def recorded(outcomes: list[str | None]) -> Drawn:
+        write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip([n for n, _, _ in PLOTS], outcomes))})
+        return _listed(jobs, outcomes)
+
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers == 1:
+        drawn = [_draw_and_save(*job) for job in jobs]
+        yield lambda: recorded(drawn)
+        return
+    # Forked workers that draw a few figures and end: no garbage collection in them (a pass would walk,
+    # and copy the pages of, every object of this process), a tenth of their CPU time.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
+        gc.freeze()
+        try:
+            pending = pool.map(_draw_and_save, *zip(*jobs))  # every job submitted, every worker forked, now
+        finally:
+            gc.unfreeze()
+        yield lambda: recorded(list(pending))
+
+
+def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
+    return [], {}
+
+
+def _listed(jobs: list[tuple[str, Any, PlotData, Path]], outcomes: list[str | None]) -> Drawn:
     written, skipped = [], {}
     for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
         if why is None:
@@ -226,6 +251,8 @@ def time_breakdown(data: PlotData) -> Figure:
     ax.set_yticks(np.arange(len(rows)), row_labels)
     ax.invert_yaxis()  # shared: the first row at the top of every panel
     figure.supxlabel("fraction of step time")
+    from matplotlib.patches import Patch  # with the figure (drawing/layout.py)
+
     figure.legend(handles=[Patch(color=c, label=n) for n, c in TIME_PARTS], loc="outside right upper")
     return figure
 
@@ -238,7 +265,7 @@ def loss_curves(data: PlotData) -> Figure:
     if cells.empty:
         raise NoData("no ok cell recorded losses")
     legend = layout.legend_inches(cells["variant"])
-    figure = Figure(figsize=(7 + legend, 5), layout="constrained")
+    figure = layout.new_figure(figsize=(7 + legend, 5), layout="constrained")
     ax = figure.subplots()
     for variant, group in cells.groupby("variant", sort=True):
         for i, losses in enumerate(group["losses"]):
@@ -274,7 +301,7 @@ def memory_stages(data: PlotData) -> Figure:
         raise NoData("no ok cell recorded memory by stage")
     means = cells[[c for _, c in bars]].apply(pd.to_numeric, errors="coerce").groupby(cells["variant"]).mean()
     legend = layout.legend_inches(means.index)
-    figure = Figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
+    figure = layout.new_figure(figsize=(max(6.0, 0.4 * len(bars) * len(means) + 2) + legend, 5), layout="constrained")
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
@@ -305,7 +332,7 @@ def scaling(data: PlotData) -> Figure:
     if table.empty:
         raise NotApplicable
     models = list(table["model"].unique())
-    figure = Figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
+    figure = layout.new_figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
     axes = figure.subplots(1, len(models), squeeze=False, sharey=True).ravel()
     for ax, model in zip(axes, models):
         part = table[table["model"] == model]
@@ -373,6 +400,8 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     ax.set_ylim(0, 1.08 * top)  # from 0, headroom over every panel
     figure.supxlabel("per-device batch size")
     figure.supylabel(ylabel)
+    from matplotlib.lines import Line2D  # with the figure (drawing/layout.py)
+
     handles = [Line2D([], [], **data.styles[name], label=name) for name in sorted(set(frame["variant"]))]
     if not probes.empty:
         handles += [

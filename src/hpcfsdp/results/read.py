@@ -8,7 +8,10 @@ holds fixed), and averages repeats into configurations (`ok_configs`).
 
 from __future__ import annotations
 
+import gc
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,21 +83,36 @@ def load_records(
         progress.count(len(paths))
     unreadable = list(unnamed_cell_folders(sweep_dir).values())
     rows, spec_fields = [], {}
-    for path in paths:
-        if progress:
-            progress.advance()
-        state = record_state(path, root=sweep_dir, cell_id=path.parent.name)
-        if state.problem:
-            unreadable.append(state.problem)
-        elif state.record is not None:
-            spec_fields.update(dict.fromkeys(state.record["spec"]))
-            # The folder names the cell, never the record's own cell_id: a value that becomes
-            # paths (export, accounting) and names in reports must not come from inside a file.
-            flat = _flatten(state.record)
-            flat.pop("cell_id", None)
-            rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
+    with _garbage_collection_paused():
+        for path in paths:
+            if progress:
+                progress.advance()
+            state = record_state(path, root=sweep_dir, cell_id=path.parent.name)
+            if state.problem:
+                unreadable.append(state.problem)
+            elif state.record is not None:
+                spec_fields.update(dict.fromkeys(state.record["spec"]))
+                # The folder names the cell, never the record's own cell_id: a value that becomes
+                # paths (export, accounting) and names in reports must not come from inside a file.
+                flat = _flatten(state.record)
+                flat.pop("cell_id", None)
+                rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
     return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
+
+
+@contextmanager
+def _garbage_collection_paused() -> Iterator[None]:
+    """Reading a sweep allocates some million small dicts and lists (the records, their rows),
+    none in a reference cycle: the collector's passes over them free nothing (about 0.25 s of the
+    4.5 s of CPU that collecting 10,000 records takes)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,28 +77,29 @@ def write_report(
     collection = collection if collection is not None else load_records(sweep_dir, scheduler_states)
     cells = label_cells(collection)
     report = report_folder(sweep_dir)
-    files, notes = write_tables(collection.cells, report)
-
     configs = ok_configs(cells)
-    table = comparison_table(cells.frame, collection.spec_fields)
-    # The recommendation and the cells it left out as untrusted first, then the over-time checks
-    # (first_sections), then the rest.
-    leading, rest = summary_sections(cells, configs, baseline, collection.unreadable)
-    tuned = tune_section(sweep_dir)
+    plotted = (
+        plotting.drawing_plots(configs, *reference_cells(cells), report / "plots", probe_rows(cells))
+        if plots
+        else nullcontext(plotting.nothing_drawn)
+    )
+    with plotted as drawn:  # the figures draw in worker processes while the tables are written
+        files, notes = write_tables(collection.cells, report)
+        table = comparison_table(cells.frame, collection.spec_fields)
+        # The recommendation and the cells it left out as untrusted first, then the over-time checks
+        # (first_sections), then the rest.
+        leading, rest = summary_sections(cells, configs, baseline, collection.unreadable)
+        tuned = tune_section(sweep_dir)
+        after_plots = [
+            *pivot_sections(cells, configs),
+            *scaling_sections(cells),
+            all_cells_section(table),
+            Section("Environment", table=environment_table(collection.frame)),
+        ]
+        figures, skipped = drawn()
+    files += [path for _, path in figures]
     sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
-    figures: list[tuple[str, Path]] = []
-    skipped: dict[str, str] = {}
-    if plots:
-        reference, label = reference_cells(cells)
-        figures, skipped = plotting.write_plots(configs, reference, label, report / "plots", probe_rows(cells))
-        files += [path for _, path in figures]
-    sections += [
-        Section("Plots", text=_plot_note(plots, skipped), images=figures),
-        *pivot_sections(cells, configs),
-        *scaling_sections(cells),
-        all_cells_section(table),
-        Section("Environment", table=environment_table(collection.frame)),
-    ]
+    sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *after_plots]
 
     title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
     write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..contracts.fields import spelt_alike
 from ..contracts.gpus import GPU_WORDS, PROCESS_WORDS, RankWords, rank_words
 from ..contracts.record import (
     MISSING,
@@ -44,7 +45,7 @@ def varied_fields(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[str
     return [
         name
         for name in candidates
-        if name != "strategy" and name in frame and frame[name].map(value_text).nunique() > 1
+        if name != "strategy" and name in frame and not spelt_alike(frame[name].tolist(), value_text)
     ]
 
 

@@ -26,6 +26,7 @@ from ...contracts.fields import (
     field_names,
     raise_problems,
     shown,
+    spelt_alike,
     unknown_key,
 )
 from ...contracts.gpus import RankWords, rank_words
@@ -325,7 +326,7 @@ def varying_columns(specs: list[Mapping[str, Any]], already: Iterable[str]) -> d
     names = [
         name
         for name in field_names(RunSpec)
-        if name not in left_out and len({plain_value(spec.get(name, "-")) for spec in specs}) > 1
+        if name not in left_out and not spelt_alike((spec.get(name, "-") for spec in specs), plain_value)
     ]
     return {name: [plain_value(spec.get(name, "-")) for spec in specs] for name in names}
 

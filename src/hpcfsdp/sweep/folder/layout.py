@@ -56,12 +56,37 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
     """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
     whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
-    return sorted(path for path in Path(sweep_dir).glob(f"{CELLS_DIR}/*/{name}") if not _no_cell_id(path.parent.name))
+    cells = Path(sweep_dir) / CELLS_DIR
+    return [Path(cells, cell_id, name) for cell_id in cell_ids_with(sweep_dir, name)]
+
+
+def cell_ids_with(sweep_dir: Path, name: str) -> list[str]:
+    """The ids (folder names) of the cells of cell_files(sweep_dir, name), without making a Path of
+    each. What Path.glob(f"cells/*/{name}") finds (a folder, or a link to one, holding `name` that
+    exists or links to what exists), sorted as it sorts them, by one scandir in a third of its time."""
+    cells = os.path.join(sweep_dir, CELLS_DIR)
+    try:
+        with os.scandir(cells) as entries:
+            folders = sorted(entry.name for entry in entries if _is_folder(entry) and not _no_cell_id(entry.name))
+    except OSError:
+        return []
+    return [folder for folder in folders if os.path.exists(os.path.join(cells, folder, name))]
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    """A folder or a link to one; False where that cannot be told (a link loop)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _no_cell_id(name: str) -> bool:
     """A folder name no cell id is: not UTF-8 text (a lone surrogate, as Python reads such a name),
-    or holding a control character (a newline would split the lines that name it)."""
+    or holding a control character (a newline would split the lines that name it). A printable
+    name has neither (str.isprintable is False for every Cc and Cs character): most names, in C."""
+    if name.isprintable():
+        return False
     return has_surrogate(name) or any(unicodedata.category(char) == "Cc" for char in name)
 
 
@@ -83,7 +108,7 @@ def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
 
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
     """The cells of the folder: those with a spec.json, sorted."""
-    return [path.parent.name for path in cell_files(sweep_dir, SPEC_NAME)]
+    return cell_ids_with(sweep_dir, SPEC_NAME)
 
 
 LOG_SUFFIXES = {"stdout": "_log.out", "stderr": "_log.err"}  # submitit's names: slurm/<job>/<job>_<rank>_log.out
