@@ -328,6 +328,9 @@ FAULTS = {  # name: (HPCFSDP_FAULT kind, the status the record must say)
 }
 
 
+PREEMPT_STEPS = 1000  # about 25 s of the tiny model's steps on 2 x 2 H100 (the CPU smoke's cells: 100)
+
+
 def fault_jobs(name: str, **more) -> dict:
     return {
         "name": name,
@@ -386,7 +389,11 @@ def run_faults(work: Path, out: Path) -> list[dict]:
             hpcfsdp("submit", str(work / "timelimit.yaml"), "--results-dir", str(results), timeout=120),
         )
     # A preemption: once the cell runs, a job of partition urgent takes both nodes; the cell is requeued
-    (work / "preempt.yaml").write_text(yaml.safe_dump(fault_jobs("preempt", steps=60, max_requeue=1)))
+    # (enough steps that the preemption lands in training: on 2 x 2 H100 the tiny model ran 60 steps in
+    # 1.4 s and ended ok before the urgent job was submitted, 2026-11-27)
+    (work / "preempt.yaml").write_text(
+        yaml.safe_dump(fault_jobs("preempt", steps=100 if smoke() else PREEMPT_STEPS, max_requeue=1))
+    )
     if "preempt" in wanted:
         keep(
             out,
@@ -462,12 +469,26 @@ def wait_until_running(job_name: str, limit_s: float) -> None:
         time.sleep(2)
 
 
+def wait_until_training(sweep_dir: Path, limit_s: float) -> None:
+    """Wait until a cell of the sweep reports a training step in its progress.json (or limit_s)."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        for progress in sweep_dir.glob("cells/*/progress.json"):
+            try:
+                found = json.loads(progress.read_text())
+            except (OSError, ValueError):
+                continue
+            if found.get("stage") == "train" and (found.get("step") or 0) >= 1:
+                return
+        time.sleep(0.5)
+
+
 def preemption_rows(results: Path, out: Path) -> list[dict]:
     """Wait until the preempt cell runs, then take both nodes from partition urgent: the cell is
     requeued, runs again and ends ok, its preempted record kept in attempts/."""
     sweep = results / "preempt"
     wait_until_running("hpcfsdp-preempt", 300)
-    time.sleep(8)
+    wait_until_training(sweep, 120)
     urgent = subprocess.run(
         [
             "sbatch",

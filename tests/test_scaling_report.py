@@ -59,3 +59,17 @@ def test_the_scaling_plot_draws_one_line_per_strategy_over_the_gpu_counts(tmp_pa
     assert lines == {"ddp": [1, 2, 4], "fsdp2_zero3": [2, 4]}
     report = write_report(sweep).directory
     assert (report / "plots" / "scaling.png").stat().st_size > 0
+
+
+def test_a_sweep_at_several_gpu_counts_whose_one_gpu_cell_ran_out_of_memory_says_why_it_has_no_scaling_table(tmp_path):
+    from test_collect import failed_record
+
+    sweep = tmp_path / "unscaled"
+    base = {**GPU_BASE, "batch_size": 2}
+    put(sweep, failed_record(spec_of(base, strategy="ddp", gpus_per_node=1), "oom", "train", "CUDA out of memory"))
+    for strategy in ("fsdp2_zero2", "fsdp2_zero3"):
+        put(sweep, ok_record(spec_of(base, strategy=strategy, gpus_per_node=2), 14_000.0, 60.0))
+    summary = (write_report(sweep, plots=False).directory / "summary.md").read_text()
+    scaling = section(summary, "Scaling")
+    assert "Not shown: no one-GPU cell ran ok to scale against (the one-GPU cells: 1 oom)" in scaling, scaling
+    assert "| fsdp2_zero3" not in scaling

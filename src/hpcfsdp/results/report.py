@@ -22,7 +22,7 @@ from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, label_cells, load_records, ok_configs
 from .render import Section, to_html, to_markdown
-from .scaling import scaling_table
+from .scaling import scaling_table, unscaled_reason
 from .tables import (
     DEFAULT_BASELINES,
     baseline_table,
@@ -258,6 +258,8 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
 def scaling_sections(cells: Cells) -> list[Section]:
     """The scaling table, where ok cells ran one workload at several GPU counts (results/scaling.py)."""
     table = scaling_table(cells.ok)
+    if reason := unscaled_reason(cells.frame, table):
+        return [Section("Scaling", text=reason)]
     if table.empty:
         return []
     text = (
