@@ -36,6 +36,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -113,12 +114,17 @@ def row(part: str, check: str, result: object, passed: bool) -> dict:
     return line
 
 
+def wait_until(done: Callable[[], bool], limit_s: float, every_s: float = 2) -> float:
+    """Seconds until done() is true, polled every every_s, or limit_s has passed."""
+    started = time.time()
+    while not done() and time.time() - started < limit_s:
+        time.sleep(every_s)
+    return time.time() - started
+
+
 def wait_for(sweep_dir: Path, count: int, limit_s: float) -> float:
     """Seconds until `count` cells have a record (or limit_s)."""
-    started = time.time()
-    while len(list((sweep_dir / "cells").glob("*/result.json"))) < count and time.time() - started < limit_s:
-        time.sleep(2)
-    return time.time() - started
+    return wait_until(lambda: len(list((sweep_dir / "cells").glob("*/result.json"))) >= count, limit_s)
 
 
 def placement_rows(part: str, recs: list[dict]) -> list[dict]:
@@ -180,12 +186,10 @@ def run_seed(work: Path, out: Path) -> list[dict]:
     wall = time.time() - started
     keep(out, "seed_status_watch", watch)
     collect_job = sweep / "collect_job.json"
-    deadline = time.time() + 120
-    while (
-        time.time() < deadline
-        and (json.loads(collect_job.read_text()) if collect_job.exists() else {}).get("exit_status") is None
-    ):
-        time.sleep(2)
+    wait_until(
+        lambda: (json.loads(collect_job.read_text()) if collect_job.exists() else {}).get("exit_status") is not None,
+        120,
+    )
     recs = records(sweep)
     cells = len(list((sweep / "cells").iterdir())) if (sweep / "cells").exists() else 0
     statuses = {r["cell_id"]: r["status"] for r in recs}
@@ -451,36 +455,31 @@ def run_faults(work: Path, out: Path) -> list[dict]:
 def left_on_gpus() -> list[int]:
     """The processes on the cluster's GPUs once no job of it is queued or running (up to 90 s: a job
     whose record is written still ends its ranks, and Slurm ends what is left after KillWait)."""
-    deadline = time.time() + 90
-    while time.time() < deadline and subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip():
-        time.sleep(2)
+    wait_until(lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip(), 90)
     time.sleep(2)  # the driver frees a process's memory as it ends
     return sorted(gpu_pids())
 
 
 def wait_until_running(job_name: str, limit_s: float) -> None:
     """Wait, polling squeue every 2 s, until a job of this name runs or limit_s has passed."""
-    deadline = time.time() + limit_s
-    while (
-        time.time() < deadline
-        and "RUNNING"
-        not in subprocess.run(["squeue", "-h", "-o", "%T", "-n", job_name], capture_output=True, text=True).stdout
-    ):
-        time.sleep(2)
+    squeue = ["squeue", "-h", "-o", "%T", "-n", job_name]
+    wait_until(lambda: "RUNNING" in subprocess.run(squeue, capture_output=True, text=True).stdout, limit_s)
 
 
 def wait_until_training(sweep_dir: Path, limit_s: float) -> None:
     """Wait until a cell of the sweep reports a training step in its progress.json (or limit_s)."""
-    deadline = time.time() + limit_s
-    while time.time() < deadline:
+
+    def training() -> bool:
         for progress in sweep_dir.glob("cells/*/progress.json"):
             try:
                 found = json.loads(progress.read_text())
             except (OSError, ValueError):
                 continue
             if found.get("stage") == "train" and (found.get("step") or 0) >= 1:
-                return
-        time.sleep(0.5)
+                return True
+        return False
+
+    wait_until(training, limit_s, every_s=0.5)
 
 
 def preemption_rows(results: Path, out: Path) -> list[dict]:
@@ -508,9 +507,7 @@ def preemption_rows(results: Path, out: Path) -> list[dict]:
         text=True,
     )
     (out / "fault_preempt_urgent.log").write_text(urgent.stdout + urgent.stderr)
-    deadline = time.time() + 240
-    while time.time() < deadline and not [r for r in records(sweep) if r["status"] == "ok"]:
-        time.sleep(3)
+    wait_until(lambda: any(r["status"] == "ok" for r in records(sweep)), 240, every_s=3)
     pre = (records(sweep) or [{}])[0]
     attempts = [json.loads(p.read_text()).get("status") for p in sweep.glob("cells/*/attempts/*.json")]
     return [
