@@ -9,6 +9,9 @@
 #   MODEL=tiny DEVICE=cpu bash bench/launch_phases.sh    # the same launches on CPU (no FSDP1 there:
 #                                                        # ddp and FSDP2 only, seq 64, fp32)
 # STEPS overrides the 12 steps a cell; STRATEGIES the four strategies (space-separated).
+# TUNE=1 then runs `hpcfsdp tune` on the same YAML and writes tune against this grid
+# (bench/tune_vs_grid_table.py: the pick, where the grid ranks it, each one's GPU-hours) to
+# $OUT/tune_vs_grid.md: issue 45's tune on the small matrix, from the same launches' grid.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/bench-out}"
@@ -52,3 +55,12 @@ echo "submit exited $? (3: some cells not ok)"
 ended=$(date +%s.%N)
 "$py" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(python3 -c "print($ended - $started)")" \
   | tee "$out/launch_phases.md"
+if [[ ${TUNE:-0} == 1 ]]; then
+  rm -rf "$out/tune"
+  echo "[launch_phases] $(date -u +%T) tune on the same matrix"
+  "$py" -m hpcfsdp tune "$jobs" --executor local --results-dir "$out/tune" > "$out/tune.log" 2>&1
+  echo "tune exited $?"
+  tail -5 "$out/tune.log"
+  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/launch_phases" --jobs "$jobs" \
+    --grid "$out/results/launch_phases" | tee "$out/tune_vs_grid.md"
+fi

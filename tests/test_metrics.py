@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcfsdp.cell.measure.metrics import communication_breakdown, flops_per_token, peak_tflops
+from hpcfsdp.cell.measure.metrics import Span, communication_breakdown, flops_per_token, peak_tflops
 from hpcfsdp.cell.models import load_config, resolve_model
 from hpcfsdp.contracts.sources import model_source
 
@@ -49,10 +47,8 @@ def test_peak_lookup_and_override():
     assert peak_tflops("Mystery GPU") == 0.0 and peak_tflops("Mystery GPU", 500.0) == 500.0
 
 
-def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA", annotation: bool = False):
-    return SimpleNamespace(
-        name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, is_user_annotation=annotation
-    )
+def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA", annotation: bool = False) -> Span:
+    return Span(name, start, end, on_device=device == "DeviceType.CUDA", annotation=annotation)
 
 
 def test_exposed_communication_is_what_no_compute_kernel_covers():
@@ -84,12 +80,12 @@ def test_on_the_cpu_gloos_collectives_count_though_the_profiler_marks_them_as_an
 def test_the_communication_profiles_events_are_read_without_a_garbage_collection():
     """Reading a profile makes a Python object of each of its thousands of events, which set off
     full collections of everything the rank holds (most of the tiny CPU cell's measurement phase);
-    profiled_events reads the same events with the collector paused, and resumes it."""
+    profiled_spans reads them with the collector paused, and resumes it."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
 
-    from hpcfsdp.cell.profiling import profiled_events
+    from hpcfsdp.cell.profiling import profiled_spans
 
     x = torch.ones(4)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -103,7 +99,7 @@ def test_the_communication_profiles_events_are_read_without_a_garbage_collection
 
     gc.callbacks.append(count)
     try:
-        events = profiled_events(prof)
+        events = profiled_spans(prof)
     finally:
         gc.callbacks.remove(count)
     assert sum(event.name == "aten::add" for event in events) == 2000

@@ -225,6 +225,12 @@ def test_tune_runs_the_grids_cells_themselves_where_probing_cannot_save_and_says
     assert found["best"]["cell_id"] in grid and "no probes: the grid's 2 cell(s) ran themselves" in found["notes"][-1]
     assert found["spend"]["fraction_of_grid"] == pytest.approx(1.0)
 
+    # Run again: the search reads the state it wrote (a lone final stage) and launches nothing.
+    assert main(["tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path), "--top", "3"]) == 0
+    again = capsys.readouterr()
+    assert "not a state this search wrote" not in again.err and found["best"]["cell_id"] in again.out
+    assert set(launches(sweep_dir)) == {f"final-{cell_id}" for cell_id in grid}
+
 
 def test_tunes_final_stage_measures_the_batch_its_probe_found_without_a_second_search_and_prints_it(
     tmp_path, monkeypatch, capsys

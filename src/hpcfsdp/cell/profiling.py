@@ -11,10 +11,7 @@ import torch
 
 from ..contracts.record import OkRecord
 from ..contracts.spec import RunSpec
-from .measure.metrics import (
-    communication_breakdown,
-    quiet_profiler,
-)
+from .measure.metrics import Span, communication_breakdown, quiet_profiler
 from .ranks.distributed import DistEnv, all_reduce_max
 from .train import train
 
@@ -31,10 +28,12 @@ def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv
 
     quiet_profiler()
     steps = spec.comm_profile_steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+    # On a GPU the breakdown reads kernels only: the host's ops (the bulk of a profile's events)
+    # would be recorded, collected and read for nothing. On the CPU the ops are all there is.
+    activity = ProfilerActivity.CUDA if env.device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity], schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
         log = train(model, optimizer, batches, spec, env, 1 + steps, warmup=1, on_step_end=lambda *_: prof.step())
-    comm = communication_breakdown(profiled_events(prof), steps)
+    comm = communication_breakdown(profiled_spans(prof), steps)
     comm["comm_profile_step_time_s"] = log.window_s / steps
     comm = {key: all_reduce_max(value, env) for key, value in comm.items()}
     return {
@@ -47,17 +46,26 @@ def profile_communication(model, optimizer, batches, spec: RunSpec, env: DistEnv
     }
 
 
-def profiled_events(prof) -> list:
-    """The profile's events, read with the garbage collector paused. torch makes a Python object
-    of each op and kernel the profile saw (thousands), and that many new objects set off full
-    collections, each of which walks every object the rank holds (torch's and transformers'
-    modules): on the 2-core CPU machine (2026-11-27) 0.5-0.9 s of the 0.6-1.1 s the tiny cell's
-    communication profile took, 0.15-0.2 s without. The events are the same; the collector runs
-    again after."""
+def profiled_spans(prof) -> list[Span]:
+    """The profile's events as spans, read from the profiler's own results. `prof.events()` would
+    make a FunctionEvent of some forty fields for each event and link each kernel to the op that
+    launched it; the breakdown needs five fields. Read with the garbage collector paused: that many
+    new objects set off full collections, each of which walks every object the rank holds (torch's
+    and transformers' modules; on the 2-core CPU machine, 2026-11-27, 0.5-0.9 s of the 0.6-1.1 s
+    the tiny cell's communication profile took). The collector runs again after."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return prof.events()
+        return [
+            Span(
+                event.name(),
+                event.start_ns() / 1e3,
+                event.end_ns() / 1e3,
+                "cuda" in str(event.device_type()).lower(),
+                event.is_user_annotation(),
+            )
+            for event in prof.profiler.kineto_results.events()
+        ]
     finally:
         if enabled:
             gc.enable()

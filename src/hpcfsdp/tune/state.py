@@ -106,8 +106,9 @@ def _stage_problem(where: str, stage: object, index: int, last: bool, grid: list
     if not isinstance(stage, dict):
         return f"{where}: expected an object (name, runs, jobs), got {shown(stage)}"
     name, runs, jobs = stage.get("name"), stage.get("runs"), stage.setdefault("jobs", {})
-    if name != f"stage{index}" and not (name == FINAL and last and index > 0):
-        return f"{where}.name: expected stage{index}" + (" or final" if last and index else "") + f", got {shown(name)}"
+    # The final stage is the last; it is the only one where the search ran the grid's cells itself.
+    if name != f"stage{index}" and not (name == FINAL and last):
+        return f"{where}.name: expected stage{index}" + (" or final" if last else "") + f", got {shown(name)}"
     if not isinstance(runs, dict) or not all(is_cell_id(run) and isinstance(g, str) for run, g in runs.items()):
         return f"{where}.runs: expected an object of run id (a cell id) -> grid cell id, got {shown(runs)}"
     if problem := _not_in_grid(f"{where}.runs", list(runs.values()), grid):

@@ -7,8 +7,9 @@ import resource
 import statistics
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -202,23 +203,36 @@ def quiet_profiler() -> None:
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
 
 
-def communication_breakdown(events, steps: int) -> dict[str, float]:
+class Span(NamedTuple):
+    """One event of a communication profile as the breakdown reads it: its name, its start and end
+    (microseconds), whether it ran on the device's timeline, and whether it is an annotation (a
+    `record_function` range, not work)."""
+
+    name: str
+    start_us: float
+    end_us: float
+    on_device: bool
+    annotation: bool
+
+
+def communication_breakdown(events: Iterable[Span], steps: int) -> dict[str, float]:
     """Seconds per step in collectives, and the part not hidden behind compute.
 
     On a GPU: collective kernels (NCCL) against all other kernels on the device timeline; the
     exposed part is the time covered by collectives and by no compute kernel. On CPU (gloo) the
     collectives run on helper threads and there is no device timeline: all of it counts as exposed.
 
-    On a GPU the profiler also projects annotations onto the device timeline (`gpu_user_annotation`:
+    On a GPU the profiler may also project annotations onto the device timeline (`gpu_user_annotation`:
     "ProfilerStep#N", FSDP's record_function ranges). They are spans, not kernels: one of them
     covers the whole step, and counted as compute it hid every collective (exposed 0.000 s).
     """
+    events = list(events)
     comm, compute = [], []
-    on_device = any(_is_device_event(e) for e in events)
+    on_device = any(event.on_device for event in events)
     for event in events:
-        if on_device and (not _is_device_event(event) or getattr(event, "is_user_annotation", False)):
+        if on_device and (not event.on_device or event.annotation):
             continue
-        span = (event.time_range.start, event.time_range.end)
+        span = (event.start_us, event.end_us)
         if any(marker in event.name.lower() for marker in COMM_MARKERS):
             comm.append(span)
         elif on_device:
@@ -226,10 +240,6 @@ def communication_breakdown(events, steps: int) -> dict[str, float]:
     comm_us = _union_length(comm)
     exposed_us = _union_length(comm) - _overlap(_merge(comm), _merge(compute)) if on_device else comm_us
     return {"comm_s_per_step": comm_us / 1e6 / steps, "comm_exposed_s_per_step": exposed_us / 1e6 / steps}
-
-
-def _is_device_event(event) -> bool:
-    return "cuda" in str(event.device_type).lower()
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
