@@ -187,7 +187,8 @@ def slurm_id_text(value: Any) -> str | None:
         return None
     if isinstance(value, numbers.Integral):  # not through float: exact however large
         return str(int(value))
-    return str(int(value)) if float(value).is_integer() else None
+    number = float(value)
+    return str(int(number)) if number.is_integer() else None
 
 
 # ---------------------------------------------------------------------------------------------
