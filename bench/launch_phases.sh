@@ -13,22 +13,17 @@
 # (bench/tune_vs_grid_table.py: the pick, where the grid ranks it, each one's GPU-hours) to
 # $OUT/tune_vs_grid.md: issue 45's tune on the small matrix, from the same launches' grid.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 model="${MODEL:-qwen2.5-1.5b}"
 device="${DEVICE:-cuda}"
 if [[ $device == cpu ]]; then
-  py="${PYTHON:-python3}"
-  export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   strategies="${STRATEGIES:-ddp fsdp2_zero2 fsdp2_zero3}"
   shape="precision: fp32, seq_len: 64"
   memory="gpu_memory_gib: 2.01"  # a memory for the prediction the auto cell's search starts from
   auto="max_batch_size: 8"  # a CPU never runs out of memory: the search stops at its cap
 else
-  source bench/gpu_env.sh
-  py=python3
   write_machine_info "$out/machine.$(date -u +%Y%m%dT%H%M%S).txt"
   strategies="${STRATEGIES:-fsdp1_shard_grad_op fsdp1_full_shard fsdp2_zero2 fsdp2_zero3}"
   shape="precision: bf16_mixed, seq_len: 4096, adamw_impl: fused"
@@ -50,10 +45,10 @@ YAML
 echo "[launch_phases] $(date -u +%T) $model on $device: $jobs"
 rm -rf "$out/results/launch_phases"
 started=$(date +%s.%N)
-"$py" -m hpcfsdp submit "$jobs" --executor local --results-dir "$out/results" > "$out/submit.log" 2>&1
+"$python" -m hpcfsdp submit "$jobs" --executor local --results-dir "$out/results" > "$out/submit.log" 2>&1
 echo "submit exited $? (3: some cells not ok)"
 ended=$(date +%s.%N)
-"$py" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(python3 -c "print($ended - $started)")" \
+"$python" bench/launch_phases_table.py "$out/results/launch_phases" --wall-s "$(python3 -c "print($ended - $started)")" \
   | tee "$out/launch_phases.md"
 if [[ ${TUNE:-0} == 1 ]]; then
   rm -rf "$out/tune"

@@ -21,13 +21,10 @@
 # shared by a rough cost (bench/tune_vs_grid_split.py), stream 0 behind by TUNE_HEAD_START_S
 # (default 850) while tune still has to run.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-out="${OUT:-$root/bench-out}"
-mkdir -p "$out"
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 jobs="${1:-bench/jobs/tune_zero2_vs_zero3.yaml}"
 if [[ "${SMOKE:-0}" == 1 ]]; then
-  py="${PYTHON:-python3}"
   gpus=0
   jobs="$out/tune_smoke.yaml"
   cat > "$jobs" <<'YAML'
@@ -40,8 +37,6 @@ matrix:
   grad_accum: [1, 2]
 YAML
 else
-  source bench/gpu_env.sh
-  py=python3
   write_machine_info "$out/machine.$(date -u +%Y%m%dT%H%M%S).txt"
   card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
   if [[ -n ${REQUIRE_GPU:-} && $card != *"$REQUIRE_GPU"* ]]; then
@@ -51,7 +46,7 @@ else
   gpus="$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)"
   memory_gib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print $1 / 1024}')"
   copy="$out/$(basename "$jobs")"  # the card's own memory for tune's pruning
-  "$py" - "$jobs" "$copy" "$memory_gib" <<'PY'
+  "$python" - "$jobs" "$copy" "$memory_gib" <<'PY'
 import sys, yaml
 doc = yaml.safe_load(open(sys.argv[1]))
 doc.setdefault("slurm", {}).pop("gpu_name", None)
@@ -60,7 +55,7 @@ yaml.safe_dump(doc, open(sys.argv[2], "w"), sort_keys=False)
 PY
   jobs="$copy"
 fi
-read -r name per_cell < <("$py" -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep
+read -r name per_cell < <("$python" -c 'import sys; from hpcfsdp.sweep.define.matrix import load_sweep
 s = load_sweep(sys.argv[1]); print(s.name, max(c.spec.world_size for c in s.cells))' "$jobs")
 streams="${STREAMS:-$(( gpus >= 2 * per_cell ? 2 : 1 ))}"
 deadline=$(( $(date +%s) + ${STREAM_S:-999999} ))
@@ -72,7 +67,7 @@ tune_done() { [[ -f "$out/tune/$name/tune.json" ]]; }
 run_tune() {  # run_tune STREAM: tune on that stream's GPUs until done or the deadline
   log "stream $1: tune $name"
   # shellcheck disable=SC2086
-  timeout --kill-after=30 "$(left)" "$py" -m hpcfsdp tune "$jobs" --executor local \
+  timeout --kill-after=30 "$(left)" "$python" -m hpcfsdp tune "$jobs" --executor local \
     --results-dir "$out/tune" ${TUNE_ARGS:-} >> "$out/tune.log" 2>&1
 }
 
@@ -81,7 +76,7 @@ run_grid() {  # run_grid STREAM: that stream's share of the grid's cells (split 
   (( $1 > 0 )) && folder="$out/grid$1"
   [[ -f $part ]] || return 0
   log "stream $1: grid cells of $part"
-  timeout --kill-after=30 "$(left)" "$py" -m hpcfsdp submit "$part" --executor local \
+  timeout --kill-after=30 "$(left)" "$python" -m hpcfsdp submit "$part" --executor local \
     --results-dir "$folder" >> "$out/grid$1.log" 2>&1
 }
 
@@ -101,7 +96,7 @@ mkdir -p "$out/grid"
 head_start=0
 if [[ "${SKIP_TUNE:-0}" != 1 ]] && ! tune_done; then head_start="${TUNE_HEAD_START_S:-850}"; fi
 shopt -s nullglob
-"$py" bench/tune_vs_grid_split.py "$jobs" "$out/grid_part" --streams "$streams" --head-start-s "$head_start" \
+"$python" bench/tune_vs_grid_split.py "$jobs" "$out/grid_part" --streams "$streams" --head-start-s "$head_start" \
   --grid "$out"/grid*/"$name" | tee -a "$out/split.log" || exit 1
 pids=()
 for (( k = 0; k < streams; k++ )); do
@@ -112,7 +107,7 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 log "both streams ended; $(left) s of STREAM_S left"
 grids=("$out"/grid "$out"/grid[0-9]*)
 if tune_done; then
-  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/$name" --jobs "$jobs" \
+  "$python" bench/tune_vs_grid_table.py --tune "$out/tune/$name" --jobs "$jobs" \
     $(for g in "${grids[@]}"; do [[ -d $g/$name ]] && echo "--grid $g/$name"; done) | tee "$out/tune_vs_grid.md"
 else
   echo "tune has not finished: run the same command again"

@@ -9,6 +9,7 @@ real DuckDB file. The ones that could hang run in a process of their own, under 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,11 +17,13 @@ import time
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
+from hpcfsdp.contracts.names import slurm_id_text, slurm_job_of
 from hpcfsdp.contracts.record import RECORD_NAME, SPEC_NAME, write_record
 from hpcfsdp.results import history
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -302,6 +305,46 @@ def test_logs_build_no_path_from_a_job_id_that_is_none(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"{cell}: no Slurm job and no local run's log" in done.stdout
     assert "etc" not in done.stdout and "1,2" not in done.stdout
+
+
+# A Slurm id as text had two copies: slurm_job_of's (names.py) and the export's provenance's (exports/runs.py).
+# Where they disagreed: the value, and what each said, as comments; the one answer now.
+ID_EDGES = [
+    (4242.5, None),  # slurm_job_of's: "4242.5", the export's: None
+    (math.inf, None),  # "inf", None
+    (True, None),  # "True", None
+    (False, None),  # "False", None
+    ([4242], None),  # "[4242]", None
+    ({"id": 4242}, None),  # "{'id': 4242}", None
+    (pd.NA, None),  # TypeError (NA has no truth value), None
+    (np.int64(4242), "4242"),  # "4242", None: an id from a nullable integer column went unexported
+    (np.float32(4242.0), "4242"),  # "4242.0", None
+]
+# Where they agreed.
+ID_AGREED = [(None, None), (math.nan, None), ("", None), ("4242", "4242"), (4242, "4242"), (4242.0, "4242"), (0, "0")]
+
+
+@pytest.mark.parametrize(("value", "text"), [*ID_EDGES, *ID_AGREED])
+def test_a_slurm_id_is_text_only_where_it_is_text_or_a_whole_number(value, text):
+    assert slurm_id_text(value) == text
+
+
+@pytest.mark.parametrize(("value", "text"), ID_EDGES)
+def test_a_records_job_is_its_own_job_id_where_its_array_id_is_no_id(value, text):
+    slurm = {"job_id": "4250", "array_job_id": value, "array_task_id": 3}
+    assert slurm_job_of(slurm) == (f"{text}_3" if text else "4250")
+
+
+def test_logs_find_a_cells_job_by_its_own_id_where_the_records_array_id_is_spoiled(tmp_path):
+    sweep, cell = slurm_cell(tmp_path, job_id="4250")
+    (sweep / MANIFEST_NAME).write_text(json.dumps({cell: {"executor": "local"}}))  # the record alone names the job
+    spoil(cells_of(sweep)[0], slurm={"job_id": "4250", "array_job_id": True, "array_task_id": 0})
+    folder = sweep / "slurm" / "4250"
+    folder.mkdir(parents=True)
+    (folder / "4250_0_log.err").write_text("RuntimeError: the end\n")
+    done = run_cli("logs", str(sweep), cell, "--stderr")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "==> job 4250, rank 0" in done.stdout and "RuntimeError: the end" in done.stdout
 
 
 @pytest.mark.parametrize("spec_changes", [{"nodes": "x"}, {"nodes": 10**12}, {"gpus_per_node": None}])

@@ -50,7 +50,7 @@ from ..contracts.record import BatchProbe, BatchSearchRecord
 from ..contracts.sources import Sources
 from ..contracts.spec import RunSpec
 from .batch_probe import PROBE_SPEC_ENV, ProbeOutcome, ProbeResult
-from .ranks.distributed import DistEnv
+from .ranks.distributed import DistEnv, free_port
 
 ProbeStatus = Literal["ok", "oom", "over_margin"]
 GIB = 1024**3
@@ -277,7 +277,7 @@ def _run_probe_process(
     key = f"hpcfsdp/batch_search/{index}"
     if env.rank == 0:  # the probe's rendezvous: a free port on rank 0's node
         host = "127.0.0.1" if env.world_size == env.local_world_size else socket.gethostname()
-        store.set(f"{key}/rendezvous", f"{host}:{_free_port()}")
+        store.set(f"{key}/rendezvous", f"{host}:{free_port('')}")
     host, port = store.get(f"{key}/rendezvous").decode().rsplit(":", 1)
     path = folder / f"{index}-rank{env.rank}.json"
     path.unlink(missing_ok=True)
@@ -347,12 +347,6 @@ def _error_result(error: str, status: ProbeOutcome = "error") -> ProbeResult:
         "error": error,
         "failed_at": time.time(),
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _free_device_memory(device: torch.device) -> float | None:

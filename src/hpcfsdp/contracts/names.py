@@ -27,6 +27,7 @@ by them, so they sit below both.
 
 from __future__ import annotations
 
+import numbers
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -163,7 +164,7 @@ def slurm_job_of(slurm: Any) -> str | None:
     task, as sacct and squeue print it, else the job id; None outside Slurm."""
     if not isinstance(slurm, dict):
         return None
-    array, task, job = (_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
+    array, task, job = (slurm_id_text(slurm.get(key)) for key in ("array_job_id", "array_task_id", "job_id"))
     found = f"{array}_{task}" if array and task else job
     return found if found and is_job_id(found) else None
 
@@ -174,13 +175,20 @@ def is_job_id(text: str) -> bool:
     return bool(re.fullmatch(r"[0-9]+(_[0-9]+)?", text))
 
 
-def _id_text(value: Any) -> str | None:
-    """An id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0; None for nothing."""
-    if value is None or value != value or value == "":  # None, NaN, empty
+def slurm_id_text(value: Any) -> str | None:
+    """A Slurm id of a record's `slurm` as text: 4242 whether the JSON held "4242" or 4242, or a
+    DataFrame made it 4242.0 (or numpy's 4242, from a nullable integer column); text as it is.
+    None for what no id can be: nothing (None, NaN, pandas' NA, ""), a bool, a number that is not
+    whole (4242.5, infinity), a list or an object. So slurm_job_of falls back to the job's own id
+    where the array id is spoiled (not "True_3"), and an export never tags a run with "True"."""
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, numbers.Integral):  # not through float: exact however large
         return str(int(value))
-    return str(value)
+    number = float(value)
+    return str(int(number)) if number.is_integer() else None
 
 
 # ---------------------------------------------------------------------------------------------

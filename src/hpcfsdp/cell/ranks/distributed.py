@@ -49,7 +49,7 @@ def export_launcher_env() -> str:
         return "slurm"
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     return "single"
 
 
@@ -132,7 +132,9 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port(address: str) -> int:
+    """A port free on `address` now, for a rendezvous to listen on: "127.0.0.1" for one on this
+    host only, "" (every interface) for one that other nodes reach."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]

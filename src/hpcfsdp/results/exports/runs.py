@@ -13,7 +13,7 @@ import pandas as pd
 
 from ...contracts.errors import UserError
 from ...contracts.files import RecordError
-from ...contracts.names import slurm_job_of
+from ...contracts.names import slurm_id_text, slurm_job_of
 from ...contracts.record import CellState
 from ...sweep.folder.layout import read_manifest
 from ..history_rows import attempt_of, setup_key, spec_values, system_of
@@ -160,8 +160,8 @@ def _provenance(record: Mapping[Any, Any], folder: str, entry: Mapping[str, Any]
     found = {
         "git_commit": _text(record.get("git_commit")),
         "slurm_job_id": slurm_job_of(slurm),
-        "slurm_array_job_id": _id_text(slurm["array_job_id"]),
-        "slurm_array_task_id": _id_text(slurm["array_task_id"]),
+        "slurm_array_job_id": slurm_id_text(slurm["array_job_id"]),
+        "slurm_array_task_id": slurm_id_text(slurm["array_task_id"]),
         "sweep_dir": folder,
         UID_KEY: _text(record.get(UID_KEY)) or _text(entry.get(UID_KEY)),
     }
@@ -196,13 +196,6 @@ def _list(value: Any) -> list:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
-
-
-def _id_text(value: Any) -> str | None:
-    """A Slurm id as text: 4242 whether the JSON held "4242" or a DataFrame made it 4242.0."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return _text(value) or (str(value) if isinstance(value, int) and not isinstance(value, bool) else None)
 
 
 # ---------------------------------------------------------------------------------------------
