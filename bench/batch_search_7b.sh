@@ -7,16 +7,14 @@
 #   MODEL=tiny DEVICE=cpu bash bench/batch_search_7b.sh   # the same on 2 CPU processes
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source bench/gpu_env.sh  # root, out (made) and python
 model="${MODEL:-codellama-7b}"
 device="${DEVICE:-cuda}"
 if [[ $device == cpu ]]; then
-  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  root=$PWD out="${OUT:-$PWD/bench-out}" python="${PYTHON:-python3}"
-  mkdir -p "$out"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   shape="precision: fp32, seq_len: 64, max_batch_size: 8"
   memory="gpu_memory_gib: 2.01"
 else
-  source bench/gpu_env.sh  # root, out (made) and python
   write_machine_info "$out/machine.batch_search_7b.txt"
   shape="precision: bf16_mixed, seq_len: 2048, adamw_impl: fused, activation_checkpointing: full, max_batch_size: 64"
   memory="gpu_memory_gib: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 \

@@ -53,9 +53,9 @@ ended=$(date +%s.%N)
 if [[ ${TUNE:-0} == 1 ]]; then
   rm -rf "$out/tune"
   echo "[launch_phases] $(date -u +%T) tune on the same matrix"
-  "$py" -m hpcfsdp tune "$jobs" --executor local --results-dir "$out/tune" > "$out/tune.log" 2>&1
+  "$python" -m hpcfsdp tune "$jobs" --executor local --results-dir "$out/tune" > "$out/tune.log" 2>&1
   echo "tune exited $?"
   tail -5 "$out/tune.log"
-  "$py" bench/tune_vs_grid_table.py --tune "$out/tune/launch_phases" --jobs "$jobs" \
+  "$python" bench/tune_vs_grid_table.py --tune "$out/tune/launch_phases" --jobs "$jobs" \
     --grid "$out/results/launch_phases" | tee "$out/tune_vs_grid.md"
 fi
