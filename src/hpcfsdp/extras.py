@@ -15,7 +15,6 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
-from packaging.requirements import Requirement
 from packaging.version import Version
 
 from .contracts.spec import RunSpec
@@ -30,6 +29,8 @@ class Package:
 
     @property
     def distribution(self) -> str:
+        from packaging.requirements import Requirement  # here: every rank imports extras; few ask this
+
         return Requirement(self.requirement).name
 
 
