@@ -94,7 +94,6 @@ def test_the_cache_side_loads_no_torch_outside_tokenising():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
 
 
-
 def test_a_rank_run_on_its_cell_folder_imports_nothing_of_the_sweep_side(tmp_path):
     """What a rank imports before its cell starts counts in every launch (the record's
     `phases.imports`): `run --cell-dir` reads the cell that submit wrote, so neither the parser's
@@ -124,6 +123,7 @@ def test_a_rank_run_on_its_cell_folder_imports_nothing_of_the_sweep_side(tmp_pat
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "hpcfsdp.cell.run" in imported and "torch" in imported
     assert sorted(m for m in imported if m.startswith("hpcfsdp.sweep")) == []
+
 
 # ---------------------------------------------------------------------------------------------
 # The module tree and the import table of docs/design.md, read from the page itself: they are the
