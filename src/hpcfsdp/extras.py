@@ -29,7 +29,9 @@ class Package:
 
     @property
     def distribution(self) -> str:
-        from packaging.requirements import Requirement  # here: every rank imports extras; few ask this
+        # imported here: every rank imports this module (cell/levers.py), and only plan's check and a
+        # lever's import error name a distribution
+        from packaging.requirements import Requirement
 
         return Requirement(self.requirement).name
 
