@@ -1,4 +1,5 @@
-"""The login-node / compute-node split holds: the login-side commands never load torch.
+"""The login-node / compute-node split holds: the login-side commands never load torch, and a rank
+loads nothing of the sweep side.
 
 Each command runs in a fresh interpreter (a test process has torch loaded already), as a user on a
 login node would run it; the check is `sys.modules` after the command returned.
