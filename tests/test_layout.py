@@ -1,4 +1,5 @@
-"""The login-node / compute-node split holds: the login-side commands never load torch.
+"""The login-node / compute-node split holds: the login-side commands never load torch, and a rank
+loads nothing of the sweep side.
 
 Each command runs in a fresh interpreter (a test process has torch loaded already), as a user on a
 login node would run it; the check is `sys.modules` after the command returned.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -91,6 +93,37 @@ def test_the_cache_side_loads_no_torch_outside_tokenising():
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_rank_run_on_its_cell_folder_imports_nothing_of_the_sweep_side(tmp_path):
+    """What a rank imports before its cell starts counts in every launch (the record's
+    `phases.imports`): `run --cell-dir` reads the cell that submit wrote, so neither the parser's
+    listing of the RunSpec fields nor run's KEY=VALUE path (both import sweep/define) is loaded.
+    The rank's own log of its imports (`python -X importtime`) says what it loaded."""
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        "name: ranks\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1,"
+        " comm_profile_steps: 0, strategy: single}\n"
+    )
+    assert loaded_by(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == {
+        "code": 0,
+        "loaded": [],
+    }
+    (cell,) = (tmp_path / "results" / "ranks" / "cells").iterdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hpcfsdp", "run", "--cell-dir", str(cell)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    record = json.loads((cell / "result.json").read_text())
+    assert proc.returncode == 0 and record["status"] == "ok", record.get("error") or proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hpcfsdp.cell.run" in imported and "torch" in imported
+    assert sorted(m for m in imported if m.startswith("hpcfsdp.sweep")) == []
 
 
 # ---------------------------------------------------------------------------------------------

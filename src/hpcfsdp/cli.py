@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import __version__, commands
 from .cliargs import add_json, add_max_cells, halving_factor, positive_int
@@ -50,9 +51,20 @@ def _failed(line: str, error: str, exit_status: int, answered: bool = False) -> 
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser; under --json a usage error is a UsageError, answered as main answers errors."""
+    """argparse's parser; under --json a usage error is a UsageError, answered as main answers errors.
+    `epilog_of` writes the epilog only when help is shown: run's listing of the RunSpec fields imports
+    the sweep side, which a rank parsing `run --cell-dir` does not need."""
 
     json_answers = False  # set by main from the command line: it asks for --json
+
+    def __init__(self, *args: Any, epilog_of: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epilog_of = epilog_of
+
+    def format_help(self) -> str:
+        if self.epilog_of is not None:
+            self.epilog = self.epilog_of()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         if _Parser.json_answers:
@@ -170,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
         "RunSpec fields, e.g.\n  torchrun --nproc-per-node 2 -m hpcfsdp run "
         "strategy=fsdp2_zero2 batch_size=4 seq_len=4096\n"
         "nodes and gpus_per_node default to torchrun's shape.",
-        epilog=_run_fields_help(),
+        epilog_of=_run_fields_help,
     )
     run.add_argument("fields", nargs="*", metavar="KEY=VALUE", help="RunSpec fields (listed below with their defaults)")
     run.add_argument("--cell-dir", help="a cell folder holding spec.json")

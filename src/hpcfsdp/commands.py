@@ -186,9 +186,6 @@ def run(args: argparse.Namespace) -> NoReturn:
 def _run_one_cell(args: argparse.Namespace) -> str:
     """The cell's arguments are checked before torch is imported (seconds): a mistyped field is one
     `error:` line at once, as from every other command."""
-    from .sweep.define.matrix import Cell
-    from .sweep.folder.layout import cell_dir
-
     if args.cell_dir:
         if args.fields:
             raise SpecError("run: give either --cell-dir or KEY=VALUE fields, not both")
@@ -205,6 +202,10 @@ def _run_one_cell(args: argparse.Namespace) -> str:
         if not sep:
             raise SpecError(f"run: {item!r}: expected KEY=VALUE")
         values[key] = yaml.safe_load(value)
+    # here, not for --cell-dir: a rank that submit or tune started reads its cell from spec.json
+    from .sweep.define.matrix import Cell
+    from .sweep.folder.layout import cell_dir
+
     spec, sources = RunSpec.resolved({**_torchrun_shape(), **values}, where="run arguments")
     cell = Cell.of(spec, sources)
     check_folder_name("run", "--sweep", args.sweep)

@@ -15,7 +15,6 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
-from packaging.requirements import Requirement
 from packaging.version import Version
 
 from .contracts.spec import RunSpec
@@ -30,6 +29,10 @@ class Package:
 
     @property
     def distribution(self) -> str:
+        # imported here: every rank imports this module (cell/levers.py), and only plan's check and a
+        # lever's import error name a distribution
+        from packaging.requirements import Requirement
+
         return Requirement(self.requirement).name
 
 
