@@ -59,3 +59,8 @@ if [[ ${TUNE:-0} == 1 ]]; then
   "$python" bench/tune_vs_grid_table.py --tune "$out/tune/launch_phases" --jobs "$jobs" \
     --grid "$out/results/launch_phases" | tee "$out/tune_vs_grid.md"
 fi
+# Every record, log and tune's folder in one archive, beside the tables: the device machine sends
+# back a limited number of files, and the third lease lost all but the table (2026-11-27).
+tar -czf "$out/launch_phases_raw.tar.gz" -C "$out" --exclude='*.tar.gz' --exclude='*.pt' --exclude='*.pickle' . \
+  && find "$out" -mindepth 1 -maxdepth 1 ! -name '*.md' ! -name '*.tar.gz' ! -name 'machine.*' ! -name '*.yaml' \
+    -exec rm -rf {} +
