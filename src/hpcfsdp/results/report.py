@@ -89,7 +89,8 @@ def write_report(
         table = comparison_table(cells.frame, collection.spec_fields)
         # The recommendation and the cells it left out as untrusted first, then the over-time checks
         # (first_sections), then the rest.
-        leading, rest = summary_sections(cells, configs, baseline, collection.unreadable)
+        lines = recommendation(configs, cells)
+        leading, rest = summary_sections(cells, configs, baseline, collection.unreadable, lines)
         tuned = tune_section(sweep_dir)
         after_plots = [
             *pivot_sections(cells, configs),
@@ -108,7 +109,7 @@ def write_report(
     files += [report / "summary.md", report / "index.html"]
     untrusted = [f"{row.cell}: {row.why}" for row in invalid_table(cells).rename(columns={WHY: "why"}).itertuples()]
     return Report(
-        table, report, files, collection.unreadable, skipped, notes, recommendation(configs, cells), untrusted
+        table, report, files, collection.unreadable, skipped, notes, lines, untrusted
     )
 
 
@@ -227,12 +228,11 @@ def _json_text(value: list[Any] | dict[str, Any]) -> str:
 
 
 def summary_sections(
-    cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str]
+    cells: Cells, configs: pd.DataFrame, baseline: str | None, unreadable: list[str], lines: list[str]
 ) -> tuple[list[Section], list[Section]]:
-    """The leading sections (the recommendation, and the cells whose figures cannot be trusted:
-    the first of the problems), then the rest: best configurations, baseline comparison, OOM
-    frontier, what did not finish or read."""
-    lines = recommendation(configs, cells)
+    """The leading sections (the recommendation's `lines`, and the cells whose figures cannot be
+    trusted: the first of the problems), then the rest: best configurations, baseline comparison,
+    OOM frontier, what did not finish or read."""
     invalid = invalid_table(cells)
     left_out = (
         f" Left out: {cells.invalid['cell_id'].nunique()} cell(s) that ran ok but whose figures cannot be trusted "
