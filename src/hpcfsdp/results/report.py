@@ -108,9 +108,7 @@ def write_report(
     write_text(report / "index.html", to_html(title, sections))
     files += [report / "summary.md", report / "index.html"]
     untrusted = [f"{row.cell}: {row.why}" for row in invalid_table(cells).rename(columns={WHY: "why"}).itertuples()]
-    return Report(
-        table, report, files, collection.unreadable, skipped, notes, lines, untrusted
-    )
+    return Report(table, report, files, collection.unreadable, skipped, notes, lines, untrusted)
 
 
 def report_folder(sweep_dir: Path) -> Path:
