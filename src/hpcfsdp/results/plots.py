@@ -384,7 +384,8 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
     labelled horizontal lines (a GPU's memory capacity). Batch-search probes that fitted are
     hollow markers; those that ran out of memory are crosses at their peak up to the failure."""
-    frame = data.configs.dropna(subset=[column])
+    # The columns drawn only: each panel and line is a slice of the frame, of every column it has.
+    frame = data.configs.dropna(subset=[column])[["setting", "variant", "batch_size", column]]
     probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
