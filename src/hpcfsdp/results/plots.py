@@ -229,7 +229,7 @@ def gpu_utilisation(data: PlotData) -> Figure:
 
 
 def time_breakdown(data: PlotData) -> Figure:
-    frame = data.configs.dropna(subset=["data_time_fraction"])
+    frame = _drawn_rows(data, "data_time_fraction", "comm_exposed_fraction")
     if frame.empty:
         raise NoData("no ok cell recorded data_time_fraction")
     has_comm = frame["comm_exposed_fraction"].notna().any()
@@ -380,12 +380,17 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
 # Shared pieces (the layout of every figure: drawing/layout.py)
 
 
+def _drawn_rows(data: PlotData, column: str, *more: str) -> pd.DataFrame:
+    """The configurations with a value of column, and only the columns a faceted figure draws
+    (its panels and lines are slices of this frame: of every column it has)."""
+    return data.configs.dropna(subset=[column])[["setting", "variant", "batch_size", column, *more]]
+
+
 def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
     """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
     labelled horizontal lines (a GPU's memory capacity). Batch-search probes that fitted are
     hollow markers; those that ran out of memory are crosses at their peak up to the failure."""
-    # The columns drawn only: each panel and line is a slice of the frame, of every column it has.
-    frame = data.configs.dropna(subset=[column])[["setting", "variant", "batch_size", column]]
+    frame = _drawn_rows(data, column)
     probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
@@ -429,7 +434,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
 
 def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: str) -> Figure:
     """column as a strategy x batch grid per setting; cell_format ("{x:.0%}") labels cells and colour bar."""
-    frame = data.configs.dropna(subset=[column])
+    frame = _drawn_rows(data, column)
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
     low, high = frame[column].min(), frame[column].max()
