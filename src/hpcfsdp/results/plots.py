@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says wh
     from matplotlib.figure import Figure
 
 DPI = 100
+LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
@@ -114,22 +115,11 @@ def drawing_plots(
     # and copy the pages of, every object of this process), a tenth of their CPU time.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
         gc.freeze()
-        try:  # every job submitted, every worker forked, now; the longest first (DRAWN_FIRST)
-            pending = {name: pool.submit(_draw_and_save, name, *job) for name, *job in sorted(jobs, key=_drawing_rank)}
+        try:  # every job submitted, every worker forked, now; the LONGEST first
+            pending = {j[0]: pool.submit(_draw_and_save, *j) for j in sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))}
         finally:
             gc.unfreeze()
-        yield lambda: recorded([pending[name].result() for name, *_ in jobs])
-
-
-# The figures that take longest to draw on a large sweep (their text grows with it: the breakdown's
-# rows, the heatmaps' cells), given to the workers first and the rest after, in PLOTS' order: at
-# 10,000 cells the first two workers then end about together, instead of one drawing the breakdown
-# alone at the end (a quarter of a second of the first collect's wall time).
-DRAWN_FIRST = ("time_breakdown", "gpu_utilisation", "mfu")
-
-
-def _drawing_rank(job: tuple[str, Any, PlotData, Path]) -> int:
-    return DRAWN_FIRST.index(job[0]) if job[0] in DRAWN_FIRST else len(DRAWN_FIRST)
+        yield lambda: recorded([pending[job[0]].result() for job in jobs])
 
 
 def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
@@ -229,7 +219,7 @@ def gpu_utilisation(data: PlotData) -> Figure:
 
 
 def time_breakdown(data: PlotData) -> Figure:
-    frame = _drawn_rows(data, "data_time_fraction", "comm_exposed_fraction")
+    frame = layout.drawn_rows(data.configs, "data_time_fraction", "comm_exposed_fraction")
     if frame.empty:
         raise NoData("no ok cell recorded data_time_fraction")
     has_comm = frame["comm_exposed_fraction"].notna().any()
@@ -380,17 +370,11 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
 # Shared pieces (the layout of every figure: drawing/layout.py)
 
 
-def _drawn_rows(data: PlotData, column: str, *more: str) -> pd.DataFrame:
-    """The configurations with a value of column, and only the columns a faceted figure draws
-    (its panels and lines are slices of this frame: of every column it has)."""
-    return data.configs.dropna(subset=[column])[["setting", "variant", "batch_size", column, *more]]
-
-
 def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[str, float] | None = None) -> Figure:
     """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
     labelled horizontal lines (a GPU's memory capacity). Batch-search probes that fitted are
     hollow markers; those that ran out of memory are crosses at their peak up to the failure."""
-    frame = _drawn_rows(data, column)
+    frame = layout.drawn_rows(data.configs, column)
     probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
@@ -434,7 +418,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
 
 def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: str) -> Figure:
     """column as a strategy x batch grid per setting; cell_format ("{x:.0%}") labels cells and colour bar."""
-    frame = _drawn_rows(data, column)
+    frame = layout.drawn_rows(data.configs, column)
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
     low, high = frame[column].min(), frame[column].max()

@@ -48,6 +48,12 @@ def new_figure(**options: Any) -> Figure:
     return Figure(**options)
 
 
+def drawn_rows(configs: pd.DataFrame, column: str, *more: str) -> pd.DataFrame:
+    """The configurations with a value of column, and only the columns a faceted figure draws
+    (its panels and lines are slices of this frame: of every column it has)."""
+    return configs.dropna(subset=[column])[["setting", "variant", "batch_size", column, *more]]
+
+
 def facets(
     frame: pd.DataFrame,
     title: str,
