@@ -14,13 +14,21 @@ of the machine hits both alike; each round times, in fresh processes:
 Wall seconds and CPU seconds (user + system of the child and its children) for each; the CPU
 seconds are what other load changes least. Prints one line per run and a median table.
 
+First, once per version, a fresh collect in the same folder: what it wrote and printed must be the
+same bytes (the report's files, stdout, stderr less its progress lines and timing, the history's rows less
+`collected_at`; `plots/drawn.json` by its outcomes, as its digest covers the drawing code); the
+script names what differs and exits 1 (`--allow-different` goes on to the timings).
+
     python bench/collect_plan_before_after.py --before /tmp/before/src --after src [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -58,6 +66,30 @@ def timed(args: list[str], src: Path) -> tuple[float, float, str]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), proc.stdout
 
 
+def fresh_outputs(src: Path, pristine: Path, scratch: Path) -> dict[str, str]:
+    """What a fresh collect by this version writes and prints, each output by its digest."""
+    import duckdb
+
+    folder = scratch / "outputs" / "results"  # the same path for every version: the outputs name it
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    sweep = folder / "scale"
+    shutil.copytree(pristine, sweep)
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    proc = subprocess.run([sys.executable, "-m", "hpcfsdp", "collect", str(sweep)], env=env, capture_output=True)
+    timing = rb"(?m)^[a-z ]+: [0-9,]+/[0-9,]+\n|done in [0-9.]+ s"  # progress lines come with the clock
+    found = {"stdout": proc.stdout, "stderr": re.sub(timing, b"", proc.stderr)}
+    for path in sorted((sweep / "report").rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            found[str(path.relative_to(sweep))] = (
+                json.dumps(json.loads(data)["outcomes"]).encode() if path.name == "drawn.json" else data
+            )
+    with duckdb.connect(str(folder / "history.duckdb"), read_only=True) as con:
+        rows = con.execute("SELECT * EXCLUDE (collected_at) FROM runs ORDER BY cell_id, attempt").fetchall()
+    found["history rows"] = repr(rows).encode()
+    return {name: hashlib.sha256(data).hexdigest() for name, data in found.items()}
+
+
 def one_round(name: str, src: Path, pristine: Path, jobs: Path, scratch: Path) -> dict[str, tuple[float, float]]:
     folder = scratch / name / "results"  # collect keeps a history beside the sweep: one per run
     shutil.rmtree(folder.parent, ignore_errors=True)
@@ -81,6 +113,7 @@ def main() -> int:
     parser.add_argument("--after", type=Path, required=True, help="the src/ folder of the version after")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each version (default: %(default)s)")
     parser.add_argument("--cells", type=int, default=10_000)
+    parser.add_argument("--allow-different", action="store_true", help="time versions whose outputs differ")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="hpcfsdp-before-after-"))
     try:
@@ -89,6 +122,11 @@ def main() -> int:
         jobs.write_text(plan_scale.JOBS)
         print(f"machine: {os.cpu_count()} CPU(s), load average {os.getloadavg()}, Python {sys.version.split()[0]}")
         versions = {"before": args.before.resolve(), "after": args.after.resolve()}
+        before, after = (fresh_outputs(versions[name], pristine, scratch) for name in ("before", "after"))
+        different = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        print(f"outputs of a fresh collect: {len(before)} compared, different: {', '.join(different) or 'none'}")
+        if different and not args.allow_different:
+            return 1
         pairs = (("before", "after"), ("after", "before"))  # alternated: neither always runs first
         order = [name for index in range(args.rounds) for name in pairs[index % 2]]
         results: dict[str, list[dict[str, tuple[float, float]]]] = {name: [] for name in versions}

@@ -988,3 +988,32 @@ def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_r
     write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
     write_report(sweep)
     assert all(path.stat().st_mtime_ns != drawn for path, drawn in figures.items() if path.stem == "throughput")
+
+
+def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind_of_number(tmp_path):
+    """The list fields' JSON text comes from pydantic-core's writer where it is numbers alone: it
+    must still be json.dumps' bytes, for the numbers that writer spells otherwise (1e-05 to 1e-04,
+    exponents) and for lists of anything else (text, null, NaN, true, objects)."""
+    import csv
+    import random
+
+    from hpcfsdp.results.report import write_tables
+
+    rng = random.Random(45)
+    tricky = [1.5e-05, 1e-05, 9.99e-05, 0.0001, 1e-07, 5e-324, 1e16, 1.5e16, 1e15, -0.0, 0.1, 2**70, -(2**63) - 1]
+    spread = [rng.random() * 10.0**exponent for exponent in range(-30, 30) for _ in range(40)]
+    values = [
+        tricky,
+        [[1, [2.5, []]], []],
+        [],
+        ["gpu001", "a, b: c", "é"],
+        [None, True, False],
+        [float("nan"), float("inf")],
+        {"p10": 1e-05, "p90": 2.0},
+        *[spread[i : i + 20] for i in range(0, len(spread), 20)],
+    ]
+    frame = pd.DataFrame({"cell_id": [f"c{i}" for i in range(len(values))], "losses": values})
+    write_tables(frame, tmp_path)
+    with open(tmp_path / "results.csv", newline="") as file:
+        written = [row["losses"] for row in csv.DictReader(file)]
+    assert written == [json.dumps(value) for value in values]

@@ -78,7 +78,8 @@ def collect(
     require_sweep_folder(sweep_dir)  # as status: no report, nor a history beside it, in a folder that is no sweep
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
     progress = Progress("reading records", min_count=PROGRESS_MIN_RECORDS)
-    collection = load_records(sweep_dir, scheduler_states(sweep_dir), progress)
+    recorded = cell_ids_with(sweep_dir, RECORD_NAME)  # listed once: for squeue's question, and to read
+    collection = load_records(sweep_dir, scheduler_states(sweep_dir, recorded), progress, recorded)
     progress.stage("adding Slurm accounting and checking the history")
     merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))
     checked = check_over_time(collection, sweep_dir, options, log=lambda line: print(line, file=sys.stderr))
@@ -147,14 +148,15 @@ def resource_warnings(frame: Any) -> list[str]:
     return [line for line in lines if line]
 
 
-def scheduler_states(sweep_dir: Path) -> dict[str, str] | None:
-    """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record;
-    None when squeue does not answer (collect then says it does not know)."""
+def scheduler_states(sweep_dir: Path, recorded: list[str]) -> dict[str, str] | None:
+    """Cell id -> Slurm's state of its latest job, for the sweep's Slurm cells without a record
+    (`recorded`: the cells with one); None when squeue does not answer (collect then says it does
+    not know)."""
     from ..sweep.track.status import sweep_status
 
-    recorded = set(cell_ids_with(sweep_dir, RECORD_NAME))
+    with_record = set(recorded)
     try:
-        cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in recorded]
+        cell_ids = [cid for cid in read_manifest(sweep_dir) if cid not in with_record]
     except RecordError:  # collect names the broken manifest itself
         return {}
     if not slurm_jobs(sweep_dir, cell_ids).ids:

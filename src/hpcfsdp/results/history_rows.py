@@ -159,8 +159,13 @@ def _setup_fields(values: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What json.dumps(fields, sort_keys=True, separators=(",", ":")) makes anew for each call: one, for
+# the 20,000 calls of a 10,000-record collect.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def _canonical(fields: dict[str, Any]) -> str:
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return _CANONICAL.encode(fields)
 
 
 def _setup_key(canonical: str) -> str:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says wh
     from matplotlib.figure import Figure
 
 DPI = 100
+LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
@@ -114,11 +115,11 @@ def drawing_plots(
     # and copy the pages of, every object of this process), a tenth of their CPU time.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
         gc.freeze()
-        try:
-            pending = pool.map(_draw_and_save, *zip(*jobs))  # every job submitted, every worker forked, now
+        try:  # every job submitted, every worker forked, now; the LONGEST first
+            pending = {j[0]: pool.submit(_draw_and_save, *j) for j in sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))}
         finally:
             gc.unfreeze()
-        yield lambda: recorded(list(pending))
+        yield lambda: recorded([pending[job[0]].result() for job in jobs])
 
 
 def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
@@ -218,7 +219,7 @@ def gpu_utilisation(data: PlotData) -> Figure:
 
 
 def time_breakdown(data: PlotData) -> Figure:
-    frame = data.configs.dropna(subset=["data_time_fraction"])
+    frame = layout.drawn_rows(data.configs, "data_time_fraction", "comm_exposed_fraction")
     if frame.empty:
         raise NoData("no ok cell recorded data_time_fraction")
     has_comm = frame["comm_exposed_fraction"].notna().any()
@@ -373,7 +374,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
     """column vs per-device batch, one line per strategy, one panel per setting; `levels` are
     labelled horizontal lines (a GPU's memory capacity). Batch-search probes that fitted are
     hollow markers; those that ran out of memory are crosses at their peak up to the failure."""
-    frame = data.configs.dropna(subset=[column])
+    frame = layout.drawn_rows(data.configs, column)
     probes = data.probes.dropna(subset=[column]) if column in data.probes else pd.DataFrame()
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
@@ -417,7 +418,7 @@ def _lines(data: PlotData, column: str, ylabel: str, title: str, levels: dict[st
 
 def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: str) -> Figure:
     """column as a strategy x batch grid per setting; cell_format ("{x:.0%}") labels cells and colour bar."""
-    frame = data.configs.dropna(subset=[column])
+    frame = layout.drawn_rows(data.configs, column)
     if frame.empty:
         raise NoData(f"no ok cell recorded {column}")
     low, high = frame[column].min(), frame[column].max()

@@ -23,7 +23,14 @@ from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_
 from ..contracts.recordspec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, spec_problem
 from ..contracts.validity import invalid_reasons
 from ..progress import Progress
-from ..sweep.folder.layout import MANIFEST_NAME, cell_dir, cell_files, planned_cell_ids, unnamed_cell_folders
+from ..sweep.folder.layout import (
+    CELLS_DIR,
+    MANIFEST_NAME,
+    cell_dir,
+    cell_files,
+    planned_cell_ids,
+    unnamed_cell_folders,
+)
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
 INVALID = "invalid_reasons"  # the column of each record's invalid_reasons (contracts/validity.py): [] when trusted
@@ -69,16 +76,25 @@ class Collection:
 
 
 def load_records(
-    sweep_dir: str | Path, scheduler_states: dict[str, str] | None = None, progress: Progress | None = None
+    sweep_dir: str | Path,
+    scheduler_states: dict[str, str] | None = None,
+    progress: Progress | None = None,
+    recorded: list[str] | None = None,
 ) -> Collection:
     """Every record under <sweep_dir>/cells, read as status and submit read them (record.py);
     unreadable ones are listed by path, never fatal, and no link out of the sweep folder is followed.
 
     scheduler_states (cell id -> Slurm's word for its job: PENDING, RUNNING, CANCELLED, ...), where
     the caller asked the scheduler, names the state of cells that have no record yet. progress
-    counts the records read."""
+    counts the records read. recorded: the cells with a record (layout.cell_ids_with), where the
+    caller listed them already (a stat of each cell's record: a tenth of a second at 10,000)."""
     sweep_dir = Path(sweep_dir)
-    paths = cell_files(sweep_dir, RECORD_NAME)
+    cells = sweep_dir / CELLS_DIR
+    paths = (
+        cell_files(sweep_dir, RECORD_NAME)
+        if recorded is None
+        else [Path(cells, cell_id, RECORD_NAME) for cell_id in recorded]
+    )
     if progress:
         progress.count(len(paths))
     unreadable = list(unnamed_cell_folders(sweep_dir).values())

@@ -4,6 +4,8 @@ and p90 step) and for the configurations within noise of the fastest."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from ..contracts.validity import within_noise
@@ -34,14 +36,15 @@ def noise_of(ranked: pd.DataFrame, fastest: pd.Series) -> pd.DataFrame:
     """The other configurations whose tokens/s for the job, between its p10 and p90 step, overlaps
     the fastest's (validity.within_noise): the data cannot tell them apart. Rows without a spread
     are never within noise."""
-    top = _job_spread(fastest)
-    close = [name != fastest.name and within_noise(top, _job_spread(row)) for name, row in ranked.iterrows()]
+    top = _job_spread(*(fastest[column] for column in (*SPREAD, "gpus")))
+    rows = zip(ranked.index, *(ranked[column] for column in (*SPREAD, "gpus")))  # a column at a time: no row Series
+    close = [name != fastest.name and within_noise(top, _job_spread(*spread)) for name, *spread in rows]
     return ranked[close].sort_values("tokens_per_s", ascending=False)
 
 
-def _job_spread(config: pd.Series) -> dict[str, float] | None:
-    low, high = (float(config[column]) for column in SPREAD)  # numbers: read.EXTRA_NUMBERS
-    return None if pd.isna(low) or pd.isna(high) else {"p10": low * config["gpus"], "p90": high * config["gpus"]}
+def _job_spread(p10: Any, p90: Any, gpus: Any) -> dict[str, float] | None:
+    low, high = float(p10), float(p90)  # numbers: read.EXTRA_NUMBERS
+    return None if pd.isna(low) or pd.isna(high) else {"p10": low * gpus, "p90": high * gpus}
 
 
 def noise_words(ranked: pd.DataFrame, fastest: pd.Series, cells: Cells) -> str:

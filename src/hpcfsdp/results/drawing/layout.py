@@ -48,6 +48,12 @@ def new_figure(**options: Any) -> Figure:
     return Figure(**options)
 
 
+def drawn_rows(configs: pd.DataFrame, column: str, *more: str) -> pd.DataFrame:
+    """The configurations with a value of column, and only the columns a faceted figure draws
+    (its panels and lines are slices of this frame: of every column it has)."""
+    return configs.dropna(subset=[column])[["setting", "variant", "batch_size", column, *more]]
+
+
 def facets(
     frame: pd.DataFrame,
     title: str,
@@ -58,11 +64,13 @@ def facets(
     """One panel per setting (grad_accum, checkpointing, ...), at most MAX_PANELS of them, on
     shared axes: panels compare at a glance, and only the outer ones carry tick labels. `labels`
     and `legend`: the inches the tick labels take on the left, the legend on the right."""
-    groups = list(frame.groupby("setting", observed=True, sort=True))
-    if len(groups) > MAX_PANELS:
-        kept = set(sorted(range(len(groups)), key=lambda i: -len(groups[i][1]))[:MAX_PANELS])
-        title += f"\n({MAX_PANELS} of {len(groups)} settings, those with the most cells; all are in summary.md)"
-        groups = [group for i, group in enumerate(groups) if i in kept]
+    grouped = frame.groupby("setting", observed=True, sort=True)
+    sizes = list(grouped.size().items())  # (setting, cells): only the panels drawn are cut out of the frame
+    if len(sizes) > MAX_PANELS:
+        kept = set(sorted(range(len(sizes)), key=lambda i: -sizes[i][1])[:MAX_PANELS])
+        title += f"\n({MAX_PANELS} of {len(sizes)} settings, those with the most cells; all are in summary.md)"
+        sizes = [size for i, size in enumerate(sizes) if i in kept]
+    groups = [(setting, grouped.get_group(setting)) for setting, _ in sizes]
     cols = min(3, len(groups))
     rows = math.ceil(len(groups) / cols)
     figure = new_figure(figsize=(panel[0] * cols + labels + legend, panel[1] * rows + 1.2), layout="constrained")
