@@ -76,7 +76,8 @@ def fresh_outputs(src: Path, pristine: Path, scratch: Path) -> dict[str, str]:
     shutil.copytree(pristine, sweep)
     env = {**os.environ, "PYTHONPATH": str(src)}
     proc = subprocess.run([sys.executable, "-m", "hpcfsdp", "collect", str(sweep)], env=env, capture_output=True)
-    timing = rb"(?m)^[a-z ]+: [0-9,]+/[0-9,]+\n|done in [0-9.]+ s"  # progress lines come with the clock
+    # Progress lines come with the clock: counts, a stage's line (only once a second has passed), the time taken.
+    timing = rb"(?m)^[a-z ]+: [0-9,]+/[0-9,]+\n|^[A-Za-z ]+ \.\.\.\n|done in [0-9.]+ s"
     found = {"stdout": proc.stdout, "stderr": re.sub(timing, b"", proc.stderr)}
     for path in sorted((sweep / "report").rglob("*")):
         if path.is_file():

