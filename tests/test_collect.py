@@ -28,8 +28,8 @@ from PIL import Image
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
 from hpcfsdp.contracts.spec import RunSpec
-from hpcfsdp.results import plots
-from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results import plots, read
+from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import reference_cells
@@ -357,6 +357,48 @@ def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
     )  # listed, without its bad spec
     pytest.importorskip("pyarrow")
     assert len(pd.read_parquet(report.directory / "results.parquet")) == len(table)
+
+
+def test_a_sweep_read_in_two_processes_gives_the_rows_and_refusals_of_one_in_the_same_order(
+    tmp_path, monkeypatch, capsys
+):
+    """Above SPLIT_MIN_RECORDS a forked worker reads the second half of the records: what collect
+    reads, writes and prints (the same rows, the same refusal lines in path order, from both
+    halves) is what one process reading them all gives."""
+    split_at = read.SPLIT_MIN_RECORDS
+    count = split_at + 20
+    sweep = tmp_path / "results" / "split"
+    for k in range(count):
+        spec = spec_of(GPU_BASE, strategy=("ddp", "fsdp2_zero3")[k % 2], seed=k)
+        put(sweep, failed_record(spec, "oom", "train", "OOM") if k % 7 == 0 else ok_record(spec, 1000 + k, 30))
+    paths = sorted((sweep / "cells").glob("*/result.json"))
+    spoiled = [3, count // 2 - 1, count // 2, count // 2 + 7, count - 2]  # both halves, either side of the split
+    for position, (changes, _) in zip(spoiled, WRONG_VALUES.values(), strict=False):
+        write_record(paths[position], with_changes(read_record(paths[position]), **changes))
+    shutil.copy(paths[0], paths[count - 40])  # another cell's record
+    paths[count // 2 + 1].write_text(paths[count // 2 + 1].read_text()[:40])  # truncated
+
+    def collected(split_above: int) -> tuple[Collection, list[str], bytes]:
+        """What load_records reads; what collect prints (but its progress lines, which come with the
+        clock) and writes to results.csv."""
+        monkeypatch.setattr(read, "SPLIT_MIN_RECORDS", split_above)
+        collection = load_records(sweep)
+        assert main(["collect", str(sweep), "--no-plots", "--no-history"]) == 0
+        out, err = capsys.readouterr()
+        printed = [*out.splitlines(), *(line for line in err.splitlines() if line.startswith("warning: "))]
+        return collection, printed, (sweep / "report" / "results.csv").read_bytes()
+
+    one, one_printed, one_csv = collected(count + 1)
+    two, two_printed, two_csv = collected(split_at)
+    assert len(one.frame) == count - 7 and len(one.unreadable) == 7
+    assert two.unreadable == one.unreadable and two_printed == one_printed
+    refused = sorted([*spoiled, count - 40, count // 2 + 1])
+    assert [line.split(": ")[0] for line in one.unreadable] == [str(paths[i]) for i in refused]
+    assert [f"warning: skipped {line}" for line in one.unreadable] == [
+        line for line in one_printed if line.startswith("warning: skipped ")
+    ]
+    pd.testing.assert_frame_equal(two.frame, one.frame, check_exact=True)
+    assert two.spec_fields == one.spec_fields and two_csv == one_csv
 
 
 def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
