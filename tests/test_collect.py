@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -399,6 +401,14 @@ def test_a_sweep_read_in_two_processes_gives_the_rows_and_refusals_of_one_in_the
     ]
     pd.testing.assert_frame_equal(two.frame, one.frame, check_exact=True)
     assert two.spec_fields == one.spec_fields and two_csv == one_csv
+
+    def no_fork() -> int:
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")  # as at a process limit
+
+    monkeypatch.setattr(os, "fork", no_fork)  # collect's process then reads them all
+    alone, alone_printed, alone_csv = collected(split_at)
+    pd.testing.assert_frame_equal(alone.frame, one.frame, check_exact=True)
+    assert (alone.unreadable, alone_printed, alone_csv) == (one.unreadable, one_printed, one_csv)
 
 
 def test_a_column_of_mixed_types_is_written_to_parquet_as_text(tmp_path):
