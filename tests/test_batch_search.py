@@ -155,3 +155,39 @@ def test_a_cuda_error_that_says_out_of_memory_on_one_rank_is_a_probe_that_did_no
     assert (failed["status"], failed["stage"]) == ("error", "batch_search")
     assert "the probe at batch 2 failed: RuntimeError: injected fault at train_step" in failed["error"]
     assert [(p["batch_size"], p["status"]) for p in failed["batch_search"]["probes"]] == [(1, "ok")]
+
+
+def test_a_probe_ended_for_its_peers_failure_after_writing_that_it_ran_out_of_memory_still_says_so(tmp_path):
+    """The probe that ran out of memory writes its result, then leaves; its peer's probe sees the
+    connection close, fails, and may be the first failure the ranks hear of. Ended between its write
+    and its end, the probe's own outcome (oom) is read, not lost to the peer's "Connection closed by
+    peer" error (which ended the cell as an error under load, in a bare-machine run of 2026-11-27)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from hpcfsdp.cell.batch_search import _result_if_written
+
+    def probe(path, writes: bool) -> subprocess.Popen:
+        write = f"write_json({str(path)!r}, {{'status': 'oom', 'peak_memory_gib': 1.5, 'peak_reserved_gib': None, "
+        write += "'step_s': 0.0, 'error': 'OutOfMemoryError: injected', 'failed_at': 1.0})"
+        code = textwrap.dedent(f"""
+            import sys, time
+            from hpcfsdp.contracts.files import write_json
+            {write if writes else ""}
+            print('ready', flush=True)
+            time.sleep(60)
+        """)
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True, text=True
+        )
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        return child
+
+    wrote = probe(tmp_path / "0-rank1.json", writes=True)
+    result = _result_if_written(wrote, tmp_path / "0-rank1.json")
+    assert wrote.returncode is not None and result is not None
+    assert result["status"] == "oom" and result["error"] == "OutOfMemoryError: injected"
+
+    silent = probe(tmp_path / "0-rank0.json", writes=False)
+    assert _result_if_written(silent, tmp_path / "0-rank0.json") is None and silent.returncode is not None

@@ -272,7 +272,8 @@ def _run_probe_process(
     spec: RunSpec, sources: Sources, env: DistEnv, folder: Path, index: int, batch: int
 ) -> ProbeResult | None:
     """Start this rank's probe process and wait until every rank's has ended, or one failed (then
-    end ours). Its result, or an error result; None when it was ended for a peer's failure."""
+    end ours). Its result, or an error result; None when it was ended for a peer's failure before it
+    wrote its own."""
     store = dist.distributed_c10d._get_default_store()
     key = f"hpcfsdp/batch_search/{index}"
     if env.rank == 0:  # the probe's rendezvous: a free port on rank 0's node
@@ -302,10 +303,12 @@ def _run_probe_process(
         while (code := child.poll()) is None and not store.check([failed_key]) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         if code is None:  # a peer's probe failed, or ours is past its deadline
-            _end(child)
             if time.monotonic() >= deadline:
+                _end(child)
                 result = _error_result(f"ran past its deadline ({_deadline_text(spec)})", "hang")
                 store.set(failed_key, str(env.rank))
+            else:
+                result = _result_if_written(child, path)
         else:
             result = _read_result(path, code)
             if result["status"] != "ok":
@@ -328,6 +331,16 @@ def _end(child: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # its session: compile workers too
     child.wait()
+
+
+def _result_if_written(child: subprocess.Popen, path: Path) -> ProbeResult | None:
+    """End a probe process for a peer's failure; what it wrote of its own outcome, if it had.
+    A probe that ran out of memory writes its result and then leaves; its peer's probe, seeing the
+    connection close, fails too and may be recorded first. Ended between its write and its end,
+    the probe that ran out of memory still says so (under load, 2026-11-27: the probe was taken
+    for the peer's "Connection closed by peer" error, and the cell ended instead of searching on)."""
+    _end(child)
+    return _read_result(path, child.returncode) if path.exists() else None
 
 
 def _read_result(path: Path, code: int) -> ProbeResult:
