@@ -34,7 +34,7 @@ if [[ "${AUTO_BATCH_SMOKE:-0}" == 1 ]]; then
   export HPCFSDP_FAULT="train_step:oom>3" OMP_NUM_THREADS=1  # the CPU's memory budget: batch 3
 else
   model=qwen2.5-1.5b seq=4096 device=cuda precision=bf16_mixed grid="${AUTO_BATCH_GRID:-0}"
-  gib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%.1f", $1 / 1024}')"
+  gib="$(gpu_memory_gib)"
   machine="${nproc} x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
 max="${AUTO_BATCH_MAX:-64}"

@@ -17,8 +17,7 @@ if [[ $device == cpu ]]; then
 else
   write_machine_info "$out/machine.batch_search_7b.txt"
   shape="precision: bf16_mixed, seq_len: 2048, adamw_impl: fused, activation_checkpointing: full, max_batch_size: 64"
-  memory="gpu_memory_gib: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 \
-    | awk '{printf "%.1f", $1 / 1024}')"
+  memory="gpu_memory_gib: $(gpu_memory_gib)"
 fi
 jobs="$out/batch_search_7b.yaml"
 cat > "$jobs" <<YAML

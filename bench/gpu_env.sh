@@ -5,6 +5,7 @@
 #     run side by side never replace files the other imports), and puts /tmp/site and src/ on PYTHONPATH;
 #   - sets root (the repository root), out (the output folder: $OUT, or bench-out; made here) and
 #     python ($PYTHON, or python3);
+#   - defines gpu_memory_gib: the first GPU's memory in GiB, one decimal (the jobs' slurm.gpu_memory_gib);
 #   - defines write_machine_info FILE: the GPUs, package versions, commit (BENCH_COMMIT where the
 #     caller names it), tree state and date,
 #     the header of every raw log in bench/results/.
@@ -44,4 +45,8 @@ write_machine_info() {  # write_machine_info FILE
     else git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20; fi
     date -u
   } > "$1"
+}
+
+gpu_memory_gib() {  # the first GPU's memory, GiB, one decimal
+  nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%.1f", $1 / 1024}'
 }

@@ -27,8 +27,7 @@ else
   write_machine_info "$out/machine.$(date -u +%Y%m%dT%H%M%S).txt"
   strategies="${STRATEGIES:-fsdp1_shard_grad_op fsdp1_full_shard fsdp2_zero2 fsdp2_zero3}"
   shape="precision: bf16_mixed, seq_len: 4096, adamw_impl: fused"
-  memory="gpu_memory_gib: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 \
-    | awk '{printf "%.1f", $1 / 1024}')"
+  memory="gpu_memory_gib: $(gpu_memory_gib)"
   auto="max_batch_size: 64"
 fi
 jobs="$out/launch_phases.yaml"
