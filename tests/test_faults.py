@@ -79,10 +79,13 @@ def hpcfsdp(*args: str, **env: str) -> subprocess.Popen:
     )
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:
+def wait_until(condition, timeout_s: float, what: str, logs: tuple[Path, ...] = ()) -> None:
+    """Poll condition; past timeout_s fail, naming what was awaited and showing the end of `logs`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            shown = "".join(f"\n--- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            pytest.fail(f"timed out waiting for {what}{shown}")
         time.sleep(0.2)
 
 
@@ -440,7 +443,8 @@ def test_a_running_cell_holds_no_token_and_scancel_records_cancelled(slurm_clust
 
         slurm("scancel", job)
         (cell,) = cell_dirs(sweep_dir)
-        wait_until(lambda: (cell / "result.json").exists(), 60, "the cancelled cell's record")
+        logs = (log, log.with_suffix(".err"))
+        wait_until(lambda: (cell / "result.json").exists(), 60, "the cancelled cell's record", logs)
     finally:
         cancel_sweep_jobs(name)
     record = read(cell / "result.json")

@@ -587,6 +587,34 @@ def test_time_limit_signals_with_and_without_requeues_left(monkeypatch):
         signal.signal(signal.SIGUSR2, previous)
 
 
+def test_a_cancel_that_lands_inside_a_logging_call_still_ends_the_rank(monkeypatch):
+    """The handler raises wherever the main thread is. Slurm sends SIGCONT just before a cancel's
+    SIGTERM, submitit logs the SIGCONT, and a SIGTERM that landed in that log line's write was
+    swallowed by logging's `except Exception` (the rank trained on until SIGKILL and left no record:
+    2 of 30 scancels, 2026-11-27). An ending is no Exception, so logging lets it through."""
+    import logging
+
+    from hpcfsdp.cell.stopping import signals
+
+    class SignalledWhileWriting(io.StringIO):
+        def write(self, text: str) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs inside this write
+            return super().write(text)
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("HPCFSDP_JOB_END_TIME", str(time.time() + 600))
+    logger = logging.getLogger("hpcfsdp-test-signalled")
+    stream = SignalledWhileWriting()
+    logger.addHandler(logging.StreamHandler(stream))
+    saved = signals.handle_time_limit()
+    try:
+        with pytest.raises(signals.CellCancelled, match=r"received SIGTERM \d+ s before the time limit"):
+            logger.warning("Bypassing signal SIGCONT")
+    finally:
+        signals.restore_handlers(saved)
+        logger.handlers.clear()
+
+
 def test_plan_plan_sbatch_and_submit_check_the_cache_for_hub_items(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HPCFSDP_CACHE", str(tmp_path / "empty-cache"))
     jobs = tmp_path / "hub.yaml"

@@ -61,12 +61,14 @@ from .ranks.distributed import DistEnv, StartupError, init_distributed, set_coll
 from .ranks.resources import Seen, gather, node_name
 from .stopping import early_signals
 from .stopping.faults import inject_fault
-from .stopping.heartbeats import Heartbeat, PeerFailed, PeerTrouble, blamed
+from .stopping.heartbeats import Heartbeat, PeerTrouble, blamed
 from .stopping.requeue import done_before, name_requeued_run, requeued_too_often
 from .stopping.signals import (
     LAUNCHER_GONE,
     CellCancelled,
     CellTimeout,
+    PeerFailed,
+    SignalEnding,
     handle_time_limit,
     recording_failure,
     restore_handlers,
@@ -212,7 +214,7 @@ def _trained_record(
         # CellCancelled (recorded at stage setup) or a requeue.
         early_signals.release()
         record = _train_cell(spec, sources, env, cell_dir, cell_id, progress)
-    except Exception as exc:  # every failure must become a record
+    except (Exception, SignalEnding) as exc:  # every failure must become a record
         recording_failure()  # a signal now (torchrun ending the survivors) must not cut the record short
         failure = _record_exception(exc, progress.stage, env)
         cause = signal_cause(exc)

@@ -305,15 +305,6 @@ def oom_killed(pid: int) -> bool:
         os.close(fd)
 
 
-class PeerFailed(Exception):
-    """This rank got its launcher's SIGTERM because a peer died or stopped (torchrun ends the
-    survivors of a rank that died): the peer's failure, not a time limit."""
-
-    def __init__(self, peer: PeerTrouble, seen: str):
-        super().__init__(seen)  # blamed() puts the peer's story first
-        self.peer = peer
-
-
 def blamed(record: FailedRecord, peer: PeerTrouble) -> FailedRecord:
     """A failure record of this rank made the peer's: the peer's status, rank and signal, its
     story first and what this rank met after it."""

@@ -14,15 +14,24 @@ from datetime import datetime
 from ...contracts.endings import ENDINGS
 from ...contracts.record import FailedRecord
 from ...contracts.spec import JOB_END_ENV
-from .heartbeats import LAUNCHERS_SIGTERM, PeerFailed, PeerTrouble
+from .heartbeats import LAUNCHERS_SIGTERM, PeerTrouble
 from .requeue import ask_s, job_view, requeue_note, requeues_left
 
 
-class CellTimeout(Exception):
+class SignalEnding(BaseException):
+    """An ending a signal handler raises wherever the main thread happens to be. A BaseException,
+    as KeyboardInterrupt is, so that no `except Exception` on the way swallows it: Slurm sends
+    SIGCONT just before a cancel's SIGTERM, submitit logs the SIGCONT, and a SIGTERM that landed in
+    that log line's write was swallowed by logging's own `except Exception` (2 of 30 scancels of a
+    CPU cell, 2026-11-27): the rank trained on until Slurm's SIGKILL, and the cell had no record.
+    Catch it only where a record is written."""
+
+
+class CellTimeout(SignalEnding):
     """The scheduler's time limit (SIGTERM, or submitit's SIGUSR2 warning) arrived mid-run."""
 
 
-class CellCancelled(Exception):
+class CellCancelled(SignalEnding):
     """SIGTERM well before the job's time limit: scancel, an interrupted local submit (`cancelled`),
     Slurm ending the job because one of its nodes went down (`node_fail`), or preempting it for a
     job of a higher priority (`preempted`). `fields`: the record's slurm_state and advice, for one
@@ -32,6 +41,15 @@ class CellCancelled(Exception):
         super().__init__(message)
         self.status = status
         self.fields: FailedRecord = {} if slurm_state is None else {"slurm_state": slurm_state, "advice": advice}
+
+
+class PeerFailed(SignalEnding):
+    """This rank got its launcher's SIGTERM because a peer died or stopped (torchrun ends the
+    survivors of a rank that died): the peer's failure, not a time limit."""
+
+    def __init__(self, peer: PeerTrouble, seen: str):
+        super().__init__(seen)  # blamed() puts the peer's story first
+        self.peer = peer
 
 
 # Linux's parent-death signal of a rank under torchrun (watchdog.end_with_launcher): not SIGTERM, which
@@ -48,11 +66,11 @@ EARLY_SIGTERM_S = 30.0
 
 def signal_cause(exc: BaseException) -> BaseException:
     """The time-limit, cancel or peer's-failure exception behind exc, if there is one: a signal handler raises
-    wherever the rank is, and a library may wrap what it raised (DTensor's sharding propagation
-    re-raises it as RuntimeError("Sharding propagation failed ...") from it)."""
+    wherever the rank is, and a library that catches every exception may re-raise what it raised as
+    another, chained to it."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, (CellTimeout, CellCancelled, PeerFailed)):
+        if isinstance(seen, SignalEnding):
             return seen
         seen = seen.__cause__ or seen.__context__
     return exc
