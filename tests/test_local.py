@@ -88,6 +88,26 @@ def test_a_local_launchs_record_accounts_for_its_whole_span_phase_by_phase_tear_
     assert launched + span + phases["teardown"] == pytest.approx(entry["ended_at"], abs=1.0)
 
 
+def test_a_processs_start_is_read_to_the_hundredth_not_to_the_boots_whole_second():
+    """A record's launcher_start and imports meet at the rank's process start, which /proc gives in
+    clock ticks since boot. Counted from /proc/stat's btime (whole seconds) every start read up to a
+    second early (0.23 s on the CPU machine): a new process's start must lie between the moment
+    before it was started and its first line, to the ticks' and /proc/uptime's hundredths."""
+    import subprocess
+    import sys
+
+    first_line = "import time; now = time.time(); from hpcfsdp.cell.measure.phases import process_started"
+    before = time.time()
+    child = subprocess.run(
+        [sys.executable, "-c", f"{first_line}; print(process_started(), now)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    started, now = map(float, child.stdout.split())
+    assert before - 0.03 <= started <= now, (before, started, now)
+
+
 def test_the_local_executors_torchrun_names_its_rendezvous_events_without_walking_the_stack(monkeypatch):
     """torch's rendezvous names each event's method by inspect.stack() (every frame's source read);
     the torchrun the local executor and tune start reads the same name off the frame."""
