@@ -361,6 +361,40 @@ def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
     assert len(pd.read_parquet(report.directory / "results.parquet")) == len(table)
 
 
+def test_a_bulk_read_runs_no_garbage_collection_and_leaves_the_collector_as_its_caller_had_it():
+    """garbage_collection_paused (collect's reading of the records, a rank's reading of its profile):
+    no collection inside however much is made, the collector running again after the block, after
+    one that raised too, and still paused where its caller had paused it."""
+    import gc
+
+    from hpcfsdp.contracts.files import RecordError, garbage_collection_paused
+
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        with garbage_collection_paused():
+            made = [{"row": [k]} for k in range(100_000)]  # 200,000 tracked objects: past every threshold
+            assert not gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+    assert collections == [] and gc.isenabled() and len(made) == 100_000
+    with pytest.raises(RecordError), garbage_collection_paused():
+        raise RecordError("a refused record")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_sweep_read_in_two_processes_gives_the_rows_and_refusals_of_one_in_the_same_order(
     tmp_path, monkeypatch, capsys
 ):
