@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -1074,6 +1075,40 @@ def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_r
     write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
     write_report(sweep)
     assert all(path.stat().st_mtime_ns != drawn for path, drawn in figures.items() if path.stem == "throughput")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: the figures draw in collect's own process")
+def test_collect_checks_the_history_while_the_figures_draw_in_workers_of_lower_priority(gpu, tmp_path, monkeypatch):
+    """The figure workers are forked before the history is checked, so that they draw on the core the
+    check leaves idle, and at a lower priority than collect's process, whose history, tables and text
+    are the rest of the report: when the check starts, they are there, WORKER_NICENESS below it (once
+    each has started: a worker lowers its own priority first)."""
+    import multiprocessing
+
+    from hpcfsdp.results import regressions
+
+    sweep = shutil.copytree(gpu, tmp_path / "results" / "copy")
+    shutil.rmtree(sweep / "report", ignore_errors=True)  # drawn by gpu_report, when it ran first
+    lowered = min(19, os.getpriority(os.PRIO_PROCESS, 0) + plots.WORKER_NICENESS)
+    workers: dict[int, int] = {}
+    check = regressions.over_time
+
+    def over_time(*args, **kwargs):
+        children = [child.pid for child in multiprocessing.active_children()]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            workers.update((pid, os.getpriority(os.PRIO_PROCESS, pid)) for pid in children)
+            if set(workers.values()) == {lowered}:
+                break
+            time.sleep(0.01)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(regressions, "over_time", over_time)
+    assert main(["collect", str(sweep)]) == 0
+    assert len(workers) == 2 and os.getpid() not in workers and set(workers.values()) == {lowered}
+    assert "## Over time" in (sweep / "report" / "summary.md").read_text()
+    drawn = {path.stem for path in (sweep / "report" / "plots").glob("*.png")}
+    assert drawn == {name for name, _, _ in plots.PLOTS} - {"scaling"}  # one GPU count
 
 
 def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind_of_number(tmp_path):

@@ -34,7 +34,7 @@ import pandas as pd
 from matplotlib import __version__ as matplotlib_version
 from matplotlib.ticker import MaxNLocator
 
-from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
+from ..contracts.files import RecordError, atomic_output, garbage_collection_paused, read_json_object, write_json
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says wh
 
 DPI = 100
 LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
+WORKER_NICENESS = 5  # figure workers yield to collect's own process, yet keep a quarter core beside a busy one
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
@@ -89,8 +90,10 @@ def drawing_plots(
 ) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
     yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
-    encoding dominate a large sweep's collection: the figures draw in worker processes, one per
-    core, forked here, while the caller writes the tables and the report's text."""
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core,
+    forked here with the collector paused (a pass would walk, and copy the pages of, every object of
+    this process: a tenth of their CPU time), at a lower priority than this process, which writes
+    the tables and the report's text meanwhile."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
@@ -111,14 +114,15 @@ def drawing_plots(
         drawn = [_draw_and_save(*job) for job in jobs]
         yield lambda: recorded(drawn)
         return
-    # Forked workers that draw a few figures and end: no garbage collection in them (a pass would walk,
-    # and copy the pages of, every object of this process), a tenth of their CPU time.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
-        gc.freeze()
-        try:  # every job submitted, every worker forked, now; the LONGEST first
-            pending = {j[0]: pool.submit(_draw_and_save, *j) for j in sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))}
-        finally:
-            gc.unfreeze()
+    ordered = sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=fork, initializer=os.nice, initargs=(WORKER_NICENESS,)) as pool:
+        with garbage_collection_paused():
+            gc.freeze()
+            try:  # every job submitted, every worker forked, now; the LONGEST first
+                pending = {job[0]: pool.submit(_draw_and_save, *job) for job in ordered}
+            finally:
+                gc.unfreeze()
         yield lambda: recorded([pending[job[0]].result() for job in jobs])
 
 
@@ -433,15 +437,8 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
         image = ax.imshow(values, cmap="viridis", vmin=low, vmax=high, aspect="auto")
         for (i, j), value in np.ndenumerate(values):
             if not np.isnan(value):
-                ax.text(
-                    j,
-                    i,
-                    cell_format.format(x=value),
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="white" if value < (low + high) / 2 else "black",
-                )
+                colour = "white" if value < (low + high) / 2 else "black"
+                ax.text(j, i, cell_format.format(x=value), ha="center", va="center", fontsize=8, color=colour)
         ax.set_title(setting)
     ax.set_xticks(np.arange(len(batches)), [layout.number_text(b) for b in batches])
     ax.set_yticks(np.arange(len(variants)), variants)
