@@ -45,7 +45,6 @@ if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says wh
 
 DPI = 100
 LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
-WORKER_NICENESS = 5  # figure workers yield to collect's own process, yet keep a quarter core beside a busy one
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
@@ -90,10 +89,10 @@ def drawing_plots(
 ) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
     yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
-    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core,
-    forked here with the collector paused (a pass would walk, and copy the pages of, every object of
-    this process: a tenth of their CPU time), at a lower priority than this process, which writes
-    the tables and the report's text meanwhile."""
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core
+    but this process's, which writes the tables and the report's text meanwhile, then draws what no
+    worker has started. Workers fork with the collector paused (its passes would walk, and copy the
+    pages of, every object of this process: a tenth of their CPU time)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
@@ -109,21 +108,25 @@ def drawing_plots(
         write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip([n for n, _, _ in PLOTS], outcomes))})
         return _listed(jobs, outcomes)
 
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers == 1:
-        drawn = [_draw_and_save(*job) for job in jobs]
-        yield lambda: recorded(drawn)
+    workers = min(len(jobs), (os.cpu_count() or 1) - 1)  # a core each, beside this process's
+    if workers < 1:  # one core: this process draws them all, once its tables and text are written
+        yield lambda: recorded([_draw_and_save(*job) for job in jobs])
         return
     ordered = sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))
-    fork = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(workers, mp_context=fork, initializer=os.nice, initargs=(WORKER_NICENESS,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         with garbage_collection_paused():
             gc.freeze()
             try:  # every job submitted, every worker forked, now; the LONGEST first
                 pending = {job[0]: pool.submit(_draw_and_save, *job) for job in ordered}
             finally:
                 gc.unfreeze()
-        yield lambda: recorded([pending[job[0]].result() for job in jobs])
+
+        def helped() -> Drawn:  # the figures no worker has started yet are drawn here, the last first
+            with garbage_collection_paused():  # a figure's objects hold cycles: freed once it runs again
+                here = {job[0]: _draw_and_save(*job) for job in reversed(ordered) if pending[job[0]].cancel()}
+            return recorded([here[name] if name in here else pending[name].result() for name, *_ in jobs])
+
+        yield helped
 
 
 def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
