@@ -2,7 +2,9 @@
 records, the history and references checks, the report, and what is printed of them.
 
 Its order matters: a bad references file stops the command before anything is written; the
-accounting is added to the records before they are read into the history.
+accounting is added to the records before they are read into the history and the report; the
+figures start drawing (in a worker process) before the history is checked, on the core the check
+leaves idle.
 """
 
 from __future__ import annotations
