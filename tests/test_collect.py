@@ -27,6 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from PIL import Image
 
+from conftest import GarbageCollections
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
 from hpcfsdp.contracts.spec import RunSpec
@@ -369,19 +370,9 @@ def test_a_bulk_read_runs_no_garbage_collection_and_leaves_the_collector_as_its_
 
     from hpcfsdp.contracts.files import RecordError, garbage_collection_paused
 
-    collections: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.callbacks.append(count)
-    try:
-        with garbage_collection_paused():
-            made = [{"row": [k]} for k in range(100_000)]  # 200,000 tracked objects: past every threshold
-            assert not gc.isenabled()
-    finally:
-        gc.callbacks.remove(count)
+    with GarbageCollections() as collections, garbage_collection_paused():
+        made = [{"row": [k]} for k in range(100_000)]  # 200,000 tracked objects: past every threshold
+        assert not gc.isenabled()
     assert collections == [] and gc.isenabled() and len(made) == 100_000
     with pytest.raises(RecordError), garbage_collection_paused():
         raise RecordError("a refused record")
