@@ -1069,9 +1069,9 @@ def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_r
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: the figures draw in collect's own process")
 def test_collect_checks_the_history_while_a_worker_draws_the_figures(gpu, tmp_path, monkeypatch):
-    """The figure workers (one per core but collect's own) are forked before the history is checked,
-    so that they draw on the core the check leaves idle: when the check starts, they are there; and
-    every figure is drawn, by them or by collect's process once its tables and text are written."""
+    """The figure workers (one per core) are forked before the history is checked, so that they draw
+    on the core the check leaves idle: when the check starts, they are there; and every figure is
+    drawn, by them or by collect's process once its tables and text are written."""
     import multiprocessing
 
     from hpcfsdp.results import regressions
@@ -1087,7 +1087,7 @@ def test_collect_checks_the_history_while_a_worker_draws_the_figures(gpu, tmp_pa
 
     monkeypatch.setattr(regressions, "over_time", over_time)
     assert main(["collect", str(sweep)]) == 0
-    assert len(workers) == min(len(plots.PLOTS), (os.cpu_count() or 1) - 1) and os.getpid() not in workers
+    assert len(workers) == min(len(plots.PLOTS), os.cpu_count() or 1) and os.getpid() not in workers
     assert "## Over time" in (sweep / "report" / "summary.md").read_text()
     drawn = {path.stem for path in (sweep / "report" / "plots").glob("*.png")}
     assert drawn == {name for name, _, _ in plots.PLOTS} - {"scaling"}  # one GPU count

@@ -89,10 +89,10 @@ def drawing_plots(
 ) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
     yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
-    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core
-    but this process's, which writes the tables and the report's text meanwhile, then draws what no
-    worker has started. Workers fork with the collector paused (its passes would walk, and copy the
-    pages of, every object of this process: a tenth of their CPU time)."""
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core,
+    while this process writes the tables and the report's text, then draws what no worker has started.
+    Workers fork with the collector paused (its passes would walk, and copy the pages of, every
+    object of this process: a tenth of their CPU time)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
@@ -108,8 +108,8 @@ def drawing_plots(
         write_json(out_dir / DRAWN_NAME, {"digest": digest, "outcomes": dict(zip([n for n, _, _ in PLOTS], outcomes))})
         return _listed(jobs, outcomes)
 
-    workers = min(len(jobs), (os.cpu_count() or 1) - 1)  # a core each, beside this process's
-    if workers < 1:  # one core: this process draws them all, once its tables and text are written
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers == 1:  # one core: this process draws them all, once its tables and text are written
         yield lambda: recorded([_draw_and_save(*job) for job in jobs])
         return
     ordered = sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))
