@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -39,6 +40,24 @@ def _own_cluster_per_worker() -> None:
 
 _own_cluster_per_worker()
 TINY_CPU = {"model": "tiny", "device": "cpu", "precision": "fp32", "seq_len": 32, "steps": 4, "warmup_steps": 1}
+
+
+class GarbageCollections:
+    """`with GarbageCollections() as started:` the generation of each garbage collection that starts
+    in the block. A class: leaving the block makes no object, which could start one of its own."""
+
+    def __enter__(self) -> list[int]:
+        self.started: list[int] = []
+        self.callback = self._count
+        gc.callbacks.append(self.callback)
+        return self.started
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        gc.callbacks.remove(self.callback)
+
+    def _count(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started.append(info["generation"])
 
 
 def run_torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> dict:

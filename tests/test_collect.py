@@ -27,6 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from PIL import Image
 
+from conftest import GarbageCollections
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
 from hpcfsdp.contracts.spec import RunSpec
@@ -359,6 +360,30 @@ def test_records_with_wrong_values_are_named_and_skipped(gpu, tmp_path):
     )  # listed, without its bad spec
     pytest.importorskip("pyarrow")
     assert len(pd.read_parquet(report.directory / "results.parquet")) == len(table)
+
+
+def test_a_bulk_read_runs_no_garbage_collection_and_leaves_the_collector_as_its_caller_had_it():
+    """garbage_collection_paused (collect's reading of the records, a rank's reading of its profile):
+    no collection inside however much is made, the collector running again after the block, after
+    one that raised too, and still paused where its caller had paused it."""
+    import gc
+
+    from hpcfsdp.contracts.files import RecordError, garbage_collection_paused
+
+    with GarbageCollections() as collections, garbage_collection_paused():
+        made = [{"row": [k]} for k in range(100_000)]  # 200,000 tracked objects: past every threshold
+        assert not gc.isenabled()
+    assert collections == [] and gc.isenabled() and len(made) == 100_000
+    with pytest.raises(RecordError), garbage_collection_paused():
+        raise RecordError("a refused record")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_sweep_read_in_two_processes_gives_the_rows_and_refusals_of_one_in_the_same_order(
@@ -1040,6 +1065,32 @@ def test_a_second_collect_of_unchanged_records_keeps_the_figures_and_a_changed_r
     write_record(record_path, {**record, "tokens_per_s_per_gpu": record["tokens_per_s_per_gpu"] * 3})
     write_report(sweep)
     assert all(path.stat().st_mtime_ns != drawn for path, drawn in figures.items() if path.stem == "throughput")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: the figures draw in collect's own process")
+def test_collect_checks_the_history_while_a_worker_draws_the_figures(gpu, tmp_path, monkeypatch):
+    """The figure workers (one per core) are forked before the history is checked, so that they draw
+    on the core the check leaves idle: when the check starts, they are there; and every figure is
+    drawn, by them or by collect's process once its tables and text are written."""
+    import multiprocessing
+
+    from hpcfsdp.results import regressions
+
+    sweep = shutil.copytree(gpu, tmp_path / "results" / "copy")
+    shutil.rmtree(sweep / "report", ignore_errors=True)  # drawn by gpu_report, when it ran first
+    workers: list[int] = []
+    check = regressions.over_time
+
+    def over_time(*args, **kwargs):
+        workers.extend(child.pid for child in multiprocessing.active_children())
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(regressions, "over_time", over_time)
+    assert main(["collect", str(sweep)]) == 0
+    assert len(workers) == min(len(plots.PLOTS), os.cpu_count() or 1) and os.getpid() not in workers
+    assert "## Over time" in (sweep / "report" / "summary.md").read_text()
+    drawn = {path.stem for path in (sweep / "report" / "plots").glob("*.png")}
+    assert drawn == {name for name, _, _ in plots.PLOTS} - {"scaling"}  # one GPU count
 
 
 def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind_of_number(tmp_path):

@@ -17,13 +17,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 import pytest
 
 from conftest import ROOT
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
+from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import defaults, references, regressions
-from hpcfsdp.results.history_rows import setup_key
+from hpcfsdp.results.history_rows import history_rows, setup_fields, setup_key, spec_values
+from hpcfsdp.results.read import Collection
 from hpcfsdp.sweep.define.matrix import cell_id
 from hpcfsdp.sweep.track.accounting import parse_sacct
 from test_collect import GPU_BASE, H100, failed_record, ok_record, spec_of
@@ -514,3 +517,32 @@ def test_the_historys_times_carry_their_zone_and_an_older_files_zoneless_utc_is_
     capsys.readouterr()
     assert main(["history", "--history", str(path), "--json", "--limit", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["started_at"].endswith("+00:00")
+
+
+def test_the_historys_spec_setup_and_setup_key_of_each_row_are_those_of_the_row_by_row_rules_for_every_kind_of_value(
+    tmp_path,
+):
+    """history_rows spells each field's value once per distinct value and joins a row's texts: each
+    row's spec, setup fields and setup key are still exactly json.dumps of spec_values and
+    setup_fields, and setup_key, the rules `hpcfsdp export` tags runs with. True and 1, 0.0 and
+    -0.0 are equal but spelt apart; 3e-05 is spelt as json spells it; a list (unhashable), an absent
+    value, a float of an integer field and a measurement field (seed: in the spec, not the setup)."""
+    default = RunSpec().to_dict()
+    rows = [
+        {"compile": True, "weight_decay": 0.0, "lr": 3e-05, "seq_len": 4096.0, "seed": 1, "model": "qwén"},
+        {"compile": 1, "weight_decay": -0.0, "lr": 3e-04, "seq_len": None, "seed": 2, "model": "qwén"},
+        {"compile": False, "weight_decay": 0.1, "lr": float("nan"), "seq_len": 2048.0, "seed": 1, "model": [1, 2]},
+        {"compile": default["compile"], "weight_decay": -0.0, "lr": 1e-07, "seq_len": 4096.0, "seed": 3, "model": "m"},
+    ]
+    fields = tuple(rows[0])
+    frame = pd.DataFrame([{"cell_id": f"c{k}", "status": "ok", **row} for k, row in enumerate(rows)])
+    made = history_rows(Collection(frame, [], spec_fields=fields), tmp_path)
+
+    canonical = {"sort_keys": True, "separators": (",", ":")}
+    specs = [{name: frame[name].tolist()[k] for name in fields} for k in range(len(rows))]
+    assert made["spec"].tolist() == [json.dumps(spec_values(spec), **canonical) for spec in specs]
+    assert made["setup_fields"].tolist() == [json.dumps(setup_fields(spec), **canonical) for spec in specs]
+    assert made["setup"].tolist() == [setup_key(spec) for spec in specs]
+    first, second = made["spec"][0], made["spec"][1]
+    assert '"compile":true' in first and '"compile":1' in second and '"weight_decay":-0.0' in second
+    assert '"lr":3e-05' in first and '"model":"qw\\u00e9n"' in first and '"seed"' not in made["setup_fields"][0]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import GarbageCollections
 from hpcfsdp.cell.measure.metrics import Span, communication_breakdown, flops_per_token, peak_tflops
 from hpcfsdp.cell.models import load_config, resolve_model
 from hpcfsdp.contracts.sources import model_source
@@ -91,16 +92,7 @@ def test_the_communication_profiles_events_are_read_without_a_garbage_collection
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2000):
             x = x + 1
-    collections: list[int] = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.callbacks.append(count)
-    try:
+    with GarbageCollections() as collections:
         events = profiled_spans(prof)
-    finally:
-        gc.callbacks.remove(count)
     assert sum(event.name == "aten::add" for event in events) == 2000
     assert collections == [] and gc.isenabled()

@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import torch
 
+from ..contracts.files import garbage_collection_paused
 from ..contracts.record import OkRecord
 from ..contracts.spec import RunSpec
 from .measure.metrics import Span, communication_breakdown, quiet_profiler
@@ -51,11 +51,8 @@ def profiled_spans(prof) -> list[Span]:
     make a FunctionEvent of some forty fields for each event and link each kernel to the op that
     launched it; the breakdown needs five fields. Read with the garbage collector paused: that many
     new objects set off full collections, each of which walks every object the rank holds (torch's
-    and transformers' modules; on the 2-core CPU machine, 2026-11-27, 0.5-0.9 s of the 0.6-1.1 s
-    the tiny cell's communication profile took). The collector runs again after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    and transformers' modules)."""
+    with garbage_collection_paused():
         return [
             Span(
                 event.name(),
@@ -66,9 +63,6 @@ def profiled_spans(prof) -> list[Span]:
             )
             for event in prof.profiler.kineto_results.events()
         ]
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def write_trace(model, optimizer, batches, spec: RunSpec, env: DistEnv, cell_dir: Path) -> str:

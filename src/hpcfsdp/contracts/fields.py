@@ -53,12 +53,17 @@ def spelt_alike(values: Iterable[Any], spell: Callable[[Any], str]) -> bool:
     they are spelt apart) and a float zero by its sign (0.0 == -0.0)."""
     values = list(values)
     try:
-        distinct = [
-            value for _, value, _ in {(type(v), v, isinstance(v, float) and v == 0 and repr(v)) for v in values}
-        ]
+        distinct = [value for _, value, _ in set(told_apart(values))]
     except TypeError:  # an unhashable value (a list in a hand-edited spec.json): spell them all
         distinct = values
     return len({spell(value) for value in distinct}) <= 1
+
+
+def told_apart(values: Iterable[Any]) -> Iterator[tuple[type, Any, Any]]:
+    """Each value as a key that no value of another spelling shares: by type as well (True == 1)
+    and a float zero by its sign (0.0 == -0.0). A dict or set of them raises TypeError where a
+    value is unhashable."""
+    return ((type(v), v, isinstance(v, float) and v == 0 and repr(v)) for v in values)
 
 
 def documented(default: Any, doc: str, *, default_means: str = "", **metadata: Any) -> Any:

@@ -3,8 +3,9 @@
 Every file a command writes (records, manifests, tables, plots, YAML) goes through atomic_output:
 a reader sees the old file or the new one, never half of one. Every JSON object a command reads
 (records, spec.json, manifest.json, the cache's manifest) goes through read_json_object: a file
-that cannot be used is a RecordError naming it in one line, never a traceback. Every lock file
-(a sweep's .submit.lock, history.duckdb.lock) is opened by open_lock.
+that cannot be used is a RecordError naming it in one line, never a traceback; a bulk read of them
+runs with the garbage collector paused (garbage_collection_paused). Every lock file (a sweep's
+.submit.lock, history.duckdb.lock) is opened by open_lock.
 
 Results folders are often shared by a team, so anyone may plant a link or a device in them: a
 file is written by a rename into its folder, which replaces a link at its name, never what the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import json
 import math
 import os
@@ -239,6 +241,29 @@ def parse_json(data: bytes) -> Any:
         except ValueError:
             pass
     return json.loads(data.decode("utf-8"))
+
+
+def garbage_collection_paused() -> _CollectorPaused:
+    """A `with` block with the garbage collector paused for a bulk read, then as it was (a caller
+    that paused it keeps it paused). A bulk read makes many new objects, none in a reference cycle
+    (a sweep's records and their rows, a profile's events): the full collections their number sets
+    off walk every object the process holds and free nothing of them. Measured on the 2-core CPU
+    machine: about 0.25 s of collecting 10,000 records, 0.5-0.9 s of a tiny cell's 0.6-1.1 s
+    communication profile."""
+    return _CollectorPaused()
+
+
+class _CollectorPaused:
+    """A class, not a generator: leaving the block makes no object once the collector runs again
+    (a generator's end would, and set off a collection of the block's objects right there)."""
+
+    def __enter__(self) -> None:
+        self.enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            gc.enable()
 
 
 def read_json_object(

@@ -2,7 +2,9 @@
 records, the history and references checks, the report, and what is printed of them.
 
 Its order matters: a bad references file stops the command before anything is written; the
-accounting is added to the records before they are read into the history.
+accounting is added to the records before they are read into the history and the report; the
+figures start drawing (in a worker process) before the history is checked, on the core the check
+leaves idle.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def collect(
     from .read import load_records
     from .regressions import over_time as check_over_time
     from .regressions import write_comparison
-    from .report import write_report
+    from .report import report_started
     from .tables import cells_document, printed_comparison
 
     def say(line: str) -> None:  # what the command prints: stdout, or stderr beside a JSON document
@@ -82,13 +84,12 @@ def collect(
     collection = load_records(sweep_dir, scheduler_states(sweep_dir, recorded), progress, recorded)
     progress.stage("adding Slurm accounting and checking the history")
     merge_accounting(collection.frame, note_accounting(sweep_dir, accounting_jobs(collection.frame)))
-    checked = check_over_time(collection, sweep_dir, options, log=lambda line: print(line, file=sys.stderr))
-    if checked.unchecked:  # never a silent pass: the gate could not look (collect exits 1)
-        print(f"error: history {checked.unchecked}; --no-history collects without it", file=sys.stderr)
-    progress.stage("writing the report" + (" and its plots" if plots else ""))
-    report = write_report(
-        sweep_dir, baseline=baseline, plots=plots, collection=collection, first_sections=(checked.section(),)
-    )
+    with report_started(sweep_dir, collection, baseline, plots) as write_rest:  # the figures draw meanwhile
+        checked = check_over_time(collection, sweep_dir, options, log=lambda line: print(line, file=sys.stderr))
+        if checked.unchecked:  # never a silent pass: the gate could not look (collect exits 1)
+            print(f"error: history {checked.unchecked}; --no-history collects without it", file=sys.stderr)
+        progress.stage("writing the report" + (" and its plots" if plots else ""))
+        report = write_rest((checked.section(),))
     progress.done("collect")
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)

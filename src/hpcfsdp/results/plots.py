@@ -34,7 +34,7 @@ import pandas as pd
 from matplotlib import __version__ as matplotlib_version
 from matplotlib.ticker import MaxNLocator
 
-from ..contracts.files import RecordError, atomic_output, read_json_object, write_json
+from ..contracts.files import RecordError, atomic_output, garbage_collection_paused, read_json_object, write_json
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
@@ -89,8 +89,10 @@ def drawing_plots(
 ) -> Iterator[Callable[[], Drawn]]:
     """Draw every figure into out_dir, unless the figures there were drawn from the same input;
     yields a function that waits for them and returns what was drawn (Drawn). Text layout and PNG
-    encoding dominate a large sweep's collection: the figures draw in worker processes, one per
-    core, forked here, while the caller writes the tables and the report's text."""
+    encoding dominate a large sweep's collection: the figures draw in worker processes, one per core,
+    while this process writes the tables and the report's text, then draws what no worker has started.
+    Workers fork with the collector paused (its passes would walk, and copy the pages of, every
+    object of this process: a tenth of their CPU time)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
@@ -107,19 +109,24 @@ def drawing_plots(
         return _listed(jobs, outcomes)
 
     workers = min(len(jobs), os.cpu_count() or 1)
-    if workers == 1:
-        drawn = [_draw_and_save(*job) for job in jobs]
-        yield lambda: recorded(drawn)
+    if workers == 1:  # one core: this process draws them all, once its tables and text are written
+        yield lambda: recorded([_draw_and_save(*job) for job in jobs])
         return
-    # Forked workers that draw a few figures and end: no garbage collection in them (a pass would walk,
-    # and copy the pages of, every object of this process), a tenth of their CPU time.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=gc.disable) as pool:
-        gc.freeze()
-        try:  # every job submitted, every worker forked, now; the LONGEST first
-            pending = {j[0]: pool.submit(_draw_and_save, *j) for j in sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))}
-        finally:
-            gc.unfreeze()
-        yield lambda: recorded([pending[job[0]].result() for job in jobs])
+    ordered = sorted(jobs, key=lambda j: LONGEST.get(j[0], 3))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with garbage_collection_paused():
+            gc.freeze()
+            try:  # every job submitted, every worker forked, now; the LONGEST first
+                pending = {job[0]: pool.submit(_draw_and_save, *job) for job in ordered}
+            finally:
+                gc.unfreeze()
+
+        def helped() -> Drawn:  # the figures no worker has started yet are drawn here, the last first
+            with garbage_collection_paused():  # a figure's objects hold cycles: freed once it runs again
+                here = {job[0]: _draw_and_save(*job) for job in reversed(ordered) if pending[job[0]].cancel()}
+            return recorded([here[name] if name in here else pending[name].result() for name, *_ in jobs])
+
+        yield helped
 
 
 def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is drawn (collect --no-plots)
@@ -433,15 +440,8 @@ def _heatmap(data: PlotData, column: str, title: str, label: str, cell_format: s
         image = ax.imshow(values, cmap="viridis", vmin=low, vmax=high, aspect="auto")
         for (i, j), value in np.ndenumerate(values):
             if not np.isnan(value):
-                ax.text(
-                    j,
-                    i,
-                    cell_format.format(x=value),
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="white" if value < (low + high) / 2 else "black",
-                )
+                colour = "white" if value < (low + high) / 2 else "black"
+                ax.text(j, i, cell_format.format(x=value), ha="center", va="center", fontsize=8, color=colour)
         ax.set_title(setting)
     ax.set_xticks(np.arange(len(batches)), [layout.number_text(b) for b in batches])
     ax.set_yticks(np.arange(len(variants)), variants)

@@ -8,19 +8,16 @@ holds fixed), and averages repeats into configurations (`ok_configs`).
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from ..contracts.files import RecordError, read_json_object
+from ..contracts.files import RecordError, garbage_collection_paused, read_json_object
 from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state
 from ..contracts.recordspec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, spec_problem
 from ..contracts.validity import invalid_reasons
@@ -100,7 +97,7 @@ def load_records(
     if progress:
         progress.count(len(paths))
     unreadable = list(unnamed_cell_folders(sweep_dir).values())
-    with _garbage_collection_paused():
+    with garbage_collection_paused():  # some million small dicts and lists, none in a cycle
         read = _read_in_two(paths, sweep_dir, progress)
     unreadable.extend(read.problems)
     missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
@@ -167,20 +164,6 @@ def _read_rows(paths: list[Path], sweep_dir: Path, progress: Progress | None = N
             flat.pop("cell_id", None)
             read.rows.append({"cell_id": path.parent.name, **flat, INVALID: invalid_reasons(state.record)})
     return read
-
-
-@contextmanager
-def _garbage_collection_paused() -> Iterator[None]:
-    """Reading a sweep allocates some million small dicts and lists (the records, their rows),
-    none in a reference cycle: the collector's passes over them free nothing (about 0.25 s of the
-    4.5 s of CPU that collecting 10,000 records takes)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:

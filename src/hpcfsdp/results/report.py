@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,14 +69,24 @@ def write_report(
     plots: bool = True,
     scheduler_states: dict[str, str] | None = None,
     collection: Collection | None = None,
-    first_sections: tuple[Section, ...] = (),
 ) -> Report:
     """Write report/: results.csv (+ .parquet), summary.md, index.html and plots/*.png.
 
-    `collection`: the sweep's records when the caller read them already; `first_sections` (the
-    over-time checks) go right after the recommendation."""
+    `collection`: the sweep's records when the caller read them already."""
     sweep_dir = Path(sweep_dir)
     collection = collection if collection is not None else load_records(sweep_dir, scheduler_states)
+    with report_started(sweep_dir, collection, baseline, plots) as write_rest:
+        return write_rest(())
+
+
+@contextmanager
+def report_started(
+    sweep_dir: Path, collection: Collection, baseline: str | None = None, plots: bool = True
+) -> Iterator[Callable[[tuple[Section, ...]], Report]]:
+    """The cells labelled and the figures drawing in worker processes (plots.drawing_plots); what it
+    yields writes the rest of the report (its tables and text, then the figures waited for) with the
+    sections that go right after the recommendation, which the caller makes meanwhile (collect: the
+    over-time checks, while the figures draw on the other core)."""
     cells = label_cells(collection)
     report = report_folder(sweep_dir)
     configs = ok_configs(cells)
@@ -84,31 +95,34 @@ def write_report(
         if plots
         else nullcontext(plotting.nothing_drawn)
     )
-    with plotted as drawn:  # the figures draw in worker processes while the tables are written
-        files, notes = write_tables(collection.cells, report)
-        table = comparison_table(cells.frame, collection.spec_fields)
-        # The recommendation and the cells it left out as untrusted first, then the over-time checks
-        # (first_sections), then the rest.
-        lines = recommendation(configs, cells)
-        leading, rest = summary_sections(cells, configs, baseline, collection.unreadable, lines)
-        tuned = tune_section(sweep_dir)
-        after_plots = [
-            *pivot_sections(cells, configs),
-            *scaling_sections(cells),
-            all_cells_section(table),
-            Section("Environment", table=environment_table(collection.frame)),
-        ]
-        figures, skipped = drawn()
-    files += [path for _, path in figures]
-    sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
-    sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *after_plots]
+    with plotted as drawn:
 
-    title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
-    write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
-    write_text(report / "index.html", to_html(title, sections))
-    files += [report / "summary.md", report / "index.html"]
-    untrusted = [f"{row.cell}: {row.why}" for row in invalid_table(cells).rename(columns={WHY: "why"}).itertuples()]
-    return Report(table, report, files, collection.unreadable, skipped, notes, lines, untrusted)
+        def write_rest(first_sections: tuple[Section, ...]) -> Report:
+            files, notes = write_tables(collection.cells, report)
+            table = comparison_table(cells.frame, collection.spec_fields)
+            # The recommendation and the cells it left out as untrusted first, then first_sections, then the rest.
+            lines = recommendation(configs, cells)
+            leading, rest = summary_sections(cells, configs, baseline, collection.unreadable, lines)
+            tuned = tune_section(sweep_dir)
+            after_plots = [
+                *pivot_sections(cells, configs),
+                *scaling_sections(cells),
+                all_cells_section(table),
+                Section("Environment", table=environment_table(collection.frame)),
+            ]
+            figures, skipped = drawn()
+            files += [path for _, path in figures]
+            sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
+            sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *after_plots]
+            title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
+            write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
+            write_text(report / "index.html", to_html(title, sections))
+            files += [report / "summary.md", report / "index.html"]
+            why = invalid_table(cells).rename(columns={WHY: "why"})
+            untrusted = [f"{row.cell}: {row.why}" for row in why.itertuples()]
+            return Report(table, report, files, collection.unreadable, skipped, notes, lines, untrusted)
+
+        yield write_rest
 
 
 def report_folder(sweep_dir: Path) -> Path:
