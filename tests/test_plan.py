@@ -591,7 +591,7 @@ def test_a_cancel_that_lands_inside_a_logging_call_still_ends_the_rank(monkeypat
     """The handler raises wherever the main thread is. Slurm sends SIGCONT just before a cancel's
     SIGTERM, submitit logs the SIGCONT, and a SIGTERM that landed in that log line's write was
     swallowed by logging's `except Exception` (the rank trained on until SIGKILL and left no record:
-    2 of 30 scancels, 2026-11-27). An ending is no Exception, so logging lets it through."""
+    2 of 31 scancels, 2026-11-27). An ending is no Exception, so logging lets it through."""
     import logging
 
     from hpcfsdp.cell.stopping import signals

@@ -22,7 +22,7 @@ class SignalEnding(BaseException):
     """An ending a signal handler raises wherever the main thread happens to be. A BaseException,
     as KeyboardInterrupt is, so that no `except Exception` on the way swallows it: Slurm sends
     SIGCONT just before a cancel's SIGTERM, submitit logs the SIGCONT, and a SIGTERM that landed in
-    that log line's write was swallowed by logging's own `except Exception` (2 of 30 scancels of a
+    that log line's write was swallowed by logging's own `except Exception` (2 of 31 scancels of a
     CPU cell, 2026-11-27): the rank trained on until Slurm's SIGKILL, and the cell had no record.
     Catch it only where a record is written."""
 
