@@ -42,3 +42,26 @@ def test_no_module_of_the_package_is_over_450_lines():
     lengths = {path: len(path.read_text().splitlines()) for path in (ROOT / "src" / "hpcfsdp").rglob("*.py")}
     assert lengths and max(lengths.values()) > 100  # the walk found the package
     assert {str(path.relative_to(ROOT)): n for path, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
+def _newest_python() -> str:
+    """The newest CPython 3.x on this machine (PATH and pyenv's versions), else the one running."""
+    found = {sys.version_info[:2]: sys.executable}
+    roots = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    roots += sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
+    for folder in roots:
+        for exe in folder.glob("python3.[0-9]*"):
+            suffix = exe.name.removeprefix("python3.")
+            if suffix.isdigit() and os.access(exe, os.X_OK) and exe.resolve().is_file():
+                found.setdefault((3, int(suffix)), str(exe))
+    return found[max(found)]
+
+
+def test_every_module_compiles_under_the_newest_python_present(tmp_path):
+    """Python 3.13 refuses a docstring holding a lone surrogate ("\\ud800") that 3.11 compiles: the
+    package must import on every release requires-python admits, so it is compiled by the newest."""
+    python = _newest_python()
+    copy = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(ROOT / "src"), str(copy)], check=True)
+    proc = subprocess.run([python, "-m", "compileall", "-q", str(copy)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{python}: {proc.stdout[-3000:]}{proc.stderr[-1000:]}"

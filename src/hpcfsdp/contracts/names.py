@@ -13,7 +13,7 @@ one SpecError line naming the file, line and key (docs/refusals.md lists the rul
 - A partition, account, QOS or constraint is one sbatch argument: a space would make it two.
 - A Slurm job id read back from a file (a record, the manifest) becomes an argument of squeue,
   sacct or scancel: digits and an array task's `_N` only, or a comma would name other jobs.
-- A lone surrogate (U+D800..U+DFFF: JSON's "\ud800", or a byte of a file name that is not UTF-8,
+- A lone surrogate (U+D800..U+DFFF: JSON's "\\ud800", or a byte of a file name that is not UTF-8,
   which Python carries as one) is no text: no UTF-8 file, terminal, CSV or strict JSON parser
   (orjson, DuckDB) takes it. Such text is refused, and a folder so named is shown escaped.
 - 'é' written as 'e' and a combining accent prints like 'é' written as one character, and is another

@@ -2,7 +2,7 @@
 with the line of every mapping key (LineLoader), so that a message names the line that set a value.
 
 A careless or hostile file (a YAML "billion laughs", thousands of nested brackets, Latin-1 or
-UTF-16 text, a lone surrogate written as "\ud800", a generated file of megabytes) becomes one
+UTF-16 text, a lone surrogate written as "\\ud800", a generated file of megabytes) becomes one
 SpecError naming the file, instead of a hang, a memory blow-up or a traceback.
 """
 
