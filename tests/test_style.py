@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from hpcfsdp.contracts.names import has_surrogate
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -45,23 +49,38 @@ def test_no_module_of_the_package_is_over_450_lines():
 
 
 def _newest_python() -> str:
-    """The newest CPython 3.x on this machine (PATH and pyenv's versions), else the one running."""
+    """The newest CPython 3.x that runs on this machine (PATH and pyenv's versions; a pyenv shim of a
+    version not selected does not run), else the one running the tests."""
     found = {sys.version_info[:2]: sys.executable}
     roots = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     roots += sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
     for folder in roots:
         for exe in folder.glob("python3.[0-9]*"):
-            suffix = exe.name.removeprefix("python3.")
-            if suffix.isdigit() and os.access(exe, os.X_OK) and exe.resolve().is_file():
-                found.setdefault((3, int(suffix)), str(exe))
+            if not exe.name.removeprefix("python3.").isdigit():
+                continue
+            said = subprocess.run(
+                [exe, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True
+            )
+            if said.returncode == 0:
+                major, minor = map(int, said.stdout.split())
+                found.setdefault((major, minor), str(exe))
     return found[max(found)]
 
 
 def test_every_module_compiles_under_the_newest_python_present(tmp_path):
     """Python 3.13 refuses a docstring holding a lone surrogate ("\\ud800") that 3.11 compiles: the
-    package must import on every release requires-python admits, so it is compiled by the newest."""
+    package must import on every release requires-python admits. So no docstring holds one (checked
+    under any Python), and the newest Python on this machine compiles every module."""
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        tree = ast.parse(path.read_bytes(), str(path))
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=False) or ""
+                assert not has_surrogate(doc), (
+                    f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}: a lone surrogate in a docstring"
+                )
     python = _newest_python()
     copy = tmp_path / "src"
-    subprocess.run(["cp", "-r", str(ROOT / "src"), str(copy)], check=True)
+    shutil.copytree(ROOT / "src", copy)
     proc = subprocess.run([python, "-m", "compileall", "-q", str(copy)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{python}: {proc.stdout[-3000:]}{proc.stderr[-1000:]}"
