@@ -6,9 +6,12 @@ manifest's submitted_at to ended_at) and of its fixed cost (that wall time less 
 and the median of each round's difference (after less before: the two ran back to back).
 
     python bench/launch_cost_before_after.py --before <commit> [--rounds 6] [--out DIR]
+    python bench/launch_cost_before_after.py --before-src DIR/src --model qwen2.5-1.5b --device cuda \
+        --gpus 1 --precision bf16 --seq-len 2048 --batch 2 --steps 10      # a GPU machine (issue 52)
     python bench/launch_cost_before_after.py --tabulate DIR/raw.jsonl [DIR2/raw.jsonl ...]
 
-The "before" tree is `git archive <commit> src`; "after" is this checkout's src. Raw lines (one
+The "before" tree is `git archive <commit> src`, or a src folder carried to a machine whose .git
+is a stale copy (--before-src); "after" is this checkout's src. Raw lines (one
 JSON object a launch) go to DIR/raw.jsonl, each submit's output to DIR/logs/, the table to stdout
 and DIR/launch_cost.md.
 """
@@ -29,8 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("launcher_start", "imports", "process_group", "model_build", "warmup", "timed_window", "measurement")
 SWEEP = """name: launch_cost
-base: {model: tiny, device: cpu, precision: fp32, seq_len: 64, gpus_per_node: 2, steps: 12, batch_size: 4}
-slurm: {time_min: 10}
+base: {{model: {model}, device: {device}, precision: {precision}, seq_len: {seq_len}, gpus_per_node: {gpus},
+        steps: {steps}, batch_size: {batch}}}
+slurm: {{time_min: 10}}
 matrix:
   strategy: [ddp]
 """
@@ -105,6 +109,14 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", help="the commit to compare against")
+    parser.add_argument("--before-src", type=Path, help="the src folder to compare against, instead of --before")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--gpus", type=int, default=2, help="processes of the one cell (gpus_per_node)")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "launch_cost")
     parser.add_argument("--tabulate", type=Path, nargs="+", help="only the table, of these raw.jsonl files")
@@ -115,12 +127,14 @@ def main() -> None:
         ]
         print(table(rows))
         return
-    if not args.before:
-        parser.error("--before is required unless --tabulate")
+    if not (args.before or args.before_src):
+        parser.error("--before or --before-src is required unless --tabulate")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     jobs = args.out / "launch_cost.yaml"
-    jobs.write_text(SWEEP)
-    trees = {"before": before_tree(args.before, args.out), "after": ROOT / "src"}
+    shape = {key: getattr(args, key) for key in ("model", "device", "precision", "gpus", "seq_len", "batch", "steps")}
+    jobs.write_text(SWEEP.format(**shape))
+    before = args.before_src.resolve() if args.before_src else before_tree(args.before, args.out)
+    trees = {"before": before, "after": ROOT / "src"}
     rows = []
     with open(args.out / "raw.jsonl", "a") as raw:
         for index in range(args.rounds):
