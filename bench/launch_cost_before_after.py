@@ -51,7 +51,9 @@ def before_tree(commit: str, out: Path) -> Path:
 def launch(side: str, src: Path, jobs: Path, out: Path, index: int) -> dict:
     """One submit of the sweep with `src` first on the path: its cell's phases and wall time."""
     results = out / "results" / f"{side}{index}"
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    # src first; what the caller's path holds (a GPU machine's carried wheels in /tmp/site) after it
+    path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "local"]
     with open(out / "logs" / f"{side}{index}.log", "w") as log:
         subprocess.run([*command, "--results-dir", str(results)], stdout=log, stderr=subprocess.STDOUT, env=env)
