@@ -47,8 +47,10 @@ def test_no_module_of_the_package_is_over_450_lines():
 def _newest_python() -> str:
     """The newest CPython 3.x on this machine (PATH and pyenv's versions), else the one running."""
     found = {sys.version_info[:2]: sys.executable}
-    roots = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
-    roots += sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
+    # pyenv's versions before PATH: a pyenv shim (~/.pyenv/shims/python3.13) runs the version pyenv
+    # is set to, and fails ("command not found") where that is another one.
+    roots = sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
+    roots += [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p).name != "shims"]
     for folder in roots:
         for exe in folder.glob("python3.[0-9]*"):
             suffix = exe.name.removeprefix("python3.")
