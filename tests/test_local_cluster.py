@@ -155,3 +155,30 @@ def test_a_taken_port_is_named_with_its_process_and_the_log_and_start_stops_what
     finally:
         stop_slurm(knobs, "--purge")
         shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_a_release_the_machines_packages_do_not_give_is_refused_in_one_line(slurm_cluster, tmp_path):
+    """HPCFSDP_SLURM_RELEASE: 22.05 is Debian 12's, 24.11 Debian 13's; the other one than this
+    machine's is refused naming where to get it, before anything is installed or started."""
+    installed = subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=30).stdout
+    other = "24.11" if " 22.05." in installed else "22.05"
+    knobs = {"HPCFSDP_SLURM_DIR": str(tmp_path / "state"), "HPCFSDP_SLURM_RELEASE": other}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **knobs},
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and f"ERROR: Slurm {other} asked (HPCFSDP_SLURM_RELEASE)" in proc.stderr
+    assert "bench/debian13_suite.sh" in proc.stderr and not (tmp_path / "state" / "conf").exists()
+    bad = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **knobs, "HPCFSDP_SLURM_RELEASE": "23.02"},
+    )
+    assert bad.returncode == 1 and "HPCFSDP_SLURM_RELEASE must be 22.05, 24.11 or system, not '23.02'" in bad.stderr
