@@ -75,7 +75,9 @@ bind() {   # what where: bound once
 bind /proc /proc
 bind /sys /sys
 bind /dev /dev
-cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# The root is this machine: its name must resolve there as here (torchrun --standalone
+# rendezvouses on the host name; without it a local cell waits out c10d's 300 s timeout).
+cp /etc/resolv.conf /etc/hosts "$ROOT/etc/"
 # This network's CA bundle, for pip (a proxy here signs PyPI's certificates with its own CA).
 HOST_CA=/etc/ssl/certs/ca-certificates.crt
 if [[ -s $HOST_CA ]]; then cp "$HOST_CA" "$ROOT/etc/host-ca-bundle.crt"; fi
