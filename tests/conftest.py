@@ -95,8 +95,11 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
 
 
 def slurm(*args: str) -> str:
-    """A Slurm client command (sbatch, squeue, sacct, scontrol, ...): its output; it must succeed."""
-    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=60).stdout
+    """A Slurm client command (sbatch, squeue, sacct, scontrol, ...): its output; it must succeed
+    (a failure names the command and its stderr)."""
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}"
+    return proc.stdout
 
 
 def start_slurm(knobs: dict[str, str]) -> tuple[dict[str, str], bool]:

@@ -293,19 +293,23 @@ def test_a_cell_over_its_memory_gets_a_host_oom_record_with_the_mem_gb_to_ask_fo
 
 
 @pytest.mark.slurm
-def test_a_job_past_its_deadline_gets_a_deadline_record_from_sacct(site_cluster, tmp_path, capsys):
+def test_a_job_past_its_deadline_gets_a_deadline_record_from_sacct_on_22_05_and_24_11(site_cluster, tmp_path, capsys):
     # Held past its deadline: Slurm ends it DEADLINE once it may be scheduled; it never starts.
+    # The deadline is later than the time limit (75 s against 1 min), which Slurm 24.11 requires
+    # ("Requested time limit is invalid" for a sooner one; 22.05 takes both): 15 s after the
+    # submission the job can no longer end before it, and 22.05 and 24.11 alike end it DEADLINE.
+    submitted = time.monotonic()
     late_dir, late, late_job = submit(
         tmp_path,
         "late",
         f"""
         name: late
         base: {{{TINY}, gpus_per_node: 1}}
-        slurm: {{time_min: 1, signal_delay_s: 10, extra_sbatch: {{hold: true, deadline: now+2}}}}
+        slurm: {{time_min: 1, signal_delay_s: 10, extra_sbatch: {{hold: true, deadline: now+75}}}}
         """,
         capsys,
     )
-    time.sleep(3)
+    time.sleep(max(0.0, submitted + 17 - time.monotonic()))
     subprocess.run(["scontrol", "release", late_job], capture_output=True, timeout=60)  # if not ended yet
     wait_for("deadline", lambda: job_field(late_job, "JobState") in ("", "DEADLINE"))
     assert main(["status", str(late_dir)]) == 3  # before any record (missing): sacct's word and the advice

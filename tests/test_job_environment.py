@@ -20,8 +20,9 @@ import yaml
 
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
+from hpcfsdp.sweep.define.sbatch_options import release_of
 from hpcfsdp.sweep.define.secret_shapes import is_secret
-from hpcfsdp.sweep.launch.environment import is_allowed
+from hpcfsdp.sweep.launch.environment import SLURM_LAUNCHER_NAMES, is_allowed
 
 MARK = "i33secret"
 # Secret-like names and values in the submitting shell, each value holding MARK so that one grep
@@ -110,6 +111,14 @@ def test_the_allowlist_and_the_secret_shapes_tell_every_secret_from_what_a_cell_
     assert [name for name in needed if not is_allowed(name)] == []
 
 
+def test_the_mpi_launcher_settings_slurm_24_11_puts_in_every_job_are_allowlisted():
+    # Seen in a 24.11.5 job's saved environment under --export=<names>; 22.05 sets none of them.
+    launchers = ["HYDRA_BOOTSTRAP", "HYDRA_LAUNCHER_EXTRA_ARGS", "I_MPI_HYDRA_BOOTSTRAP"]
+    launchers += ["I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS", "OMPI_MCA_plm_slurm_args", "PRTE_MCA_plm_slurm_args"]
+    assert [name for name in launchers if not is_allowed(name)] == []
+    assert not [name for name in launchers if is_secret(name, "--external-launcher")]
+
+
 @pytest.mark.slurm
 def test_a_slurm_job_gets_the_allowlist_and_pass_env_only_and_trains_across_two_nodes(
     slurm_cluster, tmp_path, monkeypatch, capsys
@@ -154,11 +163,15 @@ def test_a_slurm_job_gets_the_allowlist_and_pass_env_only_and_trains_across_two_
     assert MARK.encode() not in saved_script
     names = [key.decode(errors="replace") for key in saved]
     assert [name for name in names if not is_allowed(name) and name != "AWS_PROFILE"] == []
+    version = subprocess.run(["sbatch", "--version"], capture_output=True, text=True, timeout=30).stdout
+    if (release_of(version) or (0, 0)) >= (24, 11):  # Slurm's own MPI launcher settings, --export or not
+        assert set(SLURM_LAUNCHER_NAMES) <= set(names)
 
     (record_path,) = sweep_dir.glob("cells/*/result.json")
     record = json.loads(record_path.read_text())
     assert record["status"] == "ok", record.get("error")
     assert record["hostnames"] == ["hpcfsdp-n1", "hpcfsdp-n2"] and record["world_size"] == 2
+    assert record["versions"]["slurm"] == version.split()[-1].split("-")[0]  # the release it ran under
     # Both ranks, on both nodes, got what the shell passed and what the setup lines set.
     assert record["environment"]["TORCH_I33_FROM_SETUP"] == "yes"
     assert record["environment"]["NCCL_I33_FROM_SHELL"] == "yes"

@@ -401,9 +401,10 @@ def test_the_layout_checks_name_a_circle_an_unused_permission_a_crowded_folder_a
     assert "contracts/extra0" in modules_of(copy) - module_tree(page)
 
 
-# Only the runner (slurm.py) and the cell's reading of its own job (cell/stopping/requeue.py) run Slurm's
-# commands as the program of a subprocess (docs/design.md).
-SLURM_RUNNERS = {"slurm.py", "cell/stopping/requeue.py"}
+# Only the runner (slurm.py), the cell's reading of its own job (cell/stopping/requeue.py) and of its
+# Slurm release (cell/measure/provenance.py) run Slurm's commands as the program of a subprocess
+# (docs/design.md).
+SLURM_RUNNERS = {"slurm.py", "cell/stopping/requeue.py", "cell/measure/provenance.py"}
 SLURM_PROGRAMS = {"sbatch", "squeue", "sacct", "sinfo", "scontrol", "sacctmgr", "scancel", "srun", "salloc", "sstat"}
 SPAWNERS = {("subprocess", name) for name in ("run", "Popen", "call", "check_call", "check_output", "getoutput")} | {
     ("os", name) for name in ("system", "popen", "execv", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnvp")

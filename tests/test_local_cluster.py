@@ -1,11 +1,14 @@
-"""slurm/local/start.sh itself: a changed knob restarts the cluster, and it comes up the first time."""
+"""slurm/local/start.sh itself: a changed knob restarts the cluster, it comes up the first time, and a
+daemon that cannot start is explained (its log, the process on its port) and what started is stopped."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,69 @@ def slurm_with(env: dict[str, str], *args: str) -> str:
     return subprocess.run(
         list(args), check=True, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
     ).stdout
+
+
+@pytest.mark.slurm
+def test_a_taken_port_is_named_with_its_process_and_the_log_and_start_stops_what_it_started():
+    """slurmctld's port held by another process (this test's): start.sh does not wait out its
+    timeout, prints slurmctld's last log lines and the pid holding the port, and stops the slurmd
+    it started (issue 53: it said only that a daemon "does not answer")."""
+    state = tempfile.mkdtemp(prefix="hpcfsdp-slurm-taken-")
+    port = free_port_block(4)
+    knobs = {
+        "HPCFSDP_SLURM_DIR": state,
+        "HPCFSDP_SLURM_PORT": str(port),
+        "HPCFSDP_SLURM_NODES": "1",
+        "HPCFSDP_SLURM_ACCOUNTING": "0",
+        "HPCFSDP_SLURM_TIMEOUT": "60",
+    }
+    try:
+        with socket.socket() as holder:
+            holder.bind(("0.0.0.0", port))
+            holder.listen()
+            started = time.monotonic()
+            proc = subprocess.run(
+                ["bash", str(ROOT / "slurm/local/start.sh")],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, **knobs},
+            )
+            took = time.monotonic() - started
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-3000:]
+        assert f"port {port} (slurmctld's) is held by pid {os.getpid()} (" in proc.stderr, proc.stderr[-3000:]
+        assert f"the last lines of {state}/log/slurmctld.log:" in proc.stderr
+        assert "stopping slurmd-hpcfsdp-n1 (pid " in proc.stderr and "which this run started" in proc.stderr
+        assert took < 45, took  # not the 60 s of HPCFSDP_SLURM_TIMEOUT
+        left = [f.name for f in Path(state, "run").glob("*.pid") if Path(f"/proc/{f.read_text().strip()}").exists()]
+        assert left == []
+    finally:
+        stop_slurm(knobs, "--purge")
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_a_release_the_machines_packages_do_not_give_is_refused_in_one_line(slurm_cluster, tmp_path):
+    """HPCFSDP_SLURM_RELEASE: 22.05 is Debian 12's, 24.11 Debian 13's; the other one than this
+    machine's is refused naming where to get it, before anything is installed or started."""
+    installed = subprocess.run(["slurmctld", "-V"], capture_output=True, text=True, timeout=30).stdout
+    other = "24.11" if " 22.05." in installed else "22.05"
+    knobs = {"HPCFSDP_SLURM_DIR": str(tmp_path / "state"), "HPCFSDP_SLURM_RELEASE": other}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **knobs},
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and f"ERROR: Slurm {other} asked (HPCFSDP_SLURM_RELEASE)" in proc.stderr
+    assert "bench/debian13_suite.sh" in proc.stderr and not (tmp_path / "state" / "conf").exists()
+    bad = subprocess.run(
+        ["bash", str(ROOT / "slurm/local/start.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **knobs, "HPCFSDP_SLURM_RELEASE": "23.02"},
+    )
+    assert bad.returncode == 1 and "HPCFSDP_SLURM_RELEASE must be 22.05, 24.11 or system, not '23.02'" in bad.stderr

@@ -1,7 +1,7 @@
 """sbatch reads any unique prefix of a long option (issue 33, item 4): an extra_sbatch key is read
 the same way before the refusal of the options hpcfsdp sets itself. The option table kept in the
-package is checked against the local cluster's sbatch (Slurm 22.05), and the requeue guard holds
-for slurm.max_requeue 0."""
+package is checked against the local cluster's sbatch, of the release it runs (22.05 on Debian 12,
+24.11 on Debian 13: issue 53), and the requeue guard holds for slurm.max_requeue 0."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.define import sbatch_options
-from hpcfsdp.sweep.define.sbatch_options import release_options, resolve_option
+from hpcfsdp.sweep.define.sbatch_options import options_of, release_options, resolve_option, running_release
 
 OPTIONS = release_options((22, 5))
 
@@ -80,17 +80,54 @@ def test_an_accepted_prefix_is_written_as_the_option_in_full(tmp_path, capsys):
     assert "#SBATCH --reservation=m" in capsys.readouterr().out
 
 
+def test_on_24_11_an_option_its_help_lists_but_sbatch_rejects_is_no_option():
+    # 24.11.5's --help lists --power; its sbatch answers "unrecognized option '--power'".
+    listed = "Usage: sbatch [OPTIONS(0)...]\n      --power=flags  power management options\n  -p, --partition=..."
+    assert "power" in options_of("slurm 22.05.8", listed)
+    on_24_11 = options_of("slurm 24.11.5", listed)
+    assert "power" not in on_24_11 and {"oom-kill-step", "tres-per-task", "stepmgr"} <= on_24_11
+    assert resolve_option("power", on_24_11)[1].startswith("--power is no sbatch option (the nearest: ")
+    assert resolve_option("power", options_of("slurm 22.05.8", listed)) == ("power", "")
+
+
+@pytest.mark.slurm
+def test_a_power_key_passes_plan_where_the_release_takes_it_and_is_refused_where_it_does_not(
+    slurm_cluster, tmp_path, capsys
+):
+    """22.05's sbatch takes --power; 24.11's rejects it, though its --help lists it."""
+    release = running_release()
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text("name: p\nbase: {device: cpu}\nslurm:\n  extra_sbatch: {power: level}\n")
+    sbatch_options.sbatch_options.cache_clear()
+    try:
+        code = main(["plan", str(jobs), "--sbatch"])
+    finally:
+        sbatch_options.sbatch_options.cache_clear()
+    out, err = capsys.readouterr()
+    sbatch = subprocess.run(
+        ["sbatch", "--power=level", "--test-only", "--wrap=true"], capture_output=True, text=True, timeout=30
+    )
+    if release is not None and release >= (24, 5):
+        assert code == 2 and err.startswith(f"error: {jobs}:4: slurm.extra_sbatch.power: --power is no sbatch option")
+        assert "unrecognized option" in sbatch.stderr, sbatch.stderr
+    else:
+        assert code == 0 and "#SBATCH --power=level" in out, err
+        assert "unrecognized option" not in sbatch.stderr, sbatch.stderr
+
+
 @pytest.mark.slurm
 def test_the_packaged_options_are_the_local_sbatchs_and_it_reads_prefixes_as_resolved(slurm_cluster):
+    """On the release the local cluster runs: 22.05 (Debian 12) or 24.11 (Debian 13)."""
     sbatch_options.sbatch_options.cache_clear()
     try:
         installed = sbatch_options.sbatch_options()
     finally:
         sbatch_options.sbatch_options.cache_clear()
-    assert installed == OPTIONS  # its --help and --usage, and those of 22.05 its help leaves out
+    packaged = release_options(running_release())
+    assert installed == packaged  # its --help and --usage, and those of its release its help leaves out
     # Every packaged option is one this sbatch knows (a wrong value is fine; an unknown name is not).
     unknown = []
-    for name in sorted(OPTIONS - {"help", "usage", "version", "wait"}):
+    for name in sorted(packaged - {"help", "usage", "version", "wait"}):
         proc = subprocess.run(
             ["sbatch", f"--{name}=x", "--test-only", "--hold", "--wrap=true"],
             capture_output=True,

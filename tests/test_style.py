@@ -52,8 +52,10 @@ def _newest_python() -> str:
     """The newest CPython 3.x that runs on this machine (PATH and pyenv's versions; a pyenv shim of a
     version not selected does not run), else the one running the tests."""
     found = {sys.version_info[:2]: sys.executable}
-    roots = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
-    roots += sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
+    # pyenv's versions before PATH: a pyenv shim (~/.pyenv/shims/python3.13) runs the version pyenv
+    # is set to, and fails ("command not found") where that is another one.
+    roots = sorted(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")).glob("versions/3.*/bin"))
+    roots += [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p).name != "shims"]
     for folder in roots:
         for exe in folder.glob("python3.[0-9]*"):
             if not exe.name.removeprefix("python3.").isdigit():

@@ -10,6 +10,11 @@
 # `export SLURM_CONF=...`.
 #
 # Knobs (environment):
+#   HPCFSDP_SLURM_RELEASE  the Slurm release to start: 22.05 (Debian 12's packages, with MariaDB
+#                          10.11), 24.11 (Debian 13's, with MariaDB 11.8), or `system`: what this
+#                          machine's packages give. A release they do not give is refused, naming
+#                          the Debian 13 root that bench/debian13_suite.sh makes (docs/clusters.md).
+#                          start.sh prints the release it started                       [system]
 #   HPCFSDP_SLURM_DIR      state folder (conf/ log/ spool/ state/ run/ gpu/)  [/tmp/hpcfsdp-slurm]
 #   HPCFSDP_SLURM_NODES    number of nodes, named hpcfsdp-n1..N             [2]
 #   HPCFSDP_SLURM_GPUS     fake GPUs per node, or `host`: the machine's real GPUs (/dev/nvidiaK),
@@ -57,6 +62,7 @@ set -euo pipefail
 exec 3>&1 1>&2
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+RELEASE=${HPCFSDP_SLURM_RELEASE:-system}
 DIR=${HPCFSDP_SLURM_DIR:-/tmp/hpcfsdp-slurm}
 NNODES=${HPCFSDP_SLURM_NODES:-2}
 GPUS=${HPCFSDP_SLURM_GPUS:-4}
@@ -105,6 +111,7 @@ die() { echo "[hpcfsdp-slurm] ERROR: $*"; exit 1; }
 [[ -z $SHARED_DBD || ($SHARED_DBD =~ ^[0-9]+$ && $ACCOUNTING == 1) ]] ||
     die "HPCFSDP_SLURM_DBD_PORT must be a port number, with HPCFSDP_SLURM_ACCOUNTING=1, not '$SHARED_DBD'"
 [[ -z $DEBS || $ACCOUNTING == 0 ]] || die "HPCFSDP_SLURM_DEBS runs without accounting (no slurmdbd or MariaDB there)"
+[[ $RELEASE =~ ^(system|22\.05|24\.11)$ ]] || die "HPCFSDP_SLURM_RELEASE must be 22.05, 24.11 or system, not '$RELEASE'"
 [[ $(id -u) == 0 ]] || die "must run as root (installs packages, starts munged, edits /etc/hosts)"
 
 # The machine's GPUs as the nodes' gres (HPCFSDP_SLURM_GPUS=host): /dev/nvidia0..K-1, split evenly.
@@ -157,6 +164,21 @@ exec {machine_lock}>/tmp/hpcfsdp-machine.lock
 flock "$machine_lock"
 
 # --- 1. packages -------------------------------------------------------------------------------
+# The release: the installed slurmctld's, else the one apt would install.
+machine_release() {
+    if command -v slurmctld >/dev/null; then
+        slurmctld -V 2>/dev/null | grep -oE '[0-9]+\.[0-9]+' | head -1
+    else
+        apt-cache policy slurmctld 2>/dev/null | awk '/Candidate:/ {print $2}' | grep -oE '^[0-9]+\.[0-9]+' | head -1
+    fi
+}
+if [[ $RELEASE != system ]]; then
+    have=$(machine_release || true)
+    if [[ $have != "$RELEASE" ]]; then
+        os=$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || echo "this system")
+        die "Slurm $RELEASE asked (HPCFSDP_SLURM_RELEASE), but the packages of $os give ${have:-none}; 22.05 is Debian 12's, 24.11 Debian 13's: bench/debian13_suite.sh --root DIR makes a Debian 13 root to run start.sh in (docs/clusters.md)"
+    fi
+fi
 packages=()
 [[ -n $DEBS ]] || for tool in slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge; do
     command -v "${tool%%:*}" >/dev/null || packages+=("${tool#*:}")
@@ -471,6 +493,9 @@ skip-name-resolve
 log-error=$DIR/log/mariadb.log
 innodb_buffer_pool_size=32M
 innodb_log_file_size=16M
+# No TLS on 127.0.0.1: MariaDB 11.8 turns it on, and slurmdbd 24.11 then dies in its first query
+# ("5027 ... maximum allowed number of columns", "fatal: _check_mysql_concat_is_sane").
+skip-ssl
 EOF
 fi
 
@@ -552,8 +577,47 @@ flock -u "$machine_lock"
 exec {machine_lock}>&-
 
 # --- 5. daemons ----------------------------------------------------------------------------------
+# A daemon that does not answer: its last log lines, and the process that holds its port if one
+# does; then the daemons this run started are stopped (those it found running are left alone).
+STARTED=()   # the pid files of the daemons this run started, in the order it started them
+port_holder() {   # port: "pid P (its command line)" of the process listening on it, else nothing
+    local port=$1 hex inode fd pid
+    hex=$(printf ':%04X' "$port")
+    inode=$(awk -v p="$hex" 'substr($2, length($2) - 4) == p && $4 == "0A" {print $10; exit}' /proc/net/tcp /proc/net/tcp6 2>/dev/null)
+    [[ -n $inode ]] || return 0
+    for fd in /proc/[0-9]*/fd/*; do
+        [[ $(readlink "$fd" 2>/dev/null) == "socket:[$inode]" ]] || continue
+        pid=${fd#/proc/}
+        pid=${pid%%/*}
+        echo "pid $pid ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-160))"
+        return 0
+    done
+    echo "a process not seen from here (socket inode $inode)"
+}
+fail() {   # daemon logfile port why
+    local name=$1 logfile=$2 port=$3 holder i pid
+    log "ERROR: $4"
+    if [[ -s $logfile ]]; then
+        log "the last lines of $logfile:"
+        tail -n 15 "$logfile" | sed 's/^/    /'
+    fi
+    if [[ -n $port ]]; then
+        holder=$(port_holder "$port")
+        if [[ -n $holder ]]; then log "port $port ($name's) is held by $holder"; else log "port $port ($name's): nothing listens on it"; fi
+    fi
+    for ((i = ${#STARTED[@]} - 1; i >= 0; i--)); do
+        ours "${STARTED[i]}" || continue
+        pid=$(<"${STARTED[i]}")
+        log "stopping $(basename "${STARTED[i]}" .pid) (pid $pid), which this run started"
+        kill -TERM "$pid" 2>/dev/null || continue
+        for _ in $(seq 50); do [[ -e /proc/$pid ]] || break; sleep 0.2; done
+        kill -KILL "$pid" 2>/dev/null || true
+        rm -f "${STARTED[i]}"
+    done
+    exit 1
+}
 # Accounting first: slurmctld registers with slurmdbd as it starts.
-db() { mariadb --defaults-file="$DB_CNF" --socket="$DB_SOCKET" -uroot "$@"; }
+db() { mariadb --defaults-file="$DB_CNF" --socket="$DB_SOCKET" --skip-ssl -uroot "$@"; }
 if ((OWN_DBD)); then
     if ours "$DIR/run/mariadb.pid"; then
         log "mariadbd already running (pid $(<"$DIR/run/mariadb.pid"))"
@@ -567,11 +631,14 @@ if ((OWN_DBD)); then
         log "starting mariadbd (port $DB_PORT)"
         rm -f "$DIR/run/mariadb.pid"
         setsid mariadbd --defaults-file="$DB_CNF" </dev/null >>"$DIR/log/mariadb.out" 2>&1 3>&- &
+        mariadbd_pid=$!
+        STARTED+=("$DIR/run/mariadb.pid")
         for _ in $(seq 150); do
             db -e 'SELECT 1' >/dev/null 2>&1 && break
+            kill -0 "$mariadbd_pid" 2>/dev/null || break   # it ended: no use waiting
             sleep 0.2
         done
-        db -e 'SELECT 1' >/dev/null 2>&1 || die "mariadbd does not answer; see $DIR/log/mariadb.log"
+        db -e 'SELECT 1' >/dev/null 2>&1 || fail mariadbd "$DIR/log/mariadb.log" "$DB_PORT" "mariadbd does not answer"
     fi
     db -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
            GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" || die "cannot create the database user slurm"
@@ -580,7 +647,8 @@ if ((OWN_DBD)); then
     else
         log "starting slurmdbd (port $DBD_PORT)"
         rm -f "$DIR/run/slurmdbd.pid"
-        slurmdbd </dev/null >>"$DIR/log/slurmdbd.out" 2>&1 3>&- || die "slurmdbd failed to start; see $DIR/log/slurmdbd.log"
+        STARTED+=("$DIR/run/slurmdbd.pid")
+        slurmdbd </dev/null >>"$DIR/log/slurmdbd.out" 2>&1 3>&- || fail slurmdbd "$DIR/log/slurmdbd.log" "$DBD_PORT" "slurmdbd failed to start"
     fi
 fi
 if ((ACCOUNTING)); then
@@ -590,7 +658,7 @@ if ((ACCOUNTING)); then
         clusters=NONE
         sleep 0.2
     done
-    [[ $clusters != NONE ]] || die "slurmdbd does not answer; see $DIR/log/slurmdbd.log"
+    [[ $clusters != NONE ]] || fail slurmdbd "$DIR/log/slurmdbd.log" "$DBD_PORT" "slurmdbd does not answer"
     if ! grep -qxF "$CLUSTER" <<<"$clusters"; then
         log "registering cluster $CLUSTER with slurmdbd"
         sacctmgr --immediate add cluster "$CLUSTER" >/dev/null || die "sacctmgr add cluster $CLUSTER failed"
@@ -603,7 +671,8 @@ if ours "$DIR/run/slurmctld.pid"; then
 else
     log "starting slurmctld (port $PORT)"
     rm -f "$DIR/run/slurmctld.pid"
-    slurmctld -f "$CONF" </dev/null >>"$DIR/log/slurmctld.out" 2>&1 3>&- || die "slurmctld failed to start; see $DIR/log/slurmctld.log"
+    STARTED+=("$DIR/run/slurmctld.pid")
+    slurmctld -f "$CONF" </dev/null >>"$DIR/log/slurmctld.out" 2>&1 3>&- || fail slurmctld "$DIR/log/slurmctld.log" "$PORT" "slurmctld failed to start"
 fi
 for n in "${NODES[@]}"; do
     if ours "$DIR/run/slurmd-$n.pid"; then
@@ -611,8 +680,10 @@ for n in "${NODES[@]}"; do
     else
         log "starting slurmd $n"
         rm -f "$DIR/run/slurmd-$n.pid"
+        STARTED+=("$DIR/run/slurmd-$n.pid")
         # shellcheck disable=SC2086
-        slurmd -f "$CONF" -N "$n" ${DEBS:+-d $PKG/usr/sbin/slurmstepd} </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 3>&- || die "slurmd $n failed to start; see $DIR/log/slurmd-$n.log"
+        slurmd -f "$CONF" -N "$n" ${DEBS:+-d $PKG/usr/sbin/slurmstepd} </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 3>&- ||
+            fail "slurmd $n" "$DIR/log/slurmd-$n.log" "$((PORT + ${n#hpcfsdp-n}))" "slurmd $n failed to start"
         fresh+=("$n")
     fi
 done
@@ -643,17 +714,31 @@ while :; do
         scontrol update NodeName="$(IFS=,; echo "${NODES[*]}")" State=RESUME 2>/dev/null || true
         resumed=1
     fi
+    # A daemon that ended (a port taken, a bad configuration) will not register: no use waiting.
+    # (It writes its pid file a moment after it starts: 5 s of grace.)
+    if ((SECONDS >= deadline - TIMEOUT + 5)); then
+        ours "$DIR/run/slurmctld.pid" || fail slurmctld "$DIR/log/slurmctld.log" "$PORT" "slurmctld ended"
+        for n in "${fresh[@]}"; do
+            ours "$DIR/run/slurmd-$n.pid" || fail "slurmd $n" "$DIR/log/slurmd-$n.log" "$((PORT + ${n#hpcfsdp-n}))" "slurmd $n ended"
+        done
+    fi
     if ((SECONDS >= deadline)); then
         printf '    %s\n' "$states"
-        die "nodes not idle after ${TIMEOUT}s; logs are in $DIR/log/"
+        fail slurmctld "$DIR/log/slurmctld.log" "$PORT" "nodes not idle after ${TIMEOUT}s; logs are in $DIR/log/"
     fi
     sleep 1
 done
 sinfo -N -o '%N %t %c %m %G' | sed 's/^/    /'
-if ((ACCOUNTING)); then
-    log "cluster $CLUSTER is up, with accounting (logs: $DIR/log/)"
+started_release=$(slurmctld -V 2>/dev/null | grep -oE '[0-9]+\.[0-9]+(\.[0-9]+)?' | head -1)
+if ((OWN_DBD)); then
+    database=", MariaDB $(mariadbd --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -1)"
 else
-    log "cluster $CLUSTER is up, without accounting (logs: $DIR/log/)"
+    database=""
+fi
+if ((ACCOUNTING)); then
+    log "cluster $CLUSTER is up: Slurm $started_release$database, with accounting (logs: $DIR/log/)"
+else
+    log "cluster $CLUSTER is up: Slurm $started_release, without accounting (logs: $DIR/log/)"
 fi
 
 echo "export SLURM_CONF=$CONF" >&3

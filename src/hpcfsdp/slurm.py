@@ -1,6 +1,7 @@
 """The one way the login side asks Slurm: every sbatch, squeue, sacct, sinfo, scontrol, sacctmgr and
 scancel that hpcfsdp runs on the login node is run here (`ask`); the cell's reading of its own job
-on the compute node (cell/stopping/requeue.py) is the only other (tests/test_layout.py checks both).
+on the compute node (cell/stopping/requeue.py), and its `scontrol --version` for the record
+(cell/measure/provenance.py), are the only others (tests/test_layout.py checks them).
 
 `ask` gives each command
 - the cluster to ask (`on_cluster`: -M, explicit, never an exported variable);

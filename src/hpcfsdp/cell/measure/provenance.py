@@ -1,9 +1,11 @@
 """What a record says it was made with: the git commit of hpcfsdp's own checkout (if it runs from
-one), the NVIDIA driver, and the communication and PyTorch settings of the environment."""
+one), the NVIDIA driver, the Slurm release of its job, and the communication and PyTorch settings
+of the environment."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,6 +72,20 @@ def driver_version() -> str | None:
     return version.decode() if isinstance(version, bytes) else str(version)
 
 
+def slurm_release() -> str | None:
+    """The release of the Slurm that runs this process's job ("24.11.5", from `scontrol --version`
+    on its node, which asks no daemon); None outside a Slurm job or where scontrol cannot answer.
+    Releases differ in what a job gets (24.11's srun inherits --cpus-per-task, 22.05's does not)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    try:
+        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\b(\d+\.\d+(?:\.\d+)?)", out)
+    return match.group(1) if match else None
+
+
 def launch_rank() -> int:
     """This process's global rank as its launcher set it, before the process group exists."""
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
@@ -104,6 +120,7 @@ def provenance() -> Record:
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
             "driver": driver_version() if gpu else None,
+            "slurm": slurm_release(),
         },
         "environment": framework_environment(os.environ),
         "git_commit": git_commit(),

@@ -50,6 +50,9 @@ ADDED = {
     (25, 5): ("external",),
     (25, 11): ("consolidate-segments", "resources", "spread-segments"),
 }
+# What later releases reject: the known-rejected table, which wins over their --help (24.11.5's
+# still lists --power). A table, not a probe: one `sbatch --test-only` per option would cost a
+# controller round trip each (docs/clusters.md).
 REMOVED = {(24, 5): ("power",)}
 # Options that set what another one sets (the same set function in slurm_opt.c).
 ALIASES = {"cluster": "clusters", "tasks-per-node": "ntasks-per-node"}
@@ -62,23 +65,44 @@ def release_options(release: tuple[int, int] | None = None) -> frozenset[str]:
     for since, added in ADDED.items():
         if release is None or release >= since:
             names.update(added)
-    for since, removed in REMOVED.items():
-        if release is not None and release >= since:
-            names.difference_update(removed)
+    if release is not None:
+        names.difference_update(removed_by(release))
     return frozenset(names)
 
 
 @functools.cache
 def sbatch_options() -> frozenset[str]:
     """The long options of the sbatch installed here, else of every release the table knows."""
-    version = _ask_sbatch("--version")
-    listed = (_ask_sbatch("--help") or "") + (_ask_sbatch("--usage") or "")
+    return options_of(_ask_sbatch("--version"), (_ask_sbatch("--help") or "") + (_ask_sbatch("--usage") or ""))
+
+
+def release_of(version: str | None) -> tuple[int, int] | None:
+    """(year, month) of `sbatch --version`'s answer ("slurm 24.11.5", "slurm-wlm 22.05.8"), else None."""
     match = re.search(r"(\d+)\.(\d+)", version or "")
-    if not match or not listed:
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@functools.cache
+def running_release() -> tuple[int, int] | None:
+    """The release of the sbatch installed here; None where there is none."""
+    return release_of(_ask_sbatch("--version"))
+
+
+def options_of(version: str | None, listed: str) -> frozenset[str]:
+    """sbatch's options from its --version and its --help and --usage: what the help lists and
+    what the table holds for its release, less what the release rejects though its help lists it
+    (24.11.5 lists --power, and sbatch then says "unrecognized option"). Without both answers, the
+    options of every release the table knows."""
+    release = release_of(version)
+    if release is None or not listed:
         return release_options()
-    release = (int(match.group(1)), int(match.group(2)))
     shown = set(re.findall(r"--([a-z][a-z0-9-]*)", listed))
-    return frozenset(shown | release_options(release))
+    return frozenset((shown - removed_by(release)) | release_options(release))
+
+
+def removed_by(release: tuple[int, int]) -> frozenset[str]:
+    """The options that sbatch of a release rejects, whatever its --help lists."""
+    return frozenset(name for since, removed in REMOVED.items() if release >= since for name in removed)
 
 
 def _ask_sbatch(flag: str) -> str | None:

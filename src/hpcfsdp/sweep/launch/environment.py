@@ -30,6 +30,13 @@ from ..define.secret_shapes import is_secret
 
 # Compute nodes never reach the network: the hub clients must read the pre-downloaded cache only.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Slurm's own settings for MPI launchers (Intel MPI's and MPICH's hydra, Open MPI's and PRRTE's
+# plm), which Slurm 24.11 puts in every job's environment, --export or not, so that mpirun starts
+# its ranks through srun (seen with 24.11.5; 22.05 sets none of them). Not secrets.
+SLURM_LAUNCHER_NAMES = (
+    "HYDRA_BOOTSTRAP", "HYDRA_LAUNCHER_EXTRA_ARGS", "I_MPI_HYDRA_BOOTSTRAP", "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS",
+    "OMPI_MCA_plm_slurm_args", "PRTE_MCA_plm_slurm_args",
+)  # fmt: skip
 # What a cell needs from the submitting shell: the shell's basics, the module system's, conda's and
 # the venv's variables, Python's and the linker's paths, the hub's cache and offline switches, and
 # podman's runtime folder (a rootless podman refuses another one than its images were made with).
@@ -42,6 +49,7 @@ ALLOWED_NAMES = frozenset(
         "PYTHONPATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG",
         "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", *OFFLINE_ENV,
         "XDG_RUNTIME_DIR",
+        *SLURM_LAUNCHER_NAMES,
     }
 )  # fmt: skip
 # Families of variables: the locale, CUDA, NCCL, gloo, torch, Triton, hpcfsdp's own, Slurm's own
