@@ -29,7 +29,8 @@ from PIL import Image
 
 from conftest import GarbageCollections
 from hpcfsdp.cli import main
-from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
+from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
+from hpcfsdp.contracts.recordproof import record_state
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import plots, read
 from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
@@ -106,6 +107,7 @@ def ok_record(spec: RunSpec, tokens_per_s_per_gpu: float, peak_gib: float, devic
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "samples_per_s": tokens_per_s_per_gpu * spec.world_size / spec.seq_len,
         "step_time_s": step_time,
+        "window_step_time_s": step_time,
         "step_time_p90_s": step_time * 1.05,
         "step_times_s": [step_time] * (spec.steps - spec.warmup_steps),
         "warmup_steps": spec.warmup_steps,

@@ -27,7 +27,9 @@ from ..folder.layout import (
 )
 from ..predict.hostmemory import requested_mem_gb
 from ..track.cluster import array_size_limit, jobs_in_queue
+from ..track.intent import clear_intent, new_intent, write_intent
 from . import container_command
+from .crashpoint import crash_point
 from .environment import (
     HF_TOKEN_ENV,
     job_environment,
@@ -184,22 +186,28 @@ def _submit_array(
         max_num_timeout=sweep.resources.max_requeue,
         python=container_command.job_python(sweep, sweep_dir),
     )
-    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir, uid))
+    params = slurm_parameters(sweep, nodes, gpus, sweep_dir, uid)
+    intent = new_intent(uid, sweep.resources.clusters, params["job_name"], [cell.id for cell in cells])
+    executor.update_parameters(**{**params, "comment": intent.comment})
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
     # sbatch queues the array and the manifest names it, or neither happens: signals wait until
     # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
     # is reported once, by SubmitError, with sbatch's message: submitit's own echo of it is dropped.
+    # A SIGKILL between the two leaves the intent, which the next submit, status or cancel settles.
     with interrupts_deferred(), records_set_aside(sweep_dir, cells), slurm_environment_only(sweep):
+        write_intent(sweep_dir, intent)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
         except FailedJobError as exc:
+            clear_intent(sweep_dir)
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(
                 f"sbatch refused the array of {cells_on_shape(cells, nodes, gpus)}: {reason}"
                 + shell_part_in(reason, sweep)
             ) from None
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
+        crash_point("submit_queued")
         update_manifest(
             sweep_dir,
             {
@@ -213,6 +221,7 @@ def _submit_array(
                 for cid, jid in job_ids.items()
             },
         )
+        clear_intent(sweep_dir)
     where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
     log(f"submitted array {jobs[0].job_id.split('_')[0]}{where}: {cells_on_shape(cells, nodes, gpus)}")
     return job_ids
