@@ -498,17 +498,16 @@ def test_a_schema_1_record_with_a_bare_nan_reads_as_before_and_is_strict_json_on
     old = {
         **failed_record(spec, "diverged", "train", "Diverged: loss is nan at step 2"),
         "schema_version": 1,
-        "cell_id": "old-diverged",  # its folder's name: a record of another cell's id is corrupt (issue 44)
         "diverged_step": 2,
         "losses": [10.5, math.nan],
     }
-    path = sweep / "cells" / "old-diverged" / "result.json"
+    path = sweep / "cells" / cell_id(spec) / "result.json"
     path.parent.mkdir()
     path.write_text(json.dumps(old))
     assert "NaN" in path.read_text()
     read = read_record(path)
     assert read["schema_version"] == 1 and read["losses"][0] == 10.5 and math.isnan(read["losses"][1])
-    assert "old-diverged" in set(load_records(sweep).frame["cell_id"])
+    assert cell_id(spec) in set(load_records(sweep).frame["cell_id"])
 
     write_record(path, read)
 
