@@ -30,8 +30,8 @@ from PIL import Image
 from conftest import GarbageCollections
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
-from hpcfsdp.contracts.recordproof import record_state
 from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.contracts.validity import record_state
 from hpcfsdp.results import plots, read
 from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps

@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
-from hpcfsdp.contracts.recordproof import cell_id_of
+from hpcfsdp.contracts.validity import cell_id_of
 from hpcfsdp.results.exports.runs import launch_of
 from hpcfsdp.results.history_rows import setup_key
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
-from hpcfsdp.contracts.recordproof import cell_id_of, figures_problem, identity_problem, record_state
+from hpcfsdp.contracts.validity import cell_id_of, figures_problem, identity_problem, record_state
 from hpcfsdp.results.read import load_records
 from hpcfsdp.sweep.define.matrix import cell_id
 from test_collect import GPU_BASE, gpu_sweep, ok_record, spec_of

@@ -23,6 +23,7 @@ from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import array_comment
 
 pytestmark = pytest.mark.slurm
 
@@ -103,7 +104,7 @@ def test_a_submit_sigkilled_between_sbatch_and_the_manifest_leaves_no_array_untr
     """issue 51, item 8: submit SIGKILLed (HPCFSDP_FAULT's crash point) after sbatch queued the array
     and before the manifest named it. Its intent, written before sbatch, is settled by the next
     status (the cells are pending, not missing), submit (nothing queued twice) or cancel (it finds
-    and cancels them); the array carries the intent's token in its comment."""
+    and cancels them); the array carries a token of its cells in its comment."""
     jobs = write(
         tmp_path,
         "killed",
@@ -121,23 +122,23 @@ def test_a_submit_sigkilled_between_sbatch_and_the_manifest_leaves_no_array_untr
     argv = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCFSDP_FAULT": "submit_queued:sigkill"}
 
-    def killed_submit(*flags: str) -> tuple[str, str]:
-        """A submit SIGKILLed at the crash point: its array, and the intent's token."""
+    def killed_submit(*flags: str) -> str:
+        """A submit SIGKILLed at the crash point: the array it queued."""
         before = set(queued_arrays())
         done = subprocess.run([*argv, *flags], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
         intent = json.loads((sweep_dir / ".submit_intent.json").read_text())
         assert intent["cells"] == cells
         (array,) = set(queued_arrays()) - before
-        assert queued_arrays()[array].endswith(f":{intent['token']}")
-        return array, intent["token"]
+        assert queued_arrays()[array] == array_comment(intent["uid"], cells)  # hpcfsdp:<sweep id>:<token>
+        return array
 
     def queued_arrays() -> dict[str, str]:
         """array id -> its comment, of the sweep's jobs in the queue."""
         lines = slurm("squeue", "--noheader", "--array", "--name=hpcfsdp-killed", "--format=%i|%k").split()
         return {line.split("|")[0].split("_")[0]: line.split("|")[1] for line in lines}
 
-    array, _ = killed_submit()
+    array = killed_submit()
     assert not (sweep_dir / "manifest.json").exists()
     assert main(["status", str(sweep_dir)]) == 4  # in flight: pending, not missing
     out = capsys.readouterr().out
@@ -153,7 +154,7 @@ def test_a_submit_sigkilled_between_sbatch_and_the_manifest_leaves_no_array_untr
     # Killed again (the first array cancelled): the next submit itself, then cancel, settle it.
     assert main(["cancel", str(sweep_dir)]) == 0
     capsys.readouterr()
-    again, _ = killed_submit("--retry-failed")
+    again = killed_submit("--retry-failed")
     assert main([*submit, "--retry-failed"]) == 0
     out = capsys.readouterr().out
     assert f"array {again} of 2 cell(s) was queued by a submit stopped before it wrote manifest.json" in out, out
@@ -161,7 +162,7 @@ def test_a_submit_sigkilled_between_sbatch_and_the_manifest_leaves_no_array_untr
     assert main(["cancel", str(sweep_dir)]) == 0
     assert not queued_arrays()
     capsys.readouterr()
-    third, _ = killed_submit("--retry-failed")
+    third = killed_submit("--retry-failed")
     assert main(["cancel", str(sweep_dir)]) == 0
     assert not queued_arrays() and manifest_jobs(sweep_dir) == {cid: f"{third}_{i}" for i, cid in enumerate(cells)}
     assert all(record(sweep_dir, cid)["status"] == "cancelled" for cid in cells)

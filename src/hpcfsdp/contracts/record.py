@@ -3,7 +3,7 @@
 One JSON file per cell, written atomically (files.py) so a reader never sees half a record. Its
 shape is typed here (Record, OkRecord, FailedRecord and the mappings they hold), once: the fields
 read_record checks are those the TypedDicts mark Checked. `status`, `submit` and `collect` all read
-through `read_record` / `recordproof.record_state`, so a file one of them calls corrupt is corrupt to all three,
+through `read_record` / `validity.record_state`, so a file one of them calls corrupt is corrupt to all three,
 named in one line, never a traceback.
 
 A rerun never destroys a record: the current one moves to `attempts/<n>.json` first

@@ -19,9 +19,8 @@ import pandas as pd
 
 from ..contracts.files import RecordError, garbage_collection_paused, read_json_object
 from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order
-from ..contracts.recordproof import record_state
 from ..contracts.recordspec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, spec_problem
-from ..contracts.validity import invalid_reasons
+from ..contracts.validity import invalid_reasons, record_state
 from ..progress import Progress
 from ..sweep.folder.layout import (
     CELLS_DIR,

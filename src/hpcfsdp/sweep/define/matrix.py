@@ -28,10 +28,10 @@ from ...contracts.fields import (
     unknown_key,
 )
 from ...contracts.gpus import RankWords, rank_words
-from ...contracts.recordproof import cell_id_of
 from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
+from ...contracts.validity import cell_id_of
 from .resources import Resources
 from .secret_shapes import require_no_secret
 from .yamlfile import LineLoader, read_text, syntax_error
@@ -112,7 +112,7 @@ def cells_on_shape(cells: list[Cell], nodes: int, ranks: int, count: int | None 
 
 def cell_id(spec: RunSpec) -> str:
     """A readable prefix plus a hash of the fields that differ from their defaults
-    (contracts/recordproof.cell_id_of, which proves a record is its folder's cell's from its spec).
+    (contracts/validity.cell_id_of, which proves a record is its folder's cell's from its spec).
 
     The same cell gets the same id in a re-run, and keeps it when a later hpcfsdp adds a RunSpec
     field (whose default keeps the old behaviour): resubmitting skips its record and `collect

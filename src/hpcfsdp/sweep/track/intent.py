@@ -3,8 +3,8 @@ sbatch and removed once the manifest names the array (issue 51, item 8).
 
 A submit killed between the two (SIGKILL, a lost login session: no handler runs) leaves the array
 queued and the manifest without it: status would show its cells missing, cancel would not find
-them, and the next submit would queue them a second time. Its array carries the intent's token in
-its --comment (`hpcfsdp:<sweep id>:<token>`), so the next `submit`, `status` or `cancel` of the
+them, and the next submit would queue them a second time. Its array carries a token of its cells
+in its --comment (`hpcfsdp:<sweep id>:<token>`: layout.array_comment), so the next `submit`, `status` or `cancel` of the
 folder finds it in squeue (the user's jobs of the sweep's job name with that comment) and writes
 the manifest entries the killed submit did not: every cell of the array, as its task. An intent
 whose array is not in the queue (sbatch never ran, or every task already left) is removed: its
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,19 +25,17 @@ from pathlib import Path
 
 from ...contracts.files import RecordError, open_lock, read_json_object, write_json
 from ..define.matrix import is_cell_id
-from ..folder.layout import SUBMIT_LOCK_NAME, owned_entry, sweep_comment, update_manifest
+from ..folder.layout import SUBMIT_LOCK_NAME, array_comment, owned_entry, read_manifest, update_manifest
 from .scheduler import my_jobs_named
 
 INTENT_NAME = ".submit_intent.json"
-_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
 class Intent:
-    """An array about to be queued: its comment's token, the sweep id, the cluster and job name
-    it goes to, and its cells in task order."""
+    """An array about to be queued: the sweep id, the cluster and job name it goes to, and its
+    cells in task order (which make its comment's token: layout.array_comment)."""
 
-    token: str
     uid: str
     cluster: str
     name: str
@@ -48,17 +44,11 @@ class Intent:
 
     @property
     def comment(self) -> str:
-        return intent_comment(self.uid, self.token)
-
-
-def intent_comment(uid: str, token: str) -> str:
-    """The --comment of an array queued under an intent: the sweep's comment and the token, which
-    status and cancel take as the sweep's own (scheduler.of_sweep)."""
-    return f"{sweep_comment(uid)}:{token}"
+        return array_comment(self.uid, self.cells)
 
 
 def new_intent(uid: str, cluster: str, name: str, cells: list[str]) -> Intent:
-    return Intent(secrets.token_hex(8), uid, cluster, name, list(cells), time.time())
+    return Intent(uid, cluster, name, list(cells), time.time())
 
 
 def write_intent(sweep_dir: Path, intent: Intent) -> None:
@@ -107,9 +97,10 @@ def _reconcile(sweep_dir: Path, log: Callable[[str], None]) -> None:
         clear_intent(sweep_dir)
         return
     queued = my_jobs_named(intent.name, intent.cluster)
-    arrays = {job_id.split("_")[0] for job_id, job in queued.items() if job.comment == intent.comment}
-    if len(arrays) == 1:
-        (array,) = arrays
+    tracked = {str(entry.get("job_id", "")).split("_")[0] for entry in read_manifest(sweep_dir).values()}
+    arrays = {job_id.split("_")[0] for job_id, job in queued.items() if job.comment == intent.comment} - tracked
+    if arrays:
+        array = max(arrays, key=int)  # the latest: an earlier one of the same cells would be tracked
         tasks = {cid: f"{array}_{index}" for index, cid in enumerate(intent.cells)}
         if len(intent.cells) == 1 and array in queued:  # one cell: a plain job, not an array
             tasks = {intent.cells[0]: array}
@@ -128,9 +119,7 @@ def _read_intent(path: Path, sweep_dir: Path) -> Intent:
     intent = Intent(**data)
     texts = (intent.uid, intent.cluster, intent.name)
     if not (
-        isinstance(intent.token, str)
-        and _HEX.fullmatch(intent.token)
-        and all(isinstance(text, str) for text in texts)
+        all(isinstance(text, str) for text in texts)
         and intent.uid.isalnum()
         and intent.name.startswith("hpcfsdp-")
         and isinstance(intent.cells, list)

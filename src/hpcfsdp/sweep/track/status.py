@@ -24,8 +24,8 @@ from ...contracts.record import (
     CellState,
     RecordState,
 )
-from ...contracts.recordproof import record_state
 from ...contracts.recordspec import SEARCHED_FIELDS
+from ...contracts.validity import record_state
 from ...progress import coloured
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell, column_texts, varying_columns
@@ -119,7 +119,7 @@ def cells_exit_status(states: Iterable[str]) -> int:
 
 
 def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
-    """The cell's record as status, submit and collect all read it (recordproof.record_state): its
+    """The cell's record as status, submit and collect all read it (validity.record_state): its
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
     record was made with other values of its fields (a record whose spec makes another id, as a
     changed default makes it, reads as corrupt to collect, which knows no plan)."""
