@@ -133,6 +133,7 @@ def make_record(spec: RunSpec, rng: random.Random) -> dict:
         "tokens_per_s_per_gpu": tps,
         "samples_per_s": tps * spec.world_size / spec.seq_len,
         "step_time_s": sorted(steps)[len(steps) // 2],
+        "window_step_time_s": tokens_per_step / (tps * spec.world_size),
         "step_time_p90_s": max(steps),
         "step_times_s": steps,
         "warmup_steps": spec.warmup_steps,

@@ -29,8 +29,9 @@ from PIL import Image
 
 from conftest import GarbageCollections
 from hpcfsdp.cli import main
-from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, record_state, write_record
+from hpcfsdp.contracts.record import SCHEMA_VERSION, read_record, write_record
 from hpcfsdp.contracts.spec import RunSpec
+from hpcfsdp.contracts.validity import record_state
 from hpcfsdp.results import plots, read
 from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps
@@ -106,6 +107,7 @@ def ok_record(spec: RunSpec, tokens_per_s_per_gpu: float, peak_gib: float, devic
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "samples_per_s": tokens_per_s_per_gpu * spec.world_size / spec.seq_len,
         "step_time_s": step_time,
+        "window_step_time_s": step_time,
         "step_time_p90_s": step_time * 1.05,
         "step_times_s": [step_time] * (spec.steps - spec.warmup_steps),
         "warmup_steps": spec.warmup_steps,
@@ -496,17 +498,16 @@ def test_a_schema_1_record_with_a_bare_nan_reads_as_before_and_is_strict_json_on
     old = {
         **failed_record(spec, "diverged", "train", "Diverged: loss is nan at step 2"),
         "schema_version": 1,
-        "cell_id": "old-diverged",  # its folder's name: a record of another cell's id is corrupt (issue 44)
         "diverged_step": 2,
         "losses": [10.5, math.nan],
     }
-    path = sweep / "cells" / "old-diverged" / "result.json"
+    path = sweep / "cells" / cell_id(spec) / "result.json"
     path.parent.mkdir()
     path.write_text(json.dumps(old))
     assert "NaN" in path.read_text()
     read = read_record(path)
     assert read["schema_version"] == 1 and read["losses"][0] == 10.5 and math.isnan(read["losses"][1])
-    assert "old-diverged" in set(load_records(sweep).frame["cell_id"])
+    assert cell_id(spec) in set(load_records(sweep).frame["cell_id"])
 
     write_record(path, read)
 

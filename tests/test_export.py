@@ -20,6 +20,7 @@ import torch
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
+from hpcfsdp.contracts.validity import cell_id_of
 from hpcfsdp.results.exports.runs import launch_of
 from hpcfsdp.results.history_rows import setup_key
 
@@ -64,20 +65,23 @@ def cells(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     sweep_dir = tmp / "results" / "t"
     copied = ("sweep", "world_size", "nodes", "versions", "slurm", "launch_id", "git_commit", "hostnames")
     failed = {key: record[key] for key in copied}
+    broken_spec = {**record["spec"], "strategy": "ddp"}
     failed.update(
         status="error",
         stage="shard",
         error="RuntimeError: injected\nsecond line",
-        cell_id="broken-cell",
-        spec={**record["spec"], "strategy": "ddp"},
+        cell_id=cell_id_of(broken_spec),  # its folder's: a record must make its folder's id (issue 51)
+        spec=broken_spec,
         started_at=record["started_at"] + 60,
         duration_s=5.0,
     )
-    write_record(sweep_dir / "cells" / "broken-cell" / "result.json", failed)
+    write_record(sweep_dir / "cells" / failed["cell_id"] / "result.json", failed)
+    measured_spec = {**record["spec"], "batch_size": 2}
     measured = {
         **record,
-        "cell_id": "measured-cell",
-        "spec": {**record["spec"], "batch_size": 2},
+        "cell_id": cell_id_of(measured_spec),
+        "spec": measured_spec,
+        **{name: 2 * record[name] for name in ("tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu")},
         "step_times_s": STEP_TIMES,
         "step_time_s": 0.3,
         "step_time_p90_s": 0.46,
@@ -95,9 +99,12 @@ def cells(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
             "job_partition": "gpu",
         },
     }
-    write_record(sweep_dir / "cells" / "measured-cell" / "result.json", measured)
+    write_record(sweep_dir / "cells" / measured["cell_id"] / "result.json", measured)
     entry = {"executor": "slurm", "job_id": "4242_3", "cluster": "", "submitted_at": record["started_at"]}
-    (sweep_dir / "manifest.json").write_text(json.dumps({"measured-cell": {**entry, "sweep_uid": SWEEP_UID}}))
+    local = {"executor": "local", "job_id": None, "submitted_at": record["started_at"]}
+    planned = {cell["cell_id"]: local for cell in (record, diverged, failed)}  # the cells a plan made (issue 51)
+    manifest = {**planned, measured["cell_id"]: {**entry, "sweep_uid": SWEEP_UID}}
+    (sweep_dir / "manifest.json").write_text(json.dumps(manifest))
     return sweep_dir, {"ok": record, "diverged": diverged, "broken": failed, "measured": measured}
 
 
@@ -113,7 +120,7 @@ def test_a_record_carries_driver_cuda_nccl_and_the_framework_settings_but_no_sec
 
 
 def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, capsys):
-    sweep_dir, record, _ = sweep
+    sweep_dir, record, broken = sweep
     assert main(["collect", str(sweep_dir), "--no-plots", "--history", str(sweep_dir.parent / "real.duckdb")]) == 0
     err = capsys.readouterr().err  # only the cell recorded as a Slurm array task is asked about
     assert "Slurm accounting" not in err or "not added to 1 record(s)" in err
@@ -133,7 +140,7 @@ def test_collect_appends_the_real_record_with_its_system_and_versions(sweep, cap
         pytest.approx(record["peak_memory_gib"]),
     )
     by_cell = {row[0]: row for row in rows}
-    assert by_cell[record["cell_id"]] == ok and by_cell["broken-cell"][:2] == ("broken-cell", "error")
+    assert by_cell[record["cell_id"]] == ok and by_cell[broken["cell_id"]][:2] == (broken["cell_id"], "error")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +262,7 @@ def test_export_to_tensorboard_writes_plain_scalars_its_reader_reads_back(cells,
         assert status(events) == (api_pb2.STATUS_SUCCESS if ok else api_pb2.STATUS_FAILURE), cell_id
         if ok:  # the figure is the record's median, at the last step
             assert got["final/step_time_s"] == [(want["losses"][-1][0], pytest.approx(want["step_time_s"]))]
-    measured = read("measured-cell")
+    measured = read(records["measured"]["cell_id"])
     assert measured.Scalars("final/step_time_s")[0].value != pytest.approx(STEP_TIMES[-1])
 
     ok = read(record["cell_id"])
@@ -272,7 +279,7 @@ def test_export_to_tensorboard_writes_plain_scalars_its_reader_reads_back(cells,
         assert walls[step] == pytest.approx(walls[step + 1] - times.get(step + 1, 0.0))
     assert len(set(walls.values())) == len(times) + 1
 
-    broken = read("broken-cell")
+    broken = read(records["broken"]["cell_id"])
     assert broken.Tags()["scalars"] == [] and hparams(broken)["strategy"] == "ddp"
     experiment = EventAccumulator(str(tmp_path / "tb" / "t"))
     experiment.Reload()
@@ -360,8 +367,8 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
     assert ok.data.tags["hpcfsdp.setup"] == setup_key(record["spec"]) and ok.data.tags["hpcfsdp.status"] == "ok"
     assert ok.data.metrics["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"])
     assert ok.data.metrics["peak_memory_gib"] == pytest.approx(record["peak_memory_gib"])
-    assert runs["measured-cell"].data.metrics["step_time_s"] != STEP_TIMES[-1]
-    broken = runs["broken-cell"]
+    assert runs[records["measured"]["cell_id"]].data.metrics["step_time_s"] != STEP_TIMES[-1]
+    broken = runs[records["broken"]["cell_id"]]
     assert broken.info.status == "FAILED" and broken.data.tags["hpcfsdp.error"] == "RuntimeError: injected"
     assert broken.data.metrics == {}
 
@@ -494,8 +501,8 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
     assert ok["summary"]["tokens_per_s_per_gpu"] == pytest.approx(record["tokens_per_s_per_gpu"])
     assert ok["summary"]["peak_memory_gib"] == pytest.approx(record["peak_memory_gib"])
     assert ok["summary"]["status"] == "ok" and "mfu" not in ok["summary"]  # a CPU run has no MFU
-    assert runs["measured-cell"]["summary"]["step_time_s"] != STEP_TIMES[-1]
-    broken = runs["broken-cell"]
+    assert runs[records["measured"]["cell_id"]]["summary"]["step_time_s"] != STEP_TIMES[-1]
+    broken = runs[records["broken"]["cell_id"]]
     assert broken["history"] == [] and broken["config"]["strategy"] == "ddp"
     assert broken["summary"]["status"] == "error" and broken["summary"]["error"] == "RuntimeError: injected"
 

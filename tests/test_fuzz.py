@@ -62,8 +62,8 @@ from hpcfsdp.contracts.record import (
     STATUSES,
     _compiled_record_check,
     _record_problem,
-    record_state,
 )
+from hpcfsdp.contracts.validity import record_state
 from hpcfsdp.results.exports.runs import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows

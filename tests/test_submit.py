@@ -8,17 +8,22 @@ The 8-cell sweep on 1 and 2 nodes is tests/test_slurm.py's."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import slurm
+from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
+from hpcfsdp.sweep.folder.layout import array_comment
 
 pytestmark = pytest.mark.slurm
 
@@ -91,6 +96,76 @@ def test_cancelled_task_is_rerun_by_retry_failed_and_queued_cells_are_left_alone
     assert main(["status", str(sweep_dir), "--watch", "1"]) == 0
     assert f"{sweep_dir}: 3 cell(s): ok 3" in capsys.readouterr().out
     assert record(sweep_dir, cancelled)["slurm"]["job_id"] == rerun
+
+
+def test_a_submit_sigkilled_between_sbatch_and_the_manifest_leaves_no_array_untracked_nor_queued_twice(
+    slurm_cluster, tmp_path, capsys
+):
+    """issue 51, item 8: submit SIGKILLed (HPCFSDP_FAULT's crash point) after sbatch queued the array
+    and before the manifest named it. Its intent, written before sbatch, is settled by the next
+    status (the cells are pending, not missing), submit (nothing queued twice) or cancel (it finds
+    and cancels them); the array carries a token of its cells in its comment."""
+    jobs = write(
+        tmp_path,
+        "killed",
+        f"""
+        name: killed
+        base: {{{CPU_CELL}, steps: 3, gpus_per_node: 1}}
+        slurm: {{time_min: 10, extra_sbatch: {{hold: true}}}}
+        matrix:
+          strategy: [ddp, fsdp2_zero2]
+        """,
+    )
+    results = tmp_path / "results"
+    sweep_dir = results / "killed"
+    cells = [cell.id for cell in load_sweep(jobs).cells]
+    argv = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCFSDP_FAULT": "submit_queued:sigkill"}
+
+    def killed_submit(*flags: str) -> str:
+        """A submit SIGKILLed at the crash point: the array it queued."""
+        before = set(queued_arrays())
+        done = subprocess.run([*argv, *flags], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+        intent = json.loads((sweep_dir / ".submit_intent.json").read_text())
+        assert intent["cells"] == cells
+        (array,) = set(queued_arrays()) - before
+        assert queued_arrays()[array] == array_comment(intent["uid"], cells)  # hpcfsdp:<sweep id>:<token>
+        return array
+
+    def queued_arrays() -> dict[str, str]:
+        """array id -> its comment, of the sweep's jobs in the queue."""
+        lines = slurm("squeue", "--noheader", "--array", "--name=hpcfsdp-killed", "--format=%i|%k").split()
+        return {line.split("|")[0].split("_")[0]: line.split("|")[1] for line in lines}
+
+    array = killed_submit()
+    assert not (sweep_dir / "manifest.json").exists()
+    assert main(["status", str(sweep_dir)]) == 4  # in flight: pending, not missing
+    out = capsys.readouterr().out
+    assert f"{sweep_dir}: 2 cell(s): pending 2" in out, out
+    assert manifest_jobs(sweep_dir) == {cid: f"{array}_{index}" for index, cid in enumerate(cells)}
+    assert not (sweep_dir / ".submit_intent.json").exists()
+    submit = ["submit", str(jobs), "--executor", "slurm", "--results-dir", str(results)]
+    assert main([*submit, "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "skipping 2 cell(s) still queued or running" in out and "nothing to submit" in out
+    assert list(queued_arrays()) == [array]
+
+    # Killed again (the first array cancelled): the next submit itself, then cancel, settle it.
+    assert main(["cancel", str(sweep_dir)]) == 0
+    capsys.readouterr()
+    again = killed_submit("--retry-failed")
+    assert main([*submit, "--retry-failed"]) == 0
+    out = capsys.readouterr().out
+    assert f"array {again} of 2 cell(s) was queued by a submit stopped before it wrote manifest.json" in out, out
+    assert "skipping 2 cell(s) still queued or running" in out and list(queued_arrays()) == [again]
+    assert main(["cancel", str(sweep_dir)]) == 0
+    assert not queued_arrays()
+    capsys.readouterr()
+    third = killed_submit("--retry-failed")
+    assert main(["cancel", str(sweep_dir)]) == 0
+    assert not queued_arrays() and manifest_jobs(sweep_dir) == {cid: f"{third}_{i}" for i, cid in enumerate(cells)}
+    assert all(record(sweep_dir, cid)["status"] == "cancelled" for cid in cells)
 
 
 def test_an_array_sbatch_would_refuse_is_one_line_before_anything_is_queued_and_keeps_the_records(

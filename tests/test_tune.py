@@ -317,6 +317,57 @@ def test_a_killed_tune_resumes_without_repeating_a_finished_probe_nor_starting_o
     assert resumed >= left_until - 0.5, (resumed, left_until)  # no probe beside the killed one's processes
 
 
+def test_a_tune_killed_just_after_it_begins_each_stage_resumes_there_and_gives_the_same_answer_again(tmp_path):
+    """tune SIGKILLed (HPCFSDP_FAULT's crash point) right after it wrote each stage to its state and
+    before any run of it started: stage0, final and, where the final stage's two cells are within
+    noise of each other (seeds of one setup on a CPU: nearly always), repeat. Each next tune reads
+    the state it left (issue 51, item 7: the repeat stage's state was refused), runs nothing twice,
+    and a tune after the last gives the same tune.json and launches nothing."""
+    jobs = write(
+        tmp_path,
+        f"""
+        name: kr
+        base: {{{CPU}, gpus_per_node: 1, strategy: ddp}}
+        slurm: {{time_min: 5}}
+        matrix:
+          seed: [1, 2, 3, 4]
+        """,
+    )
+    sweep_dir = tmp_path / "kr"
+    argv = [sys.executable, "-m", "hpcfsdp", "tune", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]
+    argv += ["--top", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("HPCFSDP_FAULT", None)
+
+    def tune(fault: str = "") -> subprocess.CompletedProcess:
+        faulted = {**env, "HPCFSDP_FAULT": f"tune_begun_{fault}:sigkill"} if fault else env
+        return subprocess.run(argv, env=faulted, capture_output=True, text=True, timeout=600)
+
+    seen: dict[str, dict] = {}
+    for stage in ("stage0", "final", "repeat"):
+        done = tune(stage)
+        state = json.loads((sweep_dir / "tune" / "state.json").read_text())
+        if stage == "repeat" and done.returncode == 0:  # the final stage's cells were not within noise
+            assert [s["name"] for s in state["stages"]] == ["stage0", "final"], done.stdout
+            break
+        assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-2000:]
+        assert state["stages"][-1]["name"] == stage and not (sweep_dir / "tune.json").exists()
+        assert stage == "stage0" or "resuming the search" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+        now = launches(sweep_dir)
+        assert {name: now[name] for name in seen} == seen  # no run launched twice
+        assert not [name for name in now if name.startswith(f"{stage}-")]  # killed before its first run
+        seen = now
+    else:
+        last = tune()
+        assert last.returncode == 0 and "resuming the search" in last.stdout, last.stdout[-2000:] + last.stderr[-2000:]
+    found = json.loads((sweep_dir / "tune.json").read_text())
+    ran = launches(sweep_dir)
+    assert {name: ran[name] for name in seen} == seen and len([n for n in ran if n.startswith("stage0-")]) == 4
+    again = tune()
+    assert again.returncode == 0 and "resuming the search" in again.stdout, again.stderr[-2000:]
+    assert json.loads((sweep_dir / "tune.json").read_text())["best"] == found["best"] and launches(sweep_dir) == ran
+
+
 def until_ended(processes: dict[int, str]) -> float:
     """The time the last of the processes ended (a zombie counts as ended), looked at every 0.1 s."""
     deadline = time.time() + 120

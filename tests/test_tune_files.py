@@ -209,3 +209,27 @@ def test_submit_only_best_with_a_best_that_is_no_object_is_one_line(tmp_path, ca
     (sweep_dir / "tune.json").write_text(json.dumps(document))
     assert main(argv) == 0
     assert capsys.readouterr().out.count("torch.distributed.run") == 1
+
+
+@pytest.mark.parametrize(
+    "names, problem",
+    [
+        (["stage0", "final", "repeat"], ""),
+        (["stage0", "stage1", "final", "repeat"], ""),
+        (["final"], ""),
+        (["stage0", "final"], ""),
+        (["stage0", "repeat"], 'stages[1].name: expected stage1 or final, got "repeat"'),
+        (["stage0", "final", "final"], 'stages[1].name: expected stage1, got "final"'),
+        (["stage0", "final", "repeat", "repeat"], 'stages[1].name: expected stage1, got "final"'),
+    ],
+)
+def test_a_state_with_its_stages_in_the_order_tune_begins_them_is_its_own_and_no_other(tmp_path, names, problem):
+    """A search that ran its repeat stage wrote [stage0, final, repeat]: the next tune must read it
+    (issue 51, item 7: it refused it with "stages[1].name: expected stage1, got final")."""
+    from hpcfsdp.tune.state import state_problem
+
+    _, _, state = begun_search(tmp_path)
+    grid = state["grid"]
+    runs = {name: state["stages"][0]["runs"] if name.startswith("stage") else {grid[0]: grid[0]} for name in names}
+    state["stages"] = [{"name": name, "runs": runs[name], "jobs": {}} for name in names]
+    assert state_problem(state) == problem

@@ -3,7 +3,7 @@
 One JSON file per cell, written atomically (files.py) so a reader never sees half a record. Its
 shape is typed here (Record, OkRecord, FailedRecord and the mappings they hold), once: the fields
 read_record checks are those the TypedDicts mark Checked. `status`, `submit` and `collect` all read
-through `read_record` / `record_state`, so a file one of them calls corrupt is corrupt to all three,
+through `read_record` / `validity.record_state`, so a file one of them calls corrupt is corrupt to all three,
 named in one line, never a traceback.
 
 A rerun never destroys a record: the current one moves to `attempts/<n>.json` first
@@ -392,22 +392,6 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
     if problem:
         raise RecordError(f"{path}: {problem}")
     return record
-
-
-def record_state(path: str | Path, root: str | Path | None = None, cell_id: str | None = None) -> RecordState:
-    """missing, corrupt (with the one-line problem), or the record's status and the record. Given
-    the cell_id its folder names, a record whose own cell_id is another's (a record copied from
-    another cell's folder) is corrupt: it is no measurement of this cell (issue 44, item 10)."""
-    try:
-        record = read_record(path, root)
-    except FileNotFoundError:
-        return RecordState(MISSING)
-    except RecordError as exc:
-        return RecordState(CORRUPT, problem=str(exc))
-    own = record.get("cell_id")
-    if cell_id is not None and own is not None and own != cell_id:
-        return RecordState(CORRUPT, problem=f"{path}: the record of cell {shown(own)}, not of this cell's folder")
-    return RecordState(record["status"], record)
 
 
 def _record_problem(record: dict[str, Any]) -> str | None:

@@ -93,6 +93,8 @@ def collect(
     progress.done("collect")
     for message in report.unreadable:
         print(f"warning: skipped {message}", file=sys.stderr)
+    for message in report.unplanned:
+        print(f"warning: not ranked: {message}", file=sys.stderr)
     for note in report.notes:
         print(f"warning: {note}", file=sys.stderr)
     for line in resource_warnings(collection.frame):
@@ -133,6 +135,7 @@ def collect(
                     "regressions": [*checked.regressions, *regressions],
                     "notes": [*checked.notes, *checked.hints],
                     "unreadable": report.unreadable,
+                    "unplanned": report.unplanned,
                     "history_unchecked": checked.unchecked or None,
                     "files": [str(path) for path in report.files],
                 }

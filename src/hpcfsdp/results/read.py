@@ -18,9 +18,9 @@ from typing import Any
 import pandas as pd
 
 from ..contracts.files import RecordError, garbage_collection_paused, read_json_object
-from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order, record_state
+from ..contracts.record import MISSING, RECORD_NAME, SPEC_NAME, memory_in_stage_order
 from ..contracts.recordspec import BATCH_SEARCH_FIELDS, STRATEGY_KNOBS, spec_problem
-from ..contracts.validity import invalid_reasons
+from ..contracts.validity import invalid_reasons, record_state
 from ..progress import Progress
 from ..sweep.folder.layout import (
     CELLS_DIR,
@@ -66,6 +66,7 @@ class Collection:
     unreadable: list[str]  # one message per bad file, naming its path and the problem
     missing: pd.DataFrame = field(default_factory=pd.DataFrame)  # planned cells without a record
     spec_fields: tuple[str, ...] = ()
+    unplanned: list[str] = field(default_factory=list)  # one line per record of a cell no submit of the folder made
 
     @property
     def cells(self) -> pd.DataFrame:
@@ -100,8 +101,31 @@ def load_records(
     with garbage_collection_paused():  # some million small dicts and lists, none in a cycle
         read = _read_in_two(paths, sweep_dir, progress)
     unreadable.extend(read.problems)
-    missing = _missing_cells(sweep_dir, {path.parent.name for path in paths}, unreadable, scheduler_states)
-    return Collection(pd.DataFrame(read.rows), unreadable, missing, tuple(read.spec_fields))
+    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, unreadable, "manifest")
+    missing = _missing_cells(sweep_dir, manifest, {path.parent.name for path in paths}, unreadable, scheduler_states)
+    rows, unplanned = _planned_rows(sweep_dir, read.rows, manifest)
+    return Collection(pd.DataFrame(rows), unreadable, missing, tuple(read.spec_fields), unplanned)
+
+
+def _planned_rows(
+    sweep_dir: Path, rows: list[dict[str, Any]], manifest: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of cells a submit (or tune) of this folder made, and a line for each other: a
+    cell folder added by hand or by someone else, whose record is its own but no plan's (issue
+    51, item 6). Those are never ranked, tabled, plotted or put in the history. A folder without a
+    manifest.json (records of `hpcfsdp run` by hand) has no plan to hold them to: all are its own."""
+    if not (sweep_dir / MANIFEST_NAME).exists():
+        return rows, []
+    kept = [row for row in rows if row["cell_id"] in manifest]
+    if len(kept) == len(rows):
+        return rows, []
+    lines = [
+        f"{sweep_dir / CELLS_DIR / row['cell_id'] / RECORD_NAME}: cell {row['cell_id']} is in no plan of this "
+        f"folder ({MANIFEST_NAME} names it not): listed apart, never ranked"
+        for row in rows
+        if row["cell_id"] not in manifest
+    ]
+    return kept, lines
 
 
 SPLIT_MIN_RECORDS = 2_000  # fewer records are read in this process alone: a fork costs more than it saves
@@ -194,10 +218,13 @@ def _add_dotted(row: dict[str, Any], prefix: str, mapping: dict[str, Any]) -> No
 
 
 def _missing_cells(
-    sweep_dir: Path, recorded: set[str], problems: list[str], scheduler_states: dict[str, str] | None
+    sweep_dir: Path,
+    manifest: dict[str, Any],
+    recorded: set[str],
+    problems: list[str],
+    scheduler_states: dict[str, str] | None,
 ) -> pd.DataFrame:
     """Cells named by the manifest or by a spec.json that have no result.json (yet)."""
-    manifest = _read_json(sweep_dir / MANIFEST_NAME, sweep_dir, problems, "manifest")
     planned = set(manifest) | set(planned_cell_ids(sweep_dir))
     rows = []
     for cell_id in sorted(planned - recorded):

@@ -61,6 +61,7 @@ class Report:
     notes: list[str]  # what the tables could not keep as it was (e.g. a parquet column as text)
     recommendation: list[str] = field(default_factory=list)  # fastest (whole job), most headroom, cheapest
     untrusted: list[str] = field(default_factory=list)  # "<cell>: <why its figures cannot be trusted>", one per reason
+    unplanned: list[str] = field(default_factory=list)  # records of cells no submit of the folder made (read.py)
 
 
 def write_report(
@@ -103,6 +104,8 @@ def report_started(
             # The recommendation and the cells it left out as untrusted first, then first_sections, then the rest.
             lines = recommendation(configs, cells)
             leading, rest = summary_sections(cells, configs, baseline, collection.unreadable, lines)
+            if collection.unplanned:
+                rest.append(Section("Cells no plan made (not ranked)", items=list(collection.unplanned)))
             tuned = tune_section(sweep_dir)
             after_plots = [
                 *pivot_sections(cells, configs),
@@ -120,7 +123,8 @@ def report_started(
             files += [report / "summary.md", report / "index.html"]
             why = invalid_table(cells).rename(columns={WHY: "why"})
             untrusted = [f"{row.cell}: {row.why}" for row in why.itertuples()]
-            return Report(table, report, files, collection.unreadable, skipped, notes, lines, untrusted)
+            unplanned = collection.unplanned
+            return Report(table, report, files, collection.unreadable, skipped, notes, lines, untrusted, unplanned)
 
         yield write_rest
 

@@ -33,6 +33,7 @@ from ..sweep.folder.layout import (
     write_cell_spec,
     write_sweep_files,
 )
+from ..sweep.launch.crashpoint import crash_point
 from ..sweep.launch.environment import job_environment, without_secrets
 from ..sweep.launch.local import end_launches_left
 from ..sweep.launch.submit import auto_batch_predictions
@@ -147,10 +148,9 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         if why := probing_cannot_save(candidates, grid, settings.top_k, settings.eta):
             log(f"running the grid's {len(grid)} cell(s) themselves, no probes: {why}")
             write_sweep_files(sweep, sweep_dir, grid, auto_batch_predictions(sweep, grid))
-            state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in grid}))
+            _begin(sweep_dir, state, Stage(FINAL, {cell.id: cell.id for cell in grid}))
         else:
-            state.stages.append(_probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
-        save_state(sweep_dir, state)
+            _begin(sweep_dir, state, _probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
     while True:
         stage = state.stages[-1]
         run_stage(sweep, sweep_dir, state, stage, settings, log)
@@ -163,8 +163,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
             if len(close) < 2:
                 return
             log(f"final: {', '.join(close)} are within noise of each other: each runs once more (repeat stage)")
-            state.stages.append(_repeat_stage(sweep_dir, sweep, [cells[grid_id] for grid_id in close]))
-            save_state(sweep_dir, state)
+            _begin(sweep_dir, state, _repeat_stage(sweep_dir, sweep, [cells[grid_id] for grid_id in close]))
             continue
         ranked = [grid_id for grid_id, _ in ranking(sweep_dir, stage, state, cells)]
         rung = int(stage.name.removeprefix("stage"))
@@ -176,13 +175,20 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
         if rung + 1 < rungs and keep > settings.top_k:
             promoted = [cells[grid_id] for grid_id in ranked[:keep]]
             log(f"{stage.name}: {len(ranked)} ok; the best {keep} go on to stage{rung + 1}")
-            state.stages.append(_probe_stage(sweep_dir, sweep, promoted, rung + 1, settings.eta))
+            _begin(sweep_dir, state, _probe_stage(sweep_dir, sweep, promoted, rung + 1, settings.eta))
         else:
             final = [cells[grid_id] for grid_id in ranked[: settings.top_k]]
             log(f"{stage.name}: {len(ranked)} ok; the best {len(final)} run as the grid's cells (final stage)")
             write_sweep_files(sweep, sweep_dir, final, _found_batches(sweep_dir, stage, final))
-            state.stages.append(Stage(FINAL, {cell.id: cell.id for cell in final}))
-        save_state(sweep_dir, state)
+            _begin(sweep_dir, state, Stage(FINAL, {cell.id: cell.id for cell in final}))
+
+
+def _begin(sweep_dir: Path, state: TuneState, stage: Stage) -> None:
+    """Add the stage to the state and save it, before any of its runs starts: a search stopped
+    from here on resumes at this stage."""
+    state.stages.append(stage)
+    save_state(sweep_dir, state)
+    crash_point(f"tune_begun_{stage.name}")
 
 
 def _probe_stage(sweep_dir: Path, sweep: Sweep, cells: list[Cell], rung: int, eta: int) -> Stage:

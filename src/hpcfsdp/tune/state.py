@@ -76,9 +76,10 @@ class TuneState:
 def state_problem(data: dict) -> str:
     """What makes a state.json one this search did not write ("" for none), checked as records are
     before anything is read from it: its keys and their types, every grid id a cell of its grid,
-    every stage named stage<k> in order (the final stage last), every run id a cell id (a probe's
-    folder name; the final stage's runs are the grid's cells) and every job id Slurm's. A run id
-    of another shape could name a folder out of the sweep folder, which resuming would train."""
+    every stage named as the search begins them (stage<k> in order, then final, then repeat:
+    _expected_names), every run id a cell id (a probe's folder name; the final and repeat stages'
+    runs are the grid's cells) and every job id Slurm's. A run id of another shape could name a
+    folder out of the sweep folder, which resuming would train."""
     if data.get("version", STATE_VERSION) != STATE_VERSION:
         return f"version: expected {STATE_VERSION}, got {shown(data.get('version'))}"
     if not isinstance(data.get("sweep"), str):
@@ -96,25 +97,39 @@ def state_problem(data: dict) -> str:
     stages = data.setdefault("stages", [])
     if not isinstance(stages, list):
         return f"stages: expected a list, got {shown(stages)}"
+    names = [stage.get("name") if isinstance(stage, dict) else None for stage in stages]
     for index, stage in enumerate(stages):
-        if problem := _stage_problem(f"stages[{index}]", stage, index, index == len(stages) - 1, grid):
+        if problem := _stage_problem(f"stages[{index}]", stage, index, _expected_names(names, index), grid):
             return problem
     return ""
 
 
-def _stage_problem(where: str, stage: object, index: int, last: bool, grid: list[str]) -> str:
+def _expected_names(names: list, index: int) -> tuple[str, ...]:
+    """The names stages[index] may have, as the search begins its stages: stage0, stage1, ... in
+    order, then final, then (after final only, and last) repeat. The final stage is last, or
+    followed by the repeat stage alone; a search whose grid ran itself begins with final."""
+    last = index == len(names) - 1
+    before = names[index - 1] if index else None
+    expected = [f"stage{index}"] if before in (None, f"stage{index - 1}") else []
+    if last or (index == len(names) - 2 and names[-1] == REPEAT):
+        expected.append(FINAL)
+    if last and before == FINAL:
+        expected.append(REPEAT)
+    return tuple(expected)
+
+
+def _stage_problem(where: str, stage: object, index: int, expected: tuple[str, ...], grid: list[str]) -> str:
     if not isinstance(stage, dict):
         return f"{where}: expected an object (name, runs, jobs), got {shown(stage)}"
     name, runs, jobs = stage.get("name"), stage.get("runs"), stage.setdefault("jobs", {})
-    # The final stage is the last; it is the only one where the search ran the grid's cells itself.
-    if name != f"stage{index}" and not (name == FINAL and last):
-        return f"{where}.name: expected stage{index}" + (" or final" if last else "") + f", got {shown(name)}"
+    if name not in expected:
+        return f"{where}.name: expected {' or '.join(expected) or 'no stage here'}, got {shown(name)}"
     if not isinstance(runs, dict) or not all(is_cell_id(run) and isinstance(g, str) for run, g in runs.items()):
         return f"{where}.runs: expected an object of run id (a cell id) -> grid cell id, got {shown(runs)}"
     if problem := _not_in_grid(f"{where}.runs", list(runs.values()), grid):
         return problem
-    if name == FINAL and any(run != grid_id for run, grid_id in runs.items()):
-        return f"{where}.runs: the final stage's runs are the grid's own cells, got {shown(runs)}"
+    if name in (FINAL, REPEAT) and any(run != grid_id for run, grid_id in runs.items()):
+        return f"{where}.runs: the {name} stage's runs are the grid's own cells, got {shown(runs)}"
     if not isinstance(jobs, dict) or not all(
         is_job_id(job) and isinstance(ids, list) and all(run in runs for run in ids) for job, ids in jobs.items()
     ):

@@ -7,9 +7,7 @@ each array task).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,6 +31,7 @@ from ...contracts.gpus import RankWords, rank_words
 from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
+from ...contracts.validity import cell_id_of
 from .resources import Resources
 from .secret_shapes import require_no_secret
 from .yamlfile import LineLoader, read_text, syntax_error
@@ -112,19 +111,15 @@ def cells_on_shape(cells: list[Cell], nodes: int, ranks: int, count: int | None 
 
 
 def cell_id(spec: RunSpec) -> str:
-    """A readable prefix plus a hash of the fields that differ from their defaults.
+    """A readable prefix plus a hash of the fields that differ from their defaults
+    (contracts/validity.cell_id_of, which proves a record is its folder's cell's from its spec).
 
     The same cell gets the same id in a re-run, and keeps it when a later hpcfsdp adds a RunSpec
     field (whose default keeps the old behaviour): resubmitting skips its record and `collect
     --compare` pairs it across versions. A changed default is caught by submit, which reruns a
     cell whose record was made with other values (submit.select_cells).
     """
-    # Shallow field values give the same JSON as spec.to_dict() at a fraction of the cost.
-    values = {name: value for name in _SPEC_FIELDS if (value := getattr(spec, name)) != _DEFAULTS[name]}
-    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
-    batch = "auto" if spec.auto_batch else spec.batch_size
-    return f"{spec.strategy}-b{batch}-a{spec.grad_accum}-{digest}"
+    return cell_id_of(vars(spec))  # the fields' values as they are: what to_dict copies, uncopied
 
 
 CELL_ID = re.compile(rf"(?:{'|'.join(map(re.escape, STRATEGIES))})-b(?:auto|[0-9]+)-a[0-9]+-[0-9a-f]{{10}}")

@@ -16,6 +16,7 @@ Submit writes it; status, collect, export and the accounting read it. No torch, 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -215,6 +216,15 @@ FOLDER_KEY = "folder"
 def sweep_comment(uid: str) -> str:
     """The --comment of a sweep's jobs: squeue shows it (%k), and cancel and status check it."""
     return f"hpcfsdp:{uid}"
+
+
+def array_comment(uid: str, cell_ids: Iterable[str]) -> str:
+    """The --comment of one array submit queues: the sweep's, and a token of its cells (in task
+    order), by which the next submit, status or cancel finds an array a killed submit queued
+    (track/intent.py). The same cells give the same token, so `plan --sbatch` prints the script
+    submit writes."""
+    token = hashlib.sha256(f"{uid}:{','.join(cell_ids)}".encode()).hexdigest()[:16]
+    return f"{sweep_comment(uid)}:{token}"
 
 
 def slurm_jobs(sweep_dir: Path, cell_ids: Iterable[str]) -> SlurmJobs:

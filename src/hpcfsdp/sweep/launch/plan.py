@@ -185,7 +185,7 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
         arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
     ):
         print(f"# ===== array {index}: {cells_on_shape(cells, nodes, gpus)} =====")
-        print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid))
+        print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid, [cell.id for cell in cells]))
         print(
             f"# Its cell {cells[0].id} by hand, in an allocation of {nodes} node(s): what the task runs, as srun + "
             "torchrun (`hpcfsdp submit --executor print` writes the cell folder and prints every cell's torchrun)"

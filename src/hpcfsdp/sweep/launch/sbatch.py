@@ -8,7 +8,7 @@ import contextlib
 import io
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...contracts.errors import UserError
@@ -16,6 +16,7 @@ from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV, MAX_REQUEUE_ENV
 from ..define.matrix import Cell, Sweep, arrays, cells_on_shape
 from ..define.resources import Resources
 from ..folder.layout import (
+    array_comment,
     cell_dir,
     folder_uid,
     new_uid,
@@ -27,7 +28,9 @@ from ..folder.layout import (
 )
 from ..predict.hostmemory import requested_mem_gb
 from ..track.cluster import array_size_limit, jobs_in_queue
+from ..track.intent import clear_intent, new_intent, write_intent
 from . import container_command
+from .crashpoint import crash_point
 from .environment import (
     HF_TOKEN_ENV,
     job_environment,
@@ -48,10 +51,13 @@ class SubmitError(UserError, RuntimeError):
     """sbatch refused an array; the cells not queued keep the records they had."""
 
 
-def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path, uid: str = "") -> dict:
+def slurm_parameters(
+    sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path, uid: str = "", cell_ids: Sequence[str] = ()
+) -> dict:
     """submitit SlurmExecutor parameters for one array: resources, the allowlisted environment
     (environment.py), setup lines, offline switches, pyxis's srun flags (the other container
-    runtimes wrap the job's Python: job_python), and the sweep id as the jobs' comment."""
+    runtimes wrap the job's Python: job_python), and the sweep id as the jobs' comment (with the
+    token of the array's cells where they are given: layout.array_comment)."""
     res: Resources = sweep.resources
     env = {**job_environment(sweep), MAX_REQUEUE_ENV: str(res.max_requeue)}
     export, export_setup = slurm_parameters_for_environment(sweep)
@@ -85,7 +91,7 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
         additional_parameters=additional,
     )
     if uid:
-        params["comment"] = sweep_comment(uid)
+        params["comment"] = array_comment(uid, cell_ids) if cell_ids else sweep_comment(uid)
     if res.gpu_request == "gres":
         params["gres"] = f"gpu:{gpus_per_node}"
     elif res.gpu_request == "gpus_per_node":
@@ -101,7 +107,15 @@ def slurm_parameters(sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Pa
     return params
 
 
-def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int, count: int, uid: str = "") -> str:
+def sbatch_script(
+    sweep: Sweep,
+    sweep_dir: Path,
+    nodes: int,
+    gpus_per_node: int,
+    count: int,
+    uid: str = "",
+    cell_ids: Sequence[str] = (),
+) -> str:
     """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for
     one); without the sweep id (its comment) before the folder's first submit."""
     # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
@@ -115,7 +129,7 @@ def sbatch_script(sweep: Sweep, sweep_dir: Path, nodes: int, gpus_per_node: int,
         command=command,
         folder=folder,
         map_count=count if count > 1 else None,
-        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid),
+        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid, cell_ids),
     )
 
 
@@ -184,22 +198,28 @@ def _submit_array(
         max_num_timeout=sweep.resources.max_requeue,
         python=container_command.job_python(sweep, sweep_dir),
     )
-    executor.update_parameters(**slurm_parameters(sweep, nodes, gpus, sweep_dir, uid))
+    params = slurm_parameters(sweep, nodes, gpus, sweep_dir, uid, [cell.id for cell in cells])
+    intent = new_intent(uid, sweep.resources.clusters, params["job_name"], [cell.id for cell in cells])
+    executor.update_parameters(**params)
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
     # sbatch queues the array and the manifest names it, or neither happens: signals wait until
     # then (outermost, so that a signal during a queueing that worked restores no record). A refusal
     # is reported once, by SubmitError, with sbatch's message: submitit's own echo of it is dropped.
+    # A SIGKILL between the two leaves the intent, which the next submit, status or cancel settles.
     with interrupts_deferred(), records_set_aside(sweep_dir, cells), slurm_environment_only(sweep):
+        write_intent(sweep_dir, intent)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
         except FailedJobError as exc:
+            clear_intent(sweep_dir)
             reason = " ".join(str(exc).split()) or "no message"
             raise SubmitError(
                 f"sbatch refused the array of {cells_on_shape(cells, nodes, gpus)}: {reason}"
                 + shell_part_in(reason, sweep)
             ) from None
         job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
+        crash_point("submit_queued")
         update_manifest(
             sweep_dir,
             {
@@ -213,6 +233,7 @@ def _submit_array(
                 for cid, jid in job_ids.items()
             },
         )
+        clear_intent(sweep_dir)
     where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
     log(f"submitted array {jobs[0].job_id.split('_')[0]}{where}: {cells_on_shape(cells, nodes, gpus)}")
     return job_ids

@@ -29,6 +29,7 @@ from ..folder.layout import (
     sweep_comment,
     write_sweep_files,
 )
+from ..track.intent import reconcile_intent
 from ..track.scheduler import queued_states
 from ..track.status import (
     IN_FLIGHT,
@@ -206,6 +207,7 @@ def _submit_locked(
     log: Callable[[str], None],
     room_poll_s: float | None,
 ) -> Submission:
+    reconcile_intent(sweep_dir, log, locked=True)  # an array a killed submit queued: into the manifest first
     cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
     if executor == "slurm" and cells:
         _check_same_cluster(sweep, sweep_dir)

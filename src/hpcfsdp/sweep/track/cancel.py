@@ -25,6 +25,7 @@ from pathlib import Path
 from ...contracts.record import MISSING, SPEC_NAME
 from ...contracts.spec import SpecError
 from ..folder.layout import cell_dir, read_manifest, slurm_jobs, sweep_comment
+from .intent import reconcile_intent
 from .lost import log_tails, record_launch_failure, slurm_logs
 from .scheduler import QueuedJob, queued_states, scancel
 from .status import cell_status
@@ -58,6 +59,7 @@ def cancel_sweep(
     """scancel the sweep's queued cells (those named, else all), running ones too unless
     pending_only; each cancelled cell ends with a `cancelled` record (or the one it wrote itself)."""
     sweep_dir = Path(sweep_dir)
+    reconcile_intent(sweep_dir, lambda line: None)  # an array a killed submit queued is the sweep's to cancel
     chosen = _chosen_cells(sweep_dir, list(cell_ids))
     jobs, cluster, uid, _ = slurm_jobs(sweep_dir, chosen)  # asked and cancelled on the cluster they were queued on
     queued = _named(queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else ""), job_name(sweep_dir))

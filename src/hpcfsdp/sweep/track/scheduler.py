@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ...slurm import SlurmError, Watcher
+from ...slurm import SQUEUE_FORMAT, SlurmError, Watcher, ask
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,21 @@ def queued_states(
     the sweep's. SlurmError when squeue does not answer."""
     lines = (watcher or Watcher()).queue(job_ids, cluster)
     queued = dict(_queued_job(line) for line in lines.values())
-    return {jid: job for jid, job in queued.items() if not comment or job.comment == comment}
+    return {jid: job for jid, job in queued.items() if not comment or of_sweep(job.comment, comment)}
+
+
+def of_sweep(comment: str, sweep_comment: str) -> bool:
+    """Whether a job's comment is the sweep's: its own (`hpcfsdp:<sweep id>`), or that with the
+    token of the submit intent it was queued under (`hpcfsdp:<sweep id>:<token>`, track/intent.py)."""
+    return comment == sweep_comment or comment.startswith(f"{sweep_comment}:")
+
+
+def my_jobs_named(name: str, cluster: str = "") -> dict[str, QueuedJob]:
+    """job id (array task) -> what squeue says of it, for every job of this user with that job
+    name still in the queue. SlurmError when squeue does not answer."""
+    args = ["--noheader", "--array", "--me", f"--name={name}", f"--format={SQUEUE_FORMAT}"]
+    lines = ask("squeue", *args, cluster=cluster).splitlines()
+    return dict(_queued_job(line) for line in lines if line.count("|") >= SQUEUE_FORMAT.count("|"))
 
 
 def _queued_job(line: str) -> tuple[str, QueuedJob]:

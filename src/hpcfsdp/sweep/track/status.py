@@ -23,9 +23,9 @@ from ...contracts.record import (
     SPEC_NAME,
     CellState,
     RecordState,
-    record_state,
 )
 from ...contracts.recordspec import SEARCHED_FIELDS
+from ...contracts.validity import record_state
 from ...progress import coloured
 from ...slurm import SlurmError, Watcher, on_cluster
 from ..define.matrix import Cell, column_texts, varying_columns
@@ -41,6 +41,7 @@ from ..folder.layout import (
     unnamed_cell_folders,
 )
 from .cluster import never_clears, read_partitions, waits_for_nodes
+from .intent import reconcile_intent
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
 from .preemptions import preemption_note, preemptions
 from .scheduler import QueuedJob, finished_jobs, queued_states
@@ -118,9 +119,10 @@ def cells_exit_status(states: Iterable[str]) -> int:
 
 
 def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
-    """The cell's record as status, submit and collect all read it (record.record_state): its
+    """The cell's record as status, submit and collect all read it (validity.record_state): its
     status, missing, or corrupt with the line naming the file; given a Cell, 'stale' when the
-    record was made with other values of its fields."""
+    record was made with other values of its fields (a record whose spec makes another id, as a
+    changed default makes it, reads as corrupt to collect, which knows no plan)."""
     cell_id = cell if isinstance(cell, str) else cell.id
     state = record_state(cell_dir(sweep_dir, cell) / RECORD_NAME, root=sweep_dir, cell_id=cell_id)
     if (
@@ -128,7 +130,7 @@ def cell_state(sweep_dir: Path, cell: Cell | str) -> RecordState:
         and isinstance(cell, Cell)
         and _made_with_other_values(state.record["spec"], cell.spec.to_dict())
     ):
-        return state._replace(status=STALE)
+        return state._replace(status=STALE, problem="")
     return state
 
 
@@ -160,6 +162,10 @@ def sweep_status(
     unnamed = unnamed_cell_folders(sweep_dir) if cell_ids is None else {}
     cell_ids = list(planned_cell_ids(sweep_dir) if cell_ids is None else cell_ids)
     problems = list(unnamed.values())
+    try:
+        reconcile_intent(sweep_dir, problems.append)  # an array a killed submit queued: tracked from now on
+    except SlurmError as exc:
+        problems.append(f"an array a stopped submit may have queued is not tracked yet ({exc})")
     try:
         jobs, cluster, uid, elsewhere = slurm_jobs(sweep_dir, cell_ids)
         moved = moved_from(sweep_dir)
