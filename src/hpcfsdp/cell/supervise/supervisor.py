@@ -31,6 +31,7 @@ from .watch import Ending, RankProcess, exit_ending, live_ending
 
 POLL_S = 0.2  # how often each rank's process is looked at
 END_GRACE_S = 10.0  # from SIGTERM to the ranks (whose watchdogs end a blocked rank in 5 s) to SIGKILL
+PEER_DEFER_S = 3.0  # with several ranks, how long a rank's death waits for a peer's record (as the watchdog does)
 FORWARDED = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 LOG_TAIL_CHARS = 4000
 
@@ -110,7 +111,11 @@ class Supervisor:
         return handler
 
     def _watch(self, oom_before: int | None) -> None:
+        """Until the ranks have ended. With several ranks, an ending found waits PEER_DEFER_S for a
+        peer rank to record it first: its record has the cell's whole context (every rank's
+        resources), the supervisor's only what it saw."""
         signalled_at: float | None = None
+        pending: tuple[float, Ending] | None = None
         while True:
             time.sleep(POLL_S)
             now = time.time()
@@ -124,10 +129,13 @@ class Supervisor:
                 self._end_ranks(signal.SIGKILL)
                 self._record_signal(self.signalled)
                 return
-            ending = self._ending(running, oom_before, now)
-            if ending is not None:
-                self._end_with(ending)
-                return
+            found = pending[1] if pending else self._ending(running, oom_before, now)
+            if found is not None:
+                pending = pending or (now + (PEER_DEFER_S if self.layout.world_size > 1 else 0.0), found)
+                if now >= pending[0] or _failure_recorded(self.cell_dir, self.launch):
+                    self._end_with(found)
+                    return
+                continue
             if not running:
                 if launch_record(self.cell_dir, self.launch) is None and cell_status(self.cell_dir) != "ok":
                     first = self.ranks[0]
@@ -137,12 +145,18 @@ class Supervisor:
     def _ending(self, running: list[RankProcess], oom_before: int | None, now: float) -> Ending | None:
         for rank in self.ranks:
             code = rank.poll()
-            ending = live_ending(rank, self.cell_dir, self.hang_s, now) if code is None else None
+            ending = live_ending(rank, self.cell_dir, self._stop_limit_s(), now) if code is None else None
             if code is not None and not rank.ended_by_supervisor:
                 ending = exit_ending(rank, code, oom_before)
             if ending is not None:
                 return ending
         return None
+
+    def _stop_limit_s(self) -> float:
+        """How long a rank may be stopped (or its heartbeat still) before this supervisor records
+        it: train_timeout_s for a lone rank; with peers, their watchdogs name it first (a step past
+        its deadline: train_timeout_s past the slowest step), so the supervisor is their backstop."""
+        return self.hang_s if self.layout.world_size == 1 else 2 * self.hang_s + END_GRACE_S
 
     def _end_with(self, ending: Ending) -> None:
         """Record the ending (unless a rank of this launch recorded its failure first), then end the
@@ -186,6 +200,11 @@ class Supervisor:
 
     def _log_tail(self) -> str:
         return own_output_tail()[-LOG_TAIL_CHARS:]
+
+
+def _failure_recorded(cell_dir: Path, launch: str) -> bool:
+    record = launch_record(cell_dir, launch)
+    return record is not None and record.get("status") != "ok"
 
 
 def exit_code(status: str) -> int:
