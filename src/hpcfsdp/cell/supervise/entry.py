@@ -11,6 +11,7 @@ from ...contracts.record import SPEC_NAME
 from ...contracts.spec import LAUNCH_STARTED_ENV
 from ..measure.provenance import launch_id
 from ..ranks.ports import free_port
+from .ending import launch_record
 from .layout import local_layout, slurm_layout
 from .supervisor import Supervisor, exit_code, hang_seconds
 
@@ -24,9 +25,13 @@ def supervise_here(cell_dir: str, processes: int) -> int:
     return exit_code(Supervisor(directory, layout, launch, hang_seconds(spec)).run())
 
 
-def supervise_slurm_task(cell_dir: str) -> str:
-    """This node's ranks of the cell, in the node's one task of a Slurm job step; the cell's status."""
+def supervise_slurm_task(cell_dir: str) -> tuple[str, bool]:
+    """This node's ranks of the cell, in the node's one task of a Slurm job step: the cell's status,
+    and whether this run failed it (a run that did not train, requeued too often, keeps the earlier
+    run's record and fails nothing)."""
     directory = Path(cell_dir)
     spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
     layout = slurm_layout(int(spec.get("gpus_per_node", 1)), os.environ)
-    return Supervisor(directory, layout, launch_id(), hang_seconds(spec)).run()
+    launch = launch_id()
+    status = Supervisor(directory, layout, launch, hang_seconds(spec)).run()
+    return status, status != "ok" and (status == "missing" or launch_record(directory, launch) is not None)

@@ -27,7 +27,7 @@ class CellJob(submitit.helpers.Checkpointable):
         cell's status. A failed cell fails the task, so that srun ends the other nodes' tasks."""
         from ...cell.supervise.entry import supervise_slurm_task
 
-        status = supervise_slurm_task(self.cell_dir)
-        if status != "ok":
+        status, failed = supervise_slurm_task(self.cell_dir)
+        if failed:
             raise SystemExit(f"cell {Path(self.cell_dir).name}: {status}")
         return status
