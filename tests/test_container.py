@@ -67,7 +67,7 @@ def plan_sbatch(tmp_path: Path, capsys, container: str) -> tuple[str, Path]:
 
 SRUN = (
     "srun --unbuffered --output {sweep}/slurm/%j/%j_%t_log.out --error {sweep}/slurm/%j/%j_%t_log.err "
-    "--kill-on-bad-exit=1"
+    "--kill-on-bad-exit=1 --cpus-per-task=1"
 )
 SUBMIT = "-u -m submitit.core._submit {sweep}/slurm/%j"
 

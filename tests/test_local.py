@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
@@ -108,31 +107,6 @@ def test_a_processs_start_is_read_to_the_hundredth_not_to_the_boots_whole_second
     assert before - 0.03 <= started <= now, (before, started, now)
 
 
-def test_the_local_executors_torchrun_names_its_rendezvous_events_without_walking_the_stack(monkeypatch):
-    """torch's rendezvous names each event's method by inspect.stack() (every frame's source read);
-    the torchrun the local executor and tune start reads the same name off the frame."""
-    import inspect
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    from hpcfsdp.cell.torchrun import name_callers_from_frames
-    from hpcfsdp.sweep.launch.local import QUICK_TORCHRUN, torchrun_command
-
-    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", dynamic_rendezvous.get_method_name)  # put back after
-
-    def _record():  # as DynamicRendezvousHandler._record calls it: the name two frames up
-        return dynamic_rendezvous.get_method_name()
-
-    def next_rendezvous():
-        return _record()
-
-    assert next_rendezvous() == "next_rendezvous"
-    monkeypatch.setattr(inspect, "stack", lambda *a: pytest.fail("inspect.stack walked"))
-    name_callers_from_frames()
-    assert next_rendezvous() == "next_rendezvous"
-    assert QUICK_TORCHRUN in torchrun_command(Path("cells/x"), 2, launcher=QUICK_TORCHRUN)
-
-
 def test_cell_whose_spec_no_longer_validates_still_leaves_a_record(tmp_path):
     from hpcfsdp.contracts.sources import PRESETS_DIR
     from hpcfsdp.contracts.spec import RunSpec
@@ -167,63 +141,3 @@ def test_local_cell_past_its_time_limit_records_timeout(tmp_path, monkeypatch, c
     record = json.loads(path.read_text())
     assert record["status"] == "timeout" and record["stage"] == "train", record.get("error")
     assert "| timeout " in capsys.readouterr().out
-
-
-# A launcher as the local executor starts it (cell/torchrun.py), with a mark of Python's interpreter
-# tear-down (an object of __main__ deleted then) and of its atexit handlers, around a worker `argv`.
-ENDING_LAUNCHER = """
-import atexit, os, sys
-from hpcfsdp.cell.torchrun import main
-
-class TornDown:
-    def __del__(self, write=os.write):  # os itself may be gone by then
-        write(2, b"interpreter torn down\\n")
-
-mark = TornDown()
-atexit.register(lambda: os.write(2, b"atexit ran\\n"))
-sys.argv = ["torchrun", "--standalone", "--nproc-per-node=1", "--no-python", *sys.argv[1:]]
-main()
-"""
-
-
-@pytest.mark.parametrize("worker, status", [("true", 0), ("false", 1)])
-def test_the_local_executors_torchrun_ends_without_tearing_down_its_interpreter(tmp_path, worker, status):
-    """After its workers ended, torchrun's own end (the record's tear-down phase) was mostly
-    Python tearing down torch's modules and libraries: 0.5 s on a quiet 2-core machine, 3.5-4 s
-    on a loaded one. The launcher skips it, and ends as before: the same exit status, its atexit
-    handlers run, a failed worker reported (ChildFailedError's summary) as torchrun reports it."""
-    import subprocess
-    import sys
-
-    ended = subprocess.run(
-        [sys.executable, "-c", ENDING_LAUNCHER, worker], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
-    assert ended.returncode == status, ended.stderr
-    assert "atexit ran" in ended.stderr and "interpreter torn down" not in ended.stderr
-    assert ("ChildFailedError" in ended.stderr) == (status != 0), ended.stderr
-
-
-def test_a_standalone_launchs_rendezvous_joins_without_a_random_delay(monkeypatch):
-    """torch's rendezvous waits 0-0.3 s at random before a node's first join, to spread many
-    nodes' requests to the store; the local executor's torchrun (--standalone: one node) does not.
-    A real c10d rendezvous on this machine, its sleeps recorded."""
-    import uuid
-
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous, registry, utils
-
-    from hpcfsdp.cell.torchrun import join_without_spreading_nodes
-
-    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # put back after
-    slept: list[float] = []
-    monkeypatch.setattr(utils.time, "sleep", slept.append)
-    monkeypatch.setattr(utils.random, "uniform", lambda low, high: high)  # the longest delay, every time
-    join_without_spreading_nodes()
-    parameters = RendezvousParameters(
-        backend="c10d", endpoint="localhost:0", run_id=str(uuid.uuid4()), min_nodes=1, max_nodes=1
-    )
-    handler = registry.get_rendezvous_handler(parameters)
-    try:
-        info = handler.next_rendezvous()
-    finally:
-        handler.shutdown()
-    assert info.world_size == 1 and slept == []

@@ -148,14 +148,14 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
         assert {
             "--partition=h100",
             "--time=45",
-            "--cpus-per-task=8",
+            "--cpus-per-task=32",  # the node's one task: 8 CPUs for each of its 4 GPUs' ranks
             "--mem=64G",
             "--account=proj42",
             "--qos=high",
             "--constraint='h100&ib'",
             "--exclusive",
             "--gpus-per-node=4",
-            "--ntasks-per-node=4",
+            "--ntasks-per-node=1",
             "--signal=USR2@120",
             "--requeue",
             "--reservation=maint",
@@ -179,6 +179,7 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
         ]
         assert "hf_secret_value" not in script
         assert f"-m submitit.core._submit {folder}/%j" in script
+        assert "srun --unbuffered" in script and "--cpus-per-task=32" in script.split("srun", 1)[1]
     assert "#SBATCH --array=0-2%2" in one_node and "#SBATCH --nodes=1" in one_node
     assert "--array" not in two_nodes and "#SBATCH --nodes=2" in two_nodes  # one cell: a plain job
 
@@ -192,7 +193,7 @@ def test_plan_sbatch_shows_under_each_script_the_srun_and_torchrun_one_cell_runs
         hand_run = script[script.index("# Its cell ") :].splitlines()
         cell = hand_run[0].split()[3]
         srun = next(line for line in hand_run if line.startswith("srun "))
-        prefix = f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        prefix = f"srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task=32 --kill-on-bad-exit=1 "
         assert srun.startswith(prefix) and srun.removeprefix(prefix) in printed
         assert srun.endswith(f"--cell-dir {(tmp_path / 'results' / 'resources' / 'cells' / cell).absolute()}")
         assert "--nproc-per-node=4 -m hpcfsdp run" in srun

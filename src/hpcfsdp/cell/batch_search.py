@@ -50,7 +50,8 @@ from ..contracts.record import BatchProbe, BatchSearchRecord
 from ..contracts.sources import Sources
 from ..contracts.spec import RunSpec
 from .batch_probe import PROBE_SPEC_ENV, ProbeOutcome, ProbeResult
-from .ranks.distributed import DistEnv, free_port
+from .ranks.distributed import DistEnv
+from .ranks.ports import free_port
 
 ProbeStatus = Literal["ok", "oom", "over_margin"]
 GIB = 1024**3

@@ -292,6 +292,9 @@ class FailedRecord(Record, total=False):
     traceback: str  # or, for a `launch` record, the tail of the cell's logs
     failed_rank: int
     failed_signal: str | None  # the signal that ended failed_rank (SIGKILL, SIGSEGV, SIGSTOP, ...), where known
+    failed_pid: int  # a record the node's supervisor wrote (cell/supervise/): failed_rank's process
+    failed_node: str  # and the node it ran on
+    recorded_by: str  # "supervisor (pid P on NODE)" where the node's supervisor wrote the record
     memory_at_failure: dict[str, float]
     memory_snapshot: str  # an `oom` record's, with memory_snapshot: true on a GPU
     diverged_step: int

@@ -57,6 +57,9 @@ MAX_REQUEUE_ENV = "HPCFSDP_MAX_REQUEUE"
 JOB_END_ENV = "HPCFSDP_JOB_END_TIME"
 # When the launching side started torchrun / srun (Unix time): the record's launcher_start phase and launch_span_s.
 LAUNCH_STARTED_ENV = "HPCFSDP_LAUNCH_STARTED"
+# One launch of a cell across its ranks, as the node's supervisor names it (cell/supervise/): the
+# records' launch_id, by which the first ending of a launch is kept.
+LAUNCH_ID_ENV = "HPCFSDP_LAUNCH_ID"
 
 
 # Counts a cell takes at least one of, or 0 or more of: RunSpec checks them, recordspec.spec_problem a recorded spec.

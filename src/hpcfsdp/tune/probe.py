@@ -68,7 +68,7 @@ def run_launches(
     job_id: str = "",
     log: Callable[[str], None] = print,
 ) -> None:
-    """Launch each planned run one after another, each a torchrun with its own limit; record each
+    """Launch each planned run one after another, each under its supervisor with its own limit; record each
     launch (launcher start to end, GPUs) in launches_dir. A run whose record already stands is
     skipped (a requeued or resumed allocation). One that ended without a record gets one: timeout
     at its limit, else error, with its log's tail; an out-of-memory probe recorded oom itself."""
@@ -88,7 +88,7 @@ def run_launches(
             )
             record_launch_failure(
                 directory,
-                f"torchrun {ended_how} without a record",
+                f"its supervisor {ended_how} without a record",
                 log_tails([directory / LOG_NAME], chars=4000),
                 status=status,
             )

@@ -68,8 +68,9 @@ def _submit_probe_array(
     )
     uid = folder_uid(directory) or new_uid()  # the folder's sweep id, as submit's arrays carry it
     params = slurm_parameters(sweep, 1, gpus, directory, uid)
-    # One task holds the node's GPUs and CPUs; the torchruns it starts are the ranks.
-    params.update(ntasks_per_node=1, cpus_per_task=res.cpus_per_task * gpus, job_name=f"hpcfsdp-tune-{sweep.name}")
+    # One task holds the node's GPUs and CPUs (as every array task does); the supervisors it starts
+    # start the ranks.
+    params.update(job_name=f"hpcfsdp-tune-{sweep.name}")
     executor.update_parameters(**params)
     jobs_of = [
         ProbeJob(tuple(p for _, p in chunk), str(launches_dir.absolute()), res.time_min * 60) for chunk in chunks

@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import cast
 
 from ...contracts.record import Record, SlurmJob
+from ...contracts.spec import LAUNCH_ID_ENV
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # .../hpcfsdp
 UNKNOWN = "unknown"
 # The settings that steer the communication library and PyTorch, recorded with their values.
 ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_")
+# The threading variables, recorded with their values: what each rank ran with (the supervisor sets
+# OMP_NUM_THREADS from the CPUs its node was given).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # A variable whose name has one of these is left out whatever its prefix: a record is shared.
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 
@@ -49,11 +53,13 @@ def git_commit(package_dir: Path = PACKAGE_DIR) -> str:
 
 
 def framework_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The NCCL_*, TORCH_* and PYTORCH_* variables, except any whose name suggests a secret."""
+    """The NCCL_*, TORCH_* and PYTORCH_* variables, except any whose name suggests a secret, and
+    the threading variables."""
     return {
         name: value
         for name, value in sorted(environ.items())
-        if name.startswith(ENV_PREFIXES) and not any(marker in name.upper() for marker in SECRET_MARKERS)
+        if name in THREAD_VARIABLES
+        or (name.startswith(ENV_PREFIXES) and not any(marker in name.upper() for marker in SECRET_MARKERS))
     }
 
 
@@ -92,7 +98,10 @@ def launch_rank() -> int:
 
 
 def launch_id() -> str:
-    """Identifies one launch of the cell across its ranks (torchrun's run id, or the Slurm job)."""
+    """Identifies one launch of the cell across its ranks (the supervisor's, torchrun's run id, or
+    the Slurm job)."""
+    if supervised := os.environ.get(LAUNCH_ID_ENV):
+        return supervised
     slurm = os.environ.get("SLURM_JOB_ID")
     if slurm:
         return f"slurm-{slurm}-{os.environ.get('SLURM_RESTART_COUNT', '0')}"

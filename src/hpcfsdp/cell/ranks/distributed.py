@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,12 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .devices import choose_device
-
-# A Slurm job's rendezvous port, from its id: below Linux's default range of ports for outgoing
-# connections (32768-60999), which submitit's own choice (20000-60000 from the job id) overlaps; a
-# cell once could not listen on its port (EADDRINUSE) because an outgoing connection held it.
-# Consecutive job ids (an array's tasks) get consecutive ports.
-SLURM_MASTER_PORTS = (20_000, 32_000)
+from .ports import SLURM_MASTER_PORTS, free_port
 
 
 @dataclass(frozen=True)
@@ -130,11 +124,3 @@ def set_collective_timeout(seconds: float) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def free_port(address: str) -> int:
-    """A port free on `address` now, for a rendezvous to listen on: "127.0.0.1" for one on this
-    host only, "" (every interface) for one that other nodes reach."""
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]

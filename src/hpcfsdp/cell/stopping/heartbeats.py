@@ -252,7 +252,7 @@ def launcher_said(pid: int, rank: int) -> str | None:
     srun = re.compile(rf"srun: error: \S+: task {rank}: ({'|'.join(SIGNAL_WORDS)})")
     deadline = time.monotonic() + (STILL_S if "SLURM_JOB_ID" in os.environ else 0)
     while True:
-        text = _own_output_tail()
+        text = own_output_tail()
         if found := torchrun.search(text):
             return signal_name(int(found.group(1)))
         if found := srun.search(text):
@@ -262,7 +262,7 @@ def launcher_said(pid: int, rank: int) -> str | None:
         time.sleep(0.2)
 
 
-def _own_output_tail() -> str:
+def own_output_tail() -> str:
     """The end of the files this process's stderr and stdout go to ("" for a pipe or terminal)."""
     tails = []
     for fd in (2, 1):

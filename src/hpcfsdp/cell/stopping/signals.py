@@ -56,6 +56,9 @@ class PeerFailed(SignalEnding):
 # would read as a cancel or the time limit, while this says the launcher died (SIGKILLed, its node lost).
 LAUNCHER_GONE = signal.SIGHUP
 LAUNCHER_GONE_TEXT = "received SIGHUP: the rank's launcher (torchrun) is gone"
+# Set by the node's supervisor in its ranks' environment while it requeues the task at the time
+# limit's SIGUSR2 (cell/supervise/supervisor.py): the rank leaves that signal to it.
+SUPERVISOR_REQUEUES_ENV = "HPCFSDP_SUPERVISOR_REQUEUES"
 # A rank recording a failure ignores further signals (torchrun's SIGTERM to the survivors of a rank
 # that died may come while it writes): its record is the cell's, and it leaves once it is written.
 _recording_failure = False
@@ -104,6 +107,8 @@ def handle_time_limit(blame: Callable[[str], PeerTrouble | None] | None = None) 
             raise SystemExit(f"requeued after {name}")
         if ended or _recording_failure:  # Slurm may signal twice (preemption does): a record is being written
             return
+        if signum == signal.SIGUSR2 and requeue and submitit_handler is None:
+            return  # the node's supervisor requeues the task, and ends this rank without a record
         if signum == signal.SIGUSR2 and requeue and submitit_handler is not None:
             requeued = True
             try:
@@ -127,8 +132,10 @@ def handle_time_limit(blame: Callable[[str], PeerTrouble | None] | None = None) 
 
 def submitit_requeues(previous: dict) -> bool:
     """Whether the time limit's SIGUSR2 goes to submitit's handler (found in `previous`), which
-    requeues the task while the sweep allows another requeue."""
-    return callable(previous[signal.SIGUSR2]) and requeues_left()
+    requeues the task while the sweep allows another requeue; in a rank the node's supervisor
+    started (SUPERVISOR_REQUEUES_ENV), the supervisor's, which ends the rank without a record."""
+    found = callable(previous[signal.SIGUSR2]) or os.environ.get(SUPERVISOR_REQUEUES_ENV) == "1"
+    return found and requeues_left()
 
 
 def signal_outcome(signum: int, requeue: bool) -> tuple[str, str] | None:

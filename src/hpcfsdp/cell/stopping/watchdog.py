@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ...contracts.spec import LAUNCH_ID_ENV
 from .heartbeats import BEAT_S, LAUNCHERS_SIGTERM, PeerTrouble
 
 GRACE_S = 5.0  # from a signal to the watchdog ending a rank whose main thread did not end it
@@ -210,10 +211,10 @@ def _quietly(call: Callable[[], object]) -> None:
 
 
 def end_with_launcher(sig: int) -> None:
-    """Under torchrun: `sig` when the launcher dies (SIGKILLed, or its node lost), so that no
-    rank outlives it holding the GPU. It reaches the cell's handler or the watchdog, which record
-    `cancelled`. A launcher already gone means the rank leaves at once."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    """Under the node's supervisor or torchrun: `sig` when the launcher dies (SIGKILLed, or its
+    node lost), so that no rank outlives it holding the GPU. It reaches the cell's handler or the
+    watchdog, which record `cancelled`. A launcher already gone means the rank leaves at once."""
+    if LAUNCH_ID_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
         set_parent_death_signal(sig)
 
 

@@ -45,7 +45,9 @@ class Resources:
         default_means="this login node's cluster",
     )
     time_min: int = documented(30, "`--time` (minutes, per cell)")
-    cpus_per_task: int = documented(1, "`--cpus-per-task` (one task per GPU: `--ntasks-per-node` = `gpus_per_node`)")
+    cpus_per_task: int = documented(
+        1, "CPUs per GPU: each node's one task (its supervisor) asks `--cpus-per-task` = `gpus_per_node` x this"
+    )
     mem_gb: int = documented(
         0,
         "`--mem=<N>G`; `auto`: the predicted host memory per node plus 25% (`docs/preflight.md`)",
@@ -213,7 +215,7 @@ SBATCH_SET_BY = {
 # --hold stays allowed: the array waits, held, until `scontrol release`, and status shows why.
 PRINTS_OTHERWISE = "changes what sbatch prints, from which submit reads the job id"
 QUEUES_NOTHING = "makes sbatch print something and queue nothing"
-TASK_LAYOUT = "changes the task layout, which hpcfsdp sets: one task per GPU (nodes x gpus_per_node)"
+TASK_LAYOUT = "changes the task layout, which hpcfsdp sets: one task per node (its supervisor starts the ranks)"
 SBATCH_REFUSED = {
     "parsable": PRINTS_OTHERWISE,
     "quiet": PRINTS_OTHERWISE,

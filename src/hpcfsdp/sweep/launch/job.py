@@ -23,9 +23,11 @@ class CellJob(submitit.helpers.Checkpointable):
     cell_dir: str
 
     def __call__(self) -> str:
-        from ...cell.stopping import early_signals
+        """The node's supervisor (one Slurm task per node), which starts the node's ranks; the
+        cell's status. A failed cell fails the task, so that srun ends the other nodes' tasks."""
+        from ...cell.supervise.entry import supervise_slurm_task
 
-        with early_signals.held():  # from before torch is imported: a signal now still ends in a record
-            from ...cell.run import run_cell_dir
-
-            return run_cell_dir(Path(self.cell_dir))
+        status, failed = supervise_slurm_task(self.cell_dir)
+        if failed:
+            raise SystemExit(f"cell {Path(self.cell_dir).name}: {status}")
+        return status

@@ -1,4 +1,4 @@
-"""The local executor: one cell at a time on this machine, each a torchrun with the cell's world
+"""The local executor: one cell at a time on this machine, each under its supervisor with the cell's world
 size, within the sweep's time limit as under Slurm; the print executor's shell line per cell; and
 the process-tree handling that ends a cell's every process when its time is up or submit is
 interrupted (or killed)."""
@@ -31,14 +31,14 @@ LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKIL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TORCHRUN = "torch.distributed.run"
-# What the local executor and tune's launches start: torchrun less its rendezvous' stack walks
-# (cell/torchrun.py: about 2 s a launch on a 2-core machine); the print executor prints torchrun.
-QUICK_TORCHRUN = "hpcfsdp.cell.torchrun"
+# What the local executor and tune's launches start: the node's supervisor (cell/supervise/), which
+# starts the cell's ranks and watches them; the print executor prints torchrun.
+SUPERVISOR = "hpcfsdp.cell.supervise"
 
 
-def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1, launcher: str = TORCHRUN) -> list[str]:
+def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
     """torchrun for one cell: --standalone on one machine; on several, run the same command on each
-    node with MASTER_ADDR set to the first one (c10d rendezvous). `launcher`: the module to run."""
+    node with MASTER_ADDR set to the first one (c10d rendezvous)."""
     if nnodes == 1:
         launch = ["--standalone"]
     else:
@@ -51,7 +51,7 @@ def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1, launcher: st
     return [
         sys.executable,
         "-m",
-        launcher,
+        TORCHRUN,
         *launch,
         f"--nproc-per-node={nprocs}",
         "-m",
@@ -83,7 +83,8 @@ def srun_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> list[str]:
     one task per node, each running print_command's torchrun; on several nodes the rendezvous is on
     the allocation's first node (MASTER_ADDR)."""
     first_node = ['export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"']
-    srun = f"srun --nodes={cell.spec.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1"
+    cpus = sweep.resources.cpus_per_task * cell.spec.gpus_per_node
+    srun = f"srun --nodes={cell.spec.nodes} --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1"
     return [*(first_node if cell.spec.nodes > 1 else []), f"{srun} {print_command(sweep, sweep_dir, cell)}"]
 
 
@@ -127,7 +128,7 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             status = outcomes[cell.id] = "timeout" if timed_out else "error"
             record_launch_failure(
                 directory,
-                f"torchrun {ended} without a record",
+                f"its supervisor {ended} without a record",
                 log_tails([directory / LOG_NAME], chars=4000),
                 status=status,
             )
@@ -181,7 +182,8 @@ def _wait_for_gpus(env: dict[str, str], log: Callable[[str], None]) -> str:
 
 
 def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
-    """One torchrun of the cell in `directory` on this machine, its output in the cell's log.txt:
+    """One launch of the cell in `directory` on this machine (its supervisor, which starts the
+    ranks), its output in the cell's log.txt:
     its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
     with open(directory / LOG_NAME, "w") as out:
@@ -195,7 +197,7 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
             LAUNCH_DIR_ENV: str(Path(directory).absolute()),
         }
         proc = subprocess.Popen(
-            torchrun_command(directory, processes, launcher=QUICK_TORCHRUN),
+            [sys.executable, "-m", SUPERVISOR, "--cell-dir", str(directory), f"--nproc-per-node={processes}"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env | limits,
@@ -222,9 +224,9 @@ def add_teardown(path: Path, launched: float, ended: float) -> None:
 
 
 def _end_with_parent(parent: int) -> Callable[[], None]:
-    """For torchrun's process, between fork and exec: ask Linux for SIGTERM when submit dies, so
+    """For the supervisor's process, between fork and exec: ask Linux for SIGTERM when submit dies, so
     that a submit killed by SIGKILL (which runs none of its handlers) leaves no cell training.
-    torchrun passes the SIGTERM to its ranks, which record `cancelled`; the earlier record stays
+    The supervisor passes the SIGTERM to its ranks, which record `cancelled`; the earlier record stays
     in attempts/. A parent that died before the request was made means exit at once."""
 
     def request() -> None:
@@ -238,7 +240,7 @@ def _end_with_parent(parent: int) -> Callable[[], None]:
 
 def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
     """The cell's exit status; None when it reached its time limit. Then, as Slurm does, the cell
-    gets SIGTERM (torchrun passes it to each rank, which records `timeout`: the time limit's end
+    gets SIGTERM (the supervisor passes it to each rank, which records `timeout`: the time limit's end
     has come), and SIGKILL after grace_s. An interrupt of submit (Ctrl-C, SIGTERM, SIGHUP: its
     own session no longer gets the terminal's signals) ends the cell the same way, before its end
     time, so that each rank records `cancelled`."""
@@ -253,10 +255,10 @@ def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_
 
 
 def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to torchrun's session, which passes it on to the ranks; SIGKILL after grace_s, or
-    at once on a second interrupt, to torchrun and to every process that was under it (the ranks
-    run in sessions of their own, and outlive a killed torchrun)."""
-    under = processes_under(proc.pid)  # now: once torchrun has ended, its ranks are no longer under it
+    """SIGTERM to the supervisor's session, which passes it on to the ranks; SIGKILL after grace_s,
+    or at once on a second interrupt, to the supervisor and to every process that was under it (the
+    ranks run in sessions of their own, and outlive a killed supervisor)."""
+    under = processes_under(proc.pid)  # now: once the supervisor has ended, its ranks are no longer under it
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
@@ -272,7 +274,7 @@ def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
 
 def launched_in(folder: Path) -> dict[int, str]:
     """The live processes (pid -> start time) of launches made in `folder` (a cell folder or one
-    above it) by launch_cell, found by the LAUNCH_DIR_ENV it gave them: a torchrun and its ranks
+    above it) by launch_cell, found by the LAUNCH_DIR_ENV it gave them: a supervisor and its ranks
     outlive a `tune` or `submit` killed by SIGKILL for a while (they end on the SIGTERM Linux
     sends, after recording `cancelled`), and no later launch must start beside them."""
     root = Path(os.path.realpath(folder))

@@ -260,7 +260,7 @@ def _why_never(partition: Partition, nodes: int, gpus: int, sweep: Sweep) -> tup
     if nodes < partition.min_nodes:
         return "nodes", nodes, f"it needs at least {partition.min_nodes} node(s) per job (MinNodes)"
     need_gpus = gpus if res.gpu_request != "none" else 0
-    need_cpus = gpus * res.cpus_per_task  # one task per GPU
+    need_cpus = gpus * res.cpus_per_task  # the node's one task: cpus_per_task per GPU
     mem_gb = requested_mem_gb(sweep, nodes, gpus)
     need_mb = mem_gb * 1024
     most_gpus = max(n.gpus for n in partition.nodes)

@@ -72,8 +72,10 @@ def slurm_parameters(
         partition=res.partition or None,
         time=res.time_min,
         nodes=nodes,
-        ntasks_per_node=gpus_per_node,
-        cpus_per_task=res.cpus_per_task,
+        # One task per node, the node's supervisor, which starts its gpus_per_node ranks with their
+        # share of the task's CPUs (cell/supervise/).
+        ntasks_per_node=1,
+        cpus_per_task=res.cpus_per_task * gpus_per_node,
         array_parallelism=res.array_parallelism,
         signal_delay_s=res.signal_delay_s,
         # The unset is for a script submitted by hand (plan --sbatch): submit's sbatch never has them.
@@ -87,7 +89,12 @@ def slurm_parameters(
             LAUNCH_STARTED_SETUP,
         ],
         # One failed rank must end the whole step, never leave the others hanging in a collective.
-        srun_args=["--kill-on-bad-exit=1", *container_command.srun_args(sweep, sweep_dir)],
+        # srun does not inherit sbatch's --cpus-per-task since Slurm 22.05: given again.
+        srun_args=[
+            "--kill-on-bad-exit=1",
+            f"--cpus-per-task={res.cpus_per_task * gpus_per_node}",
+            *container_command.srun_args(sweep, sweep_dir),
+        ],
         additional_parameters=additional,
     )
     if uid:
