@@ -48,6 +48,7 @@ DPI = 100
 LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
+UNRANKED_BARS: dict[str, Any] = {"hatch": "//", "edgecolor": "black", "linestyle": "--", "alpha": 0.6}  # dashed
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
 
 
@@ -213,9 +214,7 @@ def memory(data: PlotData) -> Figure:
     title = "Peak memory per device vs per-device batch"
     if on_gpu and not capacities:
         title += "\n(device memory size unknown: no capacity line)"
-    return _lines(
-        data, "peak_memory_gib", ylabel, title, {f"{name}: {gib:g} GiB": gib for name, gib in capacities.items()}
-    )
+    return _lines(data, "peak_memory_gib", ylabel, title, {f"{name}: {g:g} GiB": g for name, g in capacities.items()})
 
 
 def mfu(data: PlotData) -> Figure:
@@ -316,14 +315,14 @@ def memory_stages(data: PlotData) -> Figure:
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
-        unranked = data.styles[variant]["linestyle"] == layout.UNRANKED  # dashed edges, hatched
+        unranked = data.styles[variant]["linestyle"] == layout.UNRANKED
         ax.bar(
             np.arange(len(bars)) + (i - (len(means) - 1) / 2) * width,
             row.to_numpy(),
             width,
             color=data.styles[variant]["color"],
             label=variant,
-            **(dict(hatch="//", edgecolor="black", linestyle="--", alpha=0.6) if unranked else {}),
+            **(UNRANKED_BARS if unranked else {}),
         )
     ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
     what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"

@@ -308,7 +308,9 @@ def scaling_sections(cells: Cells) -> list[Section]:
         "accumulation and precision alike): the strategy's own cell there, else the fastest there. Within "
         "noise of base: its p10-p90 steps overlap the base's, so this run cannot tell its rate from the base's."
     )
-    return [Section("Scaling", text=text, table=scaling_printable(table, words))]
+    if len(table) > ROW_LIMIT:  # the first rows, as the over-time table does: a page is no place for all
+        text += f" The first {ROW_LIMIT:,} of {len(table):,} rows, by model and {words.one} count."
+    return [Section("Scaling", text=text, table=scaling_printable(table.head(ROW_LIMIT), words))]
 
 
 def all_cells_section(table: pd.DataFrame) -> Section:

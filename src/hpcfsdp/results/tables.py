@@ -397,7 +397,8 @@ def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
     """The ok cells of the one workload run by the most strategies, for like-for-like plots
     (loss curves, memory by stage), with the invalid cells of that workload marked (read.marked:
     drawn, dashed, ranked nowhere), and a label naming that workload."""
-    ok = cells.ok if not cells.ok.empty else cells.invalid
+    ranked, invalid = cells.ok, cells.invalid  # properties: each a filter of every cell
+    ok = ranked if not ranked.empty else invalid
     if ok.empty:
         return ok, ""
     keys = list(cells.workload)
@@ -405,11 +406,11 @@ def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
     best = int(groups["variant"].nunique().to_numpy().argmax())
     chosen = ok[groups.ngroup() == best]
     first = chosen.iloc[0]
-    same = pd.Series(True, index=cells.invalid.index)
-    for key in keys:
-        column = cells.invalid[key]
-        same &= (column == first[key]) | (column.isna() & pd.isna(first[key]))
-    drawn = pd.concat(
-        [cells.ok.loc[chosen.index.intersection(cells.ok.index)].assign(**{MARK: ""}), marked(cells.invalid[same])]
-    )
-    return drawn, describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
+    same = pd.Series(True, index=invalid.index)
+    for key in keys if not invalid.empty else ():
+        same &= (invalid[key] == first[key]) | (invalid[key].isna() & pd.isna(first[key]))
+    parts = [chosen.assign(**{MARK: ""})] if ok is ranked else []
+    if not invalid.empty:
+        parts.append(marked(invalid[same]))
+    label = describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
+    return pd.concat(parts) if len(parts) > 1 else parts[0], label

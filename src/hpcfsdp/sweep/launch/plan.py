@@ -265,7 +265,7 @@ def memory_table(sweep: Sweep) -> list[str]:
         lines.append(
             f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6}"
             f"{extra[index]} {figures} {f'{host.node_gib:9.2f}' if host else '-':>9} {fit}"
-            + (f"  ({row.note})" if row.note else "")
+            + (f"  ({'not predicted: see below' if p is None else row.note})" if row.note else "")
         )
     lines.append("host/node: predicted host memory (RAM) per node, GiB; preflight compares it with slurm.mem_gb")
     unpredicted = [row for row in rows if row.prediction is None]

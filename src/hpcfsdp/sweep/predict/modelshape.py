@@ -116,7 +116,7 @@ def load_shape(model: Source, cache_dir: str | None = None) -> Shape:
 
 def _hub_config(model: Source, cache_dir: str | None) -> tuple[Path, str]:
     """A hub model's config.json, and a note of where it came from where it is not the downloaded model's."""
-    from ...cache.hub import CacheMissError, cached_config, lookup_model
+    from ...cache.hub import CacheMissError, cached_config, default_cache_dir, lookup_model, model_download_command
 
     ref = model.model_ref
     try:
@@ -127,7 +127,7 @@ def _hub_config(model: Source, cache_dir: str | None) -> tuple[Path, str]:
         return config, f"{ref.name}: its config.json alone (download --config-only)"
     if preset := preset_of_hub_id(ref.repo_id):
         return PRESETS_DIR / f"{preset}.json", f"{ref.name} not cached: from the preset {preset}, its configuration"
+    command = model_download_command(default_cache_dir(cache_dir), ref, weights=False)
     raise ModelConfigError(
-        f"{missing.split(';')[0]}; its config.json alone (a second) lets plan predict it: "
-        f"python download_models.py --config-only --model {ref.name}"
+        f"{missing.split(';')[0]}; its config.json alone lets plan predict it: {command} --config-only"
     )
