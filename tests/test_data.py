@@ -15,6 +15,7 @@ import torch
 from conftest import run_torchrun_cell
 from hpcfsdp.cache.hub import CacheMissError, lookup_dataset, lookup_model
 from hpcfsdp.cell.data import open_data, pack, rank_indices, training_batches
+from hpcfsdp.cli import main
 from hpcfsdp.contracts.fields import SpecError
 from hpcfsdp.contracts.sources import data_source, model_source
 from hpcfsdp.contracts.spec import RunSpec
@@ -252,3 +253,25 @@ def test_two_process_cell_trains_offline_from_the_cache(
     written = [p for p in (tmp_path / "results").rglob("*") if p.is_file()] + [tokenized_cache.cache / "manifest.json"]
     assert any(p.name == "result.json" for p in written)
     assert not [p for p in written if FAKE_TOKEN.encode() in p.read_bytes()]
+
+
+def test_plan_refuses_a_jsonl_folder_whose_first_record_lacks_the_text_column_in_one_line(tmp_path, capsys) -> None:
+    """Issue 54, item 4: a local jsonl folder without the configured column fails at plan, naming the
+    file and the column, not on the node after an allocation."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text('\n{"body": "a document", "id": 1}\n')
+    (corpus / "b.jsonl").write_text('{"text": "the text field, in a later file"}\n')
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(f"name: col\nbase: {{model: tiny, tokenizer: tiny, data: {corpus}, device: cpu}}\n")
+    assert main(["plan", str(jobs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {jobs}:2")
+    assert f"data: {corpus / 'a.jsonl'}:2: the first record has no 'text' field of text (it has: body, id)" in err
+    jobs.write_text(f"name: col\nbase: {{model: tiny, tokenizer: tiny, data: {corpus}, text_column: body}}\n")
+    assert main(["plan", str(jobs)]) == 0
+    capsys.readouterr()
+    jobs.write_text(f"name: col\nbase: {{model: tiny, tokenizer: tiny, data: {corpus}, text_column: title}}\n")
+    assert main(["plan", str(jobs)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "text_column: " in err and "has no 'title' field" in err

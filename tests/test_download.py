@@ -687,3 +687,36 @@ def test_a_download_into_a_log_says_each_file_it_fetched(downloaded: SimpleNames
     (fetched,) = re.findall(rf"-> {MODEL} at \w+ \((\d+) files\)", out)
     assert counted == [f"file {n}/{fetched}" for n in range(1, int(fetched) + 1)], out
     assert "\r" not in out and "Fetching" not in downloaded.proc.stderr  # no bar of huggingface_hub's
+
+
+def test_config_only_fetches_one_file_in_a_second_and_plan_memory_predicts_from_it(
+    repos: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Issue 54, item 3: review before download. `download --config-only` fetches the model's
+    config.json alone; `plan --memory` then predicts the hub model that is not downloaded."""
+    cache = tmp_path / "cache"
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        f"name: review\nbase: {{model: {MODEL}, gpus_per_node: 2, strategy: fsdp2_zero3}}\n"
+        f"slurm: {{gpu_memory_gib: 80, cache_dir: {cache}}}\n"
+    )
+    env = _env(tmp_path)
+    before = _run(["-m", "hpcfsdp", "plan", str(jobs), "--memory"], env)
+    assert "1 cell(s) not predicted, so not known to fit: model" in before.stdout, before.stdout + before.stderr
+    assert "predicted not to fit" not in before.stdout and "--model acme/tiny-qwen --config-only" in before.stdout
+    hub = _serve(repos)
+    url = hub.url
+    try:
+        started = time.monotonic()
+        proc = _run(["download_models.py", str(jobs), "--config-only"], _env(tmp_path, HF_ENDPOINT=url))
+        seconds = time.monotonic() - started
+    finally:
+        hub.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fetched = [path for path in hub.paths_requested("GET") if "/resolve/" in path]
+    assert [path.rsplit("/", 1)[-1] for path in fetched] == ["config.json"] and seconds < 30
+    after = _run(["-m", "hpcfsdp", "plan", str(jobs), "--memory"], _env(tmp_path, HF_ENDPOINT=url))  # hub stopped
+    assert after.returncode == 2  # the model itself is still not downloaded: plan says so
+    row = next(line for line in after.stdout.splitlines() if line.startswith("fsdp2_zero3-"))
+    assert row.split()[-1] != "-" and "its config.json alone" in row, after.stdout
+    assert "0 cell(s) predicted not to fit" in after.stdout and "not predicted" not in after.stdout

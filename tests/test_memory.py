@@ -204,3 +204,89 @@ def test_submit_warns_of_the_cells_predicted_not_to_fit_with_their_gpu_hours_and
         "warning: 1 cell(s) predicted not to fit in 80 GiB per GPU (`hpcfsdp plan --memory` shows why), "
         "up to 1.0 GPU-hours at their time limit; --skip-predicted-oom leaves them out"
     )
+
+
+def test_plan_memory_predicts_that_an_optimizer_built_before_sharding_keeps_the_whole_model(tmp_path, capsys):
+    """Seed 003: the optimizer built before sharding holds the unsharded parameters (they stay beside
+    the shards, and get no AdamW state); remapped to the shards (the fix), it is the right order's memory."""
+    path = tmp_path / "orders.yaml"
+    path.write_text(
+        textwrap.dedent("""
+        name: orders
+        base: {model: qwen2.5-1.5b, seq_len: 2048, gpus_per_node: 8, strategy: fsdp2_zero3, precision: bf16}
+        slurm: {gpu_memory_gib: 80}
+        matrix:
+          optimizer_order: [after_shard, before_shard, before_shard_fixed]
+        """)
+    )
+    shape = load_shape(model_source("qwen2.5-1.5b"))
+    right, broken, fixed = (
+        predict(
+            RunSpec(
+                model="qwen2.5-1.5b",
+                strategy="fsdp2_zero3",
+                gpus_per_node=8,
+                precision="bf16",
+                seq_len=2048,
+                optimizer_order=order,
+            ),
+            shape,
+        )
+        for order in ("after_shard", "before_shard", "before_shard_fixed")
+    )
+    params = shape.params * 2
+    assert fixed == right
+    assert broken.states_gib == pytest.approx((params / 8 + params) / GIB) and right.states_gib == pytest.approx(
+        3 * params / 8 / GIB
+    )
+    assert main(["plan", str(path), "--memory"]) == 0
+    out = capsys.readouterr().out
+    peaks = {line.split()[0]: float(line.split()[10]) for line in out.splitlines() if line.startswith("fsdp2_zero3-")}
+    assert len(peaks) == 3 and len(set(peaks.values())) == 2
+    assert max(peaks.values()) == pytest.approx(broken.peak_gib, abs=0.01)
+
+
+def review_jobs(tmp_path, model: str):
+    path = tmp_path / "review.yaml"
+    path.write_text(
+        textwrap.dedent(f"""
+        name: review
+        base: {{model: {model}, seq_len: 8192, gpus_per_node: 4, precision: bf16_mixed}}
+        slurm: {{gpu_memory_gib: 80, cache_dir: {tmp_path / "empty-cache"}}}
+        matrix:
+          strategy: [fsdp2_zero2, fsdp2_zero3]
+        """)
+    )
+    return path
+
+
+def test_plan_memory_predicts_a_hub_model_that_is_not_cached_from_its_preset(tmp_path, capsys):
+    """Issue 54, item 3: SmolLM3-3B's hub id, never downloaded, is predicted from the preset that
+    ships its configuration: the same figures as the preset's own cells."""
+    assert main(["plan", str(review_jobs(tmp_path, "HuggingFaceTB/SmolLM3-3B")), "--memory"]) == 2  # not cached
+    hub = capsys.readouterr().out
+    assert main(["plan", str(review_jobs(tmp_path, "smollm3-3b")), "--memory"]) == 0
+    preset = capsys.readouterr().out
+
+    def figures(out: str) -> list[list[str]]:  # states, gathered, activations, loss, peak of each row
+        return [line.split()[5:10] for line in out.splitlines() if line.startswith("fsdp2_zero")]
+
+    assert len(figures(hub)) == 2 and figures(hub) == figures(preset), hub
+    assert "HuggingFaceTB/SmolLM3-3B not cached: from the preset smollm3-3b" in hub
+    assert "0 cell(s) predicted not to fit" in hub and "not predicted" not in hub
+
+
+def test_plan_memory_gives_no_verdict_over_cells_it_could_not_predict(tmp_path, capsys):
+    assert main(["plan", str(review_jobs(tmp_path, "acme/unknown-7b")), "--memory"]) == 2
+    out = capsys.readouterr().out
+    assert "predicted not to fit" not in out
+    assert "2 cell(s) not predicted, so not known to fit: model 'acme/unknown-7b' is not in the cache" in out
+    assert "--model acme/unknown-7b --config-only" in out
+
+
+def test_plan_sbatch_writes_the_scripts_of_a_hub_model_that_is_not_downloaded(tmp_path, capsys):
+    assert main(["plan", str(review_jobs(tmp_path, "HuggingFaceTB/SmolLM3-3B")), "--sbatch"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("#!/bin/bash") == 1 and "#SBATCH" in captured.out
+    assert "note: model 'HuggingFaceTB/SmolLM3-3B' is not in the cache" in captured.err
+    assert "error:" not in captured.err

@@ -454,16 +454,23 @@ def test_examples_lists_each_example_by_its_whole_first_sentence_and_none_compar
 
 def test_the_seeds_example_jobs_ask_the_optimizer_order_and_the_smollm3_mfu_questions():
     """Seed 003 (the optimizer built before or after FSDP2 sharding, and the fix) and seed 004
-    (SmolLM3-3B at seq 8192, ZeRO-2 vs ZeRO-3 vs HSDP, batch and compile, MFU on H100s)."""
+    (SmolLM3-3B at seq 8192, ZeRO-2 vs ZeRO-3 vs HSDP, scaling 4 -> 16 GPUs, MFU on H100s)."""
     order = load_sweep(ROOT / "jobs/optimizer_order.yaml").cells
     assert {c.spec.optimizer_order for c in order} == {"after_shard", "before_shard", "before_shard_fixed"}
     assert all(c.spec.data == "tinystories" and c.spec.gpus_per_node == 8 for c in order)  # losses show convergence
     sweep = load_sweep(ROOT / "jobs/smollm3_mfu.yaml")
     assert {c.spec.strategy for c in sweep.cells} == {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_hsdp"}
-    assert {(c.spec.model, c.spec.seq_len, c.spec.gpus_per_node) for c in sweep.cells} == {
-        ("HuggingFaceTB/SmolLM3-3B", 8192, 4)
+    # As the blog ran it (issue 54, item 3): the preset, whose config needs no download; batch 1 at
+    # seq 8192, no checkpointing or compile, 5 warm-up steps; 4, 8 and 16 GPUs for the Scaling table.
+    assert {(c.spec.model, c.spec.seq_len, c.spec.gpus_per_node) for c in sweep.cells} == {("smollm3-3b", 8192, 4)}
+    assert {(c.spec.batch_size, c.spec.compile, c.spec.activation_checkpointing) for c in sweep.cells} == {
+        (1, False, "none")
     }
-    assert {(c.spec.batch_size, c.spec.compile) for c in sweep.cells} == {(1, False), (1, True), (4, False), (4, True)}
+    assert {c.spec.warmup_steps for c in sweep.cells} == {5}
+    assert {(c.spec.strategy, c.spec.nodes) for c in sweep.cells} == {
+        *((strategy, nodes) for strategy in ("fsdp2_zero2", "fsdp2_zero3") for nodes in (1, 2, 4)),
+        ("fsdp2_hsdp", 2),
+    }
     assert sweep.resources.gpu_name == "h100"  # MFU against the H100's bf16 peak
 
 
@@ -515,3 +522,29 @@ def test_status_and_plan_memory_show_the_fields_that_tell_cells_apart_and_every_
         ["fsdp2_zero3", "node_fail", "-", "false", "before_shard"],
     ]
     assert all(row.index("cancelled" if "cancelled" in row else "node_fail") == header.index("state") for row in rows)
+
+
+def test_each_seeds_question_has_an_example_that_examples_lists_and_docs_seeds_walks(capsys):
+    """Issue 54, item 5: for each of the five public documents, a jobs file in jobs/ (packaged),
+    listed by `hpcfsdp examples` with the seed it answers, and walked in docs/seeds.md (linked from
+    the README), whose memory table is what `plan --memory` predicts for seed 004's file."""
+    from hpcfsdp.sweep.define.examples import SEED_EXAMPLES
+
+    assert sorted(SEED_EXAMPLES) == ["000", "001", "002", "003", "004"]
+    assert main(["examples"]) == 0
+    listed = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines()[:-1])
+    seeds = (ROOT / "docs/seeds.md").read_text()
+    for seed, name in SEED_EXAMPLES.items():
+        assert (ROOT / "jobs" / f"{name}.yaml").is_file() and listed[name].startswith(f"[seed {seed}] ")
+        assert f"## Seed {seed}:" in seeds and f"`jobs/{name}.yaml`" in seeds
+        load_sweep(ROOT / "jobs" / f"{name}.yaml")  # plans as it is
+    assert "docs/seeds.md" in (ROOT / "README.md").read_text()
+    assert main(["plan", str(ROOT / "jobs/smollm3_mfu.yaml"), "--memory"]) == 2  # the tokenizer and data not cached
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("fsdp2_zero")]
+    one_node = {row[1]: row[6:11] for row in rows if row[5] == "1"}  # states, gathered, activ., loss, peak
+    for strategy, column in (("fsdp2_zero2", "ZeRO-2"), ("fsdp2_zero3", "ZeRO-3")):
+        states, gathered, activations, loss, peak = one_node[strategy]
+        assert f"{peak} GiB" in seeds, (column, peak)
+        for term, value in (("states", states), ("gathered", gathered), ("activations", activations), ("loss", loss)):
+            row = next(line for line in seeds.splitlines() if line.startswith(f"| {term} |"))
+            assert f" {value} " in row, (term, value, row)

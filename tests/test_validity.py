@@ -19,9 +19,11 @@ import pytest
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.contracts.validity import invalid_reasons
-from hpcfsdp.results.read import label_cells, load_records, ok_configs
+from hpcfsdp.results.plots import PlotData, loss_curves, memory, memory_stages, throughput
+from hpcfsdp.results.read import drawn_configs, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import recommendation, write_report
+from hpcfsdp.results.tables import reference_cells
 from hpcfsdp.sweep.define.matrix import load_sweep
 from test_collect import GPU_BASE, ok_record, put, spec_of
 from test_history import collect, flagged, ids, write_sweep
@@ -86,9 +88,12 @@ def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first
     # The first section after the recommendation names the broken cell, why, and the loss that shows it.
     assert sections(summary)[:2] == ["Recommendation", "Cells whose figures cannot be trusted"]
     untrusted = section(summary, "Cells whose figures cannot be trusted")
-    first_loss = f"{broken['losses'][0]:.4g} at step 1, {broken['losses'][-1]:.4g} at step 8"
+    # The evidence is the cell's own count of the parameters its steps moved, not a loss that reads as training.
+    assert broken["parameters_changed"] == 0 and broken["parameters_total"] == right["parameters_total"] > 0
+    assert right["parameters_changed"] == right["parameters_total"]
+    evidence = f"0 of {broken['parameters_total']} parameters changed over 8 steps"
     assert broken["cell_id"] in untrusted and right["cell_id"] not in untrusted
-    assert f"{BROKEN} (loss {first_loss})" in untrusted
+    assert f"{BROKEN}: {evidence}" in untrusted and "loss" not in untrusted
     # It wins nothing: the recommendation, the best configuration, the OOM frontier and the pivots
     # speak of the right cell only.
     recommended = section(summary, "Recommendation")
@@ -102,7 +107,7 @@ def test_the_seed_003_sweep_ends_with_a_report_that_names_the_broken_setup_first
     capsys.readouterr()
     assert main(["collect", str(seed_003), "--no-plots", "--no-history"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first == f"not ranked (its figures cannot be trusted): {broken['cell_id']}: {BROKEN} (loss {first_loss})"
+    assert first == f"not ranked (its figures cannot be trusted): {broken['cell_id']}: {BROKEN}: {evidence}"
     assert list(ok_configs(cells)["cell_id"]) == [right["cell_id"]]
 
 
@@ -171,6 +176,8 @@ def hand_sweep(tmp_path: Path) -> tuple[Path, dict[str, str]]:
                 20000,
                 10,
                 optimizer_tracks_model=False,
+                parameters_changed=0,
+                parameters_total=218,
                 losses=flat,
                 final_loss=11.0,
                 **spread(19000, 21000),
@@ -191,7 +198,7 @@ def test_a_cell_whose_optimizer_does_not_update_the_model_wins_nothing_and_is_na
     assert sections(summary)[:3] == ["Recommendation", "Cells whose figures cannot be trusted", "Best configuration"]
     untrusted = section(summary, "Cells whose figures cannot be trusted")
     assert re.search(rf"\| {cells['broken']} +\| fsdp2_zero3 \(optimizer_order=before_shard\) +\| 2 ", untrusted)
-    assert f"{BROKEN} (loss 11 at step 1, 11 at step 6)" in untrusted
+    assert f"{BROKEN}: 0 of 218 parameters changed over 6 steps" in untrusted
     for title in ("Best configuration", "Speed-up and memory saving vs baseline"):
         assert "before_shard" not in section(summary, title)
     # Its batch 2 is no batch that fits: the frontier's largest ok batch stays 1 for fsdp2_zero3.
@@ -202,6 +209,31 @@ def test_a_cell_whose_optimizer_does_not_update_the_model_wins_nothing_and_is_na
     # The cell table keeps it, after the trusted cells, as `invalid`.
     statuses = list(report.table["status"])
     assert statuses == ["ok", "ok", "ok", "invalid"] and list(report.table["cell"])[-1] == cells["broken"]
+
+
+def test_every_cell_is_drawn_and_one_whose_model_did_not_train_is_dashed_and_labelled_not_updating(tmp_path):
+    sweep = tmp_path / "orders"
+    spec = spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1)
+    right = put(sweep, ok_record(spec, 9000, 20, parameters_changed=218, parameters_total=218))
+    broken_spec = spec_of(GPU_BASE, strategy="fsdp2_zero3", batch_size=1, optimizer_order="before_shard")
+    flat = [11.0] * broken_spec.steps
+    record = ok_record(broken_spec, 9500, 30, optimizer_tracks_model=False, losses=flat, final_loss=11.0)
+    broken = put(sweep, {**record, "parameters_changed": 0, "parameters_total": 218})
+    cells = label_cells(load_records(sweep))
+    data = PlotData.of(drawn_configs(cells), *reference_cells(cells))
+    label = "fsdp2_zero3 (optimizer_order=before_shard): not updating"
+    for figure in (loss_curves(data), throughput(data), memory(data)):
+        styles = {line.get_label(): line.get_linestyle() for ax in figure.axes for line in ax.get_lines()}
+        assert styles[label] == "--" and styles["fsdp2_zero3 (optimizer_order=after_shard)"] != "--"
+    bars = {bar.get_label(): bar for bar in memory_stages(data).axes[0].containers}
+    assert (
+        bars[label].patches[0].get_hatch() == "//"
+        and not bars["fsdp2_zero3 (optimizer_order=after_shard)"].patches[0].get_hatch()
+    )
+    # Drawn, and still ranked nowhere.
+    report = write_report(sweep, plots=True)
+    assert (report.directory / "plots" / "loss.png").is_file()
+    assert all(broken not in line for line in report.recommendation) and right in report.recommendation[0]
 
 
 def test_the_recommendation_names_the_cells_within_noise_of_the_fastest(tmp_path):

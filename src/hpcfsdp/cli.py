@@ -398,6 +398,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     download.add_argument("--weights", action="store_true", help="also the *.safetensors weights (pretrained init)")
     download.add_argument(
+        "--config-only",
+        action="store_true",
+        help="each hub model's config.json alone: what `plan --memory` predicts from, before any other download",
+    )
+    download.add_argument(
         "--tokenize-for",
         action="append",
         default=[],

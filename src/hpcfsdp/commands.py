@@ -421,6 +421,7 @@ def download(args: argparse.Namespace) -> int:
             text_column=args.text_column,
             num_proc=args.num_proc,
             force=args.force,
+            config_only=args.config_only,
         )
     except KeyboardInterrupt:
         raise Stopped("interrupted: rerun the same command to resume (complete files are kept)") from None

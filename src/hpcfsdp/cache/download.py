@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..contracts.names import name_problem
-from .fetch import HUB_DIR, auth_source, download_dataset, download_model, hub_endpoint
+from .fetch import HUB_DIR, auth_source, download_config, download_dataset, download_model, hub_endpoint
 from .hub import (
     MANIFEST_NAME,
     CacheMissError,
@@ -53,8 +53,10 @@ def download_main(
     num_proc: int | None = None,
     force: bool = False,
     out: Callable[[str], None] = print,
+    config_only: bool = False,
 ) -> int:
-    """`hpcfsdp download`: fetch (or with verify_only, check) the items; returns the exit status."""
+    """`hpcfsdp download`: fetch (or with verify_only, check) the items; returns the exit status.
+    config_only: each hub model's config.json alone, for `plan --memory` (nothing else)."""
     problem = name_problem(cache_dir) if cache_dir else ""
     if problem:  # a newline would make the path printed for `export HPCFSDP_CACHE=` two lines
         raise DownloadError(f"--cache-dir: {problem}: {cache_dir!r}")
@@ -80,6 +82,11 @@ def download_main(
         os.environ.setdefault("HF_HUB_CACHE", str(cache / HUB_DIR))
     out(f"cache: {cache}")
     out(f"hub: {hub_endpoint()} ({auth_source()})")
+    if config_only:
+        for ref, _ in plan.models.values():
+            download_config(ref, cache, out)
+        out("`hpcfsdp plan --memory` predicts from these; the cells still need the models downloaded")
+        return 0
     items = plan_items(plan, str(cache))
     missing = sum(bool(item.missing) for item in items)
     out(f"needs {len(items)} item(s), {missing} of them not in the cache:")

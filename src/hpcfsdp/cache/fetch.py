@@ -90,6 +90,18 @@ def download_model(
     return entry
 
 
+def download_config(ref: ModelRef, cache: Path, out: Callable[[str], None] = print) -> Path:
+    """A hub model's config.json alone, into the cache's hub folder: what `plan --memory` predicts
+    from (cache/hub.py's cached_config) before its weights or tokenizer are fetched; no manifest entry,
+    so a cell still needs the model downloaded."""
+    from huggingface_hub import hf_hub_download
+
+    with _hub_errors("model", ref.name):
+        path = Path(hf_hub_download(ref.repo_id, "config.json", revision=ref.revision, cache_dir=cache / HUB_DIR))
+    out(f"  model     {ref.name}  config.json only: {path}")
+    return path
+
+
 def file_lines(out: Callable[[str], None]) -> type:
     """For snapshot_download where stderr is no terminal (a log, CI), where huggingface_hub draws
     no bars: one line per file fetched (`  file 3/12`). On a terminal its own bars show."""

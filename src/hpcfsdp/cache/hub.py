@@ -193,6 +193,18 @@ def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights:
     return item
 
 
+def cached_config(ref: ModelRef, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """A hub model's config.json fetched alone (`download --config-only`, fetch.download_config)
+    into the cache's hub folder, read offline; None where it was not."""
+    cache = default_cache_dir(cache_dir) / "hub"
+    if not cache.is_dir():  # nothing downloaded here: no need to import huggingface_hub to know it
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(ref.repo_id, "config.json", cache_dir=cache, revision=ref.revision)
+    return Path(found) if isinstance(found, str) else None
+
+
 def model_download_command(cache: Path, ref: ModelRef, weights: bool) -> str:
     """The command that fetches a model into the cache (run where there is internet)."""
     return f"{DOWNLOAD_COMMAND} --cache-dir {cache} --model {ref.name}{' --weights' if weights else ''}"

@@ -50,6 +50,8 @@ from .measure.metrics import (
     gpu_utilisation,
     memory_reading,
     ok_record,
+    parameter_sums,
+    parameters_changed,
     reset_peak_memory,
 )
 from .measure.phases import PhaseClock
@@ -296,6 +298,7 @@ def _train_cell(
     built = build(spec, sources, env, memory, enter)
     model, optimizer, flops = built.model, built.optimizer, built.flops
     enter("train")
+    start_sums = parameter_sums(model)  # before the peak is reset: its float64 sums are no part of training
     reset_peak_memory(env.device)
     batches = training_batches(
         blocks, built.vocab_size, spec.batch_size, spec.seq_len, spec.seed, env.rank, env.world_size, env.device
@@ -347,6 +350,7 @@ def _train_cell(
     progress.clock.trained(log)
     memory["end"] = memory_reading(env.device)
     record = ok_record(spec, env, log, flops.flops_per_token, memory)
+    record["parameters_changed"], record["parameters_total"] = parameters_changed(model, start_sums, env)
     record.update(
         {
             "flops_tied_lm_head": flops.tied_lm_head,

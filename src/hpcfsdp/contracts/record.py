@@ -265,6 +265,10 @@ class OkRecord(Record, total=False):
     nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
+    # How many of the model's parameter tensors moved between the first step and the last, of how
+    # many: 0 of N is a model that did not train (contracts/validity.py's evidence).
+    parameters_changed: int
+    parameters_total: int
     model_source: dict[str, Any]
     data_source: dict[str, Any]
     float8_linears: int

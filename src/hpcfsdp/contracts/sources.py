@@ -36,6 +36,15 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 SOURCES_KEY = "sources"  # spec.json's key for the resolved form, beside "spec"
 
 SourceKind = Literal["synthetic", "preset", "local", "hub"]
+# The hub model each shipped preset is the configuration of (its config.json's shape): `plan --memory`
+# predicts a hub id that is not cached from its preset; docs/models_and_data.md lists them.
+PRESET_HUB_IDS = {
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
+    "codellama-7b": "codellama/CodeLlama-7b-hf",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,11 @@ def preset_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
 
 
+def preset_of_hub_id(repo_id: str) -> str:
+    """The shipped preset that is this hub model's configuration (PRESET_HUB_IDS), "" where none is."""
+    return next((name for name, hub in PRESET_HUB_IDS.items() if hub.lower() == repo_id.lower()), "")
+
+
 def model_source(value: str) -> Source | None:
     """A model (or tokenizer) value: a preset, a local path (written as one, or an existing
     folder here), a hub id ORG/NAME[@REV]; None when it is none of these."""
@@ -187,6 +201,35 @@ def text_files(path: Path) -> Iterator[Path]:
             and not any(part.startswith(".") for part in found.relative_to(path).parts)
         ):
             yield found
+
+
+@functools.cache
+def first_record_problem(path: str, column: str) -> str:
+    """Whether the first record of a local data folder's first JSON file (in the order the cell reads
+    them) holds `column` as text: "" where it does (or the data is text files or a saved dataset),
+    else one line naming the file and the column, so that plan says it, not the node."""
+    if is_saved_dataset(Path(path)):
+        return ""
+    found = sorted(f for f in text_files(Path(path)) if f.suffix in (".json", ".jsonl"))
+    if not found:
+        return ""
+    first = found[0]
+    try:
+        with open(first, encoding="utf-8") as lines:
+            if first.suffix == ".jsonl":
+                number, line = next(((n, text) for n, text in enumerate(lines, 1) if text.strip()), (1, "{}"))
+                where, record = f"{first}:{number}", json.loads(line)
+            else:
+                value = json.load(lines)
+                where, record = str(first), value[0] if isinstance(value, list) and value else value
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{first}: not readable as JSON ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if isinstance(record, dict) and isinstance(record.get(column), (str, list)):
+        return ""
+    fields_seen = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+    return (
+        f"{where}: the first record has no '{column}' field of text (it has: {fields_seen or 'none'}); set text_column"
+    )
 
 
 def _is_local(value: str) -> bool:
@@ -332,6 +375,8 @@ def check_data(where: str, spec: Any, sources: Sources) -> None:
         return
     if data.kind == "local":
         require_text_data(where, data)
+        if problem := first_record_problem(data.path, spec.text_column or "text"):
+            raise SpecError(where, "text_column" if spec.text_column else "data", problem)
     if tokenizer is None:
         raise SpecError(
             where,

@@ -45,16 +45,20 @@ LOSS_GROWTH_DIVERGED = 1.5
 def invalid_reasons(record: Mapping[str, Any]) -> list[str]:
     """Why this record's figures must not be ranked, in words a user reads; [] when they can be.
 
-    Reads only what the record holds: `optimizer_tracks_model`, `resource_problems`, `losses`,
+    Reads only what the record holds: `optimizer_tracks_model` with the measured
+    `parameters_changed` of `parameters_total`, `resource_problems`, `losses`,
     `final_loss`, `float8_linears` with the spec's `float8`. A record without a field (an older
     hpcfsdp's) is judged on those it has."""
     reasons = []
     losses = _finite_losses(record.get("losses"))
+    unchanged = _unchanged_parameters(record)
     if record.get("optimizer_tracks_model") is False:
         reasons.append(
             "the optimizer was built before sharding and does not update the model"
-            + (f" ({_loss_evidence(losses)})" if losses else "")
+            + (f": {unchanged}" if unchanged else "")
         )
+    elif unchanged:
+        reasons.append(f"the model did not train: {unchanged}")
     problems = record.get("resource_problems")
     if isinstance(problems, list):
         reasons += [f"resources not as asked: {problem}" for problem in problems if isinstance(problem, str)]
@@ -77,6 +81,16 @@ def _finite_losses(losses: Any) -> list[tuple[int, float]]:
         for step, loss in enumerate(losses, 1)
         if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
     ]
+
+
+def _unchanged_parameters(record: Mapping[str, Any]) -> str:
+    """The cell's own evidence that its model did not train ("0 of 218 parameters changed over
+    10 steps"), "" where some changed or the record did not count them (an older hpcfsdp's)."""
+    changed, total, steps = record.get("parameters_changed"), record.get("parameters_total"), record.get("losses")
+    if changed != 0 or not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        return ""
+    over = f" over {len(steps)} steps" if isinstance(steps, Sequence) and not isinstance(steps, str) else ""
+    return f"0 of {total:,} parameters changed{over}"
 
 
 def _loss_evidence(losses: list[tuple[int, float]]) -> str:

@@ -38,6 +38,7 @@ from ..contracts.files import RecordError, atomic_output, garbage_collection_pau
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
+from .read import MARK
 from .scaling import scaling_table
 
 if TYPE_CHECKING:  # imported where a figure is drawn (drawing/layout.py says why)
@@ -47,6 +48,7 @@ DPI = 100
 LONGEST = {"time_breakdown": 0, "gpu_utilisation": 1, "mfu": 2}  # to draw: drawn first, so the workers end together
 DRAWN_NAME = "drawn.json"  # in plots/: {digest, outcomes: {figure: null (drawn) or why skipped}}
 
+UNRANKED_BARS: dict[str, Any] = {"hatch": "//", "edgecolor": "black", "linestyle": "--", "alpha": 0.6}  # dashed
 TIME_PARTS = (("compute", "#4c72b0"), ("exposed communication", "#dd8452"), ("data loading", "#55a868"))
 
 
@@ -73,7 +75,9 @@ class PlotData:
     ) -> PlotData:
         probes = probes if probes is not None else pd.DataFrame()
         variants = [*configs["variant"], *reference["variant"], *probes.get("variant", [])]
-        return cls(configs, reference, reference_label, layout.styles(variants), probes)
+        marked = [frame["variant"][frame[MARK] != ""] for frame in (configs, reference) if MARK in frame]
+        unranked = frozenset(str(v) for part in marked for v in part)
+        return cls(configs, reference, reference_label, layout.styles(variants, unranked), probes)
 
 
 Drawn = tuple[list[tuple[str, Path]], dict[str, str]]  # [(caption, path)] and {name: why skipped}
@@ -210,9 +214,7 @@ def memory(data: PlotData) -> Figure:
     title = "Peak memory per device vs per-device batch"
     if on_gpu and not capacities:
         title += "\n(device memory size unknown: no capacity line)"
-    return _lines(
-        data, "peak_memory_gib", ylabel, title, {f"{name}: {gib:g} GiB": gib for name, gib in capacities.items()}
-    )
+    return _lines(data, "peak_memory_gib", ylabel, title, {f"{name}: {g:g} GiB": g for name, g in capacities.items()})
 
 
 def mfu(data: PlotData) -> Figure:
@@ -313,12 +315,14 @@ def memory_stages(data: PlotData) -> Figure:
     ax = figure.subplots()
     width = 0.8 / len(means)
     for i, (variant, row) in enumerate(means.iterrows()):
+        unranked = data.styles[variant]["linestyle"] == layout.UNRANKED
         ax.bar(
             np.arange(len(bars)) + (i - (len(means) - 1) / 2) * width,
             row.to_numpy(),
             width,
             color=data.styles[variant]["color"],
             label=variant,
+            **(UNRANKED_BARS if unranked else {}),
         )
     ax.set_xticks(np.arange(len(bars)), [stage.replace("_", " ") for stage, _ in bars])
     what = "allocated GPU memory (GiB)" if on_gpu else "process max RSS (GiB)"
@@ -331,29 +335,28 @@ def memory_stages(data: PlotData) -> Figure:
 
 
 def scaling(data: PlotData) -> Figure:
-    """Tokens/s per GPU against the GPU count, one line per strategy, one panel per model: the
-    scaling table (results/scaling.py) drawn."""
-    configs = data.configs
+    """Tokens/s per GPU vs GPUs, a line per strategy, a panel per model: results/scaling.py's table."""
+    configs = data.configs[data.configs[MARK] == ""] if MARK in data.configs else data.configs
     if {"nodes", "gpus_per_node"} <= set(configs.columns):
         configs = configs.assign(world_size=configs["nodes"] * configs["gpus_per_node"])
     table = scaling_table(configs)
     if table.empty:
         raise NotApplicable
+    words = rank_words(configs.get("device_type", ()))
+    many = "GPUs" if words.one == "GPU" else "processes"
     models = list(table["model"].unique())
     figure = layout.new_figure(figsize=(5.0 * len(models) + 2.5, 4.4), layout="constrained")
     axes = figure.subplots(1, len(models), squeeze=False, sharey=True).ravel()
     for ax, model in zip(axes, models):
         part = table[table["model"] == model]
         for strategy, rows in part.groupby("strategy", sort=True):
-            ax.plot(rows["GPUs"], rows["tokens/s/gpu"], marker="o", label=str(strategy))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(part["GPUs"].unique()), [str(g) for g in sorted(part["GPUs"].unique())])
-        ax.set_title(str(model))
-        ax.set_xlabel("GPUs")
+            ax.plot(rows["world_size"], rows["tokens_per_s_per_gpu"], marker="o", label=str(strategy))
+        ax.set(xscale="log", title=str(model), xlabel=many)
+        ax.set_xticks(counts := sorted(part["world_size"].unique()), [f"{g:.0f}" for g in counts])
         ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("tokens/s per GPU")
+    axes[0].set_ylabel(f"tokens/s {words.per}")
     figure.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
-    figure.suptitle("Tokens/s per GPU vs GPUs (fixed per-device batch)", fontsize=13, fontweight="bold")
+    figure.suptitle(f"Tokens/s {words.per} vs {many} (fixed per-device batch)", fontsize=13, fontweight="bold")
     return figure
 
 
@@ -363,11 +366,7 @@ PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
     ("mfu", "MFU heatmap: strategy x per-device batch", mfu),
     ("gpu_utilisation", "Mean GPU utilisation: strategy x per-device batch", gpu_utilisation),
     ("time_breakdown", "Step time: compute, exposed communication, data loading", time_breakdown),
-    (
-        "loss",
-        "Training loss per strategy at one common workload (line styles tell overlapping curves apart)",
-        loss_curves,
-    ),
+    ("loss", "Training loss per strategy at one common workload (dashed: a cell ranked nowhere)", loss_curves),
     ("memory_stages", "Memory by stage per strategy at one common workload", memory_stages),
     ("scaling", "Tokens/s per GPU vs GPUs, per strategy and model (the scaling table)", scaling),
 )

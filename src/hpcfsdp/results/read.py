@@ -384,13 +384,41 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def ok_configs(cells: Cells) -> pd.DataFrame:
-    """Ok cells averaged over repeats (cells whose spec differs only in seed); `repeats` counts them."""
-    ok = cells.ok
+def ok_configs(cells: Cells, rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Ok cells (or `rows` of cells) averaged over repeats (cells whose spec differs only in seed);
+    `repeats` counts them."""
+    ok = cells.ok if rows is None else rows
     keys = ["variant", *cells.workload]
     numbers = {c: "mean" for c in (*METRICS, *EXTRA_NUMBERS)}
     firsts = {
-        c: "first" for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch") if c in ok
+        c: "first"
+        for c in ("strategy", "setting", "cell_id", "device_name", "device_type", "auto_batch", MARK)
+        if c in ok
     }
     configs = ok.groupby(keys, dropna=False, sort=False, observed=True).agg({**numbers, **firsts, "status": "size"})
     return configs.rename(columns={"status": "repeats"}).reset_index()
+
+
+MARK = "not_ranked"  # the figures' word for an invalid cell they draw, dashed ("" for a ranked one)
+NOT_UPDATING = "not updating"
+
+
+def marked(invalid: pd.DataFrame) -> pd.DataFrame:
+    """Invalid cells as the figures draw them: every cell is drawn, and one that ranks nowhere says
+    why beside its strategy ("not updating": a model that did not train; else "not ranked")."""
+    words = invalid[INVALID].map(
+        lambda reasons: (
+            NOT_UPDATING
+            if any("does not update the model" in r or "did not train" in r for r in reasons)
+            else "not ranked"
+        )
+    )
+    return invalid.assign(variant=invalid["variant"].astype(str) + ": " + words, **{MARK: words})
+
+
+def drawn_configs(cells: Cells) -> pd.DataFrame:
+    """The figures' configurations: ok_configs, then the invalid cells' (marked), which rank nowhere."""
+    ranked = ok_configs(cells).assign(**{MARK: ""})
+    if cells.invalid.empty:
+        return ranked
+    return pd.concat([ranked, ok_configs(cells, marked(cells.invalid))], ignore_index=True)

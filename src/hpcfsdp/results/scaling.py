@@ -1,59 +1,120 @@
-"""The scaling table: each strategy's tokens/s per GPU as the GPU count grows, against one GPU.
+"""The scaling table: each strategy's tokens/s per GPU as the GPU count grows, against the smallest
+GPU count that ran ok.
 
 This is weak scaling at a fixed per-device batch, the table of the FSDP2 blog (seed 004): the same
-model, sequence length, per-device batch, accumulation and precision on 1, 2, 4, ... GPUs. Its
-efficiency at N GPUs is tokens/s per GPU at N over the one-GPU figure of that workload (the fastest
-one-GPU cell of it: on one GPU every strategy trains the same unsharded model). A sweep whose ok cells
-ran at one GPU count only has no scaling table; one that ran at several but has no ok one-GPU cell
-says so (unscaled_reason) rather than scaling against a sharded cell.
+model, sequence length, per-device batch, accumulation and precision on 4, 8, 16, ... GPUs. A model
+that does not fit one GPU has no one-GPU cell, so each workload is scaled against its own smallest
+GPU count with an ok cell (its base: the fastest cell there). Efficiency at N GPUs is tokens/s per
+GPU at N over the base's; a row whose p10-p90 steps overlap the base's is within noise of it: this
+run cannot tell its per-GPU rate from the base's (it scales perfectly, as far as it can tell). A
+sweep whose ok cells of every workload ran at one GPU count has no table; one whose cells ran at
+several counts says why (unscaled_reason). On the CPU a rank is a process, and the words say so.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-# What a cell must share with its one-GPU baseline.
+from ..contracts.gpus import RankWords
+from .read import SPREAD
+from .tables import fmt, spread_texts
+
+# What a cell must share with its base.
 WORKLOAD = ("model", "seq_len", "batch_size", "grad_accum", "precision")
-COLUMNS = {
-    "model": "model",
-    "strategy": "strategy",
-    "nodes": "nodes",
-    "world_size": "GPUs",
-    "tokens_per_s_per_gpu": "tokens/s/gpu",
-    "efficiency": "vs 1 GPU",
-    "mfu": "MFU",
-    "peak_memory_gib": "peak GiB",
-    "comm_exposed_fraction": "exposed comm",
-}
+RATE, BASE, BASE_RATE, EFFICIENCY = "tokens_per_s_per_gpu", "base_world_size", "base_rate", "efficiency"
+NOISE = "within_noise"
+SHOWN = ("model", "strategy", "nodes", "world_size", RATE, "spread", EFFICIENCY, NOISE, "mfu", "peak_memory_gib")
 
 
 def scaling_table(ok: pd.DataFrame) -> pd.DataFrame:
-    """One row per ok cell of a workload that ran at several GPU counts, one GPU among them."""
-    needed = {*WORKLOAD, "strategy", "world_size", "tokens_per_s_per_gpu"}
+    """One row per ok cell of a workload whose ok cells ran at several GPU counts, with its base's
+    GPU count, efficiency against the base, and whether it is within noise of the base; raw numbers
+    (scaling_printable words and formats them)."""
+    needed = {*WORKLOAD, "strategy", "world_size", RATE}
     if ok.empty or not needed <= set(ok.columns) or ok["world_size"].nunique() < 2:
-        return pd.DataFrame(columns=list(COLUMNS.values()))
+        return pd.DataFrame(columns=[*SHOWN, BASE])
     keys = list(WORKLOAD)
-    one_gpu = ok[ok["world_size"] == 1].groupby(keys, dropna=False)["tokens_per_s_per_gpu"].max().rename("one_gpu")
-    rows = ok.join(one_gpu, on=keys)
-    rows = rows[rows["one_gpu"].notna() & (rows["one_gpu"] > 0)].copy()
-    if rows["world_size"].nunique() < 2:
-        return pd.DataFrame(columns=list(COLUMNS.values()))
-    rows["efficiency"] = rows["tokens_per_s_per_gpu"] / rows["one_gpu"]
-    rows = rows.sort_values(["model", "world_size", "strategy"], kind="stable")
-    present = [c for c in COLUMNS if c in rows.columns]
-    return rows[present].rename(columns=COLUMNS).reset_index(drop=True)
+    wanted = [
+        *keys,
+        "strategy",
+        "nodes",
+        "world_size",
+        RATE,
+        *SPREAD,
+        "mfu",
+        "peak_memory_gib",
+        "comm_exposed_fraction",
+    ]
+    ok = ok[[column for column in dict.fromkeys(wanted) if column in ok]]  # a record's other columns: none here
+    rows = ok[pd.to_numeric(ok[RATE], errors="coerce") > 0].copy()
+    rows[BASE] = rows.groupby(keys, dropna=False)["world_size"].transform("min")
+    rows = rows[rows.groupby(keys, dropna=False)["world_size"].transform("nunique") >= 2]
+    if rows.empty:
+        return pd.DataFrame(columns=[*SHOWN, BASE])
+    at_base = rows[rows["world_size"] == rows[BASE]]
+    spread = [c for c in SPREAD if c in rows]
+    names = {RATE: BASE_RATE, **{c: f"base_{c}" for c in spread}}
+    fastest = at_base.loc[at_base.groupby(keys, dropna=False)[RATE].idxmax()].set_index(keys)[[RATE, *spread]]
+    own = at_base.loc[at_base.groupby([*keys, "strategy"], dropna=False)[RATE].idxmax()]
+    own = own.set_index([*keys, "strategy"])[[RATE, *spread]]
+    rows = rows.join(fastest.rename(columns=names), on=keys)
+    mine = rows.join(own.rename(columns=names), on=[*keys, "strategy"], rsuffix="_own")
+    for column in names.values():  # the strategy's own cell at the base count, where it ran there
+        rows[column] = mine[f"{column}_own"].where(mine[f"{column}_own"].notna(), rows[column])
+    rows[EFFICIENCY] = rows[RATE] / rows[BASE_RATE]
+    rows[NOISE] = _overlapping(rows, spread)
+    return rows.sort_values(["model", "world_size", "strategy"], kind="stable").reset_index(drop=True)
 
 
-def unscaled_reason(frame: pd.DataFrame, table: pd.DataFrame) -> str:
+def _overlapping(rows: pd.DataFrame, spread: list[str]) -> pd.Series:
+    """validity.within_noise of each row's spread and its base's, a column at a time (a sweep of
+    10,000 cells at two node counts scales them all): False where either has no spread."""
+    if len(spread) != 2:
+        return pd.Series(False, index=rows.index)
+    low, high, base_low, base_high = (
+        pd.to_numeric(rows[column], errors="coerce") for column in (*spread, *(f"base_{c}" for c in spread))
+    )
+    return ((high >= base_low) & (base_high >= low)).fillna(False).astype(bool)
+
+
+def scaling_printable(table: pd.DataFrame, words: RankWords) -> pd.DataFrame:
+    """The scaling table as the report prints it: in the other tables' formats (thousands
+    separators, MFU and exposed communication as %), a GPU called what it is (a process on the CPU)."""
+    count = "GPUs" if words.one == "GPU" else "processes"
+    columns = {
+        "model": table["model"].astype(str),
+        "strategy": table["strategy"].astype(str),
+        "nodes": table["nodes"].map(lambda v: f"{v:.0f}" if pd.notna(v) else "-")
+        if "nodes" in table
+        else pd.Series("-", index=table.index),
+        count: table["world_size"].map(lambda v: f"{v:.0f}"),
+        words.rate: table[RATE].map(lambda v: fmt(RATE, v)),
+        "p10-p90": spread_texts(table),
+        f"base {count}": table[BASE].map(lambda v: f"{v:.0f}"),
+        "efficiency": table[EFFICIENCY].map(lambda v: f"{v:.2f}x"),
+        "within noise of base": [
+            "base" if w == b else ("yes" if noisy else "no")
+            for w, b, noisy in zip(table["world_size"], table[BASE], table[NOISE], strict=True)
+        ],
+        "MFU": table["mfu"].map(lambda v: fmt("mfu", v)) if "mfu" in table else pd.Series("-", index=table.index),
+        "peak GiB": table["peak_memory_gib"].map(lambda v: fmt("peak_memory_gib", v)),
+    }
+    if "comm_exposed_fraction" in table and table["comm_exposed_fraction"].notna().any():
+        columns["exposed comm"] = table["comm_exposed_fraction"].map(lambda v: f"{v:.1%}" if pd.notna(v) else "-")
+    return pd.DataFrame(columns, index=table.index)
+
+
+def unscaled_reason(frame: pd.DataFrame, table: pd.DataFrame, words: RankWords) -> str:
     """Why a sweep whose cells ran at several GPU counts has no scaling table ("" where it has one,
-    or ran at one count): no one-GPU cell, or none of them ok (their statuses)."""
+    or ran at one count): no workload ran ok at two counts (the statuses at each count)."""
     if not table.empty or "world_size" not in frame or frame["world_size"].nunique() < 2:
         return ""
-    one_gpu = frame[frame["world_size"] == 1]
-    if one_gpu.empty:
-        return "Not shown: no cell ran on one GPU, so there is nothing to scale against."
-    statuses = ", ".join(f"{count} {status}" for status, count in one_gpu["outcome"].value_counts().items())
+    count = "GPU count" if words.one == "GPU" else "process count"
+    statuses = "; ".join(
+        f"at {size:.0f}: " + ", ".join(f"{n} {status}" for status, n in part["outcome"].value_counts().items())
+        for size, part in frame.groupby("world_size", sort=True)
+    )
     return (
-        f"Not shown: no one-GPU cell ran ok to scale against (the one-GPU cells: {statuses}); "
-        "a one-GPU cell of the same model, sequence length, batch, accumulation and precision is needed."
+        f"Not shown: no workload ran ok at two {count}s, so there is nothing to scale against ({statuses}); "
+        "cells of the same model, sequence length, batch, accumulation and precision are needed at two or more."
     )

@@ -15,7 +15,7 @@ from ..contracts.record import (
     MISSING,
     STATUSES,
 )
-from .read import INVALID, SHORT, SPREAD, Cells, describe, value_text
+from .read import INVALID, MARK, SHORT, SPREAD, Cells, describe, marked, value_text
 from .render import markdown_table
 
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
@@ -395,12 +395,22 @@ def status_counts(cells: Cells, unreadable: list[str]) -> str:
 
 def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
     """The ok cells of the one workload run by the most strategies, for like-for-like plots
-    (loss curves, memory by stage), and a label naming that workload."""
-    ok = cells.ok
+    (loss curves, memory by stage), with the invalid cells of that workload marked (read.marked:
+    drawn, dashed, ranked nowhere), and a label naming that workload."""
+    ranked, invalid = cells.ok, cells.invalid  # properties: each a filter of every cell
+    ok = ranked if not ranked.empty else invalid
     if ok.empty:
         return ok, ""
-    groups = ok.groupby(list(cells.workload), dropna=False, sort=True)
+    keys = list(cells.workload)
+    groups = ok.groupby(keys, dropna=False, sort=True)
     best = int(groups["variant"].nunique().to_numpy().argmax())
     chosen = ok[groups.ngroup() == best]
     first = chosen.iloc[0]
-    return chosen, describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
+    same = pd.Series(True, index=invalid.index)
+    for key in keys if not invalid.empty else ():
+        same &= (invalid[key] == first[key]) | (invalid[key].isna() & pd.isna(first[key]))
+    parts = [chosen.assign(**{MARK: ""})] if ok is ranked else []
+    if not invalid.empty:
+        parts.append(marked(invalid[same]))
+    label = describe({"batch_size": first["batch_size"], **{f: first[f] for f in cells.fixed}})
+    return pd.concat(parts) if len(parts) > 1 else parts[0], label

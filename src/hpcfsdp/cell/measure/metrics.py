@@ -367,3 +367,26 @@ def full_param_norm(model) -> float:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return math.fsum(float(t.double().pow(2).sum()) for t in state.values()) ** 0.5
+
+
+def parameter_sums(model: nn.Module) -> list[float]:
+    """Each parameter's local shard summed in float64, one tensor at a time: a fingerprint that an
+    optimizer step moves (seed 003's optimizer built before sharding leaves every one as it was)."""
+    with torch.no_grad():
+        return [float(torch.sum(_local_tensor(p), dtype=torch.float64)) for p in model.parameters()]
+
+
+def parameters_changed(model: nn.Module, before: list[float], env: DistEnv) -> tuple[int, int]:
+    """(how many of the model's parameters changed on any rank since `before`, how many there are):
+    the evidence that the model trained, or that it did not."""
+    after = parameter_sums(model)
+    moved = torch.tensor([a != b for a, b in zip(after, before, strict=True)], dtype=torch.int32, device=env.device)
+    if torch.distributed.is_initialized() and len(moved):  # a shard may be empty on one rank
+        torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX)
+    return int(moved.sum()), len(after)
+
+
+def _local_tensor(parameter: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2), or the tensor itself."""
+    to_local = getattr(parameter, "to_local", None)
+    return to_local() if callable(to_local) else parameter

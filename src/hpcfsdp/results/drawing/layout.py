@@ -22,20 +22,22 @@ if TYPE_CHECKING:
 
 MAX_PANELS = 6  # settings drawn per figure; the ones with the most cells are kept
 MARKERS = "osD^vP*Xh<>p"
-LINESTYLES = ("-", "--", ":", "-.")
+LINESTYLES = ("-", ":", "-.", (0, (3, 1, 1, 1, 1, 1)))  # never dashed: that is a cell ranked nowhere
+UNRANKED = "--"  # the line of a cell drawn but ranked nowhere (its figures cannot be trusted)
 
 INCHES_PER_CHAR = 0.085  # how wide a character of a label is at matplotlib's default 10 pt, roughly
 TITLE_SIZE = 13
 
 
-def styles(variants: list[str]) -> dict[str, dict[str, Any]]:
+def styles(variants: list[str], unranked: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """A colour, marker and line per variant; the `unranked` ones dashed."""
     names = sorted({str(v) for v in variants if pd.notna(v)})
     colours = colormaps["tab10" if len(names) <= 10 else "tab20"]
     return {
         name: {
             "color": colours(i % colours.N),
             "marker": MARKERS[i % len(MARKERS)],
-            "linestyle": LINESTYLES[i % len(LINESTYLES)],
+            "linestyle": UNRANKED if name in unranked else LINESTYLES[i % len(LINESTYLES)],
         }
         for i, name in enumerate(names)
     }

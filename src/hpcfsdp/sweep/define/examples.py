@@ -17,6 +17,14 @@ from pathlib import Path
 from ...contracts.fields import SpecError
 
 SBATCH_NAME = "fsdp_job.sbatch"
+# The example that answers each public document's question the suite grew from (docs/seeds.md).
+SEED_EXAMPLES = {
+    "000": "zero2_vs_zero3",
+    "001": "ddp_vs_fsdp",
+    "002": "codellama_chess",
+    "003": "optimizer_order",
+    "004": "smollm3_mfu",
+}
 
 
 def examples_folder() -> Path:
@@ -47,10 +55,11 @@ def summary(path: Path) -> str:
 def listing() -> list[str]:
     rows = examples()
     width = max(len(name) for name in rows)
+    seeds = {name: f"[seed {seed}] " for seed, name in SEED_EXAMPLES.items()}
     return [
-        *(f"{name:{width}}  {summary(path)}" for name, path in rows.items()),
+        *(f"{name:{width}}  {seeds.get(name, '')}{summary(path)}" for name, path in rows.items()),
         "`hpcfsdp examples NAME` prints one, `--copy-to DIR` writes it there to edit; "
-        "`hpcfsdp plan NAME` plans it as it is",
+        "`hpcfsdp plan NAME` plans it as it is; [seed N]: the question it answers (docs/seeds.md)",
     ]
 
 

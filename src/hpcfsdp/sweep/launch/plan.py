@@ -171,13 +171,23 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     """`plan --sbatch`: the script of each array, as submit would write it (the sweep id, its jobs'
     comment, once the folder has one: layout.folder_uid); none, with plan's error lines and exit
     status, for a sweep that plan refuses."""
+    from ...cache.plan import cache_misses
     from ..folder.layout import folder_uid
     from .local import srun_command
+    from .preflight import cluster_problems
     from .sbatch import sbatch_script
 
-    problems = problems_noted(sweep)  # what `plan` refuses, --sbatch does too: no script of a sweep that cannot run
-    if problems:
+    # What `plan` refuses, --sbatch does too (no script of a sweep that cannot run), but a cache miss:
+    # the script needs no weights, so it can be read before a download.
+    skipped: list[str] = []
+    if problems := cluster_problems(sweep, skipped=skipped):
         return print_problems(problems)
+    for reason in skipped:
+        print(f"note: {reason}: {SKIPPED_CHECKS}", file=sys.stderr)
+    for miss in cache_misses(sweep, sweep.resources.cache_dir or None):
+        print(
+            f"note: {miss} (the scripts need it only when they run: submit refuses until it is cached)", file=sys.stderr
+        )
     sweep_dir = results_dir / sweep.name
     uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 
@@ -255,17 +265,22 @@ def memory_table(sweep: Sweep) -> list[str]:
         lines.append(
             f"{row.cell_id:{id_width}} {s.strategy:19} {batch:>9} {s.activation_checkpointing:>9} {s.seq_len:6}"
             f"{extra[index]} {figures} {f'{host.node_gib:9.2f}' if host else '-':>9} {fit}"
-            + (f"  ({row.note})" if row.note else "")
+            + (f"  ({'not predicted: see below' if p is None else row.note})" if row.note else "")
         )
     lines.append("host/node: predicted host memory (RAM) per node, GiB; preflight compares it with slurm.mem_gb")
+    unpredicted = [row for row in rows if row.prediction is None]
     if capacity is None:
         lines.append("GPU memory unknown: set slurm.gpu_memory_gib or slurm.gpu_name to flag cells that do not fit")
-    else:
+    elif len(unpredicted) < len(rows):
+        of = f" of the {len(rows) - len(unpredicted)} predicted" if unpredicted else ""
         lines.append(
             f"GPU memory {capacity:g} GiB, {usable_gib(capacity):g} usable after a {RUNTIME_RESERVE_GIB:g} GiB "
-            f"runtime reserve: {sum(r.fit == 'oom' for r in rows)} cell(s) predicted not to fit, "
+            f"runtime reserve: {sum(r.fit == 'oom' for r in rows)} cell(s){of} predicted not to fit, "
             f"{sum(r.fit == 'tight' for r in rows)} tight (above 90%)"
         )
+    if unpredicted:  # never a verdict over rows it could not predict
+        why = "; ".join(dict.fromkeys(row.note for row in unpredicted))
+        lines.append(f"{len(unpredicted)} cell(s) not predicted, so not known to fit: {why}")
     return lines
 
 

@@ -6,7 +6,8 @@ torch, so it runs on a login node. docs/metrics.md derives each term; bench/memo
 measured peaks of the GPU records. Units are bytes unless a name says GiB. For a rank:
 
   states      parameters, AdamW's two states (and DDP's gradient buckets), 1/N of them under
-              sharding over N ranks, none on the GPU with cpu_offload
+              sharding over N ranks, none on the GPU with cpu_offload; with optimizer_order:
+              before_shard, the whole unsharded model the optimizer holds instead of AdamW's states
   gathered    compute-dtype copies of parameters held unsharded at the start of backward: all of
               them for ZeRO-2 / SHARD_GRAD_OP / NO_SHARD (mixed precision), the root (embeddings,
               LM head) and the last layer for ZeRO-3 (FSDP1: the root unit and the largest other
@@ -162,7 +163,11 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
     p = precision_bytes(spec)[0]
     n = shard_degree(spec)
     params, tokens = shape.params, spec.batch_size * spec.seq_len
-    states = 0.0 if spec.cpu_offload else 3 * params * p / n  # parameters, AdamW's exp_avg and exp_avg_sq
+    # Seed 003's bug: an optimizer built before sharding holds the unsharded parameters, which stay
+    # on the GPU beside the shards and get no gradient, so AdamW makes no state and steps nothing.
+    stale = spec.optimizer_order == "before_shard"
+    states = 0.0 if spec.cpu_offload else (1 if stale else 3) * params * p / n  # parameters, exp_avg, exp_avg_sq
+    states += params * p if stale else 0.0
     grads = 0.0 if spec.cpu_offload else params * p / n
     if spec.strategy == "ddp":
         states += params * p  # gradient buckets (gradient_as_bucket_view=False keeps them beside .grad)
@@ -175,7 +180,7 @@ def predict(spec: RunSpec, shape: Shape) -> Prediction:
         "backward": states + gathered + saved + loss,
         # a checkpointed layer recomputed in backward, with its activations' gradients beside it
         "recompute": states + gathered + grads + saved + 2 * tokens * per_layer if checkpointed else 0.0,
-        "optimizer": states + grads + optimizer_temporary(spec, shape, params * p / n),
+        "optimizer": states + grads + (0.0 if stale else optimizer_temporary(spec, shape, params * p / n)),
     }
     moment = max(moments, key=lambda name: moments[name])
     workspace = WORKSPACE_GIB if spec.device != "cpu" else 0.0
@@ -367,7 +372,7 @@ def predict_cells(cells, capacity: float | None, cache_dir: str | None = None) -
             rows.append(CellPrediction(cell.id, spec, spec.batch_size, None, "", str(shape)))
             continue
         if spec.device == "cpu" or capacity is None:
-            rows.append(CellPrediction(cell.id, spec, spec.batch_size, predict(spec, shape), ""))
+            rows.append(CellPrediction(cell.id, spec, spec.batch_size, predict(spec, shape), "", shape.origin))
             continue
         batch = largest_fitting_batch(spec, shape, capacity) if spec.auto_batch else spec.batch_size
         prediction = predict(spec.replace(batch_size=max(batch, 1)), shape)
@@ -375,5 +380,5 @@ def predict_cells(cells, capacity: float | None, cache_dir: str | None = None) -
             note = f"batch {spec.batch_size} is predicted not to fit"
             rows.append(CellPrediction(cell.id, spec, 0, prediction, "oom", note))
             continue
-        rows.append(CellPrediction(cell.id, spec, batch, prediction, fit(prediction, capacity)))
+        rows.append(CellPrediction(cell.id, spec, batch, prediction, fit(prediction, capacity), shape.origin))
     return rows

@@ -5,12 +5,13 @@ size every term from it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...contracts.sources import Source
+from ...contracts.sources import PRESETS_DIR, Source, preset_of_hub_id
 
 
 class ModelConfigError(ValueError):
@@ -34,6 +35,7 @@ class Shape:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys (head_dim weights each)
+    origin: str = field(default="", compare=False)  # where a hub model's config was read when not cached
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: str = "config.json") -> Shape:
@@ -94,20 +96,38 @@ class Shape:
 
 
 def load_shape(model: Source, cache_dir: str | None = None) -> Shape:
-    """The Shape of a resolved model: a preset, a local folder, or a hub id in the cache."""
+    """The Shape of a resolved model: a preset, a local folder, or a hub id. A hub id is read from
+    the cache (downloaded, or its config.json alone: `download --config-only`), else from the shipped
+    preset of the same model (PRESET_HUB_IDS): nothing is downloaded to review a sweep."""
+    origin = ""
     if model.kind == "preset":
         path = model.preset_file
     elif model.kind == "local":
         path = Path(model.path) / "config.json"
     else:
-        from ...cache.hub import CacheMissError, lookup_model
-
-        try:
-            path = lookup_model(model.model_ref.name, cache_dir).path / "config.json"
-        except (CacheMissError, ValueError) as exc:
-            raise ModelConfigError(str(exc)) from None
+        path, origin = _hub_config(model, cache_dir)
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelConfigError(f"{path}: unreadable ({exc})") from None
-    return Shape.from_config(config, str(path))
+    shape = Shape.from_config(config, str(path))
+    return dataclasses.replace(shape, origin=origin) if origin else shape
+
+
+def _hub_config(model: Source, cache_dir: str | None) -> tuple[Path, str]:
+    """A hub model's config.json, and a note of where it came from where it is not the downloaded model's."""
+    from ...cache.hub import CacheMissError, cached_config, default_cache_dir, lookup_model, model_download_command
+
+    ref = model.model_ref
+    try:
+        return lookup_model(ref.name, cache_dir).path / "config.json", ""
+    except (CacheMissError, ValueError) as exc:
+        missing = str(exc)
+    if (config := cached_config(ref, cache_dir)) is not None:
+        return config, f"{ref.name}: its config.json alone (download --config-only)"
+    if preset := preset_of_hub_id(ref.repo_id):
+        return PRESETS_DIR / f"{preset}.json", f"{ref.name} not cached: from the preset {preset}, its configuration"
+    command = model_download_command(default_cache_dir(cache_dir), ref, weights=False)
+    raise ModelConfigError(
+        f"{missing.split(';')[0]}; its config.json alone lets plan predict it: {command} --config-only"
+    )
