@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ import pandas as pd
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..contracts.files import atomic_output, write_text
+from ..contracts.fs.beneath import folder
 from ..contracts.gpus import gpu_memory_gib
 from ..recordschema import declared_type
 from ..sweep.folder.layout import require_inside
@@ -130,12 +133,12 @@ def report_folder(sweep_dir: Path) -> Path:
     folder: a link left among their files is removed (the file is written afresh in its place),
     and a report/ or plots/ that is itself a link out of the sweep folder is refused."""
     report = sweep_dir / "report"
-    for folder in (report, report / "plots"):
-        require_inside(sweep_dir, folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        for entry in folder.iterdir():
-            if entry.is_symlink():
-                entry.unlink()
+    for place in (report, report / "plots"):
+        require_inside(sweep_dir, place)
+        with folder(place, sweep_dir, create=True) as fd:
+            for name in os.listdir(fd):
+                if stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode):
+                    os.unlink(name, dir_fd=fd)
     return report
 
 

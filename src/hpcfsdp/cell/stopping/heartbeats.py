@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ...contracts.files import RecordError, read_json_object, write_json
+from ...contracts.fs.beneath import open_for_writing
 from ...contracts.record import FailedRecord
 
 HEARTBEATS_DIR = "heartbeats"
@@ -101,7 +102,8 @@ class Heartbeat:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_json(self.path, {**self._fields, "left": False})
             # A crash's signal and stack, written by the C handler before the process dies.
-            self._fault = open(self.folder / f"rank{rank}.fault", "w")  # noqa: SIM115 (held for the process)
+            fault = open_for_writing(self.folder / f"rank{rank}.fault")  # never through a link
+            self._fault = os.fdopen(fault, "w")
             faulthandler.enable(self._fault)
 
     def beat(self) -> None:

@@ -30,7 +30,16 @@ import yaml
 
 from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
-from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
+from ...contracts.files import (
+    RecordError,
+    check_folder_tree,
+    read_json_object,
+    read_regular_file,
+    write_json,
+    write_text,
+)
+from ...contracts.fs.beneath import open_file, remove
+from ...contracts.fs.ownership import user_name
 from ...contracts.names import has_surrogate, is_job_id, readable, slurm_name_problem
 from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME
 
@@ -156,9 +165,23 @@ def read_log(sweep_dir: Path, path: Path, limit: int = LOG_TAIL_BYTES) -> tuple[
 
 
 def require_sweep_folder(sweep_dir: Path) -> None:
-    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path)."""
+    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path); an
+    OwnershipError unless it is the user's (check_sweep_folder)."""
     if not (Path(sweep_dir) / CELLS_DIR).is_dir():
         raise SpecError(f"{sweep_dir}: not a sweep folder (no {CELLS_DIR}/ inside; e.g. results/<name> of a jobs YAML)")
+    check_sweep_folder(sweep_dir)
+
+
+# The folders of a sweep folder that hpcfsdp writes and runs from: the user's own, and writable by
+# no one else (ownership.check_owned), as the folder itself.
+OWNED_PARTS = (CELLS_DIR, SLURM_DIR, "report", "tune")
+
+
+def check_sweep_folder(sweep_dir: Path) -> None:
+    """OwnershipError (one line: the path, its owner and mode, the fix) unless the sweep folder and
+    its cells/, slurm/, report/ and tune/ are the user's and writable by no one else, or a
+    group's that shares them on purpose (HPCFSDP_SHARED_GROUP); a link at one of those is refused."""
+    check_folder_tree(sweep_dir, OWNED_PARTS)
 
 
 def require_inside(sweep_dir: Path, path: Path) -> None:
@@ -375,6 +398,7 @@ def write_cell_spec(
 # and will get none. Believed only while the submit that wrote it holds the sweep's lock.
 SUBMIT_LOCK_NAME = ".submit.lock"  # launch/lock.py: the flock of one submit at a time
 LOCAL_RUN_NAME = ".local_run.json"
+LOCAL_RUN_MAX = 1 << 20  # a local run's queue names cells: a megabyte is some 60,000 of them
 
 
 class LocalRun(NamedTuple):
@@ -384,32 +408,36 @@ class LocalRun(NamedTuple):
 
 def write_local_run(sweep_dir: Path, running: str, waiting: Iterable[str]) -> None:
     """Say which cell the local submit of this process runs now, and which wait (read by local_run)."""
-    holder = f"pid {os.getpid()} on {os.uname().nodename}"
+    holder = f"pid {os.getpid()} of {user_name(os.geteuid())} on {os.uname().nodename}"
     write_json(Path(sweep_dir) / LOCAL_RUN_NAME, {"holder": holder, "running": running, "waiting": list(waiting)})
 
 
 def end_local_run(sweep_dir: Path) -> None:
-    (Path(sweep_dir) / LOCAL_RUN_NAME).unlink(missing_ok=True)
+    remove(Path(sweep_dir) / LOCAL_RUN_NAME)
 
 
 def local_run(sweep_dir: Path) -> LocalRun | None:
     """The queue of the local submit running on this folder now; None when none runs (no file, or
     its writer no longer holds the sweep's lock: it ended, or was killed)."""
     try:
-        run = read_json_object(Path(sweep_dir) / LOCAL_RUN_NAME, kind="local run")
+        run = read_json_object(Path(sweep_dir) / LOCAL_RUN_NAME, kind="local run", limit=LOCAL_RUN_MAX)
     except (FileNotFoundError, RecordError):
         return None
     holder, running, waiting = run.get("holder"), run.get("running"), run.get("waiting")
     if not (isinstance(holder, str) and isinstance(running, str) and isinstance(waiting, list)):
         return None
-    try:
-        with open(Path(sweep_dir) / SUBMIT_LOCK_NAME) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: by the writer, if its line says so
-                # files.write_lock_note: "hpcfsdp submit: pid N on HOST, since ..."
-                return LocalRun(running, frozenset(map(str, waiting))) if f": {holder}," in handle.read() else None
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:  # never through a link, never a FIFO (which would hang the open), never more than a note
+        fd = open_file(Path(sweep_dir) / SUBMIT_LOCK_NAME, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: by the writer, if its line says so
+        # locks.write_lock_note: "hpcfsdp submit: pid N of USER on HOST, since ..."
+        note = os.pread(fd, LOCAL_RUN_MAX, 0).decode(errors="replace")
+        return LocalRun(running, frozenset(map(str, waiting))) if f": {holder}," in note else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # and with it a shared lock taken
     return None

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...contracts.files import RecordError
+from ...contracts.fs.beneath import open_for_writing
 from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
 from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
 from ...progress import coloured
@@ -184,7 +185,7 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     """One torchrun of the cell in `directory` on this machine, its output in the cell's log.txt:
     its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
-    with open(directory / LOG_NAME, "w") as out:
+    with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
         launched = time.time()
         # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel; the
         # launch's start, from which the cell counts its phases and launch_span_s; and the folder that
