@@ -10,15 +10,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .files import RecordError
-from .fs.beneath import DIR_FLAGS, folder, rename
+from .errors import UserError
+from .fs.beneath import DIR_FLAGS, folder, names_of, rename
 from .record import ATTEMPTS_DIR, RECORD_NAME
 
 
 def keep_as_attempt(cell_dir: str | Path) -> Path | None:
     """Move the cell's current record to attempts/<n>.json (n one past the highest there), never
     over an attempt kept before; returns where it went, or None when there was no record. An
-    attempts/ that is not a folder (a link) is a RecordError, and the record stays."""
+    attempts/ that is not a folder (a link) is a UserError, and the record stays."""
     cell_dir = Path(cell_dir)
     try:
         with folder(cell_dir) as cell:
@@ -33,7 +33,7 @@ def keep_as_attempt(cell_dir: str | Path) -> Path | None:
             try:
                 attempts = os.open(ATTEMPTS_DIR, DIR_FLAGS, dir_fd=cell)
             except NotADirectoryError:
-                raise RecordError(
+                raise UserError(
                     f"{cell_dir / ATTEMPTS_DIR}: not a folder (a symbolic link?); not followed, the record "
                     f"{RECORD_NAME} stays where it is (remove it)"
                 ) from None
@@ -46,7 +46,7 @@ def keep_as_attempt(cell_dir: str | Path) -> Path | None:
 
 
 def _moved(cell: int, attempts: int, where: Path) -> Path | None:
-    names = os.listdir(attempts)
+    names = names_of(attempts)
     number = 1 + max((int(name[:-5]) for name in names if name.endswith(".json") and name[:-5].isdigit()), default=0)
     while True:
         target = f"{number}.json"

@@ -145,7 +145,7 @@ def linked_file(path: str | Path) -> Path:
     return target
 
 
-class OwnershipError(RecordError):
+class OwnershipError(UserError):
     """A path hpcfsdp would write or trust that another user owns or can write (fs/ownership.py):
     one line naming the path, its owner and mode, and the fix."""
 

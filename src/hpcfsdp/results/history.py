@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -27,8 +27,8 @@ import pandas as pd
 
 from ..contracts.errors import UserError
 from ..contracts.fields import SpecError
-from ..contracts.files import LockBusy, RecordError, linked_file, open_lock, take_lock
-from ..contracts.fs.beneath import folder, new_temp, pinned
+from ..contracts.files import LockBusy, OwnershipError, RecordError, linked_file, open_lock, take_lock
+from ..contracts.fs.beneath import folder, make_folders, new_temp, open_file, pinned, removed_in, renamed_in
 from ..contracts.fs.ownership import holder_words, user_name, write_lock_note
 from .history_rows import COLUMNS, KEY
 
@@ -233,7 +233,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
 
     path = _history_file(Path(path))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folders(path.parent)
     except OSError as exc:
         raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
     wait = LOCK_WAIT_S if wait_s is None else wait_s
@@ -251,16 +251,11 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
                 _copy_from(current, fd)
                 _rewrite_at_storage_version(scratch)
             else:  # DuckDB makes its file where none is (an empty one is no database to it)
-                os.unlink(name, dir_fd=parent)
+                removed_in(parent, name)
             with History(scratch) as store:
                 yield store
                 store.checkpoint()
-            fresh = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-            try:
-                os.fsync(fresh)
-            finally:
-                os.close(fresh)
-            os.rename(name, path.name, src_dir_fd=parent, dst_dir_fd=parent)
+            renamed_in(parent, name, path.name, fsync=True)
         except (OSError, duckdb.Error, HistoryError) as exc:
             if isinstance(exc, OSError) and exc.strerror:
                 reason = exc.strerror
@@ -271,9 +266,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
         finally:
             os.close(fd)
             for leftover in (name, name + ".rewritten"):
-                for each in (leftover, leftover + ".wal"):
-                    with suppress(FileNotFoundError):
-                        os.unlink(each, dir_fd=parent)
+                removed_in(parent, leftover, leftover + ".wal")
 
 
 def _rewrite_at_storage_version(copy: Path) -> None:
@@ -311,7 +304,7 @@ def _history_file(path: Path) -> Path:
     names is a DuckDB file or none (files.linked_file: never a device, a FIFO or another file)."""
     try:
         target = linked_file(path)
-    except RecordError as exc:
+    except (RecordError, OwnershipError) as exc:
         raise HistoryError(f"{exc}; the history is not updated") from None
     size = target.stat().st_size if target.is_file() else 0
     if size and not _is_duckdb(target):
@@ -326,7 +319,7 @@ DUCKDB_MAGIC = (8, b"DUCK")  # where every DuckDB database file says what it is
 def _is_duckdb(path: Path) -> bool:
     offset, magic = DUCKDB_MAGIC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_file(path)
     except OSError:
         return False
     try:
@@ -345,7 +338,7 @@ def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Itera
     descriptor (None where there is no history yet), to copy from: a second open and close of
     the file in this process would drop the lock (POSIX)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # _history_file: no link
+        fd = open_file(path, os.O_RDWR)  # _history_file: no link
     except FileNotFoundError:
         yield None
         return
@@ -402,7 +395,7 @@ def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iter
     never a link, nor a file hpcfsdp did not make)."""
     try:
         fd = open_lock(path.with_name(path.name + ".lock"))
-    except RecordError as exc:
+    except (RecordError, OwnershipError) as exc:
         raise HistoryError(f"{path}: not updated: {exc}") from None
     try:
         try:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -20,7 +18,7 @@ import pandas as pd
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..contracts.files import atomic_output, write_text
-from ..contracts.fs.beneath import folder
+from ..contracts.fs.beneath import folder, remove_links_in
 from ..contracts.gpus import gpu_memory_gib
 from ..recordschema import declared_type
 from ..sweep.folder.layout import require_inside
@@ -136,9 +134,7 @@ def report_folder(sweep_dir: Path) -> Path:
     for place in (report, report / "plots"):
         require_inside(sweep_dir, place)
         with folder(place, sweep_dir, create=True) as fd:
-            for name in os.listdir(fd):
-                if stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode):
-                    os.unlink(name, dir_fd=fd)
+            remove_links_in(fd)
     return report
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import os
 import re
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -111,7 +113,7 @@ def folder(path: str | Path, root: str | Path | None = None, create: bool = Fals
     """The descriptor of the folder at path (below root, as open_folder opens it) for the block."""
     text = os.fspath(path)
     if root is not None and os.fspath(root).rstrip("/") == text.rstrip("/"):
-        top, names = text, []
+        top, names = text, list[str]()
     else:
         top, names = parts_below(text, root)
     fd = open_folder(top, names, text, create)
@@ -290,7 +292,7 @@ def new_temp(parent: int, name: str, mode: int = 0o666) -> tuple[int, str]:
 def clean_temps(parent: int, name: str | None = None) -> list[str]:
     """Remove the temporary files in the open folder parent (of `name`, or of any name) whose
     writer is gone: no flock on them. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(parent)
     except OSError:
@@ -328,3 +330,59 @@ def _abandoned(parent: int, entry: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def make_folders(path: str | Path) -> Path:
+    """The folder at path and those above it, made where missing (0777 less the umask)."""
+    os.makedirs(path, exist_ok=True)
+    return Path(path)
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove the folder at path and all in it, best effort: shutil.rmtree walks it through
+    descriptors and removes a link as a name, never what it leads to (a link at path itself is
+    left)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def entries(path: str | Path) -> list[os.DirEntry[str]]:
+    """The entries of the folder at path (os.scandir's: their kind is known without following a
+    link); an OSError where it cannot be listed."""
+    with os.scandir(path) as listing:
+        return list(listing)
+
+
+def matching(path: str | Path, pattern: str, root: str | Path | None = None) -> list[Path]:
+    """The paths of the names in the folder at path (reached as names_in reaches it) that match
+    the shell pattern, sorted; each is then read through this layer (no link followed)."""
+    return [Path(path, name) for name in names_in(path, root) if fnmatch.fnmatchcase(name, pattern)]
+
+
+def names_of(fd: int) -> list[str]:
+    """The names in an open folder, sorted."""
+    return sorted(os.listdir(fd))
+
+
+def remove_links_in(fd: int) -> None:
+    """Remove every symbolic link in the open folder fd (as names: never what they lead to)."""
+    for name in os.listdir(fd):
+        if stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode):
+            os.unlink(name, dir_fd=fd)
+
+
+def removed_in(fd: int, *names: str) -> None:
+    """Remove these names (files or links, as names) from the open folder fd, where they are."""
+    for name in names:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+
+
+def renamed_in(fd: int, source: str, target: str, fsync: bool = False) -> None:
+    """Rename source over target in the open folder fd (fsync-ing source first, where asked)."""
+    if fsync:
+        written = os.open(source, os.O_RDWR | FILE_FLAGS, dir_fd=fd)
+        try:
+            os.fsync(written)
+        finally:
+            os.close(written)
+    os.rename(source, target, src_dir_fd=fd, dst_dir_fd=fd)

@@ -38,7 +38,7 @@ from ...contracts.files import (
     write_json,
     write_text,
 )
-from ...contracts.fs.beneath import open_file, remove
+from ...contracts.fs.beneath import entries, make_folders, open_file, remove
 from ...contracts.fs.ownership import user_name
 from ...contracts.names import has_surrogate, is_job_id, readable, slurm_name_problem
 from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME
@@ -71,12 +71,11 @@ def cell_files(sweep_dir: Path, name: str) -> list[Path]:
 
 def cell_ids_with(sweep_dir: Path, name: str) -> list[str]:
     """The ids (folder names) of the cells of cell_files(sweep_dir, name), without making a Path of
-    each. What Path.glob(f"cells/*/{name}") finds (a folder, or a link to one, holding `name` that
+    each. What Path's glob of f"cells/*/{name}" finds (a folder, or a link to one, holding `name` that
     exists or links to what exists), sorted as it sorts them, by one scandir in a third of its time."""
     cells = os.path.join(sweep_dir, CELLS_DIR)
     try:
-        with os.scandir(cells) as entries:
-            folders = sorted(entry.name for entry in entries if _is_folder(entry) and not _no_cell_id(entry.name))
+        folders = sorted(entry.name for entry in entries(cells) if _is_folder(entry) and not _no_cell_id(entry.name))
     except OSError:
         return []
     return [folder for folder in folders if os.path.exists(os.path.join(cells, folder, name))]
@@ -104,7 +103,7 @@ def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
     ascii() writes them) -> the line that names each. None can be written to a report, a CSV file
     or strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
     try:
-        names = [entry.name for entry in os.scandir(Path(sweep_dir) / CELLS_DIR)]
+        names = [entry.name for entry in entries(Path(sweep_dir) / CELLS_DIR)]
     except OSError:
         return {}
     shown = {name: ascii(name)[1:-1] for name in sorted(names) if _no_cell_id(name)}
@@ -133,10 +132,10 @@ def job_log_files(sweep_dir: Path, job_id: str, stream: str) -> list[tuple[int, 
     folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
     name = re.compile(re.escape(job_id) + r"_([0-9]{1,9})" + re.escape(LOG_SUFFIXES[stream]))
     try:
-        entries = list(os.scandir(folder)) if folder.is_dir() else []
+        found = entries(folder) if folder.is_dir() else []
     except OSError:
         return []
-    return sorted((int(m.group(1)), Path(e.path)) for e in entries if (m := name.fullmatch(e.name)))
+    return sorted((int(m.group(1)), Path(e.path)) for e in found if (m := name.fullmatch(e.name)))
 
 
 def log_out_of_folder(sweep_dir: Path, path: Path) -> str:
@@ -343,7 +342,7 @@ def write_sweep_files(
 ) -> None:
     """matrix.yaml, and the spec.json of each cell about to run, with its batch hints by cell id
     (write_cell_spec)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(sweep_dir)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
         write_cell_spec(
@@ -385,7 +384,7 @@ def write_cell_spec(
     predicted memory its search starts from, or the batch a tune probe already found). Never into a
     cells/ or cells/<id>/ that is a link out of the folder above them."""
     require_inside(cell_dir.parent.parent, cell_dir)
-    cell_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(cell_dir)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
     meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})

@@ -320,12 +320,13 @@ def _alive(processes: dict[int, str]) -> bool:
 def _proc_table() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, start time, state: Z for a zombie, ended) of every process, from /proc (Linux)."""
     table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in (name for name in os.listdir("/proc") if name.isdigit()):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            text = Path(f"/proc/{pid}/stat").read_text()
+            fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
         except (OSError, IndexError):
             continue
-        table[int(stat.parent.name)] = (int(fields[1]), fields[19], fields[0])
+        table[int(pid)] = (int(fields[1]), fields[19], fields[0])
     return table
 
 

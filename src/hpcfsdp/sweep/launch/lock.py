@@ -22,6 +22,7 @@ from typing import Literal
 
 from ...contracts.errors import UserError
 from ...contracts.files import LockBusy, open_lock, take_lock
+from ...contracts.fs.beneath import make_folders
 from ...contracts.fs.ownership import lock_holder, user_name, write_lock_note
 from ..folder.layout import SUBMIT_LOCK_NAME as LOCK_NAME
 from ..folder.layout import check_sweep_folder
@@ -34,7 +35,7 @@ def sweep_lock(sweep_dir: Path, log: Callable[[str], None], command: Literal["su
     """Hold the sweep folder's submit lock for `command`; if another process holds it, say once
     which it is, and wait up to WAIT_S seconds. The folder is the user's (check_sweep_folder);
     the lock file is never a link nor a file hpcfsdp did not make (locks.open_lock)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(sweep_dir)
     check_sweep_folder(sweep_dir)
     lock = sweep_dir / LOCK_NAME
     fd = open_lock(lock)
@@ -46,7 +47,8 @@ def sweep_lock(sweep_dir: Path, log: Callable[[str], None], command: Literal["su
                 WAIT_S,
                 lambda holder: log(
                     f"another `hpcfsdp {lock_holder(fd)[0] or 'submit or tune'}` of {sweep_dir} is running "
-                    f"({lock_holder(fd)[1] or holder}); waiting for it to finish (up to {WAIT_S:g} s; Ctrl-C to stop waiting)"
+                    f"({lock_holder(fd)[1] or holder}); waiting for it to finish "
+                    f"(up to {WAIT_S:g} s; Ctrl-C to stop waiting)"
                 ),
             )
         except LockBusy as exc:
