@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..contracts.fs.beneath import open_file
 from .hub import (
     DOWNLOAD_COMMAND,
     MANIFEST_NAME,
@@ -154,7 +153,7 @@ def _check_hub_hash(path: Path, sha256: str, expected: tuple[str | None, str], l
 
 def _git_blob_sha1(path: Path) -> str:
     digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with os.fdopen(open_file(path), "rb") as f:  # a regular file, never through a link
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -162,7 +161,7 @@ def _git_blob_sha1(path: Path) -> str:
 
 def _sha256(path: Path, bar: Any = None) -> str:
     digest = hashlib.sha256()
-    with os.fdopen(open_file(path), "rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(8 << 20), b""):
             digest.update(chunk)
             if bar is not None:

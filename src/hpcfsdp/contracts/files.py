@@ -49,13 +49,13 @@ class RecordError(UserError, ValueError):
     """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 
-def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
+def write_json(path: str | Path, value: Any, sort_keys: bool = False, root: str | Path | None = None) -> Path:
     """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
     atomic_output. Strict JSON, which every parser reads (jq, JavaScript's JSON.parse, DuckDB's
     read_json): a float that is not finite, for which JSON has no word (Python's json would write a
     bare NaN or Infinity), is written as null. Values JSON does not know are written as text."""
     text = json.dumps(_finite(value), indent=2, sort_keys=sort_keys, default=str, allow_nan=False) + "\n"
-    return write_text(path, text)
+    return write_text(path, text, root)
 
 
 def _finite(value: Any) -> Any:
@@ -69,9 +69,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """Write a text file atomically (atomic_output)."""
-    with atomic_output(path) as tmp:
+def write_text(path: str | Path, text: str, root: str | Path | None = None) -> Path:
+    """Write a text file atomically (atomic_output; its folder reached below root, no link followed)."""
+    with atomic_output(path, root) as tmp:
         tmp.write_text(text)
     return Path(path)
 

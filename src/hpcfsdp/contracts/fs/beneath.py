@@ -74,7 +74,7 @@ def open_folder(top: str, names: list[str], path: str, create: bool = False) -> 
     an OSError naming path: ELOOP for a link, ENOTDIR otherwise."""
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC) if not create else _made_top(top)
     try:
-        for name in names:
+        for depth, name in enumerate(names, 1):
             try:
                 below = os.open(name, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -84,7 +84,7 @@ def open_folder(top: str, names: list[str], path: str, create: bool = False) -> 
                     os.mkdir(name, 0o777, dir_fd=fd)
                 below = os.open(name, DIR_FLAGS, dir_fd=fd)
             except NotADirectoryError:
-                raise _not_a_folder(fd, name, path) from None
+                raise _not_a_folder(fd, name, os.path.join(top, *names[:depth])) from None
             os.close(fd)
             fd = below
         return fd
@@ -104,8 +104,8 @@ def _not_a_folder(fd: int, name: str, path: str) -> OSError:
     except OSError:
         link = False
     if link:
-        return OSError(errno.ELOOP, f"{name} is a symbolic link, not followed", path)
-    return OSError(errno.ENOTDIR, f"{name} is not a folder", path)
+        return OSError(errno.ELOOP, "a symbolic link where a folder belongs, not followed", path)
+    return OSError(errno.ENOTDIR, "a file is where a folder is needed", path)
 
 
 @contextmanager

@@ -334,7 +334,7 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     """Add or replace the entries of these cells (atomically: the file names the sweep's jobs)."""
     manifest = read_manifest(sweep_dir)
     manifest.update(entries)
-    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
+    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True, root=sweep_dir)
 
 
 def write_sweep_files(
@@ -388,7 +388,7 @@ def write_cell_spec(
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
     meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})
-    write_text(path, json.dumps(meta, indent=2))
+    write_text(path, json.dumps(meta, indent=2), root=cell_dir.parent.parent)
     return path
 
 
