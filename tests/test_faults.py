@@ -715,8 +715,8 @@ def test_collect_neither_reads_nor_writes_through_links_out_of_the_sweep_folder(
     assert main(["collect", str(sweep_dir), "--no-plots"]) == 0
     (warning,) = capsys.readouterr().err.splitlines()
     assert warning == (
-        f"warning: skipped {sweep_dir / 'cells' / 'linked' / 'result.json'}: leads out of {sweep_dir} "
-        "(a symbolic link); not read"
+        f"warning: skipped {sweep_dir / 'cells' / 'linked' / 'result.json'}: unreadable record "
+        "(a symbolic link where a folder belongs, not followed)"
     )
     assert victim.read_text() == "not collect's to write"
     csv = sweep_dir / "report" / "results.csv"
@@ -724,9 +724,9 @@ def test_collect_neither_reads_nor_writes_through_links_out_of_the_sweep_folder(
     # A report folder that is itself a link out of the sweep folder is refused, in one line.
     shutil.rmtree(sweep_dir / "report")
     (sweep_dir / "report").symlink_to(outside)
-    assert main(["collect", str(sweep_dir), "--no-plots"]) == 2
+    assert main(["collect", str(sweep_dir), "--no-plots"]) == 1  # the ownership rule: no link at report/
     (error,) = capsys.readouterr().err.splitlines()
-    assert error.startswith(f"error: {sweep_dir / 'report'}: a link to {outside}, out of the sweep folder")
+    assert error.startswith(f"error: {sweep_dir / 'report'}: a symbolic link where hpcfsdp keeps a folder of its own")
     assert sorted(p.name for p in outside.iterdir()) == ["cell", "victim.txt"]
 
 

@@ -192,8 +192,8 @@ def test_the_regression_gate_waits_for_the_history_lock_and_fails_when_it_cannot
         holder.wait()
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == [
-        f"error: history {store}: not updated (another collect has held its lock for 0.5 s: pid {holder.pid} on "
-        f"{os.uname().nodename}); --no-history collects without it"
+        f"error: history {store}: not updated (another collect has held its lock for 0.5 s: pid {holder.pid} of root "
+        f"(collect: pid {holder.pid} of root on {os.uname().nodename})); --no-history collects without it"
     ]
     assert main(["collect", str(fine), "--no-plots", "--fail-on-regression"]) == 0  # free again: it checks
 

@@ -113,7 +113,7 @@ def test_the_lock_message_names_the_command_that_holds_the_sweep_folder(tmp_path
             [sys.executable, "-c", WAIT_FOR_LOCK, str(sweep_dir)], env=env, stdout=subprocess.PIPE, text=True
         )
         line = waiting.stdout.readline()
-        assert line.startswith(f"another `hpcfsdp tune` of {sweep_dir} is running (pid {os.getpid()} on "), line
+        assert line.startswith(f"another `hpcfsdp tune` of {sweep_dir} is running (pid {os.getpid()} of root on "), line
     assert waiting.wait(timeout=60) == 0
     assert (sweep_dir / ".submit.lock").read_bytes() == b""  # released: no holder named
 

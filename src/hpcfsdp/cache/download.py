@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from ..contracts.fs.beneath import make_folders
 from ..contracts.names import name_problem
 from .fetch import HUB_DIR, auth_source, download_config, download_dataset, download_model, hub_endpoint
 from .hub import (
@@ -75,7 +76,7 @@ def download_main(
         return 0
     if not plan:
         raise DownloadError("nothing to download: give a jobs YAML, --model ORG/NAME or --dataset ORG/NAME")
-    cache.mkdir(parents=True, exist_ok=True)
+    make_folders(cache)
     # Raw dataset files fetched by `datasets` go to huggingface_hub's cache; keep them under the cache
     # folder too (huggingface_hub reads HF_HUB_CACHE once, when first imported).
     if "huggingface_hub" not in sys.modules:

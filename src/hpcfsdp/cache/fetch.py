@@ -9,7 +9,6 @@ import contextlib
 import errno
 import io
 import os
-import shutil
 import socket
 import sys
 import uuid
@@ -17,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..contracts.fs.beneath import make_folders, remove_tree, rename
 from ..contracts.names import DatasetRef, ModelRef
 from .manifest import add_to_manifest, item_lock, manifest_entry, previous_entry
 from .plan import DownloadError
@@ -174,18 +174,18 @@ def download_dataset(
 
 def save_dataset_atomically(ds: Any, folder: Path) -> None:
     """save_to_disk into a temporary sibling, then rename over the old copy (readers never see half)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(folder.parent)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = folder.parent / f".{folder.name}.tmp-{tag}"
     old = folder.parent / f".{folder.name}.old-{tag}"
     try:
         ds.save_to_disk(str(tmp))
         if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
+            rename(folder, old)
+        rename(tmp, folder)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(tmp)
+        remove_tree(old)
 
 
 def _hub_hashes(repo_id: str, sha: str, paths: list[str]) -> dict[str, tuple[str | None, str]]:

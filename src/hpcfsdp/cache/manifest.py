@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contracts.files import exclusive_lock, write_json
+from ..contracts.fs.beneath import make_folders
 from .hub import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -45,7 +46,7 @@ def add_to_manifest(cache: Path, entry: dict) -> None:
     """Add or replace one item in manifest.json: read-merge-write under a lock (downloaders of other
     items may be adding theirs), written atomically."""
     lock_dir = cache / LOCKS_DIR
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(lock_dir)
     with exclusive_lock(lock_dir / "manifest.lock"):
         manifest = read_cache_manifest(cache)
         manifest["version"] = MANIFEST_VERSION
@@ -59,7 +60,7 @@ def item_lock(cache: Path, key: str, name: str, out: Callable[[str], None]) -> I
     """One downloader per item at a time; others wait (and then find the item up to date). The
     cache is often shared: its locks are never links, nor files hpcfsdp did not make (open_lock)."""
     lock_dir = cache / LOCKS_DIR
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(lock_dir)
     lock = lock_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".lock")
     with exclusive_lock(lock, lambda: out(f"  waiting for another downloader of {name} ...")):
         yield

@@ -7,12 +7,12 @@ imports datasets and transformers when it runs.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..contracts.fs.beneath import make_folders, remove_tree
 from ..contracts.names import TokenizedRef
 from .fetch import DATASETS_WORK_DIR, save_dataset_atomically
 from .hub import lookup_dataset, lookup_model, read_cache_manifest
@@ -80,7 +80,7 @@ def tokenize_dataset(
         list_type = getattr(datasets, "List", None) or datasets.Sequence
         features = datasets.Features({"input_ids": list_type(datasets.Value("int32"), length=seq_len)})
         work = cache / DATASETS_WORK_DIR / "tokenize" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        work.mkdir(parents=True, exist_ok=True)
+        make_folders(work)
         try:
             encoded = ds.map(
                 encode,
@@ -106,7 +106,7 @@ def tokenize_dataset(
             save_dataset_atomically(packed, folder)
             num_blocks = packed.num_rows
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            remove_tree(work)
         files = file_records(folder, None, label=ref.name)
         entry = manifest_entry(
             ref.key,

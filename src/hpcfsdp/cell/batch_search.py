@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..contracts.files import RecordError, read_json_object
+from ..contracts.fs.beneath import make_folders, remove
 from ..contracts.record import BatchProbe, BatchSearchRecord
 from ..contracts.sources import Sources
 from ..contracts.spec import RunSpec
@@ -213,7 +214,7 @@ def search_batch_size(
         search.first_batch = search.predicted_batch
         log(f"starting at the predicted batch {search.predicted_batch}")
     folder = cell_dir / PROBE_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folders(folder)
     predicted = search.predicted_batch is not None
     while (batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib, predicted)) is not None:
         probe = _probe(spec, sources, env, folder, len(search.probes), batch, search.limit_gib, group)
@@ -282,7 +283,7 @@ def _run_probe_process(
         store.set(f"{key}/rendezvous", f"{host}:{free_port('')}")
     host, port = store.get(f"{key}/rendezvous").decode().rsplit(":", 1)
     path = folder / f"{index}-rank{env.rank}.json"
-    path.unlink(missing_ok=True)
+    remove(path)
     child_env = {
         **os.environ,
         "MASTER_ADDR": host,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..contracts.files import garbage_collection_paused
+from ..contracts.fs.beneath import make_folders
 from ..contracts.record import OkRecord
 from ..contracts.spec import RunSpec
 from .measure.metrics import Span, communication_breakdown, quiet_profiler
@@ -91,7 +92,7 @@ def memory_snapshot(spec: RunSpec, env: DistEnv, cell_dir: Path) -> str | None:
         return None
     path = cell_dir / f"memory_snapshot_rank{env.rank}.pickle"
     try:
-        cell_dir.mkdir(parents=True, exist_ok=True)  # a run by hand has no cell folder until its record
+        make_folders(cell_dir)  # a run by hand has no cell folder until its record
         torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
     except Exception as exc:  # the record matters more than the snapshot

@@ -24,13 +24,15 @@ import math
 import os
 import re
 import stat
-import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .fs.beneath import NotARegularFile, folder_of, kind_of, new_temp, open_file, parts_below, pinned, read_file
+from .fs.ownership import holder_words, lock_mode, ownership_problem, refusal_line, user_name
 from .names import has_surrogate
 
 try:
@@ -47,13 +49,13 @@ class RecordError(UserError, ValueError):
     """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 
-def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
+def write_json(path: str | Path, value: Any, sort_keys: bool = False, root: str | Path | None = None) -> Path:
     """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
     atomic_output. Strict JSON, which every parser reads (jq, JavaScript's JSON.parse, DuckDB's
     read_json): a float that is not finite, for which JSON has no word (Python's json would write a
     bare NaN or Infinity), is written as null. Values JSON does not know are written as text."""
     text = json.dumps(_finite(value), indent=2, sort_keys=sort_keys, default=str, allow_nan=False) + "\n"
-    return write_text(path, text)
+    return write_text(path, text, root)
 
 
 def _finite(value: Any) -> Any:
@@ -67,116 +69,154 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """Write a text file atomically (atomic_output)."""
-    with atomic_output(path) as tmp:
+def write_text(path: str | Path, text: str, root: str | Path | None = None) -> Path:
+    """Write a text file atomically (atomic_output; its folder reached below root, no link followed)."""
+    with atomic_output(path, root) as tmp:
         tmp.write_text(text)
     return Path(path)
 
 
 @contextmanager
-def atomic_output(path: str | Path) -> Iterator[Path]:
+def atomic_output(path: str | Path, root: str | Path | None = None) -> Iterator[Path]:
     """A temporary file of a unique name beside path for the block to write (a table, a plot, a
     YAML file), then fsync and rename over path: a reader sees the old file or the new one, never
     half of one, and a write that fails (a full disk) leaves the old file, or none, and no
-    temporary file. Its OSError names path, not the temporary file."""
+    temporary file. The folder is reached below root (path's own by default) without following a
+    link, and made where missing; the name yielded resolves to that folder whatever is put at its
+    name meanwhile (beneath.pinned), and a link at path is replaced, never followed. Temporary
+    files that killed writers left beside path are removed first (beneath.clean_temps). Its
+    OSError names path, not the temporary file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    tmp = Path(name)
+    top, names = parts_below(path, root)
     try:
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it; mkstemp makes 0600
-        finally:
-            os.close(fd)
-        yield tmp
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        with folder_of(top, names, str(path), create=True) as parent:
+            fd, tmp = new_temp(parent, names[-1])
+            try:
+                yield pinned(parent, tmp)
+                os.fsync(fd)
+                os.rename(tmp, names[-1], src_dir_fd=parent, dst_dir_fd=parent)
+            except BaseException:
+                with suppress(OSError):
+                    os.unlink(tmp, dir_fd=parent)
+                raise
+            finally:
+                os.close(fd)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         if exc.errno is None:
             raise
-        raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
 
 
 def linked_file(path: str | Path) -> Path:
     """The file a path names, where a shared file may be reached through a symbolic link (a team's
-    history or references on another disk): where the link leads, when that is a regular file or
-    none in a folder that is there; else a RecordError. A write there then replaces that file,
-    never the link; a link planted in a shared folder never makes a command replace a device, a
-    FIFO or a folder."""
+    history or references on another disk): where the link leads, when the link is the user's
+    own (one another user put there is refused: it could lead to the user's other database, or
+    to a file a shell runs, ~/.bashrc.d/x) and leads to a regular file or none in a folder that is
+    there; else a RecordError. A file that is there must be the user's and writable by no one
+    else (ownership.check_owned). A write there then replaces that file, never the link; a link
+    never makes a command replace a device, a FIFO or a folder."""
     path = Path(path)
-    if not path.is_symlink():
-        problem = _not_replaceable(path)
-        if problem:
-            raise RecordError(f"{path}: {problem}, not a file hpcfsdp writes; left as it is")
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    if not stat.S_ISLNK(info.st_mode):
+        if not stat.S_ISREG(info.st_mode):
+            raise RecordError(f"{path}: {kind_of(info.st_mode)}, not a file hpcfsdp writes; left as it is")
+        check_owned(path, info)
         return path
     target = Path(os.path.realpath(path))
+    if info.st_uid != os.geteuid():
+        raise RecordError(
+            f"{path}: a link to {target} that {user_name(info.st_uid)} made, not you; not followed, nothing written "
+            "(remove it, and look at who put it there)"
+        )
     try:
-        mode = os.stat(target).st_mode
+        found = os.stat(target)
     except FileNotFoundError:
         if not target.parent.is_dir():
             raise RecordError(f"{path}: a link to {target}, in no folder; nothing written") from None
         return target
     except OSError as exc:
         raise RecordError(f"{path}: a link to {target} ({exc.strerror or exc}); nothing written") from None
-    if not stat.S_ISREG(mode):
-        raise RecordError(f"{path}: a link to {target}, {_kind_of(mode)}; nothing written there")
+    if not stat.S_ISREG(found.st_mode):
+        raise RecordError(f"{path}: a link to {target}, {kind_of(found.st_mode)}; nothing written there")
+    check_owned(target, found)
     return target
 
 
-def _not_replaceable(path: Path) -> str:
-    """What is at path that is no regular file ("" for a regular file or nothing): a symbolic
-    link, a FIFO, device or socket, a folder."""
-    try:
-        mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return ""
-    if stat.S_ISREG(mode):
-        return ""
-    return _kind_of(mode)
+class OwnershipError(UserError):
+    """A path hpcfsdp would write or trust that another user owns or can write (fs/ownership.py):
+    one line naming the path, its owner and mode, and the fix."""
 
 
-def _kind_of(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    return "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+def check_owned(path: str | Path, info: os.stat_result | None = None) -> None:
+    """OwnershipError unless the file or folder at path (or of this stat) is the user's and
+    writable by no one else, or a group's that shares it on purpose (ownership_problem); nothing
+    there is nothing to check."""
+    if info is None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return
+    if problem := ownership_problem(info):
+        raise OwnershipError(refusal_line(path, info, problem))
 
 
+def check_folder_tree(folder: str | Path, parts: tuple[str, ...]) -> None:
+    """check_owned of folder and of each of its parts that exists; a link among them is refused."""
+    folder = Path(folder)
+    check_owned(folder)
+    for part in parts:
+        path = folder / part
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            raise OwnershipError(
+                f"{path}: a symbolic link where hpcfsdp keeps a folder of its own; not followed (remove it, "
+                "and look at who put it there)"
+            )
+        check_owned(path, info)
+
+
+# Lock files: a sweep's .submit.lock, history.duckdb.lock, the cache's locks (issue 51, item 9).
 LOCK_NOTE_MAX = 4096  # a lock's note ("hpcfsdp submit: pid 4242 on login1, since ...") is one short line
 LOCK_NOTE_STARTS = (b"hpcfsdp ", b"pid ")  # this hpcfsdp's notes, and those of earlier ones
 
 
 def open_lock(path: str | Path) -> int:
     """A descriptor, open for reading and writing, of the lock file at path (made where there is
-    none), to flock and to write its note in. A lock lives in a folder others may write, and its
-    note is rewritten at each take: so it is never opened through a symbolic link (O_NOFOLLOW),
-    and refused unless it is a lock file of hpcfsdp: a regular file of no other name (no hard
-    link), empty or holding a lock's note. A RecordError names the path and what is there."""
+    none), to flock and to write its note in. flock needs only a descriptor, which reading gives:
+    so a lock is made 0600 (0660 in a group's shared folder: ownership.lock_mode), a wider one of
+    the user's own is narrowed, and one of another owner is refused. Its note is rewritten at
+    each take: so it is never opened through a symbolic link (beneath.open_file), and refused
+    unless it is a lock file of hpcfsdp: a regular file of no other name (no hard link), empty or
+    holding a lock's note. A RecordError (an OwnershipError) names the path and what is there."""
     path = Path(path)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
-    if problem := _not_replaceable(path):  # never open a device, even to look at it
-        raise RecordError(f"{path}: {problem} where a lock file belongs; not used (remove it)")
+    mode = lock_mode()
     try:
-        fd = os.open(path, flags, 0o666)
+        fd = open_file(path, os.O_RDWR | os.O_CREAT, mode=mode)
     except OSError as exc:
         what = "a symbolic link where a lock file belongs" if exc.errno == errno.ELOOP else exc.strerror
+        if isinstance(exc, NotARegularFile) or exc.errno == errno.EMLINK:
+            raise RecordError(f"{path}: {exc.strerror}; not used as a lock, nothing written (remove it)") from None
         raise RecordError(f"{path}: cannot take the lock ({what or exc})") from None
     try:
         info = os.fstat(fd)
         problem = (
-            _kind_of(info.st_mode)
-            if not stat.S_ISREG(info.st_mode)
-            else "a file with other names too (a hard link)"
+            "a file with other names too (a hard link)"
             if info.st_nlink > 1
             else "not a lock file of hpcfsdp (it holds something else)"
             if info.st_size > LOCK_NOTE_MAX or (info.st_size and not os.pread(fd, 8, 0).startswith(LOCK_NOTE_STARTS))
             else ""
         )
+        if not problem and (owner := ownership_problem(info)):
+            os.close(fd)
+            raise OwnershipError(refusal_line(path, info, owner))
+        if not problem and stat.S_IMODE(info.st_mode) & ~mode:
+            os.fchmod(fd, mode)  # an earlier hpcfsdp's 0644: anyone who could read it could hold it
     except OSError as exc:
         problem = exc.strerror or str(exc)
     if problem:
@@ -185,48 +225,42 @@ def open_lock(path: str | Path) -> int:
     return fd
 
 
-@contextmanager
-def exclusive_lock(path: str | Path, on_wait: Callable[[], None] = lambda: None) -> Iterator[None]:
-    """Hold an exclusive flock on the lock file at path (open_lock: never a link, nor a file
-    hpcfsdp did not make) for the block; on_wait is called once when another holder makes it wait.
-    The kernel drops the lock when its holder ends, however it ends."""
-    fd = open_lock(path)
-    try:
+class LockBusy(RecordError):
+    """A lock another process held past the wait: one line naming the lock and its holder."""
+
+
+def take_lock(fd: int, path: str | Path, wait_s: float, on_wait: Callable[[str], None] = lambda holder: None) -> None:
+    """Take the exclusive flock of the open lock fd, waiting up to wait_s seconds; on_wait(holder)
+    is called once when another holder makes it wait. LockBusy names the holder past the wait."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
         except BlockingIOError:
-            on_wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if time.monotonic() >= deadline:
+                raise LockBusy(f"{path}: held by {holder_words(fd)} for over {wait_s:g} s; nothing done") from None
+            if not said:
+                on_wait(holder_words(fd))
+                said = True
+            time.sleep(0.2)
+
+
+@contextmanager
+def exclusive_lock(
+    path: str | Path, on_wait: Callable[[], None] = lambda: None, wait_s: float = 3600.0
+) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file at path (open_lock: never a link, nor a file
+    hpcfsdp did not make) for the block, waiting up to wait_s seconds (LockBusy past it); on_wait
+    is called once when another holder makes it wait. The kernel drops the lock when its holder
+    ends, however it ends."""
+    fd = open_lock(path)
+    try:
+        take_lock(fd, path, wait_s, lambda holder: on_wait())
         yield
     finally:
         os.close(fd)  # and with it the flock
-
-
-def write_lock_note(fd: int, note: str) -> None:
-    """Say who holds a lock (for the people who wait): "hpcfsdp <command>: pid N on HOST..."; an empty
-    note on release. Best effort: a full disk leaves the note out, never the lock (the flock)."""
-    with suppress(OSError):
-        os.ftruncate(fd, 0)
-        if note:
-            os.pwrite(fd, f"hpcfsdp {note}\n".encode(), 0)
-
-
-def lock_holder(fd: int) -> tuple[str, str]:
-    """(the command, the rest of its note) of a lock's holder, as write_lock_note wrote them; an
-    earlier hpcfsdp's note gives no command (""). The note is one printable line, cut short: its
-    file may have been written by anyone."""
-    with suppress(OSError):
-        text = os.pread(fd, LOCK_NOTE_MAX, 0).decode(errors="replace").split("\n", 1)[0]
-        text = "".join(char for char in text if char.isprintable())[:200]
-        command, _, rest = text.removeprefix("hpcfsdp ").partition(": ")
-        return (command, rest) if text.startswith("hpcfsdp ") and rest else ("", text)
-    return "", ""
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def parse_json(data: bytes) -> Any:
@@ -272,13 +306,11 @@ def read_json_object(
     """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
     unreadable, larger than `limit` bytes (MAX_JSON_BYTES by default), not UTF-8, not JSON, too
     deep (RecursionError) or an integer past Python's digit limit (ValueError), not an object, text
-    with a lone surrogate, or (with root) a link that leads out of the folder root.
-    FileNotFoundError when there is no file."""
+    with a lone surrogate, or reached through a symbolic link (below root, the folder the command
+    was given; or at its own name). FileNotFoundError when there is no file."""
     path = Path(path)
-    if root is not None and not _inside(path, root):
-        raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
     try:
-        data = read_regular_file(path, limit or MAX_JSON_BYTES)
+        data = read_file(path, limit or MAX_JSON_BYTES, root=root)
         value = parse_json(data)
     except (FileNotFoundError, NotADirectoryError):  # no file (a file where its folder should be: none either)
         raise FileNotFoundError(path) from None
@@ -318,67 +350,13 @@ def _surrogate_in(value: Any) -> str:
 MAX_JSON_BYTES = 64 << 20  # a record of a million steps' losses is some 20 MB; more is no record
 
 
-class NotARegularFile(OSError):
-    """A path that is a FIFO, a device, a socket or a folder: reading it could block for ever or
-    never end (a FIFO named result.json, /dev/zero behind a link)."""
-
-
-def read_regular_file(path: str | Path, limit: int, tail: bool = False) -> bytes:
-    """The bytes of a regular file, of at most `limit` bytes: a longer one is an OSError (EFBIG),
-    or with `tail` its last `limit` bytes. Anything else than a regular file is NotARegularFile,
-    found before a byte is read: opened without blocking (a FIFO without a writer would hang
-    open()), then checked with fstat."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, device or socket)"
-            raise NotARegularFile(errno.EINVAL, kind, str(path))
-        start = 0
-        if info.st_size > limit:
-            if not tail:
-                raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB", str(path))
-            start = info.st_size - limit
-        chunks, offset = [], start
-        while offset - start < limit and (chunk := os.pread(fd, min(1 << 20, limit - (offset - start)), offset)):
-            chunks.append(chunk)
-            offset += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+def read_regular_file(path: str | Path, limit: int, tail: bool = False, root: str | Path | None = None) -> bytes:
+    """The bytes of a regular file reached below root without following a link, of at most
+    `limit` bytes (beneath.read_file): a longer one is an OSError (EFBIG), or with `tail` its last
+    `limit` bytes; a link is an OSError (ELOOP), anything else than a regular file NotARegularFile,
+    found before a byte is read."""
+    return read_file(path, limit, tail, root)
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200]
-
-
-def _inside(path: Path, root: str | Path) -> bool:
-    """Whether path resolves to a place under root's real path. A path written as root/a/b (no
-    `..`) none of whose parts below root is a link resolves to realpath(root)/a/b: inside, found
-    with one lstat per part instead of realpath's one per part of the whole path and of root (collect
-    checks every record of a sweep). Any link, `..` or missing part: realpath decides."""
-    base = str(root if isinstance(root, Path) else Path(root))  # as Path writes it: no `.`, `//` or end `/`
-    below = _plain_parts_below(str(path), base)
-    if below is not None:
-        try:
-            for part in below:
-                base = f"{base}/{part}" if base != "/" else f"/{part}"
-                if stat.S_ISLNK(os.lstat(base).st_mode):
-                    break
-            else:
-                return True
-        except OSError:
-            pass
-    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
-
-
-def _plain_parts_below(path: str, root: str) -> list[str] | None:
-    """The parts of path (as Path writes it) below root as written, or None where path is not
-    written under root or has a `..` part."""
-    prefix = root if root.endswith("/") else root + "/"
-    if path == root:
-        return []
-    if not path.startswith(prefix):
-        return None
-    parts = path[len(prefix) :].split("/")
-    return None if ".." in parts else parts

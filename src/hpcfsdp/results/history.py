@@ -15,7 +15,6 @@ import errno
 import fcntl
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,9 @@ import pandas as pd
 
 from ..contracts.errors import UserError
 from ..contracts.fields import SpecError
-from ..contracts.files import RecordError, linked_file, lock_holder, open_lock, write_lock_note
+from ..contracts.files import LockBusy, OwnershipError, RecordError, linked_file, open_lock, take_lock
+from ..contracts.fs.beneath import folder, make_folders, new_temp, open_file, pinned, removed_in, renamed_in
+from ..contracts.fs.ownership import holder_words, user_name, write_lock_note
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"
@@ -232,32 +233,40 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
 
     path = _history_file(Path(path))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folders(path.parent)
     except OSError as exc:
         raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
     wait = LOCK_WAIT_S if wait_s is None else wait_s
-    with _history_lock(path, log, wait), _duckdb_lock(path, log, wait) as current:
-        scratch = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    with (
+        _history_lock(path, log, wait),
+        _duckdb_lock(path, log, wait) as current,
+        folder(path.parent, path.parent) as parent,
+    ):
+        # The copy is made under the history's lock: any copy there is a killed collect's (new_temp
+        # removes it). It is named through the folder's descriptor (beneath.pinned).
+        fd, name = new_temp(parent, path.name)
+        scratch = pinned(parent, name)
         try:
             if current is not None:
-                _copy_from(current, scratch)
+                _copy_from(current, fd)
                 _rewrite_at_storage_version(scratch)
+            else:  # DuckDB makes its file where none is (an empty one is no database to it)
+                removed_in(parent, name)
             with History(scratch) as store:
                 yield store
                 store.checkpoint()
-            with open(scratch, "rb+") as handle:
-                os.fsync(handle.fileno())
-            os.replace(scratch, path)
+            renamed_in(parent, name, path.name, fsync=True)
         except (OSError, duckdb.Error, HistoryError) as exc:
             if isinstance(exc, OSError) and exc.strerror:
                 reason = exc.strerror
             else:  # DuckDB's message, or History's "<scratch>: cannot open (...)": about the copy
                 reason = str(exc).splitlines()[0].removeprefix(f"{scratch}: ").replace(str(scratch), str(path))
+                reason = reason.replace(str(path.parent / name), str(path))  # as DuckDB resolved the name
             raise HistoryError(f"{path}: not updated ({reason}); the file is as it was") from None
         finally:
-            for leftover in (scratch, _rewritten(scratch)):
-                for name in (leftover, leftover.with_name(leftover.name + ".wal")):
-                    name.unlink(missing_ok=True)
+            os.close(fd)
+            for leftover in (name, name + ".rewritten"):
+                removed_in(parent, leftover, leftover + ".wal")
 
 
 def _rewrite_at_storage_version(copy: Path) -> None:
@@ -295,7 +304,7 @@ def _history_file(path: Path) -> Path:
     names is a DuckDB file or none (files.linked_file: never a device, a FIFO or another file)."""
     try:
         target = linked_file(path)
-    except RecordError as exc:
+    except (RecordError, OwnershipError) as exc:
         raise HistoryError(f"{exc}; the history is not updated") from None
     size = target.stat().st_size if target.is_file() else 0
     if size and not _is_duckdb(target):
@@ -310,7 +319,7 @@ DUCKDB_MAGIC = (8, b"DUCK")  # where every DuckDB database file says what it is
 def _is_duckdb(path: Path) -> bool:
     offset, magic = DUCKDB_MAGIC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_file(path)
     except OSError:
         return False
     try:
@@ -329,7 +338,7 @@ def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Itera
     descriptor (None where there is no history yet), to copy from: a second open and close of
     the file in this process would drop the lock (POSIX)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # _history_file: no link
+        fd = open_file(path, os.O_RDWR)  # _history_file: no link
     except FileNotFoundError:
         yield None
         return
@@ -372,13 +381,12 @@ def _duckdb_holder(path: Path) -> str:
     return "a process that holds its lock"
 
 
-def _copy_from(fd: int, target: Path) -> None:
-    """Copy the open file fd into target, from its start."""
-    with open(target, "wb") as out:
-        offset = 0
-        while chunk := os.pread(fd, 1 << 20, offset):
-            out.write(chunk)
-            offset += len(chunk)
+def _copy_from(fd: int, target: int) -> None:
+    """Copy the open file fd into the open, empty file target, from its start."""
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        os.pwrite(target, chunk, offset)
+        offset += len(chunk)
 
 
 @contextmanager
@@ -387,26 +395,23 @@ def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iter
     never a link, nor a file hpcfsdp did not make)."""
     try:
         fd = open_lock(path.with_name(path.name + ".lock"))
-    except RecordError as exc:
+    except (RecordError, OwnershipError) as exc:
         raise HistoryError(f"{path}: not updated: {exc}") from None
     try:
-        deadline = time.monotonic() + wait_s
-        said = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                holder = lock_holder(fd)[1] or "another process"
-                if time.monotonic() >= deadline:
-                    raise HistoryError(
-                        f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder})"
-                    ) from None
-                if not said:
-                    log(f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})")
-                    said = True
-                time.sleep(0.2)
-        write_lock_note(fd, f"collect: pid {os.getpid()} on {os.uname().nodename}")
+        try:
+            take_lock(
+                fd,
+                path,
+                wait_s,
+                lambda holder: log(
+                    f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})"
+                ),
+            )
+        except LockBusy:
+            raise HistoryError(
+                f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder_words(fd)})"
+            ) from None
+        write_lock_note(fd, f"collect: pid {os.getpid()} of {user_name(os.geteuid())} on {os.uname().nodename}")
         try:
             yield
         finally:

@@ -35,6 +35,7 @@ from matplotlib import __version__ as matplotlib_version
 from matplotlib.ticker import MaxNLocator
 
 from ..contracts.files import RecordError, atomic_output, garbage_collection_paused, read_json_object, write_json
+from ..contracts.fs.beneath import remove
 from ..contracts.gpus import gpu_memory_gib, rank_words
 from ..contracts.record import stage_rank
 from .drawing import layout
@@ -97,7 +98,6 @@ def drawing_plots(
     while this process writes the tables and the report's text, then draws what no worker has started.
     Workers fork with the collector paused (its passes would walk, and copy the pages of, every
     object of this process: a tenth of their CPU time)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     data = PlotData.of(configs, reference, reference_label, probes)
     jobs = [(name, draw, data, out_dir / f"{name}.png") for name, _, draw in PLOTS]
     digest = _input_digest(data)
@@ -105,7 +105,7 @@ def drawing_plots(
     if kept is not None:
         yield lambda: _listed(jobs, kept)
         return
-    (out_dir / DRAWN_NAME).unlink(missing_ok=True)  # figures half redrawn are no figures of the old input
+    remove(out_dir / DRAWN_NAME)  # figures half redrawn are no figures of the old input
     import matplotlib.figure  # noqa: F401  (once here, not in each worker: they fork from this process)
 
     def recorded(outcomes: list[str | None]) -> Drawn:
@@ -197,7 +197,7 @@ def _draw_and_save(name: str, draw: Callable[[PlotData], Figure], data: PlotData
         raise
     except Exception as exc:
         why = f"{type(exc).__name__}: {exc}"
-    path.unlink(missing_ok=True)  # neither half a figure nor one of an earlier collection
+    remove(path)  # neither half a figure nor one of an earlier collection
     return why
 
 

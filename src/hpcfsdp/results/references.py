@@ -199,8 +199,8 @@ def _fraction(where: str, key: str, value: Any) -> float | None:
 def _parse(path: Path) -> tuple[Any, dict]:
     """The YAML value and the line of each key: top-level keys by name, entry keys by (index, key),
     each entry's start by ('entry', index)."""
-    try:
-        text = read_regular_file(path, MAX_REFERENCES_BYTES).decode("utf-8", errors="replace")
+    try:  # a link the user made to a shared file is read where it leads (files.linked_file)
+        text = read_regular_file(linked_file(path), MAX_REFERENCES_BYTES).decode("utf-8", errors="replace")
     except OSError as exc:
         raise SpecError(str(path), "", f"cannot read the references file ({exc.strerror or exc})") from None
     loader = yaml.SafeLoader(text)
@@ -240,7 +240,6 @@ def write_references(path: Path, new: list[Reference]) -> References:
     if merged.tolerance is not None:
         document["tolerance"] = merged.tolerance
     document["references"] = [ref.to_yaml() for ref in merged.entries]
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         "# Expected tokens/s per GPU (and peak memory) per system and setup: docs/history.md.\n"
         "# `hpcfsdp history --set-reference` rewrites this file (comments are not kept).\n"

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..contracts.files import read_regular_file
+
+MAX_FIGURE_BYTES = 64 << 20  # a figure of the report is some 100 KB; more is no figure hpcfsdp drew
+
 
 @dataclass(frozen=True)
 class Section:
@@ -127,7 +131,11 @@ def to_html(title: str, sections: list[Section]) -> str:
         if section.table is not None:
             body.append(_html_table(section.table))
         for caption, path in section.images:
-            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            try:  # a figure a link was put at since it was drawn is not embedded: never what it leads to
+                data = base64.b64encode(read_regular_file(path, MAX_FIGURE_BYTES)).decode("ascii")
+            except OSError as exc:
+                body.append(f"<p>{html.escape(caption)}: not embedded ({html.escape(exc.strerror or str(exc))})</p>")
+                continue
             body.append(
                 f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
                 f"<figcaption>{html.escape(caption)}</figcaption></figure>"

@@ -18,6 +18,7 @@ import pandas as pd
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..contracts.files import atomic_output, write_text
+from ..contracts.fs.beneath import folder, remove_links_in
 from ..contracts.gpus import gpu_memory_gib
 from ..recordschema import declared_type
 from ..sweep.folder.layout import require_inside
@@ -133,12 +134,10 @@ def report_folder(sweep_dir: Path) -> Path:
     folder: a link left among their files is removed (the file is written afresh in its place),
     and a report/ or plots/ that is itself a link out of the sweep folder is refused."""
     report = sweep_dir / "report"
-    for folder in (report, report / "plots"):
-        require_inside(sweep_dir, folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        for entry in folder.iterdir():
-            if entry.is_symlink():
-                entry.unlink()
+    for place in (report, report / "plots"):
+        require_inside(sweep_dir, place)
+        with folder(place, sweep_dir, create=True) as fd:
+            remove_links_in(fd)
     return report
 
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..contracts.files import RecordError, read_json_object, write_json
+from ..contracts.fs.beneath import matching
 from ..contracts.jsontypes import MOMENT_SLACK_S, shown
 from ..contracts.names import is_job_id
 from ..contracts.record import RECORD_NAME, read_record
@@ -201,7 +202,7 @@ def read_launches(sweep_dir: Path) -> list[Launch]:
     """The launches recorded in the sweep folder; a file cut short, or whose values are not a
     launch's (types, times from 0 to a day after now, 1 GPU or more), is left out of the spend."""
     out = []
-    for path in sorted((tune_dir(sweep_dir) / LAUNCHES_DIR).glob("*.json")):
+    for path in matching(tune_dir(sweep_dir) / LAUNCHES_DIR, "*.json"):
         try:
             launch = Launch(**read_json_object(path, root=sweep_dir, kind="tune launch"))
         except (RecordError, FileNotFoundError, TypeError):

@@ -24,12 +24,14 @@ import os
 import re
 import signal
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from ...contracts.files import RecordError, read_json_object, write_json
+from ...contracts.fs.beneath import make_folders, matching, open_for_writing, read_file
 from ...contracts.record import FailedRecord
 
 HEARTBEATS_DIR = "heartbeats"
@@ -98,10 +100,11 @@ class Heartbeat:
         }
         self._fault: IO[str] | None = None
         with contextlib.suppress(OSError):  # a folder it cannot write: no heartbeat, the cell runs on
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_folders(self.folder)
             write_json(self.path, {**self._fields, "left": False})
             # A crash's signal and stack, written by the C handler before the process dies.
-            self._fault = open(self.folder / f"rank{rank}.fault", "w")  # noqa: SIM115 (held for the process)
+            fault = open_for_writing(self.folder / f"rank{rank}.fault")  # never through a link
+            self._fault = os.fdopen(fault, "w")
             faulthandler.enable(self._fault)
 
     def beat(self) -> None:
@@ -140,7 +143,7 @@ class Heartbeat:
 
 def read_beats(folder: Path, launch: str) -> list[Beat]:
     """The heartbeats of one launch in a cell's heartbeats folder, in rank order."""
-    beats = [_read_beat(path) for path in sorted(folder.glob("rank*.json"))]
+    beats = [_read_beat(path) for path in matching(folder, "rank*.json")]
     return sorted((b for b in beats if b is not None and b.launch == launch), key=lambda b: b.rank)
 
 
@@ -199,7 +202,7 @@ def _local_trouble(beat: Beat) -> PeerTrouble | None:
 def crash_signal(fault_file: Path) -> str | None:
     """The signal faulthandler wrote of a crash ("Fatal Python error: Segmentation fault"), or None."""
     try:
-        text = fault_file.read_text(errors="replace")[:4096]
+        text = read_file(fault_file, 1 << 20).decode(errors="replace")[:4096]
     except OSError:
         return None
     found = re.search(r"Fatal Python error: ([A-Za-z -]+)", text)
@@ -267,11 +270,12 @@ def own_output_tail() -> str:
     tails = []
     for fd in (2, 1):
         try:
-            path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-            if not path.is_file():
-                continue
-            with open(path, "rb") as log:
-                log.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+            # The file this process writes to, reopened as /proc names it: no name in a folder.
+            with open(f"/proc/self/fd/{fd}", "rb") as log:
+                info = os.fstat(log.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                log.seek(max(0, info.st_size - LOG_TAIL_BYTES))
                 tails.append(log.read().decode(errors="replace"))
         except (OSError, ValueError):  # no /proc, a file gone
             continue

@@ -31,7 +31,16 @@ import yaml
 
 from ...contracts.attempts import keep_as_attempt, restore_attempt
 from ...contracts.fields import SpecError
-from ...contracts.files import RecordError, read_json_object, read_regular_file, write_json, write_text
+from ...contracts.files import (
+    RecordError,
+    check_folder_tree,
+    read_json_object,
+    read_regular_file,
+    write_json,
+    write_text,
+)
+from ...contracts.fs.beneath import entries, make_folders, open_file, remove
+from ...contracts.fs.ownership import user_name
 from ...contracts.names import has_surrogate, is_job_id, readable, slurm_name_problem
 from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME
 
@@ -63,12 +72,11 @@ def cell_files(sweep_dir: Path, name: str) -> list[Path]:
 
 def cell_ids_with(sweep_dir: Path, name: str) -> list[str]:
     """The ids (folder names) of the cells of cell_files(sweep_dir, name), without making a Path of
-    each. What Path.glob(f"cells/*/{name}") finds (a folder, or a link to one, holding `name` that
+    each. What Path's glob of f"cells/*/{name}" finds (a folder, or a link to one, holding `name` that
     exists or links to what exists), sorted as it sorts them, by one scandir in a third of its time."""
     cells = os.path.join(sweep_dir, CELLS_DIR)
     try:
-        with os.scandir(cells) as entries:
-            folders = sorted(entry.name for entry in entries if _is_folder(entry) and not _no_cell_id(entry.name))
+        folders = sorted(entry.name for entry in entries(cells) if _is_folder(entry) and not _no_cell_id(entry.name))
     except OSError:
         return []
     return [folder for folder in folders if os.path.exists(os.path.join(cells, folder, name))]
@@ -96,7 +104,7 @@ def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
     ascii() writes them) -> the line that names each. None can be written to a report, a CSV file
     or strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
     try:
-        names = [entry.name for entry in os.scandir(Path(sweep_dir) / CELLS_DIR)]
+        names = [entry.name for entry in entries(Path(sweep_dir) / CELLS_DIR)]
     except OSError:
         return {}
     shown = {name: ascii(name)[1:-1] for name in sorted(names) if _no_cell_id(name)}
@@ -125,10 +133,10 @@ def job_log_files(sweep_dir: Path, job_id: str, stream: str) -> list[tuple[int, 
     folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
     name = re.compile(re.escape(job_id) + r"_([0-9]{1,9})" + re.escape(LOG_SUFFIXES[stream]))
     try:
-        entries = list(os.scandir(folder)) if folder.is_dir() else []
+        found = entries(folder) if folder.is_dir() else []
     except OSError:
         return []
-    return sorted((int(m.group(1)), Path(e.path)) for e in entries if (m := name.fullmatch(e.name)))
+    return sorted((int(m.group(1)), Path(e.path)) for e in found if (m := name.fullmatch(e.name)))
 
 
 def log_out_of_folder(sweep_dir: Path, path: Path) -> str:
@@ -157,9 +165,23 @@ def read_log(sweep_dir: Path, path: Path, limit: int = LOG_TAIL_BYTES) -> tuple[
 
 
 def require_sweep_folder(sweep_dir: Path) -> None:
-    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path)."""
+    """SpecError unless sweep_dir holds cells/ (status and export of a wrong path); an
+    OwnershipError unless it is the user's (check_sweep_folder)."""
     if not (Path(sweep_dir) / CELLS_DIR).is_dir():
         raise SpecError(f"{sweep_dir}: not a sweep folder (no {CELLS_DIR}/ inside; e.g. results/<name> of a jobs YAML)")
+    check_sweep_folder(sweep_dir)
+
+
+# The folders of a sweep folder that hpcfsdp writes and runs from: the user's own, and writable by
+# no one else (ownership.check_owned), as the folder itself.
+OWNED_PARTS = (CELLS_DIR, SLURM_DIR, "report", "tune")
+
+
+def check_sweep_folder(sweep_dir: Path) -> None:
+    """OwnershipError (one line: the path, its owner and mode, the fix) unless the sweep folder and
+    its cells/, slurm/, report/ and tune/ are the user's and writable by no one else, or a
+    group's that shares them on purpose (HPCFSDP_SHARED_GROUP); a link at one of those is refused."""
+    check_folder_tree(sweep_dir, OWNED_PARTS)
 
 
 def require_inside(sweep_dir: Path, path: Path) -> None:
@@ -322,7 +344,7 @@ def update_manifest(sweep_dir: Path, entries: dict[str, dict]) -> None:
     """Add or replace the entries of these cells (atomically: the file names the sweep's jobs)."""
     manifest = read_manifest(sweep_dir)
     manifest.update(entries)
-    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True)
+    write_json(Path(sweep_dir) / MANIFEST_NAME, manifest, sort_keys=True, root=sweep_dir)
 
 
 def write_sweep_files(
@@ -330,7 +352,7 @@ def write_sweep_files(
 ) -> None:
     """matrix.yaml, and the spec.json of each cell about to run, with its batch hints by cell id
     (write_cell_spec)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(sweep_dir)
     write_text(sweep_dir / MATRIX_NAME, yaml.safe_dump(sweep.raw, sort_keys=False))
     for cell in cells:
         write_cell_spec(
@@ -372,11 +394,11 @@ def write_cell_spec(
     predicted memory its search starts from, or the batch a tune probe already found). Never into a
     cells/ or cells/<id>/ that is a link out of the folder above them."""
     require_inside(cell_dir.parent.parent, cell_dir)
-    cell_dir.mkdir(parents=True, exist_ok=True)
+    make_folders(cell_dir)
     path = cell_dir / SPEC_NAME
     meta = {"cell_id": cell_id, "sweep": sweep, "spec": spec.to_dict(), "sources": sources.to_dict()}
     meta.update({key: value for key, value in (hints or {}).items() if key in BATCH_HINT_KEYS})
-    write_text(path, json.dumps(meta, indent=2))
+    write_text(path, json.dumps(meta, indent=2), root=cell_dir.parent.parent)
     return path
 
 
@@ -385,6 +407,7 @@ def write_cell_spec(
 # and will get none. Believed only while the submit that wrote it holds the sweep's lock.
 SUBMIT_LOCK_NAME = ".submit.lock"  # launch/lock.py: the flock of one submit at a time
 LOCAL_RUN_NAME = ".local_run.json"
+LOCAL_RUN_MAX = 1 << 20  # a local run's queue names cells: a megabyte is some 60,000 of them
 
 
 class LocalRun(NamedTuple):
@@ -394,32 +417,36 @@ class LocalRun(NamedTuple):
 
 def write_local_run(sweep_dir: Path, running: str, waiting: Iterable[str]) -> None:
     """Say which cell the local submit of this process runs now, and which wait (read by local_run)."""
-    holder = f"pid {os.getpid()} on {os.uname().nodename}"
+    holder = f"pid {os.getpid()} of {user_name(os.geteuid())} on {os.uname().nodename}"
     write_json(Path(sweep_dir) / LOCAL_RUN_NAME, {"holder": holder, "running": running, "waiting": list(waiting)})
 
 
 def end_local_run(sweep_dir: Path) -> None:
-    (Path(sweep_dir) / LOCAL_RUN_NAME).unlink(missing_ok=True)
+    remove(Path(sweep_dir) / LOCAL_RUN_NAME)
 
 
 def local_run(sweep_dir: Path) -> LocalRun | None:
     """The queue of the local submit running on this folder now; None when none runs (no file, or
     its writer no longer holds the sweep's lock: it ended, or was killed)."""
     try:
-        run = read_json_object(Path(sweep_dir) / LOCAL_RUN_NAME, kind="local run")
+        run = read_json_object(Path(sweep_dir) / LOCAL_RUN_NAME, kind="local run", limit=LOCAL_RUN_MAX)
     except (FileNotFoundError, RecordError):
         return None
     holder, running, waiting = run.get("holder"), run.get("running"), run.get("waiting")
     if not (isinstance(holder, str) and isinstance(running, str) and isinstance(waiting, list)):
         return None
-    try:
-        with open(Path(sweep_dir) / SUBMIT_LOCK_NAME) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: by the writer, if its line says so
-                # files.write_lock_note: "hpcfsdp submit: pid N on HOST, since ..."
-                return LocalRun(running, frozenset(map(str, waiting))) if f": {holder}," in handle.read() else None
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:  # never through a link, never a FIFO (which would hang the open), never more than a note
+        fd = open_file(Path(sweep_dir) / SUBMIT_LOCK_NAME, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: by the writer, if its line says so
+        # locks.write_lock_note: "hpcfsdp submit: pid N of USER on HOST, since ..."
+        note = os.pread(fd, LOCAL_RUN_MAX, 0).decode(errors="replace")
+        return LocalRun(running, frozenset(map(str, waiting))) if f": {holder}," in note else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # and with it a shared lock taken
     return None

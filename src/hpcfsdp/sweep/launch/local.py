@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...contracts.files import RecordError
+from ...contracts.fs.beneath import open_for_writing
 from ...contracts.record import MISSING, RECORD_NAME, read_record, write_record
 from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV
 from ...progress import coloured
@@ -186,7 +187,7 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     ranks), its output in the cell's log.txt:
     its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
-    with open(directory / LOG_NAME, "w") as out:
+    with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
         launched = time.time()
         # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel; the
         # launch's start, from which the cell counts its phases and launch_span_s; and the folder that
@@ -321,12 +322,13 @@ def _alive(processes: dict[int, str]) -> bool:
 def _proc_table() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, start time, state: Z for a zombie, ended) of every process, from /proc (Linux)."""
     table = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in (name for name in os.listdir("/proc") if name.isdigit()):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            text = Path(f"/proc/{pid}/stat").read_text()
+            fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
         except (OSError, IndexError):
             continue
-        table[int(stat.parent.name)] = (int(fields[1]), fields[19], fields[0])
+        table[int(pid)] = (int(fields[1]), fields[19], fields[0])
     return table
 
 

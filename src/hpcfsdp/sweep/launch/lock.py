@@ -5,7 +5,9 @@ manifest would keep only one of the arrays. With the lock, the second waits unti
 queued its cells and written the manifest, then finds them in flight and queues nothing twice.
 The kernel drops the lock when its holder exits, however it ends, so a killed submit leaves
 nothing to clean up. flock works across the nodes of NFSv4 and Lustre (mounted with flock)
-file systems.
+file systems. The wait is bounded (WAIT_S): a lock held longer (a local submit running its
+cells, or another user's process holding the file open) is refused in one line naming its
+holder's pid and user (contracts/locks.py).
 """
 
 from __future__ import annotations
@@ -18,29 +20,42 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from ...contracts.files import lock_holder, open_lock, write_lock_note
+from ...contracts.errors import UserError
+from ...contracts.files import LockBusy, open_lock, take_lock
+from ...contracts.fs.beneath import make_folders
+from ...contracts.fs.ownership import lock_holder, user_name, write_lock_note
 from ..folder.layout import SUBMIT_LOCK_NAME as LOCK_NAME
+from ..folder.layout import check_sweep_folder
+
+WAIT_S = 600.0  # how long a submit or tune waits for another one of the same folder
 
 
 @contextmanager
 def sweep_lock(sweep_dir: Path, log: Callable[[str], None], command: Literal["submit", "tune"]) -> Iterator[None]:
     """Hold the sweep folder's submit lock for `command`; if another process holds it, say once
-    which command it is, and wait. The lock file is never a link nor a file hpcfsdp did not make
-    (files.open_lock)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    fd = open_lock(sweep_dir / LOCK_NAME)
+    which it is, and wait up to WAIT_S seconds. The folder is the user's (check_sweep_folder);
+    the lock file is never a link nor a file hpcfsdp did not make (locks.open_lock)."""
+    make_folders(sweep_dir)
+    check_sweep_folder(sweep_dir)
+    lock = sweep_dir / LOCK_NAME
+    fd = open_lock(lock)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder, note = lock_holder(fd)
-            log(
-                f"another `hpcfsdp {holder or 'submit or tune'}` of {sweep_dir} is running ({note or 'no note'}); "
-                "waiting for it to finish (Ctrl-C to stop waiting)"
+            take_lock(
+                fd,
+                lock,
+                WAIT_S,
+                lambda holder: log(
+                    f"another `hpcfsdp {lock_holder(fd)[0] or 'submit or tune'}` of {sweep_dir} is running "
+                    f"({lock_holder(fd)[1] or holder}); waiting for it to finish "
+                    f"(up to {WAIT_S:g} s; Ctrl-C to stop waiting)"
+                ),
             )
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        except LockBusy as exc:
+            raise UserError(f"{exc} (another submit or tune of this folder: try again when it ends)") from None
         since = time.strftime("%Y-%m-%d %H:%M:%S %z")  # with the offset: readers elsewhere see the zone
-        write_lock_note(fd, f"{command}: pid {os.getpid()} on {os.uname().nodename}, since {since}")
+        user = user_name(os.geteuid())
+        write_lock_note(fd, f"{command}: pid {os.getpid()} of {user} on {os.uname().nodename}, since {since}")
         try:
             yield
         finally:

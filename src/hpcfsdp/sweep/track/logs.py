@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from ...contracts.files import RecordError, read_json_object
+from ...contracts.fs.beneath import matching, open_file
 from ...contracts.names import is_job_id, slurm_job_of
 from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME
 from ...contracts.spec import SpecError
@@ -84,7 +85,9 @@ def cell_jobs(sweep_dir: Path, cell_id: str) -> list[str]:
     )
     directory = cell_dir(sweep_dir, cell_id)
     attempts = sorted(
-        (directory / ATTEMPTS_DIR).glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1, reverse=True
+        matching(directory / ATTEMPTS_DIR, "*.json"),
+        key=lambda p: int(p.stem) if p.stem.isdigit() else -1,
+        reverse=True,
     )
     for path in [directory / RECORD_NAME, *attempts]:
         try:
@@ -193,7 +196,7 @@ def _new_output(sweep_dir: Path, logs: list[RankLog], offsets: dict[Path, int]) 
         if log_out_of_folder(sweep_dir, log.path):
             continue
         try:
-            fd = os.open(log.path, os.O_RDONLY | os.O_NONBLOCK)
+            fd = open_file(log.path)
         except OSError:
             continue
         try:

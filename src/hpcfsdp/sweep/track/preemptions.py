@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ...contracts.files import RecordError, read_json_object
+from ...contracts.fs.beneath import matching
 from ...contracts.record import ATTEMPTS_DIR, MAX_RECORD_BYTES, RECORD_NAME
 
 PREEMPTED = "preempted"
@@ -17,7 +18,7 @@ PREEMPTED = "preempted"
 def preemptions(cell_dir: Path) -> int:
     """The cell's records (current and earlier) whose status is `preempted`."""
     count = 0
-    for path in [cell_dir / RECORD_NAME, *(cell_dir / ATTEMPTS_DIR).glob("*.json")]:
+    for path in [cell_dir / RECORD_NAME, *matching(cell_dir / ATTEMPTS_DIR, "*.json")]:
         try:
             count += read_json_object(path, root=cell_dir, limit=MAX_RECORD_BYTES).get("status") == PREEMPTED
         except (FileNotFoundError, RecordError):  # none yet, or a corrupt one status names itself
