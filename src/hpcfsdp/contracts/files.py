@@ -47,6 +47,11 @@ class RecordError(UserError, ValueError):
     """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 
+class LockError(RecordError):
+    """A lock file that cannot be used (open_lock): what a command that refuses it says is of the
+    lock, not of the file it guards (a manifest's queued jobs)."""
+
+
 def write_json(path: str | Path, value: Any, sort_keys: bool = False) -> Path:
     """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
     atomic_output. Strict JSON, which every parser reads (jq, JavaScript's JSON.parse, DuckDB's
@@ -160,12 +165,12 @@ def open_lock(path: str | Path) -> int:
     path = Path(path)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
     if problem := _not_replaceable(path):  # never open a device, even to look at it
-        raise RecordError(f"{path}: {problem} where a lock file belongs; not used (remove it)")
+        raise LockError(f"{path}: {problem} where a lock file belongs; not used (remove it)")
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as exc:
         what = "a symbolic link where a lock file belongs" if exc.errno == errno.ELOOP else exc.strerror
-        raise RecordError(f"{path}: cannot take the lock ({what or exc})") from None
+        raise LockError(f"{path}: cannot take the lock ({what or exc})") from None
     try:
         info = os.fstat(fd)
         problem = (
@@ -181,7 +186,7 @@ def open_lock(path: str | Path) -> int:
         problem = exc.strerror or str(exc)
     if problem:
         os.close(fd)
-        raise RecordError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
+        raise LockError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
     return fd
 
 

@@ -29,6 +29,7 @@ import pandas as pd
 from ..contracts.errors import UserError
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError, linked_file, lock_holder, open_lock, write_lock_note
+from ..contracts.names import has_surrogate, readable
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"
@@ -106,7 +107,7 @@ class History:
             import duckdb
         except ImportError:  # a dependency, but an image without network may lack it: collect carries on
             raise HistoryError(f"{path}: duckdb is not installed (pip install duckdb)") from None
-        self.path = Path(path)
+        self.path = _utf8_path(Path(path))
         if read_only and not self.path.is_file():
             raise HistoryError(
                 f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
@@ -230,7 +231,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     HistoryError naming the file and why, never a traceback."""
     import duckdb
 
-    path = _history_file(Path(path))
+    path = _history_file(_utf8_path(Path(path)))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -258,6 +259,16 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
             for leftover in (scratch, _rewritten(scratch)):
                 for name in (leftover, leftover.with_name(leftover.name + ".wal")):
                     name.unlink(missing_ok=True)
+
+
+def _utf8_path(path: Path) -> Path:
+    """path, which DuckDB opens only where it is UTF-8 text (a byte that is not, in a folder's name,
+    made it raise std::bad_cast); a HistoryError in one line otherwise."""
+    if has_surrogate(str(path)):
+        raise HistoryError(
+            f"{readable(str(path))}: not UTF-8 text, which DuckDB cannot open; give a history path that is"
+        )
+    return path
 
 
 def _rewrite_at_storage_version(copy: Path) -> None:
