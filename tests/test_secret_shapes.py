@@ -27,6 +27,12 @@ LEAKS = {
     "printf -v DB_PASSWORD '%s' hunter2": "DB_PASSWORD (printf -v)",
     "export API_KEY=$(cat /etc/hostname; echo hunter2)": "API_KEY",
     "export DB_PASSWORD=/hunter2": "DB_PASSWORD",  # a password is no path, even one that starts with '/'
+    # A `$` the shell takes as itself is no variable read on the node (issue 51, item 14).
+    "export DB_PASSWORD='$ecret99'": "DB_PASSWORD",
+    "export API_KEY=$'hunter2'": "API_KEY",
+    'export API_KEY=$"hunter2"': "API_KEY",
+    "export DB_PASSWORD=\\$ecret99": "DB_PASSWORD",
+    "export DB_PASSWORD=$'\\x24ecret99'": "DB_PASSWORD",
 }
 HARMLESS = [
     "export HF_TOKEN_PATH=$HOME/.cache/huggingface/token",
@@ -41,6 +47,8 @@ HARMLESS = [
     "export WANDB_API_KEY=$(< ~/.secrets/wandb)",
     "read -r DB_PASSWORD < ~/.secrets/db",
     "export DB_PASSWORD=$TEAM_DB_PASSWORD",
+    'export DB_PASSWORD="$TEAM_DB_PASSWORD"',
+    "export DB_PASSWORD=${TEAM_DB_PASSWORD}",
 ]
 
 

@@ -17,9 +17,11 @@ from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
 from .contracts.spec import RunSpec
+from .progress import escaped_output
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 
 
+@escaped_output()  # no control character of a file's text reaches the terminal
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     _Parser.json_answers = "--json" in words[: words.index("--")] if "--" in words else "--json" in words

@@ -66,6 +66,7 @@ def plan(args: argparse.Namespace) -> int:
 def submit(args: argparse.Namespace) -> int:
     from .cache.plan import cache_misses
     from .results.collect import collect
+    from .sweep.launch.environment import fault_hook_warning
     from .sweep.launch.plan import predicted_oom_warning, without_predicted_oom
     from .sweep.launch.submit import default_executor, still_queued, submit, wait_for
     from .sweep.track.status import blocked_message, cells_exit_status, print_status
@@ -89,6 +90,8 @@ def submit(args: argparse.Namespace) -> int:
         from .tune.output import best_only
 
         sweep = best_only(sweep, Path(args.results_dir), log)
+    if warning := fault_hook_warning():
+        log(warning)
     if why:
         log(f"note: {why}; running the cells on this machine, one at a time (--executor local)")
     sub = submit(

@@ -3,15 +3,21 @@ redrawn in place on a terminal, plain lines where stderr is a file (a Slurm log,
 codes there. Silent for small work (a count below `min_count`, so that what a small sweep's
 collect prints does not depend on how busy the machine is) and for work that ends soon (nothing
 before `quiet_s`). Also the one way a cell's state is coloured on a terminal (`coloured`), and a
-span of time as people read it (`duration`).
+span of time as people read it (`duration`). And the one way what the CLI prints reaches the
+terminal (`escaped_output`): with every control character escaped, whatever file it came from.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
-from typing import TextIO
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+from .contracts.names import printable_text
 
 # A cell state's colour on a terminal (SGR codes): ok green, in flight yellow / cyan, never run or
 # unreadable magenta, every other ending (oom, error, hang, timeout, ...) red.
@@ -109,3 +115,43 @@ def duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+# The terminal codes hpcfsdp writes itself, passed as they are on a terminal (and only there): a
+# state's colour and its end (coloured), the bar's return and line erase (Progress).
+OWN_CODES = re.compile(r"(\033\[(?:\d\d?)?m|\r\033\[K)")
+
+
+class EscapedStream:
+    """A text stream whose writes go through names.printable_text: no control character that a
+    file held (a record's `advice`, a spec's strategy, a cell folder's name) reaches the terminal as
+    a command. On a terminal, OWN_CODES pass as they are."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        try:
+            self.keeps_own_codes = stream.isatty()
+        except (AttributeError, ValueError):  # a closed or a bare stream
+            self.keeps_own_codes = False
+
+    def write(self, text: str) -> int:
+        if self.keeps_own_codes:
+            parts = OWN_CODES.split(text)  # the codes at odd places
+            text = "".join(part if index % 2 else printable_text(part) for index, part in enumerate(parts))
+        else:
+            text = printable_text(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def escaped_output() -> Iterator[None]:
+    """sys.stdout and sys.stderr are EscapedStreams while the block runs (a command of the CLI)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (s if isinstance(s, EscapedStream) else EscapedStream(s) for s in saved)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

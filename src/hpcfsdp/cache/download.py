@@ -62,6 +62,9 @@ def download_main(
     if problem:  # a newline would make the path printed for `export HPCFSDP_CACHE=` two lines
         raise DownloadError(f"--cache-dir: {problem}: {cache_dir!r}")
     cache = default_cache_dir(cache_dir)
+    if cache.exists() and not cache.is_dir():  # a FIFO, a file: not "a cache with no items"
+        kind = "a regular file" if cache.is_file() else "a FIFO, device or socket"
+        raise DownloadError(f"--cache-dir: {cache}: {kind}, not a folder; give the cache's folder")
     plan = build_plan(request, text_column)
     if verify_only:
         if request.names_items and not plan:

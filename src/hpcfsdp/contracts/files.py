@@ -49,6 +49,11 @@ class RecordError(UserError, ValueError):
     """A record (or other sweep JSON file) that cannot be used: one line naming the path and what is wrong."""
 
 
+class LockError(RecordError):
+    """A lock file that cannot be used (open_lock): what a command that refuses it says is of the
+    lock, not of the file it guards (a manifest's queued jobs)."""
+
+
 def write_json(path: str | Path, value: Any, sort_keys: bool = False, root: str | Path | None = None) -> Path:
     """The one atomic JSON writer (records, the sweep's and the cache's manifests): see
     atomic_output. Strict JSON, which every parser reads (jq, JavaScript's JSON.parse, DuckDB's
@@ -201,8 +206,8 @@ def open_lock(path: str | Path) -> int:
     except OSError as exc:
         what = "a symbolic link where a lock file belongs" if exc.errno == errno.ELOOP else exc.strerror
         if isinstance(exc, NotARegularFile) or exc.errno == errno.EMLINK:
-            raise RecordError(f"{path}: {exc.strerror}; not used as a lock, nothing written (remove it)") from None
-        raise RecordError(f"{path}: cannot take the lock ({what or exc})") from None
+            raise LockError(f"{path}: {exc.strerror}; not used as a lock, nothing written (remove it)") from None
+        raise LockError(f"{path}: cannot take the lock ({what or exc})") from None
     try:
         info = os.fstat(fd)
         problem = (
@@ -221,11 +226,11 @@ def open_lock(path: str | Path) -> int:
         problem = exc.strerror or str(exc)
     if problem:
         os.close(fd)
-        raise RecordError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
+        raise LockError(f"{path}: {problem}; not used as a lock, nothing written (remove it)")
     return fd
 
 
-class LockBusy(RecordError):
+class LockBusy(LockError):
     """A lock another process held past the wait: one line naming the lock and its holder."""
 
 

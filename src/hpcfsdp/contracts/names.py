@@ -80,6 +80,23 @@ def readable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if has_surrogate(text) else text
 
 
+# What a terminal takes as a command, not as text: the C0 controls but the tab and the newline (ESC
+# starts a sequence that sets the window's title, moves the cursor, clears the screen, or writes the
+# clipboard), DEL, the C1 controls (CSI, OSC), the direction-changing characters (a line that prints
+# as another), and lone surrogates (a file name's byte that is not UTF-8; no terminal takes one).
+TERMINAL_COMMAND = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable_text(text: str) -> str:
+    """text as it may reach a terminal: each character a terminal would take as a command
+    (TERMINAL_COMMAND) escaped as ascii() writes it (`\\x1b`, `\\r`, `\\udcff`); tabs and
+    newlines kept. What hpcfsdp prints goes through it (progress.escaped_output): the text of
+    records, specs, the history and logs is another user's where results are shared (issue 51)."""
+    if text.isascii() and text.isprintable():  # the usual line, checked in C
+        return text
+    return TERMINAL_COMMAND.sub(lambda found: ascii(found.group())[1:-1], text)
+
+
 def unseen_character(text: str) -> str:
     """The first character of text that is invisible or changes the direction of the text around
     it, as 'U+202E (RIGHT-TO-LEFT OVERRIDE)'; "" when there is none. A plain space is visible."""

@@ -19,7 +19,7 @@ from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
 from ..contracts.record import RECORD_NAME
 from ..progress import Progress
-from ..sweep.folder.layout import cell_ids_with, read_manifest, require_sweep_folder, slurm_jobs
+from ..sweep.folder.layout import cell_ids_with, read_manifest, require_sweep_folder, require_utf8_path, slurm_jobs
 from ..sweep.track.accounting import note_accounting
 from ..sweep.track.status import resources_line
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
@@ -78,6 +78,7 @@ def collect(
         if folder is not None and not folder.is_dir():
             raise SpecError(f"{folder}: no such sweep folder")
     require_sweep_folder(sweep_dir)  # as status: no report, nor a history beside it, in a folder that is no sweep
+    require_utf8_path(Path(sweep_dir).absolute())
     options = over_time or over_time_options(sweep_dir)  # a bad references file stops here, before any writing
     progress = Progress("reading records", min_count=PROGRESS_MIN_RECORDS)
     recorded = cell_ids_with(sweep_dir, RECORD_NAME)  # listed once: for squeue's question, and to read

@@ -30,6 +30,7 @@ from ..contracts.fields import SpecError
 from ..contracts.files import LockBusy, OwnershipError, RecordError, linked_file, open_lock, take_lock
 from ..contracts.fs.beneath import folder, make_folders, new_temp, open_file, pinned, removed_in, renamed_in
 from ..contracts.fs.ownership import holder_words, user_name, write_lock_note
+from ..contracts.names import has_surrogate, readable
 from .history_rows import COLUMNS, KEY
 
 TABLE = "runs"
@@ -107,7 +108,7 @@ class History:
             import duckdb
         except ImportError:  # a dependency, but an image without network may lack it: collect carries on
             raise HistoryError(f"{path}: duckdb is not installed (pip install duckdb)") from None
-        self.path = Path(path)
+        self.path = _utf8_path(Path(path))
         if read_only and not self.path.is_file():
             raise HistoryError(
                 f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
@@ -231,7 +232,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     HistoryError naming the file and why, never a traceback."""
     import duckdb
 
-    path = _history_file(Path(path))
+    path = _history_file(_utf8_path(Path(path)))
     try:
         make_folders(path.parent)
     except OSError as exc:
@@ -267,6 +268,16 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
             os.close(fd)
             for leftover in (name, name + ".rewritten"):
                 removed_in(parent, leftover, leftover + ".wal")
+
+
+def _utf8_path(path: Path) -> Path:
+    """path, which DuckDB opens only where it is UTF-8 text (a byte that is not, in a folder's name,
+    made it raise std::bad_cast); a HistoryError in one line otherwise."""
+    if has_surrogate(str(path)):
+        raise HistoryError(
+            f"{readable(str(path))}: not UTF-8 text, which DuckDB cannot open; give a history path that is"
+        )
+    return path
 
 
 def _rewrite_at_storage_version(copy: Path) -> None:

@@ -28,6 +28,7 @@ from ..sweep.define.matrix import Cell, Sweep
 from ..sweep.folder.layout import (
     cell_dir,
     require_inside,
+    require_utf8_path,
     slurm_jobs,
     update_manifest,
     write_cell_spec,
@@ -80,6 +81,7 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
     from .output import outcome, write_outcome
 
     sweep_dir = Path(results_dir) / sweep.name
+    require_utf8_path(sweep_dir.absolute())
     started = time.monotonic()
     untimed = log
 

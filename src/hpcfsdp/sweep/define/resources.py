@@ -290,13 +290,19 @@ def _checked_extra_sbatch(where: str, res: Resources) -> dict[str, Any]:
     return resolved
 
 
+# Of Slurm's variables, these would move the jobs (SLURM_CLUSTERS: the manifest names the cluster) or
+# widen their environment (SLURM_EXPORT_ENV): never given to sbatch, nor named in pass_env.
+NEVER_TO_SBATCH = frozenset({"SLURM_CLUSTERS", "SLURM_EXPORT_ENV"})
+
+
 def _checked_pass_env(where: str, names: Any) -> tuple[str, ...]:
     """slurm.pass_env: names of variables (the user's choice, secrets too: plan says so)."""
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and ENV_NAME.fullmatch(n) for n in names):
         raise SpecError(where, "pass_env", f"expected a list of variable names (A-Z, 0-9, _), got {shown(names)}")
-    slurms = [name for name in names if name.upper().startswith(("SBATCH_", "SLURM_"))]
-    if slurms:  # SBATCH_EXPORT would override the script's --export list; SLURM_* go along already
-        raise SpecError(where, "pass_env", f"{slurms[0]}: Slurm's own variables are not passed by name")
+    # SBATCH_EXPORT would override the script's --export list; other SLURM_*, SRUN_* and SALLOC_* may be named.
+    slurms = [name for name in names if name.upper().startswith("SBATCH_") or name.upper() in NEVER_TO_SBATCH]
+    if slurms:
+        raise SpecError(where, "pass_env", f"{slurms[0]}: sbatch would read it as an option; not passed by name")
     return tuple(dict.fromkeys(names))
 
 

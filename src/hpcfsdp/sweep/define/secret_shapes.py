@@ -81,6 +81,38 @@ READ_HERE = re.compile(r"\bread\b((?:\s+-\w+(?:\s+\S+)?)*(?:\s+[A-Za-z_]\w*)+)\s
 PRINTF_INTO = re.compile(r"\bprintf\s+(?:-\w+\s+)*-v\s*([A-Za-z_]\w*)")
 
 
+# What a `$` the shell takes as itself (quoted '$', $'$', \$) becomes in without_quotes: no `$`, so
+# that `export DB_PASSWORD='$ecret99'` is a value written into the script, not `$ecret99` read on the node.
+LITERAL_DOLLAR = "\0"
+
+
+def without_quotes(text: str) -> str:
+    """A line of shell with its quotes ('...', "...", $'...', $"...") and backslashes taken out, as
+    the shell joins the words; a `$` the shell takes literally (in '...' or $'...', or after a
+    backslash) is LITERAL_DOLLAR, so that it is read as no variable (issue 51, item 14)."""
+    out: list[str] = []
+    quote, i = "", 0
+    while i < len(text):
+        char, following = text[i], text[i + 1 : i + 2]
+        if char == "\\" and quote != "'" and following:  # an escaped character; in $'...' too
+            out.append(LITERAL_DOLLAR if following == "$" else following)
+            i += 2
+            continue
+        if (quote in ("'", "$'") and char == "'") or (quote == '"' and char == '"'):
+            quote = ""
+        elif quote:
+            out.append(LITERAL_DOLLAR if char == "$" and quote != '"' else char)
+        elif char == "$" and following in ("'", '"'):  # ANSI-C quoting, and locale translation
+            quote = "$'" if following == "'" else '"'
+            i += 1
+        elif char in ("'", '"'):
+            quote = char
+        else:
+            out.append(char)
+        i += 1
+    return "".join(out)
+
+
 def _words(name: str) -> list[str]:
     """The words of a name (between non-alphanumerics), upper case, each without a number at its end."""
     return [word.rstrip("0123456789") or word for word in re.split(r"[^A-Z0-9]+", name.upper()) if word]
@@ -115,7 +147,7 @@ def secret_in_text(text: str) -> str:
     or `printf -v`."""
     if SECRET_VALUE.search(text):
         return "a value of a secret's shape"
-    unquoted = text.replace('"', "").replace("'", "").replace("\\", "")
+    unquoted = without_quotes(text)
     for name, value in ASSIGNMENT.findall(unquoted):
         first = re.split(r"[\s;&|]", value, maxsplit=1)[0]
         if value and not READ_ON_THE_NODE.match(value) and is_secret_name(name, first):

@@ -184,6 +184,17 @@ def check_sweep_folder(sweep_dir: Path) -> None:
     check_folder_tree(sweep_dir, OWNED_PARTS)
 
 
+def require_utf8_path(sweep_dir: Path) -> None:
+    """SpecError when the sweep folder's path is not UTF-8 text (a byte of a folder's name that is
+    not): the report's Parquet file, the history (DuckDB) and the batch scripts cannot be written
+    under it, and raised a traceback (issue 51)."""
+    if has_surrogate(str(sweep_dir)):
+        raise SpecError(
+            f"{readable(str(sweep_dir))}: the sweep folder's path is not UTF-8 text (a byte of a folder's name "
+            "is not), which its report, the history and Slurm's scripts cannot be written under; rename that folder"
+        )
+
+
 def require_inside(sweep_dir: Path, path: Path) -> None:
     """SpecError when path (a folder hpcfsdp writes or runs in: report/, tune/, a run's folder) is,
     or is reached through, a link that leads out of the sweep folder: nothing out of it is written

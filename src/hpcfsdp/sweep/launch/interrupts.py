@@ -18,7 +18,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
-    """One of SIGNALS arrived; `exit_status` is the shell's 128 + signal number."""
+    """One of SIGNALS arrived; `exit_status` is the shell's 128 + signal number. `running_cell`:
+    the cell the local executor was running when it arrived ("" when none was)."""
+
+    running_cell = ""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)

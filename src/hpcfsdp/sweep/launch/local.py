@@ -26,6 +26,7 @@ from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manife
 from ..track.lost import log_tails, record_launch_failure
 from ..track.status import cell_status
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
+from .interrupts import Interrupted
 
 LAUNCH_DIR_ENV = "HPCFSDP_LAUNCH_DIR"  # the cell folder of a launch, in each of its processes' environment
 LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
@@ -115,8 +116,12 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             outcomes[cell.id] = "error"
             log(f"    error ({error})")
             continue
-        with records_set_aside(sweep_dir, [cell]):
-            returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
+        try:
+            with records_set_aside(sweep_dir, [cell]):
+                returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
+        except Interrupted as exc:
+            exc.running_cell = cell.id  # what submit says it stopped
+            raise
         # The launch's end: from submitted_at, its whole wall time (start-up included, which the
         # record's duration_s leaves out), what the cell cost; a cell cut short by an interrupt has none.
         update_manifest(sweep_dir, {cell.id: entry | {"ended_at": time.time()}})

@@ -15,7 +15,7 @@ from ...contracts.gpus import GPU_WORDS
 from ...contracts.strategies import STRATEGIES
 from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, cells_rank_words, column_texts, varying_columns
 from ..track.cluster import array_size_limit
-from .environment import sbatch_from_shell, sbatch_note
+from .environment import fault_hook_warning, sbatch_from_shell, sbatch_note
 
 if TYPE_CHECKING:
     from ..predict.memory import CellPrediction
@@ -57,6 +57,8 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         )
     if note := sbatch_note(sweep):
         print(note)
+    if warning := fault_hook_warning():
+        print(warning)
     return print_problems(problems_noted(sweep))
 
 

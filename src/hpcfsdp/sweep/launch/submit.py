@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...contracts.errors import Stopped, UserError
 from ...contracts.fields import SpecError
-from ...contracts.files import RecordError
+from ...contracts.files import LockError, RecordError
 from ...contracts.names import sbatch_word_problem
 from ...contracts.record import MISSING
 from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
@@ -25,6 +25,7 @@ from ..folder.layout import (
     SLURM_DIR,
     end_local_run,
     manifest_cluster,
+    require_utf8_path,
     slurm_jobs,
     sweep_comment,
     write_sweep_files,
@@ -161,6 +162,7 @@ def submit(
     if executor not in EXECUTORS:
         raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
     sweep_dir = Path(results_dir) / sweep.name
+    require_utf8_path(sweep_dir.absolute())  # its records are collected beside the history
     if executor == "slurm":  # the folder's path goes into the #SBATCH lines of the log files
         folder = str(sweep_dir.absolute())
         problem = (
@@ -184,6 +186,8 @@ def submit(
             f"{exc}; the cells of that array and any after it were not queued "
             f"(arrays queued before it are in {sweep_dir / MANIFEST_NAME})"
         ) from None
+    except LockError as exc:  # the lock itself: nothing was read, nothing queued
+        raise UserError(f"{exc}; nothing submitted") from None
     except RecordError as exc:  # the manifest: which jobs are the sweep's
         raise UserError(
             f"{exc}; it names the sweep's queued jobs: repair or remove it (`squeue --name "
@@ -192,6 +196,8 @@ def submit(
     except Interrupted as exc:
         done = (
             "the running cell was stopped, its record kept in attempts/ and its earlier one (if any) current again"
+            if executor == "local" and exc.running_cell
+            else "no cell had started"
             if executor == "local"
             else "arrays queued before it are in manifest.json; the cells not queued keep their records"
         )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ...contracts.record import MISSING, SPEC_NAME
 from ...contracts.spec import SpecError
-from ..folder.layout import cell_dir, read_manifest, slurm_jobs, sweep_comment
+from ..folder.layout import cell_dir, planned_cell_ids, read_manifest, slurm_jobs, sweep_comment
 from .intent import reconcile_intent
 from .lost import log_tails, record_launch_failure, slurm_logs
 from .scheduler import QueuedJob, queued_states, scancel
@@ -85,10 +85,12 @@ def cancel_sweep(
 
 
 def _chosen_cells(sweep_dir: Path, cell_ids: list[str]) -> list[str]:
-    """The cells named (each must be a cell of the sweep folder), else every cell of the manifest."""
-    manifest = read_manifest(sweep_dir)
+    """The cells named (each must be a cell of the sweep folder), else every cell of the folder: those
+    planned (a spec.json) and those of the manifest. A planned cell the manifest lacks (never
+    queued, or queued by a submit killed before it wrote the manifest) has no queued job, and
+    cancel counts it so."""
     if not cell_ids:
-        return sorted(manifest)
+        return sorted(set(read_manifest(sweep_dir)) | set(planned_cell_ids(sweep_dir)))
     unknown = [cid for cid in cell_ids if not (cell_dir(sweep_dir, cid) / SPEC_NAME).is_file()]
     if unknown:
         raise SpecError(
