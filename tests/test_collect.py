@@ -35,7 +35,7 @@ from hpcfsdp.results import plots, read
 from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import write_report
-from hpcfsdp.results.tables import reference_cells
+from hpcfsdp.results.tables import comparison_table, percent_text, reference_cells
 from hpcfsdp.sweep.define.matrix import cell_id
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -575,6 +575,29 @@ def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu
     )
 
 
+def test_the_failed_cells_table_names_an_array_task_as_status_and_squeue_do(tmp_path):
+    sweep = tmp_path / "jobs"
+    failed = failed_record(spec_of(CPU_BASE, strategy="ddp"), "timeout", "train", "received SIGTERM", device="cpu")
+    put(sweep, {**failed, "slurm": {"job_id": "41", "array_job_id": "40", "array_task_id": "0"}})
+    summary = write_report(sweep, plots=False).directory.joinpath("summary.md").read_text()
+    assert [r[2] for r in rows(section(summary, "Cells that did not finish ok"))[1:]] == ["40_0"]
+
+
+def test_the_report_links_each_profiled_cells_traces_and_says_how_to_open_them(tmp_path):
+    sweep = cpu_sweep(tmp_path)
+    cell = sorted((sweep / "cells").iterdir())[0]
+    (cell / "profile").mkdir()
+    (cell / "profile" / "rank0.1700000000.pt.trace.json").write_text("{}")
+    (cell / "profile" / "notes.txt").write_text("not a trace")
+    report = write_report(sweep, plots=False)
+    summary = (report.directory / "summary.md").read_text()
+    link = f"../cells/{cell.name}/profile/rank0.1700000000.pt.trace.json"
+    assert f"]({'<'}{link}>)" in section(summary, "Profiles") and "notes.txt" not in summary
+    assert "ui.perfetto.dev" in section(summary, "Profiles") and "tensorboard --logdir" in summary
+    page = (report.directory / "index.html").read_text()
+    assert f'href="{link}"' in page
+
+
 def test_baseline_falls_back_to_zero3_and_can_be_chosen(tmp_path):
     sweep = tmp_path / "nodp"
     for strategy, tps in (("fsdp2_zero2", 1100.0), ("fsdp2_zero3", 1000.0)):
@@ -716,6 +739,27 @@ def test_cpu_sweep_skips_gpu_only_plots_with_a_note(tmp_path):
     assert "exposed communication not recorded: shown as 0" in plots.time_breakdown(data).get_suptitle()
     assert len(plots.memory(data).legends[0].get_texts()) == 2  # the strategies; no capacity line on CPU
     assert distinct_colours(report.directory / "plots" / "memory_stages.png") > 50
+
+
+def test_a_cpu_sweeps_memory_plot_caption_speaks_of_process_memory_not_a_gpus_capacity(tmp_path):
+    report = write_report(cpu_sweep(tmp_path))
+    summary = (report.directory / "summary.md").read_text()
+    assert "Peak memory (each process's RSS) vs per-device batch" in summary
+    assert "capacity" not in summary and "GPU's" not in summary
+
+
+def test_ddp_rows_leave_the_fsdp_only_knobs_blank_and_no_saving_reads_minus_zero(tmp_path):
+    sweep = tmp_path / "knobs"
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
+    for depth, peak in ((0, 20.0004), (2, 10.0)):  # 20.0004 GiB against 20: a saving of -0.002%
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", prefetch_depth=depth), 1100.0, peak))
+    table = comparison_table(load_records(sweep).frame, tuple(RunSpec.__dataclass_fields__))
+    assert "prefetch_depth" in table.columns
+    assert table.set_index("strategy").loc["ddp", "prefetch_depth"] == ""  # DDP has no prefetch
+    assert set(table[table["strategy"] != "ddp"]["prefetch_depth"]) == {"0", "2"}
+    summary = write_report(sweep, plots=False, baseline="ddp").directory.joinpath("summary.md").read_text()
+    savings = [r[-1] for r in rows(section(summary, "Speed-up and memory saving vs baseline"))[1:]]
+    assert sorted(savings) == ["0.0%", "50.0%"] and percent_text(-0.0001) == "0.0%"
 
 
 def test_empty_sweep_writes_a_report_and_skips_every_plot(tmp_path):
