@@ -355,6 +355,7 @@ def test_collect_json_lists_a_cell_whose_record_is_corrupt_marked_corrupt_with_t
     code, document, _ = answer(capsys, ["collect", str(sweep), "--json", "--no-history", "--no-plots"])
     collected = CollectAnswer.model_validate(document)
     cells = {c.cell_id: c for c in collected.cells}
+    assert code == collected.exit_status
     assert set(cells) == {*ids.values(), "torn-cell"} and cells["torn-cell"].status == "corrupt"
     assert str(broken) in (cells["torn-cell"].reason or "") and cells["torn-cell"].tokens_per_s_per_gpu is None
 
