@@ -36,7 +36,7 @@ from hpcfsdp.results import plots, read
 from hpcfsdp.results.read import Collection, label_cells, load_records, ok_configs
 from hpcfsdp.results.regressions import compare_sweeps
 from hpcfsdp.results.report import write_report
-from hpcfsdp.results.tables import reference_cells
+from hpcfsdp.results.tables import comparison_table, percent_text, reference_cells
 from hpcfsdp.sweep.define.matrix import cell_id
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -471,6 +471,24 @@ def test_a_cpu_sweeps_parquet_types_the_gpu_columns_it_has_no_value_for_as_the_r
     assert pd.read_parquet(report.directory / "results.parquet")["mfu"].isna().all()
 
 
+def test_parquet_types_an_all_ok_sweep_and_one_with_failures_alike_and_polars_reads_both_together(tmp_path):
+    """A failed record lacks world_size's companions (timed_steps, tokens_per_step, ...): pandas
+    makes such an int column float; the file keeps it int64, null where a record has none."""
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    polars = pytest.importorskip("polars")
+    all_ok = write_report(cpu_sweep(tmp_path / "a"), plots=False).directory / "results.parquet"
+    mixed = cpu_sweep(tmp_path / "b")
+    put(mixed, failed_record(spec_of(CPU_BASE, strategy="fsdp2_zero2"), "oom", "train", "OutOfMemoryError", "cpu"))
+    with_failure = write_report(mixed, plots=False).directory / "results.parquet"
+    ok_types, mixed_types = ({f.name: str(f.type) for f in pyarrow.read_schema(p)} for p in (all_ok, with_failure))
+    assert ok_types["timed_steps"] == mixed_types["timed_steps"] == "int64"
+    assert {
+        name: (kind, mixed_types[name]) for name, kind in ok_types.items() if mixed_types.get(name, kind) != kind
+    } == {}
+    both = polars.concat([polars.read_parquet(all_ok), polars.read_parquet(with_failure)], how="diagonal")
+    assert both.height == 9 and both["timed_steps"].null_count() == 1 and both["world_size"].dtype == polars.Int64
+
+
 def test_records_of_an_older_or_no_schema_version_are_named_unreadable(tmp_path):
     """read_record accepts the schema versions it knows (READ_SCHEMA_VERSIONS) only: what the
     fields of another one mean is not defined, so it is named and skipped, never guessed at."""
@@ -574,6 +592,29 @@ def test_summary_lists_failed_missing_and_unreadable_cells_with_reasons(gpu, gpu
     assert summary.startswith(
         "# gpu: 15 cell(s): 9 ok, 2 oom, 1 error, 1 timeout, 2 missing; 2 unreadable record file(s)"
     )
+
+
+def test_the_failed_cells_table_names_an_array_task_as_status_and_squeue_do(tmp_path):
+    sweep = tmp_path / "jobs"
+    failed = failed_record(spec_of(CPU_BASE, strategy="ddp"), "timeout", "train", "received SIGTERM", device="cpu")
+    put(sweep, {**failed, "slurm": {"job_id": "41", "array_job_id": "40", "array_task_id": "0"}})
+    summary = write_report(sweep, plots=False).directory.joinpath("summary.md").read_text()
+    assert [r[2] for r in rows(section(summary, "Cells that did not finish ok"))[1:]] == ["40_0"]
+
+
+def test_the_report_links_each_profiled_cells_traces_and_says_how_to_open_them(tmp_path):
+    sweep = cpu_sweep(tmp_path)
+    cell = sorted((sweep / "cells").iterdir())[0]
+    (cell / "profile").mkdir()
+    (cell / "profile" / "rank0.1700000000.pt.trace.json").write_text("{}")
+    (cell / "profile" / "notes.txt").write_text("not a trace")
+    report = write_report(sweep, plots=False)
+    summary = (report.directory / "summary.md").read_text()
+    link = f"../cells/{cell.name}/profile/rank0.1700000000.pt.trace.json"
+    assert f"]({'<'}{link}>)" in section(summary, "Profiles") and "notes.txt" not in summary
+    assert "ui.perfetto.dev" in section(summary, "Profiles") and "tensorboard --logdir" in summary
+    page = (report.directory / "index.html").read_text()
+    assert f'href="{link}"' in page
 
 
 def test_baseline_falls_back_to_zero3_and_can_be_chosen(tmp_path):
@@ -719,6 +760,27 @@ def test_cpu_sweep_skips_gpu_only_plots_with_a_note(tmp_path):
     assert distinct_colours(report.directory / "plots" / "memory_stages.png") > 50
 
 
+def test_a_cpu_sweeps_memory_plot_caption_speaks_of_process_memory_not_a_gpus_capacity(tmp_path):
+    report = write_report(cpu_sweep(tmp_path))
+    summary = (report.directory / "summary.md").read_text()
+    assert "Peak memory (each process's RSS) vs per-device batch" in summary
+    assert "capacity" not in summary and "GPU's" not in summary
+
+
+def test_ddp_rows_leave_the_fsdp_only_knobs_blank_and_no_saving_reads_minus_zero(tmp_path):
+    sweep = tmp_path / "knobs"
+    put(sweep, ok_record(spec_of(GPU_BASE, strategy="ddp"), 1000.0, 20.0))
+    for depth, peak in ((0, 20.0004), (2, 10.0)):  # 20.0004 GiB against 20: a saving of -0.002%
+        put(sweep, ok_record(spec_of(GPU_BASE, strategy="fsdp2_zero3", prefetch_depth=depth), 1100.0, peak))
+    table = comparison_table(load_records(sweep).frame, tuple(RunSpec.__dataclass_fields__))
+    assert "prefetch_depth" in table.columns
+    assert table.set_index("strategy").loc["ddp", "prefetch_depth"] == ""  # DDP has no prefetch
+    assert set(table[table["strategy"] != "ddp"]["prefetch_depth"]) == {"0", "2"}
+    summary = write_report(sweep, plots=False, baseline="ddp").directory.joinpath("summary.md").read_text()
+    savings = [r[-1] for r in rows(section(summary, "Speed-up and memory saving vs baseline"))[1:]]
+    assert sorted(savings) == ["0.0%", "50.0%"] and percent_text(-0.0001) == "0.0%"
+
+
 def test_empty_sweep_writes_a_report_and_skips_every_plot(tmp_path):
     (tmp_path / "empty" / "cells").mkdir(parents=True)
     report = write_report(tmp_path / "empty")
@@ -843,21 +905,21 @@ def test_compare_flags_ok_cells_that_have_no_record_now(gpu, tmp_path):
     (again / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k not in (gone, was_oom)}))
 
     comparison = compare_sweeps(again, gpu)
-    assert sorted(comparison.regressions) == sorted(
-        [f"{pending}: status ok -> missing", f"{gone}: status ok -> missing"]
-    )
+    assert comparison.regressions == [f"{pending}: status ok -> missing"]  # `gone` was never this sweep's
     table = comparison.table.set_index("cell")
     assert len(table) == 13  # every record of the reference
     assert table.loc[[pending, gone, was_oom], "status"].tolist() == [
         "ok -> missing",
-        "ok -> missing",
-        "oom -> missing",
+        "ok; not in the current sweep",
+        "oom; not in the current sweep",
     ]
-    assert table.loc[[pending, gone, was_oom], "regression"].tolist() == ["REGRESSION", "REGRESSION", ""]
+    assert table.loc[[pending, gone, was_oom], "regression"].tolist() == ["REGRESSION", "", ""]
     assert table.loc[gone, "tokens/s/gpu"] == "12,600 -> -"
     text = comparison.render("again", "gpu")
-    assert text.startswith("# again vs gpu: 13 reference cell(s), 2 regression(s)")
-    assert f"- {gone}: status ok -> missing" in section(text, "Regressions")
+    assert text.startswith("# again vs gpu: 13 reference cell(s), 1 regression(s)")
+    assert f"- {pending}: status ok -> missing" in section(text, "Regressions") and gone not in section(
+        text, "Regressions"
+    )
 
 
 def test_compare_cli_prints_deltas_and_fails_on_regression(gpu, tmp_path, capsys):

@@ -194,6 +194,18 @@ def test_cancel_ends_exactly_this_sweeps_jobs_pending_ones_first(slurm_cluster, 
         assert "left 1 running cell(s) as they are (--pending-only)" in out
         assert read(busy_dir / "cells" / pending / "result.json")["status"] == "cancelled"
         assert squeue_state(tasks[running]["job_id"]) == "RUNNING" and squeue_state(later_job) == "PENDING"
+        # logs and status name the running cell as running, and the cancelled one with its cause
+        assert main(["logs", str(busy_dir)]) == 0
+        listed = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:3]}
+        assert listed == {running: "running", pending: "cancelled"}
+        assert main(["status", str(busy_dir)]) == 3  # a cell not ok (the other still runs)
+        table = capsys.readouterr().out.splitlines()
+        assert " cause " in table[1]
+        assert re.search(rf"^{pending} .*cancelled .* Slurm job \S+ cancelled by", "\n".join(table), re.M)
+        # a plain submit reruns nothing, and says what --retry-failed would
+        assert main(["submit", str(busy), "--executor", "slurm", "--results-dir", str(results)]) == 0
+        said = capsys.readouterr().out
+        assert "skipping 1 cell(s) that already have a record (cancelled 1): --retry-failed reruns the 1 not ok" in said
 
         assert main(["cancel", str(busy_dir)]) == 0
         assert f"cancelled {running} (job {tasks[running]['job_id']}, running)" in capsys.readouterr().out

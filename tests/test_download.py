@@ -513,8 +513,12 @@ def test_chess_preset_tokenizes_its_list_of_moves(repos: SimpleNamespace, tmp_pa
     jobs.write_text(
         f"name: chess\nbase: {{device: cpu, model: {MODEL}, data: chess, seq_len: 8, text_column: Result}}\n"
     )
-    (miss,) = cache_misses(load_sweep(jobs), str(cache))
-    assert miss.endswith(f"--tokenize-for {MODEL} --seq-len 8 --text-column Result"), miss
+    (miss, command) = cache_misses(load_sweep(jobs), str(cache))
+    assert miss.startswith(f"{jobs}:2: tokenized dataset ") and "--seq-len" not in miss, miss
+    assert (
+        command
+        == f"on a machine with internet, `python download_models.py {jobs} --cache-dir {cache}` fetches all of them"
+    )
     with pytest.raises(CacheMissError, match=rf"column Moves' is not in the cache .* --dataset {CHESS}:default@train "):
         lookup_tokenized("chess", MODEL, 32, cache)
 

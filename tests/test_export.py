@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pwd
 import socket
 import struct
 import subprocess
@@ -255,7 +257,8 @@ def test_export_to_tensorboard_writes_plain_scalars_its_reader_reads_back(cells,
         events = read(cell_id)
         got = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
         assert same_losses(got.get("loss", []), want["losses"]), (cell_id, got.get("loss"))
-        assert got.get("step_times_s", []) == [(s, pytest.approx(t, rel=1e-6)) for s, t in want["step_times"]]
+        assert got.get("step_duration_s", []) == [(s, pytest.approx(t, rel=1e-6)) for s, t in want["step_times"]]
+        assert "step_times_s" not in got  # not the record's list's name beside its figure step_time_s
         provenance = {key: value for key, value in want["provenance"].items() if value}
         assert hparams(events).items() >= {**provenance, "status": records[want["role"]]["status"]}.items()
         ok = want["role"] in ("ok", "measured")
@@ -322,8 +325,39 @@ def test_tensorboard_dashboard_gets_each_hparam_typed_the_varying_ones_first_and
     differs = [name for name, info in shown.items() if info.differs]
     assert list(shown)[: len(differs)] == differs and {"status", "strategy", "batch_size", "lr"} <= set(differs)
     assert len(differs) < len(shown) and all(info.type != api_pb2.DATA_TYPE_UNSET for info in shown.values())
+    first = api_pb2.GetExperimentRequest(hparams_limit=5)  # what the dashboard shows before any choice
+    top = get_experiment.Handler(context.RequestContext(), backend_context.Context(tb), "", first).run()
+    assert {"strategy", "status"} <= {info.name for info in top.hparam_infos}
+    # tensorboard --inspect: every run's steps in order
+    from tensorboard.backend.event_processing import event_file_inspector as inspector
+
+    for unit in inspector.get_inspection_units(logdir=logdir):
+        for observed in inspector.get_dict_to_print(unit.field_to_obs).values():
+            assert not (observed or {}).get("outoforder_steps"), (unit.name, observed)
     assert {v.string_value for v in shown["status"].domain_discrete.values} == {"ok", "diverged", "error"}
     assert shown["lr"].type == api_pb2.DATA_TYPE_FLOAT64
+
+
+def test_two_sweeps_exported_into_one_tensorboard_folder_are_distinct_trials(cells, tmp_path):
+    """docs/history.md's layout: each sweep in DIR/<sweep>/. The same cell id in two sweeps is two
+    trials (the HParams dashboard groups sessions by their group name), never one averaged row."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    sweep_dir, records = cells
+    again = tmp_path / "t-again"
+    shutil.copytree(sweep_dir, again)
+    for folder in (sweep_dir, again):
+        assert main(["export", str(folder), "--to", "tensorboard", str(tmp_path / "tb")]) == 0
+    groups = []
+    for run in sorted((tmp_path / "tb").glob("*/*/")):
+        events = EventAccumulator(str(run))
+        events.Reload()
+        content = events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+        groups.append(metadata.parse_session_start_info_plugin_data(content).group_name)
+    assert len(groups) == 2 * len(records) and len(set(groups)) == len(groups), groups
 
 
 @pytest.mark.parametrize("store", ["file", "sqlite"])
@@ -349,10 +383,10 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
         run, source = runs[cell_id], records[want["role"]]
         history = {
             name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-            for name in ("loss", "step_times_s")
+            for name in ("loss", "step_duration_s")
         }
         assert same_losses(history["loss"], want["losses"]), (cell_id, history["loss"])
-        assert history["step_times_s"] == want["step_times"]
+        assert history["step_duration_s"] == want["step_times"]
         assert run.data.metrics.get("step_time_s") == want["step_time_s"]  # the record's median, not the last step's
         started, length = launch(source)
         assert run.info.start_time == int(started * 1000)
@@ -362,6 +396,8 @@ def test_export_to_mlflow_writes_a_store_its_client_reads_back(cells, tmp_path, 
         assert run.data.tags["mlflow.source.git.commit"] == source["git_commit"]
         assert run.data.tags["hpcfsdp.hostnames"] == ",".join(source["hostnames"])
         assert run.info.status == ("FINISHED" if source["status"] == "ok" else "FAILED")
+        # the UI's "Created by": who ran the cell (its record's owner), not "-"
+        assert run.info.user_id == run.data.tags["mlflow.user"] == pwd.getpwuid(os.getuid()).pw_name
     ok = runs[record["cell_id"]]
     assert ok.data.params == {name: str(value) for name, value in record["spec"].items()}
     assert ok.data.tags["hpcfsdp.setup"] == setup_key(record["spec"]) and ok.data.tags["hpcfsdp.status"] == "ok"
@@ -469,9 +505,12 @@ def test_export_to_wandb_writes_offline_runs_its_reader_reads_back(cells, tmp_pa
         rows = {row["_step"]: row for row in run["history"]}
         losses = [(step, row["loss"]) for step, row in sorted(rows.items()) if "loss" in row]
         assert same_losses(losses, want["losses"]), losses  # wandb writes NaN, which json.loads reads
-        assert [(s, row["step_times_s"]) for s, row in sorted(rows.items()) if "step_times_s" in row] == want[
-            "step_times"
-        ]
+        series = [(s, row["step_duration_s"]) for s, row in sorted(rows.items()) if "step_duration_s" in row]
+        assert series == want["step_times"]
+        # the launch's start and span under names of their own, not the record's started_at / duration_s
+        assert "started_at" not in run["summary"] and "duration_s" not in run["summary"]
+        assert run["summary"]["launch_started_at"] == pytest.approx(launch(source)[0])
+        assert run["summary"]["launch_span_s"] == pytest.approx(launch(source)[1])
         assert run["summary"].get("step_time_s") == want["step_time_s"]  # the record's median
         assert run["summary"].items() >= {k: v for k, v in want["provenance"].items() if v}.items()
         # When and where the run was made, from the record: not when and where it was exported.

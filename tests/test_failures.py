@@ -42,6 +42,10 @@ def test_failure_leaves_a_record_and_no_hang(tmp_path, monkeypatch, fault, statu
     assert record["memory_at_failure"]["cpu_max_rss_gib"] > 0
     assert record["spec"]["strategy"] == "fsdp2_zero3" and record["world_size"] == 2
     assert "memory_snapshot" not in record
+    if status == "timeout":  # stopped after its first step: the record keeps that step's figures
+        steps = record["spec"]["steps"]
+        assert record["finished_steps"] == 1 and len(record["losses"]) == 1, record["error"]
+        assert re.search(rf"\(time limit\); after 1 of {steps} steps( \(.*loss [0-9.]+\))?$", record["error"])
 
 
 DIVERGING = {"strategy": "ddp", "lr": 1.0e12, "steps": 6, "comm_profile_steps": 0}

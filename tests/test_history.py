@@ -445,7 +445,9 @@ rows = con.execute("SELECT count(*), count(DISTINCT sweep) FROM runs").fetchone(
 found = con.execute("SELECT * FROM duckdb_databases() WHERE database_name = current_database()")
 database = dict(zip([column[0] for column in found.description], found.fetchone()))
 storage = (database.get("tags") or {}).get("storage_version")
-print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": storage}))
+# a time as Python gets it: DuckDB before 1.5 makes a TIMESTAMPTZ a datetime with pytz (a dependency)
+first = con.execute("SELECT min(started_at) FROM runs").fetchone()[0]
+print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": storage, "utc": str(first.utcoffset())}))
 """
 
 
@@ -482,8 +484,8 @@ def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_install
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
-    assert read("1.1.0") == {"version": "1.1.0", "rows": [2, 1], "storage": None}
-    assert read("1.5.6") == {"version": "1.5.6", "rows": [2, 1], "storage": "v1.0.0+"}
+    assert read("1.1.0") == {"version": "1.1.0", "rows": [2, 1], "storage": None, "utc": "0:00:00"}
+    assert read("1.5.6") == {"version": "1.5.6", "rows": [2, 1], "storage": "v1.0.0+", "utc": "0:00:00"}
     assert collect(write_sweep(results, "nightly-1", 1, {"a": 1010})) == 0  # the duckdb installed here
     assert read("1.1.0")["rows"] == [3, 2] and read("1.5.6")["rows"] == [3, 2]
     fresh = tmp_path / "fresh.duckdb"  # a history the duckdb installed here makes

@@ -191,6 +191,19 @@ def test_setup_builds_for_gpu_or_cpu_nodes_as_told_whatever_the_machine_it_runs_
     assert not venv.exists()
 
 
+def test_the_readmes_example_list_and_the_models_pages_preset_list_name_every_one_that_ships():
+    import re
+
+    from hpcfsdp.contracts.sources import preset_names
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    (listed,) = re.findall(r"Example matrices: `jobs/` \(([^)]*)\)", readme)
+    assert listed.split(", ") == sorted(path.stem for path in (ROOT / "jobs").glob("*.yaml"))
+    models = (ROOT / "docs/models_and_data.md").read_text()
+    (row,) = [line for line in models.splitlines() if "a shipped preset" in line]
+    assert re.findall(r"`([^`]+)`", row.split("|")[1]) == sorted(preset_names())
+
+
 def test_the_readme_quick_start_holds_the_demo_and_cis_test_command_and_the_smoke_file_as_it_is():
     readme = (ROOT / "README.md").read_text()
     quick = readme[readme.index("## Quick start") : readme.index("## On a cluster")]

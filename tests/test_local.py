@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -33,6 +34,9 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
     # The progress goes to stderr; stdout holds what collect prints (the table), nothing before it.
     assert "[1/2] " in captured.err and "[2/2] " in captured.err and "sweep folder: " in captured.err
     assert "[1/" not in out and not out.startswith("sweep folder")
+    # each cell's line: its outcome, its seconds, and an ok cell's tokens/s
+    assert re.search(r"^    ok in \d+ s, [\d,]+ tokens/s$", captured.err, re.M), captured.err
+    assert re.search(r"^    error in \d+ s$", captured.err, re.M), captured.err
     records = {
         r["spec"]["strategy"]: r
         for r in (json.loads(p.read_text()) for p in tmp_path.glob("local_e2e/cells/*/result.json"))

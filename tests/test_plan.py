@@ -622,7 +622,10 @@ def test_plan_and_submit_check_the_cache_for_hub_items_and_plan_sbatch_notes_the
     jobs.write_text("name: hub\nbase: {model: acme/not-downloaded, device: cpu}\n")
     assert main(["plan", str(jobs)]) == 2
     err = capsys.readouterr().err
-    assert "acme/not-downloaded" in err and "download_models.py" in err
+    assert [line for line in err.splitlines() if not line.startswith("note:")] == [  # its line; one command
+        f"error: {jobs}:2: model 'acme/not-downloaded' is not in the cache {tmp_path / 'empty-cache'}",
+        f"error: on a machine with internet, `python download_models.py {jobs}` fetches all of them",
+    ]
     # The scripts need no weights: --sbatch writes them, each miss a note (issue 54, item 3).
     assert main(["plan", "--sbatch", str(jobs)]) == 0
     sbatch = capsys.readouterr()
@@ -815,6 +818,36 @@ def test_states_are_coloured_on_a_terminal_only_and_never_with_no_color(monkeypa
     assert coloured("oom", "oom", io.StringIO()) == "oom"  # a log or a pipe
 
 
+def test_error_lines_are_red_on_a_terminal_and_plain_with_no_color_or_in_a_pipe(tmp_path, monkeypatch, capsys):
+    import pty
+
+    path = write(tmp_path, "base: {model: tiny, devize: cpu}\nmatrix:\n  strategy: [ddp]\n")
+    said = {}
+    for case, no_color in (("terminal", ""), ("no_color", "1")):
+        monkeypatch.setenv("NO_COLOR", no_color)
+        leader, follower = pty.openpty()
+        with open(follower, "w") as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            assert main(["plan", str(path)]) == 2
+            terminal.flush()
+        said[case] = os.read(leader, 4096).decode()
+        os.close(leader)
+    monkeypatch.undo()
+    assert said["terminal"].startswith("\033[31;1merror:\033[0m " + f"{path}:1: base.devize: unknown key")
+    assert said["no_color"].startswith(f"error: {path}:1: base.devize") and "\033[" not in said["no_color"]
+    assert main(["plan", str(path)]) == 2  # stderr captured: a pipe
+    assert capsys.readouterr().err.startswith(f"error: {path}:1:")
+
+
+def test_a_global_batch_that_a_matrix_batch_does_not_divide_blames_the_matrix_value(tmp_path, capsys):
+    path = write(tmp_path, "base: {model: tiny, global_batch_size: 8}\nmatrix:\n  batch_size: [2, 3]\n")
+    assert main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}:3: matrix.batch_size: 3 does not fit global_batch_size: 8 is not a multiple of "
+        "batch_size x world size = 3 x 1 = 3 (cell batch_size=3)"
+    ]
+
+
 def test_every_mistyped_key_of_a_jobs_file_is_named_in_one_run(tmp_path, capsys):
     path = write(
         tmp_path,
@@ -835,6 +868,34 @@ def test_every_mistyped_key_of_a_jobs_file_is_named_in_one_run(tmp_path, capsys)
         f"error: {path}:5: slurm.partitin: unknown key; did you mean 'partition'?",
         f"error: {path}:6: slurm.time_mn: unknown key; did you mean 'time_min'?",
         f"error: {path}:7: slurm.cpus_per_tsk: unknown key; did you mean 'cpus_per_task'?",
+    ]
+
+
+def test_sbatch_words_under_slurm_point_to_the_cells_shape_not_to_every_slurm_key(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        """
+        base: {model: tiny}
+        slurm:
+          gpus: 4
+          nodes: 2
+          gres: gpu:4
+          ntasks_per_node: 4
+          time: 10
+        matrix:
+          strategy: [ddp]
+        """,
+    )
+    assert main(["plan", str(path)]) == 2
+    layout = "(or a matrix axis), from which hpcfsdp writes sbatch's task layout"
+    gpus = f"the cells' gpus per node is `base.gpus_per_node` {layout}"
+    nodes = f"the cells' nodes is `base.nodes` {layout}"
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}:4: slurm.gpus: unknown key; {gpus}",
+        f"error: {path}:5: slurm.nodes: unknown key; {nodes}",
+        f"error: {path}:6: slurm.gres: unknown key; {gpus}",
+        f"error: {path}:7: slurm.ntasks_per_node: unknown key; {gpus}",
+        f"error: {path}:8: slurm.time: unknown key; sbatch's --time is set by `slurm.time_min`",
     ]
 
 

@@ -10,6 +10,8 @@ import json
 import pytest
 
 from conftest import ROOT, run_torchrun_cell
+from hpcfsdp.contracts.files import RecordError
+from hpcfsdp.contracts.record import read_record
 from hpcfsdp.recordschema import main, schema_text
 
 SCHEMA = ROOT / "docs" / "record.schema.json"
@@ -47,3 +49,17 @@ def test_real_records_of_every_ending_validate_against_the_published_schema_and_
     spoiled["spec"]["strategy"] = "zero9"
     problems = sorted(".".join(map(str, error.absolute_path)) for error in validator.iter_errors(spoiled))
     assert problems == ["spec.strategy", "status", "tokens_per_s_per_gpu"]
+
+
+def test_the_schema_refuses_the_spec_counts_the_reader_refuses(real_records, tmp_path):
+    """seq_len 0 and steps 0 (and a negative warm-up) are refused by read_record; so by the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
+    spoiled = copy.deepcopy(real_records["ok"])
+    spoiled["spec"].update(seq_len=0, steps=0, warmup_steps=-1)
+    problems = sorted(".".join(map(str, error.absolute_path)) for error in validator.iter_errors(spoiled))
+    assert problems == ["spec.seq_len", "spec.steps", "spec.warmup_steps"]
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(spoiled))
+    with pytest.raises(RecordError, match="seq_len"):
+        read_record(path)

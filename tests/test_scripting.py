@@ -155,6 +155,7 @@ class HistoryRun(Strict):
 
 class HistoryAnswer(Strict):
     history: str
+    exit_status: Literal[0]
     runs: list[HistoryRun]
     count: int
     setups: int
@@ -344,6 +345,19 @@ def test_collect_json_gives_each_cell_its_status_job_reason_and_figures_and_the_
     assert cells[ids["diverged"]].final_loss is None  # NaN in, null out
     assert cells[ids["slow"]].fields["lr"] == 1e30
     assert "| strategy" in err and "tokens/s/process" in err  # what collect prints, beside the document
+
+
+def test_collect_json_lists_a_cell_whose_record_is_corrupt_marked_corrupt_with_the_file(tmp_path, capsys):
+    sweep, ids = cpu_and_failed_sweep(tmp_path)
+    broken = sweep / "cells" / "torn-cell" / "result.json"
+    broken.parent.mkdir()
+    broken.write_text('{"status": "ok", "spec": ')  # a write cut short
+    code, document, _ = answer(capsys, ["collect", str(sweep), "--json", "--no-history", "--no-plots"])
+    collected = CollectAnswer.model_validate(document)
+    cells = {c.cell_id: c for c in collected.cells}
+    assert code == collected.exit_status
+    assert set(cells) == {*ids.values(), "torn-cell"} and cells["torn-cell"].status == "corrupt"
+    assert str(broken) in (cells["torn-cell"].reason or "") and cells["torn-cell"].tokens_per_s_per_gpu is None
 
 
 def test_collect_of_a_cpu_sweep_speaks_of_processes_and_an_lr_of_1e30_stays_short(tmp_path, capsys):

@@ -17,7 +17,7 @@ from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
 from .contracts.spec import RunSpec
-from .progress import escaped_output
+from .progress import error_lines, escaped_output
 from .results.defaults import DEFAULT_RESULTS, DEFAULT_TOLERANCE, HISTORY_NAME
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def _failed(line: str, error: str, exit_status: int, answered: bool = False) -> int:
     """An error: its line on stderr; asked for --json, also the one document on stdout (unless the
     command answered with its own)."""
-    print(line, file=sys.stderr)
+    print(error_lines(line, sys.stderr), file=sys.stderr)
     if _Parser.json_answers and not answered:
         commands.print_json({"error": error, "exit_status": exit_status})
     return exit_status

@@ -365,7 +365,7 @@ def history(args: argparse.Namespace) -> int:
     if args.limit:
         rows = rows.tail(args.limit)
     if args.json:
-        print_json({"history": args.history, **history_document(rows)})
+        print_json({"history": args.history, "exit_status": 0, **history_document(rows)})
         return 0
     print(markdown_table(printable(history_table(rows))) if len(rows) else "(no records)")
     print(f"{len(rows)} run(s) of {rows['setup'].nunique()} setup(s) in {args.history}")

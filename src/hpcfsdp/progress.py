@@ -107,6 +107,17 @@ def coloured(text: str, state: str, stream: TextIO | None = None) -> str:
     return f"\033[{STATE_COLOURS.get(state, FAILED_COLOUR)}m{text}\033[0m"
 
 
+def error_lines(text: str, stream: TextIO) -> str:
+    """Lines for stderr with each leading `error:` in red where `stream` is a terminal and NO_COLOR
+    is unset; as they are in a file, a pipe or with NO_COLOR."""
+    if not colour_on(stream):
+        return text
+    return "\n".join(
+        f"\033[{FAILED_COLOUR};1merror:\033[0m{line[6:]}" if line.startswith("error:") else line
+        for line in text.split("\n")
+    )
+
+
 def duration(seconds: float) -> str:
     """'42s', '3m05s', '2h07m': a span of time as a person reads it."""
     whole = max(0, round(seconds))

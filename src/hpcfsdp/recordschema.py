@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 from .contracts.jsontypes import EARLIEST_MOMENT, FIGURE, FIGURE_MAX, MOMENT
 from .contracts.record import READ_SCHEMA_VERSIONS, STATUSES, FailedRecord, OkRecord
 from .contracts.recordspec import REQUIRED_SPEC_FIELDS
-from .contracts.spec import RunSpec
+from .contracts.spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec
 
 SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
@@ -58,13 +58,18 @@ def _spec_schema() -> dict[str, Any]:
     properties = {}
     for field in dataclasses.fields(RunSpec):
         doc = field.metadata.get("doc")
-        properties[field.name] = {**_schema(hints[field.name], {}), **({"description": doc} if doc else {})}
+        least = 1 if field.name in POSITIVE_FIELDS else 0 if field.name in NON_NEGATIVE else None
+        bound = {"minimum": least} if least is not None else {}  # as the reader checks them (spec_problem)
+        properties[field.name] = {**_schema(hints[field.name], {}), **bound, **({"description": doc} if doc else {})}
     return {
         "type": "object",
         "description": "the resolved RunSpec (src/hpcfsdp/contracts/spec.py)",
         "required": list(REQUIRED_SPEC_FIELDS),
         "properties": properties,
     }
+
+
+NON_NEGATIVE = (*NON_NEGATIVE_FIELDS, *NON_NEGATIVE_NUMBERS)
 
 
 def _schema(hint: Any, definitions: dict[str, Any]) -> dict[str, Any]:

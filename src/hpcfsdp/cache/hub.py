@@ -34,6 +34,7 @@ CACHE_ENV = "HPCFSDP_CACHE"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 DOWNLOAD_COMMAND = "python download_models.py"
+RUN_WHERE_ONLINE = "; on a machine with internet run: "  # before a cache miss's one download command
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -181,9 +182,7 @@ def lookup_model(name: str, cache_dir: str | os.PathLike | None = None, weights:
     command = model_download_command(cache, ref, weights)
     entry_key, entry = find_model_entry(read_cache_manifest(cache)["items"], ref)
     if entry is None:
-        raise CacheMissError(
-            f"model {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
-        )
+        raise CacheMissError(f"model {ref.name!r} is not in the cache {cache}{RUN_WHERE_ONLINE}{command}")
     item = _checked(cache, entry_key, entry, ref.name, command)
     if weights and not entry.get("weights"):
         raise CacheMissError(
@@ -222,9 +221,7 @@ def lookup_dataset(name: str, cache_dir: str | os.PathLike | None = None) -> Cac
     command = f"{DOWNLOAD_COMMAND} --cache-dir {cache} --dataset {ref.name}"
     entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
-        raise CacheMissError(
-            f"dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
-        )
+        raise CacheMissError(f"dataset {ref.name!r} is not in the cache {cache}{RUN_WHERE_ONLINE}{command}")
     return _checked(cache, ref.key, entry, ref.name, command)
 
 
@@ -253,9 +250,7 @@ def lookup_tokenized(
     )
     entry = read_cache_manifest(cache)["items"].get(ref.key)
     if entry is None:
-        raise CacheMissError(
-            f"tokenized dataset {ref.name!r} is not in the cache {cache}; on a machine with internet run: {command}"
-        )
+        raise CacheMissError(f"tokenized dataset {ref.name!r} is not in the cache {cache}{RUN_WHERE_ONLINE}{command}")
     return _checked(cache, ref.key, entry, ref.name, command)
 
 

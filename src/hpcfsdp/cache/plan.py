@@ -11,7 +11,7 @@ from typing import Any
 from ..contracts.errors import UserError
 from ..contracts.names import DatasetRef, ModelRef, TokenizedRef
 from ..contracts.sources import model_source
-from .hub import CacheMissError, lookup_dataset, lookup_model, lookup_tokenized
+from .hub import DOWNLOAD_COMMAND, RUN_WHERE_ONLINE, CacheMissError, lookup_dataset, lookup_model, lookup_tokenized
 
 
 class DownloadError(UserError, RuntimeError):
@@ -175,4 +175,21 @@ def cache_misses(sweep: Any, cache_dir: str | None = None) -> list[str]:
     their tokenized form): `plan` and `submit` check this before anything is queued."""
     plan = plan_from_sweep(sweep)
     plan.datasets.clear()  # the cells read a dataset in its tokenized form only
-    return [item.missing for item in plan_items(plan, cache_dir) if item.missing]
+    missing = [item for item in plan_items(plan, cache_dir) if item.missing]
+    if not missing:
+        return []
+    # Each miss at the line that names its item, without the download command of that item alone:
+    # one command fetches them all (a cache whose manifest is spoiled keeps its own words).
+    lines = [f"{_where(sweep, item.kind)}: {item.missing.split(RUN_WHERE_ONLINE)[0]}" for item in missing]
+    if not any(RUN_WHERE_ONLINE in item.missing for item in missing):
+        return lines
+    cache = f" --cache-dir {cache_dir}" if cache_dir else ""
+    return [*lines, f"on a machine with internet, `{DOWNLOAD_COMMAND} {sweep.source}{cache}` fetches all of them"]
+
+
+def _where(sweep: Any, kind: str) -> str:
+    """The jobs file and the line of the first key that names an item of this kind (a model, a
+    tokenized dataset: the `data` key)."""
+    key = ".model" if kind == "model" else ".data"
+    line = next((line for name, line in getattr(sweep, "lines", {}).items() if name.endswith(key)), None)
+    return f"{sweep.source}:{line}" if line else str(sweep.source)

@@ -46,6 +46,7 @@ from .measure.metrics import (
     NvmlSampler,
     TrainLog,
     energy,
+    figures_so_far,
     full_param_norm,
     gpu_utilisation,
     memory_reading,
@@ -225,6 +226,10 @@ def _trained_record(
             peer = progress.blame(failure["status"])  # "Connection reset by peer": which peer, and why
         if peer is not None:
             blamed(failure, peer)
+        if failure["status"] == "timeout" and progress.log is not None and progress.stage == "train":
+            figures = figures_so_far(progress.measured or spec, env, progress.log)
+            failure["error"] = f"{failure['error']}; {figures.pop('said')}"
+            failure.update(figures)  # type: ignore[typeddict-item]
         if failure["status"] == "oom" and (snapshot := memory_snapshot(spec, env, cell_dir)):
             failure["memory_snapshot"] = snapshot  # taken while the exception still holds the failing step's tensors
         print(f"[hpcfsdp] {cell_id}: rank {env.rank} failed at {progress.stage}: {failure['error']}", flush=True)
@@ -249,6 +254,7 @@ class _Progress:
     seen: list[Seen] | None = None  # what each rank runs on, gathered at set-up
     ok: bool = False  # the cell trained to its end on this rank
     file: ProgressFile = field(default_factory=ProgressFile)  # rank 0's stage and step, for status --watch
+    log: TrainLog | None = None  # the training's steps so far: a timed-out cell's figures
 
 
 def _train_cell(
@@ -325,6 +331,7 @@ def _train_cell(
             set_collective_timeout(deadlines.limit_s + BACKSTOP_S)
 
     def on_step_end(step: int, log: TrainLog) -> None:
+        progress.log = log  # the steps so far: a cell stopped at its time limit keeps their figures
         before = deadlines.limit_s
         deadlines.step_ended(log.step_times_s[-1])
         watch_next_step(limit_changed=deadlines.limit_s != before)

@@ -263,6 +263,7 @@ class OkRecord(Record, total=False):
     # nonfinite_steps; schema 1 wrote NaN or Infinity): how a diverged cell looks, not a corrupt record.
     losses: Checked[Sequence[float | None] | None]
     nonfinite_steps: Checked[list[int] | None]  # the steps (from 1) whose loss is null in `losses`
+    finished_steps: int  # a `timeout` record's: the steps it finished, whose figures it keeps (tokens_per_s, ...)
     final_loss: Checked[float | None]
     optimizer_tracks_model: bool
     # How many of the model's parameter tensors moved between the first step and the last, of how

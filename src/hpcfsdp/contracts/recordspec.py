@@ -25,7 +25,7 @@ from .jsontypes import (
     typed_dict_check,
 )
 from .spec import NON_NEGATIVE_FIELDS, NON_NEGATIVE_NUMBERS, POSITIVE_FIELDS, RunSpec, fields_in
-from .strategies import Family
+from .strategies import STRATEGIES, Family
 
 # Every record has these spec fields (the cell id and every table group by them).
 REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
@@ -35,6 +35,18 @@ REQUIRED_SPEC_FIELDS = ("strategy", "batch_size")
 # defaults. The collector uses this to match a cell with its baseline and to name variants.
 FAMILY_KNOBS: dict[Family, tuple[str, ...]] = {family: fields_in(family) for family in get_args(Family)}
 STRATEGY_KNOBS = tuple(dict.fromkeys(knob for knobs in FAMILY_KNOBS.values() for knob in knobs)) + fields_in("hybrid")
+
+
+def knob_applies(name: str, strategy: object) -> bool:
+    """Whether a cell of this strategy reads the spec field: a knob of another family (DDP's
+    cpu_offload) or a hybrid's knob on a non-hybrid strategy is only its default, which the tables
+    leave blank. A field that is no knob, and an unknown strategy, read as applying."""
+    info = STRATEGIES.get(strategy) if isinstance(strategy, str) else None  # type: ignore[call-overload]
+    if name not in STRATEGY_KNOBS or info is None:
+        return True
+    return name in FAMILY_KNOBS[info.family] or (info.hybrid and name in fields_in("hybrid"))
+
+
 # RunSpec fields that change how a cell is measured or what it writes beside the measurement, not
 # what it runs: cells that differ only in these are the same *setup* to the history and its
 # regression checks (results/history_rows.py). Not among them: sync_each_step (it changes what the step

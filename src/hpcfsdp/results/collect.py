@@ -17,13 +17,22 @@ from ..contracts.errors import COLLECT_REGRESSED, COLLECT_UNCHECKED
 from ..contracts.fields import SpecError
 from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
-from ..contracts.record import RECORD_NAME
+from ..contracts.record import CORRUPT, RECORD_NAME
 from ..progress import Progress
-from ..sweep.folder.layout import cell_ids_with, read_manifest, require_sweep_folder, require_utf8_path, slurm_jobs
+from ..sweep.folder.layout import (
+    CELLS_DIR,
+    cell_ids_with,
+    read_manifest,
+    require_sweep_folder,
+    require_utf8_path,
+    slurm_jobs,
+)
 from ..sweep.track.accounting import note_accounting
 from ..sweep.track.status import resources_line
 from .defaults import DEFAULT_TOLERANCE, HISTORY_NAME, REFERENCES_NAME
+from .read import INVALID
 from .regressions import OverTimeOptions
+from .tables import CELL_FIGURES
 
 PROGRESS_MIN_RECORDS = 500  # a sweep of fewer records collects without progress lines
 
@@ -130,7 +139,8 @@ def collect(
                 {
                     "sweep_dir": str(sweep_dir),
                     "exit_status": code,
-                    "cells": cells_document(collection.cells, collection.spec_fields),
+                    "cells": cells_document(collection.cells, collection.spec_fields)
+                    + corrupt_cells(recorded, collection),
                     "recommendation": report.recommendation,
                     "untrusted": report.untrusted,
                     "regressions": [*checked.regressions, *regressions],
@@ -143,6 +153,24 @@ def collect(
             )
         )
     return code
+
+
+def corrupt_cells(recorded: list[str], collection: Any) -> list[dict[str, Any]]:
+    """`collect --json`'s entries for the cells whose record could not be read: status `corrupt`,
+    the reader's line (naming the file) as the reason, no figures; after the table's cells."""
+    read = set(collection.frame["cell_id"]) if "cell_id" in collection.frame else set()
+    entries: list[dict[str, Any]] = []
+    for cell_id in (cid for cid in recorded if cid not in read):
+        folder = f"{CELLS_DIR}/{cell_id}/"
+        reason = next((line for line in collection.unreadable if folder in line), f"{folder}{RECORD_NAME}: unreadable")
+        entries.append(
+            {
+                **dict.fromkeys(("job_id", "strategy", "tokens_per_s_spread")),
+                **{key: None for _, key in CELL_FIGURES},
+                **{"cell_id": cell_id, "status": CORRUPT, "reason": reason, "fields": {}, INVALID: []},
+            }
+        )
+    return entries
 
 
 def resource_warnings(frame: Any) -> list[str]:

@@ -27,12 +27,11 @@ import pandas as pd
 
 from ..contracts.fields import told_apart
 from ..contracts.files import garbage_collection_paused
-from ..contracts.names import slurm_job_of
 from ..contracts.record import ACCOUNTING_KEY
 from ..contracts.recordspec import MEASUREMENT_FIELDS
 from ..contracts.spec import RunSpec
 from .read import INVALID, Collection
-from .tables import first_line
+from .tables import first_line, slurm_jobs
 
 KEY = ("sweep_dir", "cell_id", "attempt")  # a row: one attempt of one cell of one sweep folder
 # name -> DuckDB type, in table order. A later hpcfsdp may add columns: History adds them to an older file.
@@ -223,16 +222,6 @@ def system_of(slurm_cluster: Any, hostnames: Any) -> str | None:
 # Rows
 
 
-SLURM_ID_COLUMNS = ("slurm.job_id", "slurm.array_job_id", "slurm.array_task_id")
-
-
-def _slurm_jobs(frame: pd.DataFrame) -> list[str | None]:
-    """Each row's Slurm job (names.slurm_job_of), from the frame's dotted columns."""
-    ids = frame.reindex(columns=list(SLURM_ID_COLUMNS))
-    keys = ("job_id", "array_job_id", "array_task_id")
-    return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in ids.itertuples(index=False)]
-
-
 def accounting_jobs(frame: pd.DataFrame) -> dict[str, str]:
     """cell id -> Slurm job, of the records that ran under Slurm and have no accounting yet."""
     if frame.empty:
@@ -240,7 +229,7 @@ def accounting_jobs(frame: pd.DataFrame) -> dict[str, str]:
     known = frame.reindex(columns=[f"{ACCOUNTING_KEY}.state"]).iloc[:, 0].map(pd.notna)
     return {
         cell_id: job
-        for cell_id, job, has in zip(frame["cell_id"], _slurm_jobs(frame), known, strict=True)
+        for cell_id, job, has in zip(frame["cell_id"], slurm_jobs(frame), known, strict=True)
         if job and not has
     }
 
@@ -290,7 +279,7 @@ def _history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
     rows["hostnames"] = column("hostnames").map(lambda hs: ",".join(map(str, hs)) if isinstance(hs, list) else None)
     rows["started_at"] = pd.to_datetime(pd.to_numeric(column("started_at"), errors="coerce"), unit="s")
     rows["collected_at"] = pd.Timestamp(utc_now())
-    rows["slurm_job_id"] = _slurm_jobs(frame)
+    rows["slurm_job_id"] = slurm_jobs(frame)
     rows["error"] = column("error").map(lambda e: str(e).splitlines()[0][:500] if isinstance(e, str) and e else None)
     for name in (
         "model",

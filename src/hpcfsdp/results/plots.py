@@ -1,13 +1,11 @@
 """Figures of a collected sweep, written as PNG files.
 
-Figures use matplotlib's object API (`Figure`, never pyplot): they render with Agg and leave no
-global state behind, so collecting works on a login node without a display. A figure whose data
-is absent raises NoData and is skipped with a note instead of failing the report; so is a figure
-that fails for any other reason, with the error as the note.
+Figures use matplotlib's object API (`Figure`, never pyplot): they render with Agg and leave no global
+state behind (a login node has no display). A figure whose data is absent raises NoData and is skipped
+with a note instead of failing the report; so is one that fails otherwise, with the error as the note.
 
-Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the
-ok cells of one workload run by most strategies, `probes` the batches `batch_size: auto` tried
-(drawn as unjoined markers beside the lines); all carry `variant` and `setting` labels.
+Input frames come from `collect`: `configs` holds ok cells averaged over repeats, `reference` the ok cells
+of one workload run by most strategies, `probes` the batches `batch_size: auto` tried (unjoined markers).
 
 Drawing is most of a large sweep's collection (text layout and PNG encoding), so a collect draws
 only when what the figures show changed: plots/drawn.json keeps a digest of the figures' input
@@ -69,6 +67,7 @@ class PlotData:
     reference_label: str
     styles: dict[str, dict[str, Any]]  # variant -> line style, the same in every figure
     probes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    on_gpu: bool = False  # some cell ran on a GPU (else the memory is each process's RSS)
 
     @classmethod
     def of(
@@ -78,7 +77,8 @@ class PlotData:
         variants = [*configs["variant"], *reference["variant"], *probes.get("variant", [])]
         marked = [frame["variant"][frame[MARK] != ""] for frame in (configs, reference) if MARK in frame]
         unranked = frozenset(str(v) for part in marked for v in part)
-        return cls(configs, reference, reference_label, layout.styles(variants, unranked), probes)
+        gpu = bool(configs["device_type"].eq("cuda").any()) if "device_type" in configs else False
+        return cls(configs, reference, reference_label, layout.styles(variants, unranked), probes, gpu)
 
 
 Drawn = tuple[list[tuple[str, Path]], dict[str, str]]  # [(caption, path)] and {name: why skipped}
@@ -139,9 +139,9 @@ def nothing_drawn() -> Drawn:  # what drawing_plots yields where no figure is dr
 
 def _listed(jobs: list[tuple[str, Any, PlotData, Path]], outcomes: list[str | None]) -> Drawn:
     written, skipped = [], {}
-    for (name, caption, _), (*_, path), why in zip(PLOTS, jobs, outcomes):
-        if why is None:
-            written.append((caption, path))
+    for (name, caption, _), (_, _, data, path), why in zip(PLOTS, jobs, outcomes):
+        if why is None:  # a CPU sweep's memory is each process's RSS, beside no device's capacity
+            written.append((CPU_MEMORY_CAPTION if name == "memory" and not data.on_gpu else caption, path))
         elif why:
             skipped[name] = why
     return written, skipped
@@ -207,12 +207,11 @@ def throughput(data: PlotData) -> Figure:
 
 
 def memory(data: PlotData) -> Figure:
-    on_gpu = (data.configs["device_type"] == "cuda").any() if "device_type" in data.configs else False
-    ylabel = "peak allocated (GiB)" if on_gpu else "peak process RSS (GiB)"
+    ylabel = "peak allocated (GiB)" if data.on_gpu else "peak process RSS (GiB)"
     names: list[str] = list(data.configs["device_name"].dropna().unique()) if "device_name" in data.configs else []
     capacities = {name: gib for name in names if (gib := gpu_memory_gib(str(name)))}
     title = "Peak memory per device vs per-device batch"
-    if on_gpu and not capacities:
+    if data.on_gpu and not capacities:
         title += "\n(device memory size unknown: no capacity line)"
     return _lines(data, "peak_memory_gib", ylabel, title, {f"{name}: {g:g} GiB": g for name, g in capacities.items()})
 
@@ -360,6 +359,7 @@ def scaling(data: PlotData) -> Figure:
     return figure
 
 
+CPU_MEMORY_CAPTION = "Peak memory (each process's RSS) vs per-device batch, per strategy"
 PLOTS: tuple[tuple[str, str, Callable[[PlotData], Figure]], ...] = (
     ("throughput", "Tokens/s per rank (a GPU, or a process on the CPU) vs per-device batch, per strategy", throughput),
     ("memory", "Peak memory vs per-device batch, with the GPU's capacity when known", memory),

@@ -27,6 +27,7 @@ import pandas as pd
 
 from ..contracts.files import write_text
 from ..contracts.record import MISSING
+from ..sweep.folder.layout import planned_cell_ids
 from .defaults import DEFAULT_TOLERANCE
 from .history import HistoryError, updated_history
 from .history_rows import KEY, history_rows
@@ -234,6 +235,9 @@ class Comparison:
 WORSE = {"tokens_per_s_per_gpu": -1, "mfu": -1, "peak_memory_gib": +1}
 
 
+NOT_IN_SWEEP = "not in the current sweep"
+
+
 def compare_sweeps(
     current_dir: str | Path, reference_dir: str | Path, threshold: float = 0.05, current: Collection | None = None
 ) -> Comparison:
@@ -255,14 +259,18 @@ def compare_sweeps(
         ["strategy", "batch_size", "cell_id"]
     )
     paired["status"] = paired["status"].fillna(MISSING)
-
+    # A reference cell the current sweep never had (no spec.json, no record: another matrix) did not
+    # go missing: it is not compared, and no regression.
+    had = set(cur["cell_id"]) | set(planned_cell_ids(Path(current_dir))) | set(current.missing.get("cell_id", []))
+    never = ~paired["cell_id"].isin(had)
     table = pd.DataFrame(
         {
             "cell": paired["cell_id"],
             "strategy": paired["strategy"],
             "batch": paired["batch_size"].map(value_text),
             "status": [
-                s if s == r else f"{r} -> {s}" for s, r in zip(paired["status"], paired["status_ref"], strict=False)
+                f"{r}; {NOT_IN_SWEEP}" if n else s if s == r else f"{r} -> {s}"
+                for s, r, n in zip(paired["status"], paired["status_ref"], never, strict=False)
             ],
         }
     )
@@ -280,7 +288,7 @@ def compare_sweeps(
                 paired["cell_id"][bad], paired[f"{metric}_ref"][bad], paired[metric][bad], change[bad], strict=False
             )
         ]
-    lost = (paired["status_ref"] == "ok") & (paired["status"] != "ok")
+    lost = (paired["status_ref"] == "ok") & (paired["status"] != "ok") & ~never
     flagged |= lost
     regressions += [
         f"{cid}: status ok -> {status}"

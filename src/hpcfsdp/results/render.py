@@ -13,6 +13,7 @@ import html
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import pandas as pd
 
@@ -28,6 +29,7 @@ class Section:
     table: pd.DataFrame | None = None
     items: list[str] = field(default_factory=list)
     images: list[tuple[str, Path]] = field(default_factory=list)  # (caption, PNG file)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (text, a path relative to the report folder)
     level: int = 2
 
 
@@ -41,6 +43,8 @@ def to_markdown(title: str, sections: list[Section], relative_to: Path | None = 
             lines += [markdown_text(section.text), ""]
         if section.items:
             lines += [*(f"- {markdown_text(item)}" for item in section.items), ""]
+        if section.links:
+            lines += [*(f"- [{markdown_text(text)}](<{quote(href)}>)" for text, href in section.links), ""]
         if section.table is not None:
             lines += [markdown_table(section.table), ""]
         for caption, path in section.images:
@@ -128,6 +132,15 @@ def to_html(title: str, sections: list[Section]) -> str:
             body.append(f"<p>{html.escape(section.text)}</p>")
         if section.items:
             body.append("<ul>" + "".join(f"<li>{html.escape(item)}</li>" for item in section.items) + "</ul>")
+        if section.links:
+            body.append(
+                "<ul>"
+                + "".join(
+                    f'<li><a href="{html.escape(quote(href))}">{html.escape(text)}</a></li>'
+                    for text, href in section.links
+                )
+                + "</ul>"
+            )
         if section.table is not None:
             body.append(_html_table(section.table))
         for caption, path in section.images:

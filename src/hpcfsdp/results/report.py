@@ -44,7 +44,7 @@ from .tables import (
     status_counts,
 )
 from .trust import WHY, invalid_table, noise_words, setup_words, spread_words
-from .tuned import tune_section
+from .tuned import profile_sections, tune_section
 
 ROW_LIMIT = 1000  # longest per-cell table in summary.md / index.html; results.csv has every row
 
@@ -115,6 +115,7 @@ def report_started(
             ]
             figures, skipped = drawn()
             files += [path for _, path in figures]
+            rest += profile_sections(sweep_dir, list(cells.frame.get("cell_id", [])), report)
             sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
             sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *after_plots]
             title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
@@ -165,7 +166,7 @@ def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
     else string."""
     import pyarrow
 
-    fields, mixed = [], []
+    fields, mixed, whole = [], [], {}
     for column in table.columns:
         try:
             kind = pyarrow.array(table[column], from_pandas=True).type
@@ -174,8 +175,12 @@ def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
             kind = pyarrow.string()
         if pyarrow.types.is_null(kind):
             kind = getattr(pyarrow, ARROW_TYPES.get(declared_type(column) or str, "string"))()
+        elif pyarrow.types.is_floating(kind) and declared_type(column) is int:
+            known = table[column].dropna()  # an int field that failed records lack, which pandas made float
+            if (known == known.round()).all():  # int64 in every sweep, null where a record has none
+                whole[column], kind = table[column].astype("Int64"), pyarrow.int64()
         fields.append(pyarrow.field(column, kind))
-    typed = table.assign(**{column: table[column].map(_as_text) for column in mixed})
+    typed = table.assign(**{column: table[column].map(_as_text) for column in mixed}, **whole)
     with atomic_output(path) as tmp:
         typed.to_parquet(tmp, index=False, schema=pyarrow.schema(fields))
     return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"] if mixed else []

@@ -11,10 +11,12 @@ import pandas as pd
 
 from ..contracts.fields import spelt_alike
 from ..contracts.gpus import GPU_WORDS, PROCESS_WORDS, RankWords, rank_words
+from ..contracts.names import slurm_job_of
 from ..contracts.record import (
     MISSING,
     STATUSES,
 )
+from ..contracts.recordspec import knob_applies
 from .read import INVALID, MARK, SHORT, SPREAD, Cells, describe, marked, value_text
 from .render import markdown_table
 
@@ -61,7 +63,18 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
         return pd.DataFrame(columns=headers)
     ranked = _ranked(frame)
     columns = {"strategy": ranked["strategy"].map(value_text)}
-    columns.update({SHORT.get(f, f): ranked[f].map(value_text) for f in fields})
+    columns.update(
+        {
+            SHORT.get(f, f): pd.Series(
+                [
+                    value_text(v) if knob_applies(f, s) else ""
+                    for v, s in zip(ranked[f], ranked["strategy"], strict=True)
+                ],
+                index=ranked.index,
+            )
+            for f in fields
+        }
+    )
     columns["status"] = _outcome(ranked).map(value_text)
     for column, header in CELL_METRICS:
         values = (
@@ -134,13 +147,13 @@ def cells_document(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> list[di
     fields = varied_fields(frame, spec_fields)
     ranked = _ranked(frame)
     cells = []
-    for _, row in ranked.iterrows():
+    for (_, row), job in zip(ranked.iterrows(), slurm_jobs(ranked), strict=True):
         error = first_line(row.get("error"))
         cells.append(
             {
                 "cell_id": row["cell_id"],
                 "status": row["status"],
-                "job_id": row.get("slurm.job_id"),
+                "job_id": job,
                 "reason": None if error == "-" else error,
                 "strategy": row.get("strategy"),
                 "fields": {name: row.get(name) for name in fields},
@@ -241,8 +254,15 @@ def baseline_table(configs: pd.DataFrame, cells: Cells, baseline: str) -> pd.Dat
     rows["peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["peak_memory_gib"]]
     rows[f"{baseline} peak GiB"] = [fmt("peak_memory_gib", v) for v in paired["base_peak_memory_gib"]]
     saving = 1 - paired["peak_memory_gib"] / paired["base_peak_memory_gib"]
-    rows["memory saving"] = [f"{v:.1%}" if pd.notna(v) else "-" for v in saving]
+    rows["memory saving"] = [percent_text(v) for v in saving]
     return in_rank_words(rows, cells.frame)
+
+
+def percent_text(fraction: float) -> str:
+    """A fraction as a percentage to one decimal; one that rounds to zero is 0.0%, never -0.0%."""
+    if pd.isna(fraction):
+        return "-"
+    return f"{round(fraction, 3) + 0.0:.1%}"
 
 
 def probe_rows(cells: Cells) -> pd.DataFrame:
@@ -314,13 +334,12 @@ def failures_table(cells: Cells) -> pd.DataFrame:
     failed = cells.frame[cells.frame["status"] != "ok"]
     stage = failed["stage"] if "stage" in failed else pd.Series("", index=failed.index)
     error = failed["error"] if "error" in failed else pd.Series("", index=failed.index)
-    job = failed["slurm.job_id"] if "slurm.job_id" in failed else pd.Series(None, index=failed.index)
     return (
         pd.DataFrame(
             {
                 "cell": failed["cell_id"],
                 "status": failed["status"],
-                "job": job.map(value_text),
+                "job": [job or "-" for job in slurm_jobs(failed)],
                 "strategy": failed["variant"].map(value_text),
                 "batch": failed["batch_size"].map(value_text),
                 "setting": failed["setting"].astype(str),
@@ -331,6 +350,17 @@ def failures_table(cells: Cells) -> pd.DataFrame:
         .sort_values(["status", "cell"])
         .reset_index(drop=True)
     )
+
+
+SLURM_ID_COLUMNS = ("slurm.job_id", "slurm.array_job_id", "slurm.array_task_id")
+
+
+def slurm_jobs(frame: pd.DataFrame) -> list[str | None]:
+    """Each row's Slurm job as status, squeue and sacct spell it (names.slurm_job_of: ARRAY_TASK
+    for an array task), from the frame's dotted columns."""
+    ids = frame.reindex(columns=list(SLURM_ID_COLUMNS))
+    keys = ("job_id", "array_job_id", "array_task_id")
+    return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in ids.itertuples(index=False)]
 
 
 def first_line(error: Any, limit: int = 160) -> str:

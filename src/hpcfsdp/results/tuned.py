@@ -1,16 +1,28 @@
-"""The report's section on what `hpcfsdp tune` found (tune.json in the sweep folder, written by
-tune/output.py): the pick, the ranking with each setup's furthest stage, the OOM frontier, what
-was left out before running, and the search's spend against the grid's. The final stage's cells
-are the sweep's own cells, so their figures stand in the report's tables beside any grid cell."""
+"""The report's sections on what the sweep folder holds beside the records.
+
+Tune: what `hpcfsdp tune` found (tune.json in the sweep folder, written by tune/output.py): the
+pick, the ranking with each setup's furthest stage, the OOM frontier, what was left out before
+running, and the search's spend against the grid's. The final stage's cells are the sweep's own
+cells, so their figures stand in the report's tables beside any grid cell.
+
+Profiles: the torch.profiler traces that `profile: true` cells wrote in cells/<id>/profile/
+(cell/profiling.py: one Chrome-trace JSON per rank), linked relative to the report, with how to
+open them (docs/collector.md, "Profiles"). Only regular files inside the cell's own profile folder
+are linked, and only names a trace handler writes (letters, digits, `.`, `_`, `-`): the folder may
+hold what another user put there.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pandas as pd
 
 from ..contracts.files import RecordError
 from ..contracts.gpus import rank_words_named
+from ..sweep.folder.layout import cell_dir
 from ..sweep.folder.tune_outcome import read_outcome
 from .render import Section
 
@@ -52,3 +64,24 @@ def tune_section(sweep_dir: Path) -> Section | None:
     items += [f"left out before running: {cell}: {why}" for cell, why in (found.get("pruned") or {}).items()]
     items += [f"note: {note}" for note in found.get("notes") or []]
     return Section("Tune", text=text, table=pd.DataFrame(rows) if rows else None, items=items)
+
+
+TRACE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.pt\.trace\.json(\.gz)?")
+HOW_TO_OPEN = (
+    "Each file is one rank's trace (Chrome trace format). Open it at https://ui.perfetto.dev "
+    "(Open trace file; nothing is uploaded), or with TensorBoard's profiler plugin: "
+    "`pip install torch-tb-profiler` then `tensorboard --logdir <the cell's profile folder>`."
+)
+
+
+def profile_sections(sweep_dir: Path, cell_ids: list[str], report: Path) -> list[Section]:
+    """The cells' traces, a link each (relative to the report folder); none where no cell has one."""
+    links = []
+    for cell_id in cell_ids:
+        folder = cell_dir(sweep_dir, cell_id) / "profile"
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if TRACE_NAME.fullmatch(path.name) and not path.is_symlink() and path.is_file():
+                links.append((f"{cell_id}: {path.name}", Path(os.path.relpath(path, report)).as_posix()))
+    return [Section("Profiles", text=HOW_TO_OPEN, links=links)] if links else []

@@ -285,6 +285,24 @@ def tokens_spread(slowest: list[float], tokens_per_gpu_step: float, timed_alone:
     return {"p10": percentile(rates, 0.1), "p90": percentile(rates, 0.9)}
 
 
+def figures_so_far(spec: RunSpec, env: DistEnv, log: TrainLog) -> dict[str, Any]:
+    """A cell stopped at its time limit mid-training: the figures of the steps it finished, on this
+    rank (no collective: its peers are ending too), and the words the record's error adds for them."""
+    done = len(log.step_times_s)
+    timed = log.step_times_s[spec.warmup_steps : done]
+    figures: dict[str, Any] = {"finished_steps": done, "losses": log.losses[:done]}
+    said = [f"after {done} of {spec.steps} steps"]
+    if timed:
+        step_time = median(timed)
+        tokens_per_s = spec.batch_size * spec.seq_len * spec.grad_accum * env.world_size / step_time
+        figures |= {"step_time_s": step_time, "tokens_per_s": tokens_per_s, "timed_steps": len(timed)}
+        said.append(f"{tokens_per_s:,.0f} tokens/s")
+    if figures["losses"]:
+        figures["final_loss"] = figures["losses"][-1]
+        said.append(f"loss {figures['final_loss']:.4g}")
+    return figures | {"said": f"{said[0]}" + (f" ({', '.join(said[1:])})" if said[1:] else "")}
+
+
 def ok_record(spec: RunSpec, env: DistEnv, log: TrainLog, flops: float, memory: dict) -> OkRecord:
     step_times, data_times = log.timed(spec.warmup_steps)
     slowest = [all_reduce_max(t, env) for t in step_times]  # a step ends when its slowest rank ends

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..read import load_records
-from .runs import EXTRAS, ExportedRun, ExportError, exported_runs, import_extra
+from .runs import EXTRAS, STEP_SERIES, ExportedRun, ExportError, exported_runs, import_extra
 
 TARGETS = ("tensorboard", "mlflow", "wandb")
 MLFLOW_METRICS, MLFLOW_PARAMS, MLFLOW_TAG_CHARS = 1000, 100, 5000  # what MLflow takes in one call / one tag
@@ -101,6 +101,8 @@ def mlflow_tags(run: ExportedRun) -> dict[str, str]:
         **{f"hpcfsdp.{key}": value for key, value in run.provenance.items()},
         **{f"hpcfsdp.version.{key}": value for key, value in run.versions.items()},
     }
+    if run.user:
+        tags["mlflow.user"] = run.user  # the UI's "Created by": who ran the cell, not who exported it
     if run.provenance.get("git_commit", "unknown") != "unknown":
         tags["mlflow.source.git.commit"] = run.provenance["git_commit"]
     return {key: value[:MLFLOW_TAG_CHARS] for key, value in tags.items() if value}
@@ -133,7 +135,7 @@ def _mlflow(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int,
         end = _ms(run.ended_at)
         metrics = (
             [Metric("loss", loss, _ms(run.wall_times[step]), step) for step, loss in run.losses]
-            + [Metric("step_times_s", s, _ms(run.wall_times[step]), step) for step, s in run.step_times]
+            + [Metric(STEP_SERIES, s, _ms(run.wall_times[step]), step) for step, s in run.step_times]
             + [Metric(name, value, end, run.last_step) for name, value in run.figures.items()]
         )
         params = [Param(name, str(value)) for name, value in sorted(run.spec.items())]

@@ -14,8 +14,8 @@ import pandas as pd
 from ...contracts.errors import UserError
 from ...contracts.files import RecordError
 from ...contracts.names import slurm_id_text, slurm_job_of
-from ...contracts.record import CellState
-from ...sweep.folder.layout import read_manifest
+from ...contracts.record import RECORD_NAME, CellState
+from ...sweep.folder.layout import CELLS_DIR, read_manifest
 from ..history_rows import attempt_of, setup_key, spec_values, system_of
 from ..read import METRICS
 
@@ -24,7 +24,12 @@ EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  #
 # time, which is the median of the timed steps (docs/metrics.md), not the last step's.
 FIGURES = (*METRICS, "step_time_s", "step_time_p90_s")
 FINAL_PREFIX = "final/"  # TensorBoard tag of a figure
+# The series of each timed step's time: not the record's `step_times_s` (a list) beside its figure
+# `step_time_s` (their median, in the summary), two names one letter apart for two things.
+STEP_SERIES = "step_duration_s"
 UID_KEY = "sweep_uid"  # the sweep's random id, where the record or its manifest entry has one
+# What a run was made from and by (_provenance), beside its spec in the hparams
+PROVENANCE_KEYS = ("git_commit", "slurm_job_id", "slurm_array_job_id", "slurm_array_task_id", "sweep_dir", UID_KEY)
 
 
 class ExportError(UserError, RuntimeError):
@@ -53,6 +58,7 @@ class ExportedRun:
     versions: dict[str, str]
     started_at: float | None
     duration_s: float | None
+    user: str | None = None  # who ran the cell: the owner of its record (MLflow's "Created by")
 
     @property
     def ok(self) -> bool:
@@ -121,7 +127,22 @@ def exported_runs(sweep_dir: Path, frame: pd.DataFrame, spec_fields: tuple[str, 
             },
             started_at=started,
             duration_s=duration,
+            user=_owner(sweep_dir / CELLS_DIR / str(record["cell_id"]) / RECORD_NAME),
         )
+
+
+def _owner(path: Path) -> str | None:
+    """The user name of the file's owner (its uid where no name is known); None without the file."""
+    import pwd
+
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def launch_of(record: Mapping[Any, Any]) -> tuple[float | None, float | None]:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .runs import FIGURES, FINAL_PREFIX, ExportedRun, import_extra
+from .runs import FIGURES, FINAL_PREFIX, PROVENANCE_KEYS, STEP_SERIES, ExportedRun, import_extra
 
 
 def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, int]:
@@ -44,14 +44,15 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
         try:
             hparams = {**run.spec, "status": run.status, **run.provenance}
             declared.append(hparams)
-            start = hp.hparams_pb(hparams, trial_id=run.cell_id, start_time_secs=run.started_at)
+            # The trial is the sweep's cell: two sweeps exported into one folder (docs/history.md) that
+            # share a cell id are two trials, never one whose figures the dashboard averages.
+            trial = f"{sweep}/{run.cell_id}"
+            start = hp.hparams_pb(hparams, trial_id=trial, start_time_secs=run.started_at)
             writer.add_event(event_pb2.Event(wall_time=run.started_at or end, summary=start))
-            for step, loss in run.losses:
-                writer.add_event(
-                    event_pb2.Event(wall_time=run.wall_times[step], step=step, summary=_scalar("loss", loss))
-                )
-            for step, seconds in run.step_times:
-                summary = _scalar("step_times_s", seconds)
+            series = [(step, "loss", loss) for step, loss in run.losses]
+            series += [(step, STEP_SERIES, seconds) for step, seconds in run.step_times]
+            for step, tag, value in sorted(series, key=lambda point: point[0]):  # in step order (tensorboard --inspect)
+                summary = _scalar(tag, value)
                 writer.add_event(event_pb2.Event(wall_time=run.wall_times[step], step=step, summary=summary))
             for name, value in run.figures.items():
                 summary = _scalar(FINAL_PREFIX + name, value)
@@ -60,9 +61,8 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
             ended = plugin_data_pb2.HParamsPluginData(
                 session_end_info=plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=end)
             )
-            writer.add_event(
-                event_pb2.Event(wall_time=end, summary=_plugin_summary(metadata.SESSION_END_INFO_TAG, ended))
-            )
+            summary = _plugin_summary(metadata.SESSION_END_INFO_TAG, ended)
+            writer.add_event(event_pb2.Event(wall_time=end, step=run.last_step, summary=summary))
         finally:
             writer.close()
         _name_from_cell(folder, f"{int(run.started_at or 0):010d}.{run.cell_id}")
@@ -79,15 +79,20 @@ def write(runs: list[ExportedRun], sweep: str, destination: str) -> tuple[int, i
 
 
 def experiment_summary(runs: Sequence[dict[str, Any]]):  # -> summary_pb2.Summary
-    """The experiment of these runs' hparams: each with its domain, those whose value differs
-    between runs first and marked `differs` (the dashboard sorts on it, then on the name, and
-    shows the first ones), then the others; and the records' figures as metrics."""
+    """The experiment of these runs' hparams: each with its domain; strategy, status and the spec
+    fields whose value differs between runs, SHOWN of them in all, first and marked `differs` (the
+    dashboard sorts on it, then on the name, and shows the first SHOWN), then the others; and the
+    records' figures as metrics."""
     from tensorboard.plugins.hparams import metadata, plugin_data_pb2
     from tensorboard.plugins.hparams import summary_v2 as hp
 
     names = list(dict.fromkeys(name for hparams in runs for name in hparams))
     values = {name: [hparams.get(name) for hparams in runs] for name in names}
-    varying = [name for name in names if len({repr(value) for value in values[name]}) > 1]
+    spec = [name for name in names if name not in (*ALWAYS_SHOWN, *PROVENANCE_KEYS)]
+    varying = [name for name in spec if len({repr(value) for value in values[name]}) > 1]
+    # The dashboard shows the first few hparams, `differs` ones first, each group by name: strategy and
+    # status, then as many varying spec fields as fit; provenance (job ids, commits) never crowds them out.
+    varying = [*(name for name in ALWAYS_SHOWN if name in names), *varying][:SHOWN]
     ordered = [*varying, *(name for name in names if name not in varying)]
     config = hp.hparams_config_pb(
         hparams=[hp.HParam(name, _domain(values[name])) for name in ordered],
@@ -99,6 +104,8 @@ def experiment_summary(runs: Sequence[dict[str, Any]]):  # -> summary_pb2.Summar
     return _plugin_summary(metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment))
 
 
+SHOWN = 5  # the hparams TensorBoard's HParams dashboard shows at first
+ALWAYS_SHOWN = ("strategy", "status")
 DISCRETE_NUMBERS = 20  # at most this many distinct numbers: a checkbox each; more: an interval
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...contracts.files import atomic_output
-from .runs import ExportedRun, ExportError, import_extra
+from .runs import STEP_SERIES, ExportedRun, ExportError, import_extra
 
 BLOCK = 32768  # a .wandb log is written in blocks of this size; no chunk header crosses one
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)  # the file's first bytes: ident, magic, version
@@ -100,7 +100,7 @@ def _write_run(wandb: Any, run: ExportedRun, run_id: str, sweep: str, root: Path
         for step, loss in run.losses:
             rows.setdefault(step, {})["loss"] = loss
         for step, seconds in run.step_times:
-            rows.setdefault(step, {})["step_times_s"] = seconds
+            rows.setdefault(step, {})[STEP_SERIES] = seconds
         for step in sorted(rows):
             writer.log({**rows[step], "_timestamp": run.wall_times[step]}, step=step)
         writer.summary.update(
@@ -112,8 +112,10 @@ def _write_run(wandb: Any, run: ExportedRun, run_id: str, sweep: str, root: Path
                 "system": run.system or "",
                 "gpu": run.gpu or "",
                 "hostnames": ",".join(run.hostnames),
-                "started_at": run.started_at,
-                "duration_s": run.duration_s,
+                # The launch's start and span (runs.launch_of), under names of their own: the
+                # record's started_at and duration_s are the cell's own, later and shorter.
+                "launch_started_at": run.started_at,
+                "launch_span_s": run.duration_s,
                 **run.provenance,
                 **{f"version.{key}": value for key, value in run.versions.items()},
             }

@@ -32,7 +32,7 @@ from ...contracts.sources import Sources, resolve_sources
 from ...contracts.spec import RunSpec
 from ...contracts.strategies import STRATEGIES
 from ...contracts.validity import cell_id_of
-from .resources import Resources
+from .resources import Resources, sbatch_word_hint
 from .secret_shapes import require_no_secret
 from .yamlfile import LineLoader, read_text, syntax_error
 
@@ -154,6 +154,11 @@ def load_sweep(path: str | Path, max_cells: int = MAX_CELLS) -> Sweep:
     return parse_sweep(raw, source=str(path), default_name=path.stem, max_cells=max_cells)
 
 
+def _unknown_slurm_key(where: str, key: str) -> SpecError:
+    hint = sbatch_word_hint(key)
+    return SpecError(where, f"slurm.{key}", hint) if hint else unknown_key(where, key, _RESOURCE_FIELDS, "slurm")
+
+
 def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", max_cells: int = MAX_CELLS) -> Sweep:
     if raw is None:
         raw = {}
@@ -180,7 +185,7 @@ def parse_sweep(raw: Any, source: str = "<yaml>", default_name: str = "sweep", m
     exclude = _partials(raw, "exclude", source)
     slurm = _mapping(raw, "slurm", source)
     unknown = [key for key in slurm if key not in _RESOURCE_FIELDS]
-    problems += [unknown_key(_where(source, slurm, key), key, _RESOURCE_FIELDS, "slurm") for key in unknown]
+    problems += [_unknown_slurm_key(_where(source, slurm, key), key) for key in unknown]
     try:
         resources = Resources.from_dict({k: v for k, v in slurm.items() if k not in unknown}, where=source)
     except SpecError as exc:
@@ -357,6 +362,13 @@ def _cell_error(
         line = min(getattr(entry, "lines", {}).values(), default=None)
         fallback = f"{source}:{line}" if line else _where(source, raw, "include")
     cell = ", ".join(f"{k}={v}" for k, v in values.items() if base.get(k) != v) or "base"
+    section, varied = places[0]
+    if exc.key == "global_batch_size" and exc.where == source and not _line_of(varied, exc.key):
+        # A fixed global batch that this cell's batch or GPU count does not divide: the varied value is at fault.
+        for part in ("batch_size", "gpus_per_node", "nodes"):
+            if line := _line_of(varied, part):
+                what = f"{values.get(part)} does not fit global_batch_size: {exc.what} (cell {cell})"
+                return SpecError(f"{source}:{line}", f"{section}.{part}", what)
     return _located(exc, source, places, fallback, suffix=f" (cell {cell})")
 
 

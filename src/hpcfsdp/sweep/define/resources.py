@@ -209,6 +209,28 @@ SBATCH_SET_BY = {
 }
 
 
+# sbatch's words for a cell's shape, written under `slurm:` (issue 54, item 5): one pointer to where the
+# shape is set, not the list of every slurm key.
+_SHAPE_WORDS = {
+    **dict.fromkeys(("gpus", "gpus-per-node", "gpus-per-task", "gres", "ntasks", "ntasks-per-node"), "gpus_per_node"),
+    **dict.fromkeys(("nodes", "N"), "nodes"),
+}
+
+
+def sbatch_word_hint(key: object) -> str:
+    """Where an sbatch word written as a `slurm:` key belongs; "" for a key that is no such word."""
+    option = str(key).replace("_", "-")
+    if option in _SHAPE_WORDS:
+        field = _SHAPE_WORDS[option]
+        return (
+            f"unknown key; the cells' {field.replace('_', ' ')} is `base.{field}` (or a matrix axis), "
+            "from which hpcfsdp writes sbatch's task layout"
+        )
+    if SBATCH_SET_BY.get(option, "").startswith("slurm."):
+        return f"unknown key; sbatch's --{option} is set by `{SBATCH_SET_BY[option]}`"
+    return ""
+
+
 # sbatch options that change what sbatch prints (the job id submit reads), when it returns, where
 # the job starts, what it runs or its task layout (hpcfsdp's, from nodes and gpus_per_node), or
 # that pass the login environment past the allowlist: refused in extra_sbatch (issue 44, item 5).

@@ -24,7 +24,7 @@ from ...progress import coloured
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest, write_local_run
 from ..track.lost import log_tails, record_launch_failure
-from ..track.status import cell_status
+from ..track.status import cell_state
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
 from .interrupts import Interrupted
 
@@ -108,7 +108,8 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
                 f"{cell.spec.world_size} ranks on this machine"
             )
         log(f"[{index}/{len(cells)}] {cell.id} ({cell.spec.world_size} process(es))")
-        entry = {"executor": "local", "job_id": None, "submitted_at": time.time()}
+        started = time.time()
+        entry = {"executor": "local", "job_id": None, "submitted_at": started}
         update_manifest(sweep_dir, {cell.id: entry})
         if cell.spec.device != "cpu" and (held := _wait_for_gpus(env, log)):
             error = f"not started: its GPUs are still held by {held} after {GPU_WAIT_S:.0f} s"
@@ -125,7 +126,8 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
         # The launch's end: from submitted_at, its whole wall time (start-up included, which the
         # record's duration_s leaves out), what the cell cost; a cell cut short by an interrupt has none.
         update_manifest(sweep_dir, {cell.id: entry | {"ended_at": time.time()}})
-        status = outcomes[cell.id] = cell_status(sweep_dir, cell)
+        state = cell_state(sweep_dir, cell)
+        status = outcomes[cell.id] = state.status
         if status == MISSING:
             timed_out = returncode is None
             ended = (
@@ -139,8 +141,15 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
                 status=status,
             )
             status += f" ({ended} without a record; see {directory / LOG_NAME})"
-        log(f"    {coloured(status, outcomes[cell.id], sys.stderr)}")  # the local executor logs to stderr
+        said = coloured(status, outcomes[cell.id], sys.stderr)  # the local executor logs to stderr
+        log(f"    {said} in {time.time() - started:.0f} s{_rate(state.record)}")
     return outcomes
+
+
+def _rate(record: dict | None) -> str:
+    """`, 1,234 tokens/s` for a record that has a rate; "" for one without."""
+    rate = (record or {}).get("tokens_per_s")
+    return f", {rate:,.0f} tokens/s" if isinstance(rate, (int, float)) and rate == rate else ""
 
 
 def gpus_held(env: dict[str, str]) -> str:

@@ -9,6 +9,7 @@ and never by two submits at once (the lock).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,12 +127,16 @@ def select_cells(
     done: list[Cell] = []
     corrupt: list[str] = []
     stale = 0
+    kept: Counter[str] = Counter()  # the statuses of the cells kept
     for cell in sweep.cells:
         state = cell_state(sweep_dir, cell)
         stale += state.status == STALE
         corrupt += [state.problem] if state.problem else []
         rerun = force or state.status in (MISSING, STALE) or (retry_failed and state.status != "ok")
         (chosen if rerun else done).append(cell)
+        kept[state.status] += not rerun
+    if done:
+        log(kept_line(kept))
     if stale and not force:
         log(f"rerunning {stale} cell(s) whose record was made with other values of their fields (a changed default)")
     for line in problem_lines(corrupt):
@@ -142,6 +147,16 @@ def select_cells(
     queued = queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else "")
     flying = {cid: jid for cid, jid in jobs.items() if jid in queued}
     return [c for c in chosen if c.id not in flying], done, flying
+
+
+def kept_line(kept: Counter[str]) -> str:
+    """What a submit leaves as it is, by status, and what --retry-failed would rerun of it (after
+    `cancel --pending-only`, the cancelled cells: a plain submit reruns none of them)."""
+    total = sum(kept.values())
+    counts = ", ".join(f"{status} {n}" for status, n in sorted(kept.items()) if n)
+    failed = total - kept["ok"]
+    retry = f"--retry-failed reruns the {failed} not ok" if failed else "--retry-failed reruns none"
+    return f"skipping {total} cell(s) that already have a record ({counts}): {retry}, --force all {total}"
 
 
 def submit(
@@ -214,7 +229,7 @@ def _submit_locked(
     room_poll_s: float | None,
 ) -> Submission:
     reconcile_intent(sweep_dir, log, locked=True)  # an array a killed submit queued: into the manifest first
-    cells, done, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
+    cells, _, flying = select_cells(sweep, sweep_dir, force, retry_failed, log)
     if executor == "slurm" and cells:
         _check_same_cluster(sweep, sweep_dir)
     problems = cluster_problems(sweep, cells) if executor == "slurm" and cells else []
@@ -222,8 +237,6 @@ def _submit_locked(
         more = f" (and {len(problems) - 1} more: `hpcfsdp plan` lists them)" if len(problems) > 1 else ""
         raise SpecError(f"{problems[0]}{more}")
     sub = Submission(sweep_dir=sweep_dir, executor=executor, submitted=cells, in_flight=flying)
-    if done:
-        log(f"skipping {len(done)} cell(s) that already have a record (--retry-failed or --force to rerun)")
     if flying:
         log(f"skipping {len(flying)} cell(s) still queued or running:")
         for cid, jid in flying.items():

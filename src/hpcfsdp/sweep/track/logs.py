@@ -41,7 +41,7 @@ from ..folder.layout import (
     slurm_folder,
 )
 from .scheduler import queued_states
-from .status import cell_state
+from .status import cell_state, sweep_status
 
 Stream = Literal["stdout", "stderr"]
 # Lines of a failed rank's log that say why: Python's exceptions, Slurm's and srun's own words.
@@ -128,7 +128,7 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
             f"== {cell_id}: {state.status} at {record.get('stage', '?')}: {_first_line(record.get('error'))}", file=out
         )
     if not jobs:
-        return _print_local_log(sweep_dir, cell_id, state.status, out)
+        return _print_local_log(sweep_dir, cell_id, sweep_status(sweep_dir, [cell_id]).cells[0].state, out)
     if state.status != "ok" and record:
         newest = rank_logs(sweep_dir, cell_id, jobs[0], "stderr") + rank_logs(sweep_dir, cell_id, jobs[0], "stdout")
         for line in telling_lines(sweep_dir, newest):
@@ -215,9 +215,9 @@ def _new_output(sweep_dir: Path, logs: list[RankLog], offsets: dict[Path, int]) 
 
 def cell_index(sweep_dir: Path) -> list[str]:
     """Without a cell: one line per cell with its state and jobs, not-ok cells first."""
-    cells = planned_cell_ids(sweep_dir)
-    rows = [(cid, cell_state(sweep_dir, cid).status, cell_jobs(sweep_dir, cid)) for cid in cells]
-    rows.sort(key=lambda row: row[1] == "ok")
+    states = {c.cell_id: str(c.state) for c in sweep_status(sweep_dir, planned_cell_ids(sweep_dir)).cells}
+    rows = [(cid, state, cell_jobs(sweep_dir, cid)) for cid, state in states.items()]
+    rows.sort(key=lambda row: row[1] == "ok")  # pending and running as the scheduler (or a local submit) says
     width = max(4, *(len(cid) for cid, _, _ in rows)) if rows else 4
     lines = [f"{'cell':{width}} {'state':9} jobs (newest first)"]
     lines += [f"{cid:{width}} {status:9} {' '.join(jobs) or '-'}" for cid, status, jobs in rows]

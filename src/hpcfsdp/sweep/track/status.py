@@ -6,6 +6,7 @@ watch (watch.py) reads them here at every look, through the slurm.Watcher it kee
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterable
@@ -280,6 +281,18 @@ def cell_progress(sweep_dir: Path, cell_id: str) -> str:
     return stage if isinstance(stage, str) else ""
 
 
+CAUSE_WIDTH = 72
+EXCEPTION_NAME = re.compile(r"^[\w.]+(Error|Exception|Timeout|Cancelled|Interrupt): ")
+
+
+def short_cause(error: str) -> str:
+    """The cause column of the status and `submit --wait` tables: a failed cell's error, its first
+    line without the exception's class name (the state says oom, timeout), cut to CAUSE_WIDTH
+    characters (the whole line is in `status --json` and the report)."""
+    error = EXCEPTION_NAME.sub("", error, count=1)
+    return error if len(error) <= CAUSE_WIDTH else error[: CAUSE_WIDTH - 3] + "..."
+
+
 def _first_line(error: object) -> str:
     return error.strip().splitlines()[0] if isinstance(error, str) and error.strip() else ""
 
@@ -338,8 +351,15 @@ def print_status(report: StatusReport, summary: bool = True) -> None:
     width = max(4, *(len(c.cell_id) for c in rows))
     strategy_width = max(len("strategy"), *(len(c.strategy) for c in rows))
     state_width = max(len("state"), *(len(str(c.state)) for c in rows))  # cancelled, node_fail, preempted
-    print(f"{'cell':{width}} {'strategy':{strategy_width}} {'state':{state_width}} {'job':12}{extra_header} slurm")
-    for c, more in zip(rows, extra):
+    causes = [short_cause(c.error) for c in rows]
+    cause_width = max(len("cause"), *map(len, causes)) if any(causes) else 0
+    cause_header = f" {'cause':{cause_width}}" if cause_width else ""
+    print(
+        f"{'cell':{width}} {'strategy':{strategy_width}} {'state':{state_width}} {'job':12}{extra_header}"
+        f"{cause_header} slurm"
+    )
+    for c, more, cause in zip(rows, extra, causes):
+        more += f" {cause or '-':{cause_width}}" if cause_width else ""
         slurm = f"{c.slurm} ({c.reason})" if c.reason else c.slurm or "-"
         slurm += f", {c.progress}" if c.progress else ""
         slurm += f": {c.advice}" if c.advice else ""
