@@ -44,6 +44,8 @@ def test_plan_names_in_one_line_the_shells_slurm_variables_the_jobs_do_not_get(t
         "note: SALLOC_PARTITION, SLURM_MEM_PER_CPU, SLURM_TIMELIMIT, SRUN_CPUS_PER_TASK from your shell"
     )
     assert "SLURM_I51_PASSED" not in line
+    assert main(["plan", str(_jobs(tmp_path, "shell", pass_env=["SLURM_I51_PASSED"])), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["not_to_the_jobs"] == sorted(FROM_THE_SHELL)
 
 
 def _hpcfsdp(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

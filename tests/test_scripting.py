@@ -98,6 +98,7 @@ class PlanAnswer(Strict):
     max_requeue: int
     problems: list[str]
     sbatch_from_shell: dict[str, str]
+    not_to_the_jobs: list[str]
     cluster_checks_skipped: str
 
 

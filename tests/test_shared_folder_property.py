@@ -49,7 +49,15 @@ SHARED = settings(
 CANARY = f"CANARY-{uuid.uuid4().hex}"
 SMOKE = {
     "name": "shared",
-    "base": {"model": "tiny", "device": "cpu", "precision": "fp32", "seq_len": 32, "steps": 2, "warmup_steps": 1},
+    "base": {
+        "model": "tiny",
+        "device": "cpu",
+        "precision": "fp32",
+        "seq_len": 32,
+        "steps": 2,
+        "warmup_steps": 1,
+        "comm_profile_steps": 0,
+    },
     "matrix": {"strategy": ["ddp", "fsdp2_zero3"]},
 }
 # From the sweep folder; {cell} is a cell of the sweep.

@@ -5,6 +5,7 @@ command prints through one stream (progress.escaped_output, names.printable_text
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
@@ -59,3 +60,21 @@ def test_status_history_logs_and_collect_print_the_text_of_shared_files_with_con
         assert not CONTROL.search(out + err), (argv, CONTROL.findall(out + err))
         printed += out + err
     assert "\\x1b]0;owned\\x07" in printed  # shown, escaped
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_only_hpcfsdps_own_colours_and_bar_pass_and_a_files_codes_are_escaped():
+    from hpcfsdp.progress import EscapedStream, coloured
+
+    terminal = _Terminal()
+    EscapedStream(terminal).write(f"{coloured('ok', 'ok', terminal)} \r\x1b[K[###] {PLANTED} \x1b[8mhidden\x1b[0m")
+    shown = terminal.getvalue()
+    assert shown.startswith("\x1b[32mok\x1b[0m \r\x1b[K[###] \\x1b]0;owned\\x07\\x1b[2J\\rX")
+    assert shown.endswith(" \\x1b[8mhidden\x1b[0m")  # concealed text is shown; a colour's end is harmless
+    piped = io.StringIO()
+    EscapedStream(piped).write("\x1b[32mok\x1b[0m")
+    assert piped.getvalue() == "\\x1b[32mok\\x1b[0m"  # no colour where no terminal reads it

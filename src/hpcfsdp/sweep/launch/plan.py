@@ -15,7 +15,7 @@ from ...contracts.gpus import GPU_WORDS
 from ...contracts.strategies import STRATEGIES
 from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, cells_rank_words, column_texts, varying_columns
 from ..track.cluster import array_size_limit
-from .environment import fault_hook_warning, sbatch_from_shell, sbatch_note
+from .environment import fault_hook_warning, sbatch_from_shell, sbatch_note, slurm_clients_dropped
 
 if TYPE_CHECKING:
     from ..predict.memory import CellPrediction
@@ -146,6 +146,7 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
         "max_requeue": res.max_requeue,
         "problems": problems,
         "sbatch_from_shell": sbatch_from_shell(sweep),  # the shell's SBATCH_* variables that reach sbatch
+        "not_to_the_jobs": slurm_clients_dropped(sweep),  # the shell's SLURM_*, SRUN_*, SALLOC_* left out
         "cluster_checks_skipped": "; ".join(f"{reason}: {SKIPPED_CHECKS}" for reason in skipped),
     }
 
@@ -165,6 +166,7 @@ def refused_document(problem: str, exit_status: int) -> dict:
         "max_requeue": 0,
         "problems": [problem],
         "sbatch_from_shell": {},
+        "not_to_the_jobs": [],
         "cluster_checks_skipped": "",
     }
 
