@@ -60,7 +60,14 @@ def test_a_record_relabelled_with_another_cells_id_is_corrupt_and_named_by_statu
         ({"tokens_per_s_per_gpu": 20 * 10_000.0}, "tokens_per_s_per_gpu 200000.0 is not tokens_per_s / world size"),
         ({"tokens_per_s_per_gpu": 20 * 10_000.0, "tokens_per_s": 20 * 20_000.0}, "tokens_per_s 400000.0 is not"),
         ({"tokens_per_step": 1}, "tokens_per_step 1 is not batch_size x seq_len x grad_accum x world size = 8192"),
-        ({"window_step_time_s": None}, "without window_step_time_s, which it is computed from"),
+        (
+            {"tokens_per_s": None, "tokens_per_s_per_gpu": 20 * 10_000.0},
+            "tokens_per_s_per_gpu 200000.0 x world size 2 is",
+        ),
+        (
+            {"window_step_time_s": 0.02},
+            "tokens_per_s 20000 is not tokens_per_step / window_step_time_s = 8192 / 0.02",
+        ),
     ],
 )
 def test_a_record_whose_tokens_per_s_disagrees_with_its_step_time_and_tokens_per_step_is_corrupt(

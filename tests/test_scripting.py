@@ -127,6 +127,7 @@ class CollectAnswer(Strict):
     regressions: list[str]
     notes: list[str]
     unreadable: list[str]
+    unplanned: list[str]
     history_unchecked: str | None
     files: list[str]
 

@@ -184,31 +184,28 @@ def _other_cell(made: str) -> str:
 
 def figures_problem(record: Mapping[str, Any]) -> str:
     """Why the record's tokens/s cannot be what it measured ("" when it can): it disagrees with its
-    tokens per step and step time, or its tokens/s per GPU with tokens/s and the world size. An ok
-    record with tokens/s per GPU must hold the figures it is made from; a record without tokens/s
-    per GPU ranks nowhere and is not checked."""
+    tokens per step and the timed window's step time, or its tokens/s per GPU with tokens/s and the
+    world size. Each relation is checked where the record holds both of its sides; an ok record
+    without tokens/s per GPU ranks nowhere and is not checked."""
     per_gpu = _positive(record.get("tokens_per_s_per_gpu"))
     if record.get("status") != "ok" or per_gpu is None:
         return ""
     spec = record["spec"]
     world = _positive(record.get("world_size")) or spec.get("nodes", 1) * spec.get("gpus_per_node", 1)
     total, per_step = _positive(record.get("tokens_per_s")), _positive(record.get("tokens_per_step"))
-    step = _positive(record.get("window_step_time_s"))  # every ok record has had it since the first
-    if total is None or per_step is None or step is None:
-        lacking = [name for name, v in (("tokens_per_s", total), ("tokens_per_step", per_step)) if v is None]
-        lacking += ["window_step_time_s"] if step is None else []
-        return f"tokens_per_s_per_gpu {per_gpu} without {', '.join(lacking)}, which it is computed from"
-    batch = spec.get("batch_size", 1) * spec.get("seq_len", 0) * spec.get("grad_accum", 1) * world
-    if per_step != batch:
-        return f"tokens_per_step {per_step:g} is not batch_size x seq_len x grad_accum x world size = {batch:g}"
-    if not _close(total, per_step / step):
-        return (
-            f"tokens_per_s {total} is not tokens_per_step / the step time = {per_step:g} / {step} = {per_step / step}"
-        )
-    if not _close(per_gpu, total / world):
+    step = _positive(record.get("window_step_time_s"))
+    if total is not None and not _close(per_gpu, total / world):
         return (
             f"tokens_per_s_per_gpu {per_gpu} is not tokens_per_s / world size = {total} / {world:g} = {total / world}"
         )
+    if per_step is None:
+        return ""
+    batch = spec.get("batch_size", 1) * spec.get("seq_len", 0) * spec.get("grad_accum", 1) * world
+    if per_step != batch:
+        return f"tokens_per_step {per_step:g} is not batch_size x seq_len x grad_accum x world size = {batch:g}"
+    if step is not None and not _close(total or per_gpu * world, per_step / step):
+        given = f"tokens_per_s {total}" if total else f"tokens_per_s_per_gpu {per_gpu} x world size {world:g}"
+        return f"{given} is not tokens_per_step / window_step_time_s = {per_step:g} / {step} = {per_step / step}"
     return ""
 
 
