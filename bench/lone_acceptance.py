@@ -78,6 +78,15 @@ def cell_processes(cell: Path) -> list[int]:
     return found
 
 
+def written_at(record: dict, path: Path) -> float:
+    """When the record was first written: a rank's record says it (started_at + duration_s; the
+    local executor rewrites the file later, adding the launch's tear-down), else the file's time."""
+    started, took = record.get("started_at"), record.get("duration_s")
+    if isinstance(started, float) and isinstance(took, float):
+        return started + took
+    return path.stat().st_mtime
+
+
 def run_row(work: Path, executor: str, fault: str) -> dict:
     name = f"{executor}-{fault}"
     jobs = work / f"{name}.yaml"
@@ -106,7 +115,7 @@ def run_row(work: Path, executor: str, fault: str) -> dict:
     text = "\n".join(p.read_text(errors="replace") for p in logs if p.is_file())
     found = FAULT_LINE.search(text)
     fault_at = float(found.group(1)) if found else None
-    to_record = path.stat().st_mtime - fault_at if fault_at is not None and path.is_file() else None
+    to_record = written_at(record, path) - fault_at if fault_at is not None and path.is_file() else None
     time.sleep(2)  # the driver frees a process's memory as it ends
     left = cell_processes(cell)
     on_gpu = sorted(gpu_pids())
