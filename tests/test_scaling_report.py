@@ -22,7 +22,7 @@ def test_a_sweep_at_one_two_and_four_gpus_reports_each_strategys_efficiency_agai
         put(sweep, ok_record(spec_of(base, strategy=strategy, gpus_per_node=2), two, 30.0))
         put(sweep, ok_record(spec_of(base, strategy=strategy, nodes=2, gpus_per_node=2), four, 25.0))
     put(sweep, ok_record(spec_of(base, strategy="fsdp2_hsdp", nodes=2, gpus_per_node=2), 16_000.0, 27.0))
-    # another workload (batch 4) with no one-GPU cell has no row: nothing to scale against
+    # another workload (batch 4) ran at one GPU count only: no row, nothing to scale against
     put(sweep, ok_record(spec_of({**base, "batch_size": 4}, strategy="ddp", gpus_per_node=2), 21_000.0, 50.0))
 
     summary = (write_report(sweep, plots=False).directory / "summary.md").read_text()
