@@ -269,18 +269,11 @@ class _CollectorPaused:
 def read_json_object(
     path: str | Path, root: str | Path | None = None, kind: str = "record", limit: int = 0
 ) -> dict[str, Any]:
-    """read_json_text's object, without its text."""
-    return read_json_text(path, root, kind, limit)[0]
-
-
-def read_json_text(
-    path: str | Path, root: str | Path | None = None, kind: str = "record", limit: int = 0
-) -> tuple[dict[str, Any], bytes]:
-    """A JSON object from path and the bytes it was parsed from, or RecordError naming the path (a
-    `kind` of file) and why not: unreadable, larger than `limit` bytes (MAX_JSON_BYTES by default),
-    not UTF-8, not JSON, too deep (RecursionError) or an integer past Python's digit limit
-    (ValueError), not an object, text with a lone surrogate, or (with root) a link that leads out
-    of the folder root. FileNotFoundError when there is no file."""
+    """A JSON object from path, or RecordError naming the path (a `kind` of file) and why not:
+    unreadable, larger than `limit` bytes (MAX_JSON_BYTES by default), not UTF-8, not JSON, too
+    deep (RecursionError) or an integer past Python's digit limit (ValueError), not an object, text
+    with a lone surrogate, or (with root) a link that leads out of the folder root.
+    FileNotFoundError when there is no file."""
     path = Path(path)
     if root is not None and not _inside(path, root):
         raise RecordError(f"{path}: leads out of {root} (a symbolic link); not read")
@@ -301,7 +294,7 @@ def read_json_text(
         raise RecordError(f"{path}: expected a JSON object, got {type(value).__name__}")
     if SURROGATE_ESCAPE.search(data) and (where := _surrogate_in(value)):
         raise RecordError(f"{path}: unreadable {kind} (a lone surrogate, which is no text, in {where})")
-    return value, data
+    return value
 
 
 def _surrogate_in(value: Any) -> str:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict, cast
 
-from .files import RecordError, read_json_text, write_json
+from .files import RecordError, read_json_object, write_json
 from .jsontypes import (
     JSON_VALUE_REF,
     Checked,
@@ -382,14 +381,14 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
     MAX_RECORD_BYTES too); FileNotFoundError when there is none. A plain dict, not a Record: only
     its Checked fields are known to hold their declared types."""
     path = Path(path)
-    record, text = read_json_text(path, root, limit=MAX_RECORD_BYTES)
+    record = read_json_object(path, root, limit=MAX_RECORD_BYTES)
     version = record.get("schema_version")
     if version not in READ_SCHEMA_VERSIONS:
         expected = " or ".join(map(str, READ_SCHEMA_VERSIONS))
         raise RecordError(f"{path}: schema_version {shown(version)} is not supported (expected {expected})")
     if record.get("status") not in STATUSES:
         raise RecordError(f"{path}: status {shown(record.get('status'))} is not one of {', '.join(STATUSES)}")
-    check = _compiled_record_check(bool(LONG_DIGITS.search(text)))
+    check = _compiled_record_check()
     problem = None if check is not None and check(record) else _record_problem(record)
     if problem:
         raise RecordError(f"{path}: {problem}")
@@ -429,20 +428,13 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-# The fewest digits an integer past 64 bits has (2**63 has 19). A record whose text holds no run of
-# that many digits holds no such integer: its other values need no walk (a third of a record's
-# check, where it holds its ranks, phases and sources: issue 54's collect of 10,000 records).
-LONG_DIGITS = re.compile(rb"[0-9]{19}")
-
-
 @functools.cache
-def _compiled_record_check(long_digits: bool = True) -> Callable[[Any], bool] | None:
+def _compiled_record_check() -> Callable[[Any], bool] | None:
     """_record_problem compiled (jsontypes.compiled_check) from the same declarations: the Checked
     fields and their marks, RunSpec's fields, types, choices and ranges; every other value any
-    JSON whose integers fit 64 bits, which only a text with LONG_DIGITS needs checked (parsed JSON
-    is JSON). None where pydantic-core is missing."""
+    JSON whose integers fit 64 bits. None where pydantic-core is missing."""
     if core_schema is None:
         return None
     fields = {name: annotation_schema(hint) for name, hint in CHECKED_FIELDS.items()}
-    any_json = core_schema.definition_reference_schema(JSON_VALUE_REF) if long_digits else core_schema.any_schema()
+    any_json = core_schema.definition_reference_schema(JSON_VALUE_REF)
     return compiled_check(typed_dict_check({**fields, "spec": spec_schema()}, any_json, required=("spec",)))
