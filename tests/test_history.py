@@ -447,7 +447,8 @@ database = dict(zip([column[0] for column in found.description], found.fetchone(
 storage = (database.get("tags") or {}).get("storage_version")
 # a time as Python gets it: DuckDB before 1.5 makes a TIMESTAMPTZ a datetime with pytz (a dependency)
 first = con.execute("SELECT min(started_at) FROM runs").fetchone()[0]
-print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": storage, "utc": str(first.utcoffset())}))
+utc = str(first.utcoffset())
+print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": storage, "utc": utc}))
 """
 
 

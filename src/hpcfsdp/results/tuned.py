@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..contracts.files import RecordError
 from ..contracts.gpus import rank_words_named
-from ..sweep.folder.layout import cell_dir
+from ..sweep.folder.layout import cell_dir, cell_ids_with
 from ..sweep.folder.tune_outcome import read_outcome
 from .render import Section
 
@@ -66,6 +66,7 @@ def tune_section(sweep_dir: Path) -> Section | None:
     return Section("Tune", text=text, table=pd.DataFrame(rows) if rows else None, items=items)
 
 
+PROFILE_DIR = "profile"  # cells/<id>/profile/: cell/profiling.write_trace's folder
 TRACE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.pt\.trace\.json(\.gz)?")
 HOW_TO_OPEN = (
     "Each file is one rank's trace (Chrome trace format). Open it at https://ui.perfetto.dev "
@@ -77,8 +78,8 @@ HOW_TO_OPEN = (
 def profile_sections(sweep_dir: Path, cell_ids: list[str], report: Path) -> list[Section]:
     """The cells' traces, a link each (relative to the report folder); none where no cell has one."""
     links = []
-    for cell_id in cell_ids:
-        folder = cell_dir(sweep_dir, cell_id) / "profile"
+    for cell_id in sorted(set(cell_ids) & set(cell_ids_with(sweep_dir, PROFILE_DIR))):  # one scandir, not a stat a cell
+        folder = cell_dir(sweep_dir, cell_id) / PROFILE_DIR
         if folder.is_symlink() or not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):
