@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -38,6 +39,9 @@ FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | CLOEXEC
 # A temporary file of atomic_output (and the history's copy): ".<name>.<pid>.<8 hex>", and what
 # DuckDB adds to such a file (its write-ahead log, the history's rewritten copy).
 TEMP_NAME = re.compile(r"\.(?P<name>.+)\.[0-9]+\.[0-9a-f]{8}(?:\.rewritten)?(?:\.wal)?")
+
+
+FRESH_S = 1.0  # a temporary file younger than this is never taken for a killed writer's
 
 
 class NotARegularFile(OSError):
@@ -203,18 +207,6 @@ def read_open(fd: int, limit: int, tail: bool, path: str) -> bytes:
     return b"".join(chunks)
 
 
-def exists(path: str | Path, root: str | Path | None = None) -> bool:
-    """Whether something (a link counts) is at path, reached below root without following one."""
-    text = os.fspath(path)
-    try:
-        top, names = parts_below(text, root)
-        with folder_of(top, names, text) as parent:
-            os.lstat(names[-1], dir_fd=parent)
-    except OSError:
-        return False
-    return True
-
-
 @contextmanager
 def folder_of(top: str, names: list[str], path: str, create: bool = False) -> Iterator[int]:
     fd = open_folder(top, names[:-1], path, create)
@@ -320,8 +312,11 @@ def _abandoned(parent: int, entry: str) -> bool:
     except OSError as exc:
         return exc.errno == errno.ELOOP  # a link at a temporary name: no writer's
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             return True
+        if time.time() - info.st_mtime < FRESH_S:  # made this instant: its writer may not hold its flock yet
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
