@@ -169,7 +169,6 @@ def make_record(spec: RunSpec, rng: random.Random, real: dict) -> dict:
             "p10": tokens_per_step / spec.world_size / ordered[len(ordered) * 9 // 10],
             "p90": tokens_per_step / spec.world_size / ordered[len(ordered) // 10],
         },
-        "window_step_time_s": sum(steps) / len(steps),
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tps * spec.world_size,
         "tokens_per_s_per_gpu": tps,

@@ -399,11 +399,8 @@ def _parser() -> argparse.ArgumentParser:
         help="a hub dataset split (default split train) or a preset: tinystories, chess (repeatable)",
     )
     download.add_argument("--weights", action="store_true", help="also the *.safetensors weights (pretrained init)")
-    download.add_argument(
-        "--config-only",
-        action="store_true",
-        help="each hub model's config.json alone: what `plan --memory` predicts from, before any other download",
-    )
+    config_only = "each hub model's config.json alone: what `plan --memory` predicts from, before any other download"
+    download.add_argument("--config-only", action="store_true", help=config_only)
     download.add_argument(
         "--tokenize-for",
         action="append",

@@ -243,7 +243,7 @@ def _exit_worker(code: int) -> NoReturn:
 
 
 def status(args: argparse.Namespace) -> int:
-    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.folder.guards import require_sweep_folder
     from .sweep.launch.collect_job import collect_line
     from .sweep.track.accounting import note_accounting
     from .sweep.track.status import blocked_message, print_status, status_document, sweep_status
@@ -273,7 +273,7 @@ def status(args: argparse.Namespace) -> int:
 
 
 def logs(args: argparse.Namespace) -> int:
-    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.folder.guards import require_sweep_folder
     from .sweep.track.logs import Stream, cell_index, find_cell, follow, print_logs
 
     sweep_dir = Path(args.sweep_dir)
@@ -287,7 +287,7 @@ def logs(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
-    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.folder.guards import require_sweep_folder
     from .sweep.track.cancel import cancel_sweep
 
     sweep_dir = Path(args.sweep_dir)
@@ -374,7 +374,7 @@ def history(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     from .results.exports.export import TARGETS, export_sweep
-    from .sweep.folder.layout import require_sweep_folder
+    from .sweep.folder.guards import require_sweep_folder
 
     target, destination = args.to
     if target not in TARGETS:

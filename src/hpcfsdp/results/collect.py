@@ -19,12 +19,11 @@ from ..contracts.files import RecordError
 from ..contracts.jsontypes import strict_json
 from ..contracts.record import CORRUPT, RECORD_NAME
 from ..progress import Progress
+from ..sweep.folder.guards import require_sweep_folder, require_utf8_path
 from ..sweep.folder.layout import (
     CELLS_DIR,
     cell_ids_with,
     read_manifest,
-    require_sweep_folder,
-    require_utf8_path,
     slurm_jobs,
 )
 from ..sweep.track.accounting import note_accounting

@@ -25,7 +25,7 @@ from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, drawn_configs, label_cells, load_records, ok_configs
 from .render import Section, to_html, to_markdown
-from .scaling import scaling_printable, scaling_table, unscaled_reason
+from .scaling import scaling_sections
 from .tables import (
     DEFAULT_BASELINES,
     baseline_table,
@@ -109,7 +109,7 @@ def report_started(
             tuned = tune_section(sweep_dir)
             after_plots = [
                 *pivot_sections(cells, configs),
-                *scaling_sections(cells),
+                *scaling_sections(cells, ROW_LIMIT),
                 all_cells_section(table),
                 Section("Environment", table=environment_table(collection.frame)),
             ]
@@ -298,27 +298,6 @@ def pivot_sections(cells: Cells, configs: pd.DataFrame) -> list[Section]:
         )
         sections += [Section(setting, table=table, level=3) for setting, table in pivot_tables(cells, metric)]
     return sections
-
-
-def scaling_sections(cells: Cells) -> list[Section]:
-    """The scaling table, where ok cells ran one workload at several GPU counts (results/scaling.py)."""
-    words = frame_rank_words(cells.frame)
-    table = scaling_table(cells.ok)
-    if reason := unscaled_reason(cells.frame, table, words):
-        return [Section("Scaling", text=reason)]
-    if table.empty:
-        return []
-    many = "GPUs" if words.one == "GPU" else "processes"
-    bases = ", ".join(sorted({f"{b:.0f}" for b in table["base_world_size"]}, key=int))
-    text = (
-        f"Weak scaling at a fixed per-device batch: tokens/s {words.per} at N {many} over the same workload's "
-        f"at the smallest {words.one} count that ran ok ({bases} {many}; model, sequence length, batch, "
-        "accumulation and precision alike): the strategy's own cell there, else the fastest there. Within "
-        "noise of base: its p10-p90 steps overlap the base's, so this run cannot tell its rate from the base's."
-    )
-    if len(table) > ROW_LIMIT:  # the first rows, as the over-time table does: a page is no place for all
-        text += f" The first {ROW_LIMIT:,} of {len(table):,} rows, by model and {words.one} count."
-    return [Section("Scaling", text=text, table=scaling_printable(table.head(ROW_LIMIT), words))]
 
 
 def all_cells_section(table: pd.DataFrame) -> Section:

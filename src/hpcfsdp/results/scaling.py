@@ -16,8 +16,9 @@ from __future__ import annotations
 import pandas as pd
 
 from ..contracts.gpus import RankWords
-from .read import SPREAD
-from .tables import fmt, spread_texts
+from .read import SPREAD, Cells
+from .render import Section
+from .tables import fmt, frame_rank_words, spread_texts
 
 # What a cell must share with its base.
 WORKLOAD = ("model", "seq_len", "batch_size", "grad_accum", "precision")
@@ -118,3 +119,25 @@ def unscaled_reason(frame: pd.DataFrame, table: pd.DataFrame, words: RankWords) 
         f"Not shown: no workload ran ok at two {count}s, so there is nothing to scale against ({statuses}); "
         "cells of the same model, sequence length, batch, accumulation and precision are needed at two or more."
     )
+
+
+def scaling_sections(cells: Cells, row_limit: int) -> list[Section]:
+    """The report's Scaling section, where ok cells ran one workload at several GPU counts: its
+    first row_limit rows (the report's longest table)."""
+    words = frame_rank_words(cells.frame)
+    table = scaling_table(cells.ok)
+    if reason := unscaled_reason(cells.frame, table, words):
+        return [Section("Scaling", text=reason)]
+    if table.empty:
+        return []
+    many = "GPUs" if words.one == "GPU" else "processes"
+    bases = ", ".join(sorted({f"{b:.0f}" for b in table["base_world_size"]}, key=int))
+    text = (
+        f"Weak scaling at a fixed per-device batch: tokens/s {words.per} at N {many} over the same workload's "
+        f"at the smallest {words.one} count that ran ok ({bases} {many}; model, sequence length, batch, "
+        "accumulation and precision alike): the strategy's own cell there, else the fastest there. Within "
+        "noise of base: its p10-p90 steps overlap the base's, so this run cannot tell its rate from the base's."
+    )
+    if len(table) > row_limit:  # the first rows, as the over-time table does: a page is no place for all
+        text += f" The first {row_limit:,} of {len(table):,} rows, by model and {words.one} count."
+    return [Section("Scaling", text=text, table=scaling_printable(table.head(row_limit), words))]

@@ -25,10 +25,10 @@ from pathlib import Path
 from ..contracts.validity import is_trusted, within_noise
 from ..progress import duration
 from ..sweep.define.matrix import Cell, Sweep
+from ..sweep.folder.guards import require_utf8_path
 from ..sweep.folder.layout import (
     cell_dir,
     require_inside,
-    require_utf8_path,
     slurm_jobs,
     update_manifest,
     write_cell_spec,

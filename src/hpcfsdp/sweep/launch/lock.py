@@ -24,8 +24,8 @@ from ...contracts.errors import UserError
 from ...contracts.files import LockBusy, open_lock, take_lock
 from ...contracts.fs.beneath import make_folders
 from ...contracts.fs.ownership import lock_holder, user_name, write_lock_note
+from ..folder.guards import check_sweep_folder
 from ..folder.layout import SUBMIT_LOCK_NAME as LOCK_NAME
-from ..folder.layout import check_sweep_folder
 
 WAIT_S = 600.0  # how long a submit or tune waits for another one of the same folder
 

@@ -21,12 +21,12 @@ from ...contracts.names import sbatch_word_problem
 from ...contracts.record import MISSING
 from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
 from ..define.matrix import Cell, Sweep
+from ..folder.guards import require_utf8_path
 from ..folder.layout import (
     MANIFEST_NAME,
     SLURM_DIR,
     end_local_run,
     manifest_cluster,
-    require_utf8_path,
     slurm_jobs,
     sweep_comment,
     write_sweep_files,
