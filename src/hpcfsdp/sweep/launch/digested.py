@@ -29,6 +29,7 @@ from typing import Any
 import cloudpickle
 import submitit
 from submitit.core import utils
+from submitit.core.logger import get_logger
 from submitit.slurm.slurm import SlurmJob
 
 from ...contracts.fs.pickles import DigestMismatch, load_pickle, write_pickle
@@ -101,6 +102,9 @@ def main(folder: str, digest: str, cell_dir: str) -> None:
     os.environ["SUBMITIT_FOLDER"] = folder
     env = submitit.JobEnvironment()
     paths = env.paths
+    logger = get_logger()  # submitit's own lines, as its process_job logs them
+    logger.info(f"Starting with {env}")
+    logger.info(f"Loading pickle: {paths.submitted_pickle}")
     deadline = time.monotonic() + PICKLE_WAIT_S
     while not paths.submitted_pickle.exists() and time.monotonic() < deadline:
         time.sleep(1)
