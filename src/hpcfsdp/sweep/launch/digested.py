@@ -110,10 +110,11 @@ def main(folder: str, digest: str, cell_dir: str) -> None:
         time.sleep(1)
     try:
         delayed = load_pickle(paths.submitted_pickle, digest)
-    except DigestMismatch as exc:
+    except (DigestMismatch, OSError) as exc:  # OSError: a link, a FIFO, no file (never followed or waited on)
+        refusal = str(exc) if isinstance(exc, DigestMismatch) else f"{exc.filename}: {exc.strerror}; not unpickled"
         if env.global_rank == 0:
-            _record_refusal(Path(cell_dir), str(exc))
-        raise SystemExit(str(exc)) from None
+            _record_refusal(Path(cell_dir), refusal)
+        raise SystemExit(refusal) from None
     if not isinstance(delayed, utils.DelayedSubmission):
         raise SystemExit(f"{paths.submitted_pickle}: not a submitit job")
     # submitit counts the requeues left in the pickle; the pickle is never written again here.
