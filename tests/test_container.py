@@ -43,7 +43,7 @@ CPU_CELL = {
 
 def srun_line(script: str) -> str:
     """The script's srun line (not the hand-run srun + torchrun plan --sbatch prints after it)."""
-    (line,) = [line for line in script.splitlines() if line.startswith("srun ") and "submitit" in line]
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ") and "launch.digested" in line]
     return line
 
 
@@ -69,7 +69,10 @@ SRUN = (
     "srun --unbuffered --output {sweep}/slurm/%j/%j_%t_log.out --error {sweep}/slurm/%j/%j_%t_log.err "
     "--kill-on-bad-exit=1 --cpus-per-task=1"
 )
-SUBMIT = "-u -m submitit.core._submit {sweep}/slurm/%j"
+SUBMIT = (
+    "-u -m hpcfsdp.sweep.launch.digested {sweep}/slurm/%j"
+    ' "${{hpcfsdp_pickle_sha256[${{SLURM_ARRAY_TASK_ID:-0}}]}}" "${{hpcfsdp_pickle_cell[${{SLURM_ARRAY_TASK_ID:-0}}]}}"'
+)
 
 
 @pytest.mark.parametrize("runtime", ["apptainer", "singularity"])

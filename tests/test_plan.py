@@ -178,7 +178,7 @@ def test_sbatch_script_carries_every_resource(tmp_path, capsys, monkeypatch):
             "module load cuda/12.4",
         ]
         assert "hf_secret_value" not in script
-        assert f"-m submitit.core._submit {folder}/%j" in script
+        assert f"-m hpcfsdp.sweep.launch.digested {folder}/%j" in script
         assert "srun --unbuffered" in script and "--cpus-per-task=32" in script.split("srun", 1)[1]
     assert "#SBATCH --array=0-2%2" in one_node and "#SBATCH --nodes=1" in one_node
     assert "--array" not in two_nodes and "#SBATCH --nodes=2" in two_nodes  # one cell: a plain job

@@ -1,7 +1,8 @@
 """The command lines that start a cell inside slurm.container's image (the value: sweep/define/container.py;
 docs/containers.md).
 
-submitit starts every task of a job as `srun ... <python> -u -m submitit.core._submit <folder>`,
+submitit starts every task of a job as `srun ... <python> -u -m <module> <folder> ...` (hpcfsdp's
+module: sweep/launch/digested.py, which checks the job pickle's digest before submitit runs it),
 and SlurmExecutor's `python` argument is that `<python>`: for Apptainer, Singularity and podman
 it becomes `<runtime> exec|run <flags> <image> <python inside>`, so srun starts one container per
 task, with the task's environment. pyxis is an srun plugin instead: `srun --container-image

@@ -126,14 +126,15 @@ def sbatch_script(
     """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for
     one); without the sweep id (its comment) before the folder's first submit."""
     # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
-    # from the same parameters and its _submitit_command_str, which the command below repeats.
+    # from the same parameters and the command of digested.py's executor (without the digests of
+    # the pickles, which submit writes only when it queues the array).
     from submitit.slurm.slurm import _make_sbatch_string
 
+    from .digested import job_command
+
     folder = slurm_folder(sweep_dir)
-    python = container_command.job_python(sweep, sweep_dir)
-    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(
-        command=command,
+        command=job_command(container_command.job_python(sweep, sweep_dir), folder),
         folder=folder,
         map_count=count if count > 1 else None,
         **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid, cell_ids),
@@ -195,13 +196,15 @@ def _queue_room(cap: int, cluster: str) -> int | None:
 def _submit_array(
     sweep: Sweep, sweep_dir: Path, nodes: int, gpus: int, cells: list[Cell], uid: str, log: Callable[[str], None]
 ) -> dict[str, str]:
-    import submitit
     from submitit.core.utils import FailedJobError
 
+    from .digested import DigestedSlurmExecutor
     from .job import CellJob
 
-    executor = submitit.SlurmExecutor(
-        folder=slurm_folder(sweep_dir),
+    cell_dirs = [str(cell_dir(sweep_dir, cell).absolute()) for cell in cells]
+    executor = DigestedSlurmExecutor(
+        slurm_folder(sweep_dir),
+        cell_dirs,
         max_num_timeout=sweep.resources.max_requeue,
         python=container_command.job_python(sweep, sweep_dir),
     )
@@ -217,7 +220,7 @@ def _submit_array(
         write_intent(sweep_dir, intent)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                jobs = executor.submit_array([CellJob(str(cell_dir(sweep_dir, c).absolute())) for c in cells])
+                jobs = executor.submit_array([CellJob(path) for path in cell_dirs])
         except FailedJobError as exc:
             clear_intent(sweep_dir)
             reason = " ".join(str(exc).split()) or "no message"
