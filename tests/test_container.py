@@ -310,9 +310,9 @@ def test_a_cell_of_each_strategy_runs_in_podman_containers_and_writes_its_record
     got = records(podman_runs.results / podman_runs.names["smoke"])
     assert {r["spec"]["strategy"] for r in got.values()} == {"ddp", "fsdp2_zero2", "fsdp2_zero3"}
     assert len(got) == 3 and {r["status"] for r in got.values()} == {"ok"}, {r.get("error") for r in got.values()}
-    # Each rank ran in a container of the image (2 per smoke cell, 1 for each of the other two),
-    # with the variables of container.env.
-    assert podman_runs.containers.count(IMAGE) == 3 * 2 + 2
+    # Each cell's node ran one container of the image (one Slurm task per node: its supervisor
+    # starts the node's ranks inside it), with the variables of container.env.
+    assert podman_runs.containers.count(IMAGE) == 3 + 2
     assert all(r["environment"].get("NCCL_DEBUG") == "INFO" for r in got.values())
 
 

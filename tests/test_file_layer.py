@@ -370,6 +370,7 @@ NOT_FOLDER_FILES = {
     "sweep/predict/modelshape.py": "a model's config.json (package data, or a model folder the user names)",
     "cell/models.py": "a model's config.json (package data, or a model folder the user names)",
     "cell/data.py": "a data file the user names",
+    "cell/supervise/cgroup.py": "the cgroup's memory.events under /sys/fs/cgroup, a file of the kernel",
     "results/plots.py": "the drawing code's own source (its digest)",
     "results/exports/wandb.py": "W&B's own folder under the export's destination",
     "results/exports/tensorboard.py": "TensorBoard's own folder under the export's destination",

@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..contracts.files import RecordError
+from ..contracts.fs.beneath import entries
 from ..contracts.gpus import rank_words_named
 from ..sweep.folder.layout import cell_dir, cell_ids_with
 from ..sweep.folder.tune_outcome import read_outcome
@@ -82,7 +83,7 @@ def profile_sections(sweep_dir: Path, cell_ids: list[str], report: Path) -> list
         folder = cell_dir(sweep_dir, cell_id) / PROFILE_DIR
         if folder.is_symlink() or not folder.is_dir():
             continue
-        for path in sorted(folder.iterdir()):
-            if TRACE_NAME.fullmatch(path.name) and not path.is_symlink() and path.is_file():
-                links.append((f"{cell_id}: {path.name}", Path(os.path.relpath(path, report)).as_posix()))
+        for entry in sorted(entries(folder), key=lambda entry: entry.name):  # a link is never a trace
+            if TRACE_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                links.append((f"{cell_id}: {entry.name}", Path(os.path.relpath(entry.path, report)).as_posix()))
     return [Section("Profiles", text=HOW_TO_OPEN, links=links)] if links else []

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...contracts.files import RecordError, open_lock, read_json_object, write_json
+from ...contracts.fs.beneath import remove
 from ..define.matrix import is_cell_id
 from ..folder.layout import SUBMIT_LOCK_NAME, array_comment, owned_entry, read_manifest, update_manifest
 from .scheduler import my_jobs_named
@@ -56,7 +57,7 @@ def write_intent(sweep_dir: Path, intent: Intent) -> None:
 
 
 def clear_intent(sweep_dir: Path) -> None:
-    (Path(sweep_dir) / INTENT_NAME).unlink(missing_ok=True)
+    remove(Path(sweep_dir) / INTENT_NAME, root=sweep_dir)
 
 
 def reconcile_intent(sweep_dir: Path, log: Callable[[str], None], locked: bool = False) -> None:
