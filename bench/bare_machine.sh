@@ -10,10 +10,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 commit=$(git rev-parse --short "${1:-HEAD}")
 log=${2:-$PWD/bench/results/$(date -u +%F)-cpu/bare_machine_$commit.log}
 mkdir -p "$(dirname "$log")"
-if pgrep -x 'slurmctld|slurmd|slurmdbd|munged|mariadbd' >/dev/null; then
-  echo "bare_machine: Slurm, munge or MariaDB daemons still run (pgrep -a slurm); stop them first" >&2
-  exit 2
-fi
+for daemon in slurmctld slurmd slurmdbd munged mariadbd; do  # pgrep -x matches 15 characters at most
+  if pgrep -x "$daemon" >/dev/null; then
+    echo "bare_machine: $daemon still runs (pgrep -a $daemon); stop it first" >&2
+    exit 2
+  fi
+done
 export DEBIAN_FRONTEND=noninteractive
 packages=(slurm-wlm slurmctld slurmd slurmdbd slurm-client munge mariadb-server podman runc chromium)
 installed=()
