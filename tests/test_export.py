@@ -115,7 +115,7 @@ def test_a_record_carries_driver_cuda_nccl_and_the_framework_settings_but_no_sec
     assert {"cuda", "nccl", "driver"} <= set(record["versions"])
     assert record["versions"]["cuda"] == torch.version.cuda  # None on this CPU build, like nccl and driver
     assert record["environment"].items() >= SETTINGS.items()
-    assert all(name.startswith(("NCCL_", "TORCH_", "PYTORCH_")) for name in record["environment"])
+    assert all(name.startswith(("NCCL_", "TORCH_", "PYTORCH_", "OMP_", "MKL_")) for name in record["environment"])
     text = (sweep_dir / "cells" / record["cell_id"] / "result.json").read_text()
     assert not [s for pair in SECRETS.items() for s in pair if s in text]
     assert {"cluster_name", "job_partition"} <= set(record["slurm"])

@@ -679,7 +679,7 @@ def test_a_download_cache_folder_that_is_a_file_is_one_line(tmp_path, capsys):
     cache.write_text("a file")
     assert main(["download", "--model", "org/model", "--cache-dir", str(cache)]) == 1
     (error,) = capsys.readouterr().err.splitlines()
-    assert error == f"error: {cache}: a file is where a folder is needed"
+    assert error == f"error: --cache-dir: {cache}: a regular file, not a folder; give the cache's folder"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def test_logs_never_follow_a_link_out_of_the_sweep_folder_and_read_only_the_end(
     done = run_cli("logs", str(sweep), cell, "--stderr")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert "SECRET" not in done.stdout
-    assert f"rank 0: {folder / '4242_0_0_log.err'} <== not shown: a link to {secret}, out of the sweep folder" in (
+    assert f"node 0: {folder / '4242_0_0_log.err'} <== not shown: a link to {secret}, out of the sweep folder" in (
         done.stdout
     )
     assert "<== not shown: a link to /dev/zero, out of the sweep folder" in done.stdout
@@ -344,7 +344,7 @@ def test_logs_find_a_cells_job_by_its_own_id_where_the_records_array_id_is_spoil
     (folder / "4250_0_log.err").write_text("RuntimeError: the end\n")
     done = run_cli("logs", str(sweep), cell, "--stderr")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    assert "==> job 4250, rank 0" in done.stdout and "RuntimeError: the end" in done.stdout
+    assert "==> job 4250, node 0" in done.stdout and "RuntimeError: the end" in done.stdout
 
 
 @pytest.mark.parametrize("spec_changes", [{"nodes": "x"}, {"nodes": 10**12}, {"gpus_per_node": None}])

@@ -129,9 +129,9 @@ def duration(seconds: float) -> str:
 
 
 # The terminal codes hpcfsdp writes itself, passed as they are on a terminal (and only there): a
-# state's colour and its end (coloured), the bar's return and line erase (Progress). A file's text
-# can at most colour itself with them; every other code it holds is escaped.
-_SGR = "|".join(sorted({*STATE_COLOURS.values(), FAILED_COLOUR, "0"}))
+# state's colour and its end (coloured), error_lines' bold red, the bar's return and line erase
+# (Progress). A file's text can at most colour itself with them; every other code it holds is escaped.
+_SGR = "|".join(sorted({*STATE_COLOURS.values(), FAILED_COLOUR, f"{FAILED_COLOUR};1", "0"}, key=len, reverse=True))
 OWN_CODES = re.compile(f"(\033\\[(?:{_SGR})m|\r\033\\[K)")
 
 

@@ -26,12 +26,19 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .fs.beneath import NotARegularFile, folder_of, kind_of, new_temp, open_file, parts_below, pinned, read_file
+from .fs.beneath import (
+    NotARegularFile,
+    kind_of,
+    open_file,
+    pinned,
+    read_file,
+    replacing,
+)
 from .fs.ownership import holder_words, lock_mode, ownership_problem, refusal_line, user_name
 from .names import has_surrogate
 
@@ -92,20 +99,9 @@ def atomic_output(path: str | Path, root: str | Path | None = None) -> Iterator[
     files that killed writers left beside path are removed first (beneath.clean_temps). Its
     OSError names path, not the temporary file."""
     path = Path(path)
-    top, names = parts_below(path, root)
     try:
-        with folder_of(top, names, str(path), create=True) as parent:
-            fd, tmp = new_temp(parent, names[-1])
-            try:
-                yield pinned(parent, tmp)
-                os.fsync(fd)
-                os.rename(tmp, names[-1], src_dir_fd=parent, dst_dir_fd=parent)
-            except BaseException:
-                with suppress(OSError):
-                    os.unlink(tmp, dir_fd=parent)
-                raise
-            finally:
-                os.close(fd)
+        with replacing(path, root) as (parent, _, tmp):
+            yield pinned(parent, tmp)
     except OSError as exc:
         if exc.errno is None:
             raise

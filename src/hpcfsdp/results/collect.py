@@ -156,11 +156,14 @@ def collect(
 
 def corrupt_cells(recorded: list[str], collection: Any) -> list[dict[str, Any]]:
     """`collect --json`'s entries for the cells whose record could not be read: status `corrupt`,
-    the reader's line (naming the file) as the reason, no figures; after the table's cells."""
+    the reader's line (naming the file) as the reason, no figures; after the table's cells. A cell
+    no plan made is none of them: `unplanned` lists it apart."""
     read = set(collection.frame["cell_id"]) if "cell_id" in collection.frame else set()
     entries: list[dict[str, Any]] = []
     for cell_id in (cid for cid in recorded if cid not in read):
         folder = f"{CELLS_DIR}/{cell_id}/"
+        if any(folder in line for line in collection.unplanned):
+            continue
         reason = next((line for line in collection.unreadable if folder in line), f"{folder}{RECORD_NAME}: unreadable")
         entries.append(
             {

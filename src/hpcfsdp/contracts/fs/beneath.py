@@ -281,6 +281,28 @@ def new_temp(parent: int, name: str, mode: int = 0o666) -> tuple[int, str]:
         return fd, tmp
 
 
+@contextmanager
+def replacing(path: str | Path, root: str | Path | None = None, mode: int = 0o666) -> Iterator[tuple[int, int, str]]:
+    """(folder, descriptor, name) of a new temporary file beside path (new_temp: the folder reached
+    below root without following a link, and made where missing) for the block to write; then
+    fsync and rename over path's name, which replaces a link there, never follows it. A block that
+    raises leaves the old file, or none, and no temporary file."""
+    text = os.fspath(path)
+    top, names = parts_below(text, root)
+    with folder_of(top, names, text, create=True) as parent:
+        fd, tmp = new_temp(parent, names[-1], mode)
+        try:
+            yield parent, fd, tmp
+            os.fsync(fd)
+            os.rename(tmp, names[-1], src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp, dir_fd=parent)
+            raise
+        finally:
+            os.close(fd)
+
+
 def clean_temps(parent: int, name: str | None = None) -> list[str]:
     """Remove the temporary files in the open folder parent (of `name`, or of any name) whose
     writer is gone: no flock on them. Returns the names removed."""

@@ -9,11 +9,10 @@ import hashlib
 import hmac
 import os
 import pickle
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from .beneath import folder_of, new_temp, parts_below, read_file
+from .beneath import read_file, replacing
 
 # submitit's pickle of one cell's job is some 1 KB; far more is no pickle of hpcfsdp's.
 MAX_PICKLE_BYTES = 16 << 20
@@ -26,22 +25,10 @@ class DigestMismatch(ValueError):
 def write_pickle(path: str | Path, data: bytes) -> str:
     """Write data at path (0600, by a rename: a link at the name is replaced, never followed);
     its sha256 in hex."""
-    text = os.fspath(path)
-    top, names = parts_below(text, None)
-    with folder_of(top, names, text, create=True) as parent:
-        fd, tmp = new_temp(parent, names[-1], 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-            os.rename(tmp, names[-1], src_dir_fd=parent, dst_dir_fd=parent)
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp, dir_fd=parent)
-            raise
-        finally:
-            os.close(fd)
+    with replacing(path, mode=0o600) as (_, fd, _):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     return hashlib.sha256(data).hexdigest()
 
 

@@ -2,9 +2,11 @@
 
 A cell's jobs are its latest one (the manifest) and those of its earlier records (attempts/<n>.json,
 their `slurm` object), newest first; a requeued job writes on in the same files. Each job has one
-stdout and one stderr file per task (rank), where submitit's SlurmJob puts them
-(slurm/<job>/<job>_<rank>_log.out|err). For a cell whose record is not ok, the lines that say why
-come first: the record's error, then the error lines of every rank's logs of its newest job.
+stdout and one stderr file per task, where submitit's SlurmJob puts them
+(slurm/<job>/<job>_<task>_log.out|err). A task is a node (its supervisor, cell/supervise/, and every
+rank it starts write there), so the logs are labelled by node. For a cell whose record is not ok,
+the lines that say why come first: the record's error, then the error lines of every node's logs
+of its newest job.
 
 The folder is the user's, but not everything in it is: a log is read only where it is a regular
 file inside the sweep folder (a link to /etc/shadow or /dev/zero is named, not read), only its
@@ -112,7 +114,7 @@ def telling_lines(sweep_dir: Path, logs: list[RankLog]) -> list[str]:
         text, _ = read_log(sweep_dir, log.path)
         for line in text.splitlines():
             if TELLING.search(line):
-                seen.setdefault(f"[rank {log.rank}] {line.strip()}", None)
+                seen.setdefault(f"[node {log.rank}] {line.strip()}", None)
     return list(seen)[-TELLING_LINES:]
 
 
@@ -138,7 +140,7 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
     for job_id in jobs:
         for log in rank_logs(sweep_dir, cell_id, job_id, stream):
             text, why = read_log(sweep_dir, log.path)
-            print(f"==> job {job_id}, rank {log.rank}: {log.path} <=={f' {why}' if why else ''}", file=out)
+            print(f"==> job {job_id}, node {log.rank}: {log.path} <=={f' {why}' if why else ''}", file=out)
             out.write(text if text.endswith("\n") or not text else text + "\n")
             shown += 1
     if not shown:
@@ -180,7 +182,7 @@ def follow(
         queued = job_id in queued_states([job_id], cluster)
         for log, chunk in _new_output(sweep_dir, rank_logs(sweep_dir, cell_id, job_id, stream), offsets):
             if log.path != last:
-                print(f"==> job {job_id}, rank {log.rank} <==", file=out)
+                print(f"==> job {job_id}, node {log.rank} <==", file=out)
                 last = log.path
             out.write(chunk)
         out.flush()
