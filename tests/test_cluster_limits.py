@@ -141,6 +141,12 @@ def test_a_sweep_beyond_max_array_size_and_the_queue_cap_runs_whole_in_several_a
             "the 8000 MB its nodes have at most",
         ),
         (
+            "{time_min: 40, cells_per_task: 2}",
+            "batch_size: [1, 2]",
+            "{jobs}:4: slurm.cells_per_task: 2 cells x time_min 40 = 80 min per array task is above the MaxTime "
+            "of partition gpu (60 min); set cells_per_task to at most 1",
+        ),
+        (
             "{time_min: 10, partition: cpu}",
             "batch_size: [1]",
             "{jobs}:4: slurm.partition: no partition 'cpu' on this cluster (partitions: gpu)",

@@ -60,8 +60,8 @@ def test_the_submitit_api_the_submitter_calls_has_the_arguments_it_passes():
     assert set(parameters) | {"command", "folder", "map_count"} <= accepted
     # slurm.container wraps the job's Python through the executor's own `python` (sweep/define/container.py).
     assert "python" in inspect.signature(submitit.SlurmExecutor).parameters
-    requeued = CellJob("/cells/a").checkpoint()  # what submitit pickles again at the time-limit signal
-    assert isinstance(requeued, submitit.helpers.DelayedSubmission) and requeued.function == CellJob("/cells/a")
+    requeued = CellJob(("/cells/a",)).checkpoint()  # what submitit pickles again at the time-limit signal
+    assert isinstance(requeued, submitit.helpers.DelayedSubmission) and requeued.function == CellJob(("/cells/a",))
     assert JobPaths("/x/%j", job_id="7_1", task_id=1).stderr == Path("/x/7_1/7_1_1_log.err")
 
 

@@ -295,7 +295,8 @@ def cancel(args: argparse.Namespace) -> int:
     done = cancel_sweep(sweep_dir, args.cells, args.pending_only)
     for what, cells in (("pending", done.pending), ("running", done.running)):
         for cid, jid in cells.items():
-            print(f"cancelled {cid} (job {jid}, {what})")
+            along = ", not named: in the task of a cell named" if cid in done.taken_along else ""
+            print(f"cancelled {cid} (job {jid}, {what}{along})")
     if done.left_running:
         print(f"left {len(done.left_running)} running cell(s) as they are (--pending-only)")
     if done.still_queued:

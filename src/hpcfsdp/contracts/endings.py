@@ -54,6 +54,12 @@ ENDINGS = {
     ),
 }
 STATUSES = tuple(ending.status for ending in ENDINGS.values())
+# The endings of a job's allocation, not of one cell's run (host memory is the cell's): a task of
+# several cells (slurm.cells_per_task) starts none of its later cells after one, and its requeued
+# run trains again a cell an earlier run recorded with one (sweep/launch/job.py, sweep/track/packed.py).
+JOB_ENDING_STATUSES = frozenset(
+    ENDINGS[state].status for state in ("CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "DEADLINE", "BOOT_FAIL")
+)
 
 # slurmstepd's words when it kills a step over its memory: jobacct_gather's OverMemoryKill
 # ("StepId=12.0 exceeded memory limit (275496960 > 209715200), being killed") and the cgroup

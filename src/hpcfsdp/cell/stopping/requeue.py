@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ...contracts.endings import ENDINGS, ending_fields
+from ...contracts.endings import ENDINGS, JOB_ENDING_STATUSES, ending_fields
 from ...contracts.files import RecordError
 from ...contracts.record import RECORD_NAME, read_record, write_record
 from ...contracts.spec import MAX_REQUEUE_ENV
@@ -127,6 +127,14 @@ def done_before(cell_dir: Path) -> bool:
     ended (a preemption while it finished): the requeued run need not train it again."""
     earlier = _earlier_run(cell_dir)
     return earlier is not None and earlier.get("status") == "ok"
+
+
+def settled_before(cell_dir: Path) -> bool:
+    """An earlier run of this job recorded the cell with an ending of the cell's own (ok, oom, error,
+    ...), not one of the allocation's (a cancel, the time limit, a preemption): the requeued run of a
+    task of several cells (slurm.cells_per_task) does not run it again."""
+    earlier = _earlier_run(cell_dir)
+    return earlier is not None and earlier.get("status") not in JOB_ENDING_STATUSES
 
 
 def name_requeued_run(cell_dir: Path) -> str:

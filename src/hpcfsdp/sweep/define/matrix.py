@@ -89,14 +89,27 @@ def by_shape(cells: Iterable[Cell]) -> dict[tuple[int, int], list[Cell]]:
     return out
 
 
-def arrays(cells: Iterable[Cell], max_size: int | None) -> list[tuple[tuple[int, int], list[Cell]]]:
-    """The job arrays of these cells: one per shape, split into arrays of at most max_size cells
-    (the cluster's MaxArraySize or slurm.max_array_size; None: no limit)."""
+def arrays(
+    cells: Iterable[Cell], max_size: int | None, cells_per_task: int = 1
+) -> list[tuple[tuple[int, int], list[Cell]]]:
+    """The job arrays of these cells: one per shape, split into arrays of at most max_size tasks
+    (the cluster's MaxArraySize or slurm.max_array_size; None: no limit) of packed() cells each."""
     out = []
     for shape, group in by_shape(cells).items():
-        size = max_size or len(group)
+        size = max_size * packed(shape[0], cells_per_task) if max_size else len(group)
         out += [(shape, group[start : start + size]) for start in range(0, len(group), size)]
     return out
+
+
+def packed(nodes: int, cells_per_task: int) -> int:
+    """The cells one array task of this shape runs (slurm.cells_per_task): a cell of several nodes
+    is a task of its own, whose failure srun's --kill-on-bad-exit must end on every node."""
+    return cells_per_task if nodes == 1 else 1
+
+
+def tasks_of(cells: list[Cell], per_task: int) -> list[list[Cell]]:
+    """The array's tasks: its cells, per_task at a time, in order."""
+    return [cells[start : start + per_task] for start in range(0, len(cells), per_task)]
 
 
 def cells_rank_words(cells: Iterable[Cell]) -> RankWords:

@@ -45,6 +45,11 @@ class Resources:
         default_means="this login node's cluster",
     )
     time_min: int = documented(30, "`--time` (minutes, per cell)")
+    cells_per_task: int = documented(
+        1,
+        "one-node cells of one shape per array task, run one after another in its one allocation, each "
+        "with its own record; the task's `--time` is this x `time_min`; cells of several nodes go one per task",
+    )
     cpus_per_task: int = documented(
         1, "CPUs per GPU: each node's one task (its supervisor) asks `--cpus-per-task` = `gpus_per_node` x this"
     )
@@ -125,7 +130,7 @@ class Resources:
         if container is not None:
             res = dataclasses.replace(res, container=Container.from_dict(container, where))
         require_choices(where, res)
-        for name in ("time_min", "cpus_per_task", "array_parallelism", "signal_delay_s"):
+        for name in ("time_min", "cells_per_task", "cpus_per_task", "array_parallelism", "signal_delay_s"):
             if getattr(res, name) < 1:
                 raise SpecError(where, name, f"expected a positive integer, got {getattr(res, name)}")
         for name in ("mem_gb", "max_requeue", "max_array_size", "max_jobs_in_queue"):

@@ -3,7 +3,7 @@
 submitit pickles each array task's CellJob into `slurm/<job>_submitted.pkl`, and its job script
 unpickles that file when the task starts. In a folder others may write (HPCFSDP_SHARED_GROUP),
 anyone of the group could replace it while the array waits. So submit writes the pickles itself
-(0600, fs/pickles.py), and the sbatch script carries each task's sha256 and cell folder, in two
+(0600, fs/pickles.py), and the sbatch script carries each task's sha256 and cell folders, in two
 bash arrays indexed by SLURM_ARRAY_TASK_ID: Slurm copies the script at submission, so no later
 change of any file reaches them. The task runs this module's main instead of submitit's: it reads
 the pickle once, unpickles those bytes only where their sha256 is the script's, and otherwise
@@ -45,21 +45,22 @@ def job_command(python: str, folder: Path) -> str:
     return " ".join([python, "-u -m", __name__, shlex.quote(str(folder)), *task])
 
 
-def digest_lines(digests: Sequence[str], cell_dirs: Sequence[str]) -> list[str]:
-    """The script's setup lines that hold each task's digest and cell folder, in task order."""
+def digest_lines(digests: Sequence[str], task_dirs: Sequence[Sequence[str]]) -> list[str]:
+    """The script's setup lines that hold each task's digest and cell folders (one per line), in
+    task order."""
     return [
         f"{DIGESTS}=({' '.join(digests)})",
-        f"{CELLS}=({' '.join(shlex.quote(cell) for cell in cell_dirs)})",
+        f"{CELLS}=({' '.join(shlex.quote(chr(10).join(cells)) for cells in task_dirs)})",
     ]
 
 
 class DigestedSlurmExecutor(submitit.SlurmExecutor):
     """submitit's SlurmExecutor, whose job script carries each task's pickle digest (and cell
-    folder, for the record of a mismatch) and runs main; cell_dirs in the order of the jobs."""
+    folders, for the records of a mismatch) and runs main; task_dirs in the order of the jobs."""
 
-    def __init__(self, folder: Path, cell_dirs: Sequence[str], max_num_timeout: int, python: str) -> None:
+    def __init__(self, folder: Path, task_dirs: Sequence[Sequence[str]], max_num_timeout: int, python: str) -> None:
         super().__init__(folder=folder, max_num_timeout=max_num_timeout, python=python)
-        self.cell_dirs = list(cell_dirs)
+        self.task_dirs = list(task_dirs)
 
     @property
     def _submitit_command_str(self) -> str:
@@ -68,8 +69,8 @@ class DigestedSlurmExecutor(submitit.SlurmExecutor):
     def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]) -> list[Any]:
         """submitit's own (SlurmExecutor's array, PicklingExecutor's lone job), with the pickles
         written here and their digests added to the script's setup."""
-        if len(delayed_submissions) != len(self.cell_dirs):
-            raise ValueError(f"{len(delayed_submissions)} jobs for {len(self.cell_dirs)} cell folders")
+        if len(delayed_submissions) != len(self.task_dirs):
+            raise ValueError(f"{len(delayed_submissions)} jobs for {len(self.task_dirs)} tasks' cell folders")
         folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
         pickles, digests = [], []
         for delayed in delayed_submissions:
@@ -77,7 +78,7 @@ class DigestedSlurmExecutor(submitit.SlurmExecutor):
             pickles.append(folder / f"{uuid.uuid4().hex}.pkl")
             digests.append(write_pickle(pickles[-1], cloudpickle.dumps(delayed)))
         executor = submitit.SlurmExecutor(self.folder, self.max_num_timeout, python=self.python)
-        setup = [*self.parameters.get("setup", []), *digest_lines(digests, self.cell_dirs)]
+        setup = [*self.parameters.get("setup", []), *digest_lines(digests, self.task_dirs)]
         executor.update_parameters(**{**self.parameters, "setup": setup})
         if len(pickles) > 1:
             executor.parameters["map_count"] = len(pickles)
@@ -96,9 +97,10 @@ class DigestedSlurmExecutor(submitit.SlurmExecutor):
         return jobs
 
 
-def main(folder: str, digest: str, cell_dir: str) -> None:
+def main(folder: str, digest: str, cell_dirs: str) -> None:
     """submitit's process_job (core/submission.py), but for the pickle: read once, checked
-    against the script's digest, unpickled from the bytes checked."""
+    against the script's digest, unpickled from the bytes checked; cell_dirs: the task's cell
+    folders, one per line."""
     os.environ["SUBMITIT_FOLDER"] = folder
     env = submitit.JobEnvironment()
     paths = env.paths
@@ -112,7 +114,7 @@ def main(folder: str, digest: str, cell_dir: str) -> None:
         delayed = load_pickle(paths.submitted_pickle, digest)
     except (DigestMismatch, OSError) as exc:  # OSError: a link, a FIFO, no file (never followed or waited on)
         refusal = str(exc) if isinstance(exc, DigestMismatch) else f"{exc.filename}: {exc.strerror}; not unpickled"
-        if env.global_rank == 0:
+        for cell_dir in cell_dirs.split("\n") if env.global_rank == 0 else []:
             _record_refusal(Path(cell_dir), refusal)
         raise SystemExit(refusal) from None
     if not isinstance(delayed, utils.DelayedSubmission):

@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING
 from ...contracts.fields import SpecError
 from ...contracts.gpus import GPU_WORDS
 from ...contracts.strategies import STRATEGIES
-from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, cells_rank_words, column_texts, varying_columns
+from ..define.matrix import (
+    Cell,
+    Sweep,
+    arrays,
+    cells_on_shape,
+    cells_rank_words,
+    column_texts,
+    packed,
+    varying_columns,
+)
 from ..track.cluster import array_size_limit
 from .environment import fault_hook_warning, sbatch_from_shell, sbatch_note, slurm_clients_dropped
 
@@ -34,15 +43,17 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
     one `error:` line per cache miss or shape the partition cannot run (exit status 2)."""
     res = sweep.resources
     size = array_size_limit(res.max_array_size, res.clusters)
-    planned = arrays(sweep.cells, size)
+    planned = arrays(sweep.cells, size, res.cells_per_task)
     where = f" on cluster {res.clusters}" if res.clusters else ""
     print(f"{sweep.name}: {len(sweep.cells)} cell(s) in {len(planned)} array(s){where}")
     sys.stdout.write("\n".join(memory_table(sweep) if memory else plan_table(sweep, planned)) + "\n")
     for index, ((nodes, gpus), cells) in enumerate(planned):
-        print(f"array {index}: {cells_on_shape(cells, nodes, gpus)}")
+        per_task = min(packed(nodes, res.cells_per_task), len(cells))
+        tasks = f", {per_task} per task: {-(-len(cells) // per_task)} task(s) of {per_task * res.time_min} min"
+        print(f"array {index}: {cells_on_shape(cells, nodes, gpus)}{tasks if per_task > 1 else ''}")
     if len(planned) > len(sweep.groups()):
         limit = "slurm.max_array_size" if size == res.max_array_size else "the cluster's MaxArraySize"
-        print(f"(an array holds at most {size} cells: {limit})")
+        print(f"(an array holds at most {size} tasks: {limit})")
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(
         f"upper bound: {rank_hours(sweep):.1f} {cells_rank_words(sweep.cells).hours} at a {res.time_min} min limit "
@@ -115,7 +126,7 @@ def plan_document(sweep: Sweep, memory: bool = False) -> dict:
     """`plan --json`: every cell (its array and spec; with memory, its predicted memory), the
     arrays, the bound and the problems, with the exit status print_plan would give."""
     res = sweep.resources
-    planned = arrays(sweep.cells, array_size_limit(res.max_array_size, res.clusters))
+    planned = arrays(sweep.cells, array_size_limit(res.max_array_size, res.clusters), res.cells_per_task)
     array_of = {cell.id: index for index, (_, members) in enumerate(planned) for cell in members}
     cells = {
         cell.id: {"cell_id": cell.id, "array": array_of[cell.id], "spec": cell.spec.to_dict()} for cell in sweep.cells
@@ -196,7 +207,11 @@ def print_sbatch_scripts(sweep: Sweep, results_dir: Path) -> int:
     uid = folder_uid(sweep_dir) if (sweep_dir / "manifest.json").is_file() else ""
 
     for index, ((nodes, gpus), cells) in enumerate(
-        arrays(sweep.cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
+        arrays(
+            sweep.cells,
+            array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters),
+            sweep.resources.cells_per_task,
+        )
     ):
         print(f"# ===== array {index}: {cells_on_shape(cells, nodes, gpus)} =====")
         print(sbatch_script(sweep, sweep_dir, nodes, gpus, len(cells), uid, [cell.id for cell in cells]))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ...slurm import ANSWER_TIMEOUT_S, SlurmError, ask, installed
-from ..define.matrix import Cell, Sweep, by_shape, cells_on_shape
+from ..define.matrix import Cell, Sweep, by_shape, cells_on_shape, packed
 from ..predict.hostmemory import predict_host_cells, requested_mem_gb
 from ..track.cluster import Partition, array_size_limit, known_clusters, read_partitions, read_qos, tres_counts
 from .environment import shell_part_in, slurm_environment
@@ -78,7 +78,17 @@ def cluster_problems(sweep: Sweep, cells: Iterable[Cell] | None = None, skipped:
             f"{place(sweep, 'slurm.time_min')}: {res.time_min} min is above the MaxTime of {where} "
             f"({texts}, {max(limits)} min): no cell can ever run"
         )
-    for (nodes, gpus), group in by_shape(sweep.cells if cells is None else cells).items():
+    shapes = by_shape(sweep.cells if cells is None else cells)
+    per_task = max(
+        (min(packed(nodes, res.cells_per_task), len(group)) for (nodes, _), group in shapes.items()), default=1
+    )
+    if per_task > 1 and len(limits) == len(names) and res.time_min <= max(limits) < res.time_min * per_task:
+        problems.append(
+            f"{place(sweep, 'slurm.cells_per_task')}: {per_task} cells x time_min {res.time_min} = "
+            f"{res.time_min * per_task} min per array task is above the MaxTime of {where} ({max(limits)} min); "
+            f"set cells_per_task to at most {max(1, max(limits) // res.time_min)}"
+        )
+    for (nodes, gpus), group in shapes.items():
         found = [_why_never(partitions[name], nodes, gpus, sweep) for name in names]
         first = found[0]
         if first is not None and all(found):  # the first partition's reason
@@ -214,7 +224,7 @@ def sbatch_refusals(sweep: Sweep, cells: list[Cell]) -> list[str]:
     env = slurm_environment(sweep)  # as submit's sbatch runs
     problems = []
     for (nodes, gpus), group in by_shape(cells).items():
-        count = min(len(group), size or len(group))
+        count = min(len(group), size * packed(nodes, sweep.resources.cells_per_task) if size else len(group))
         script = sbatch_script(sweep, folder, nodes, gpus, count)
         try:
             ask(

@@ -1,11 +1,13 @@
 """The Slurm executor: one job array per resource shape (submitit's SlurmExecutor), split at the
-most cells an array may hold (cluster.array_size_limit) and at the room slurm.max_jobs_in_queue
-leaves; the sbatch parameters and script of an array (`plan --sbatch` prints the same)."""
+most tasks an array may hold (cluster.array_size_limit) and at the room slurm.max_jobs_in_queue
+leaves; each task runs one cell, or slurm.cells_per_task one-node cells one after another; the
+sbatch parameters and script of an array (`plan --sbatch` prints the same)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from ...contracts.errors import UserError
 from ...contracts.spec import JOB_END_ENV, LAUNCH_STARTED_ENV, MAX_REQUEUE_ENV
-from ..define.matrix import Cell, Sweep, arrays, cells_on_shape
+from ..define.matrix import Cell, Sweep, arrays, cells_on_shape, packed, tasks_of
 from ..define.resources import Resources
 from ..folder.layout import (
     array_comment,
@@ -29,6 +31,7 @@ from ..folder.layout import (
 from ..predict.hostmemory import requested_mem_gb
 from ..track.cluster import array_size_limit, jobs_in_queue
 from ..track.intent import clear_intent, new_intent, write_intent
+from ..track.packed import task_entry
 from . import container_command
 from .crashpoint import crash_point
 from .environment import (
@@ -52,9 +55,16 @@ class SubmitError(UserError, RuntimeError):
 
 
 def slurm_parameters(
-    sweep: Sweep, nodes: int, gpus_per_node: int, sweep_dir: Path, uid: str = "", cell_ids: Sequence[str] = ()
+    sweep: Sweep,
+    nodes: int,
+    gpus_per_node: int,
+    sweep_dir: Path,
+    uid: str = "",
+    cell_ids: Sequence[str] = (),
+    cells_per_task: int = 1,
 ) -> dict:
-    """submitit SlurmExecutor parameters for one array: resources, the allowlisted environment
+    """submitit SlurmExecutor parameters for one array of tasks of `cells_per_task` cells (the time
+    limit is theirs together): resources, the allowlisted environment
     (environment.py), setup lines, offline switches, pyxis's srun flags (the other container
     runtimes wrap the job's Python: job_python), and the sweep id as the jobs' comment (with the
     token of the array's cells where they are given: layout.array_comment)."""
@@ -70,7 +80,7 @@ def slurm_parameters(
     params: dict = dict(
         job_name=f"hpcfsdp-{sweep.name}",
         partition=res.partition or None,
-        time=res.time_min,
+        time=res.time_min * cells_per_task,
         nodes=nodes,
         # One task per node, the node's supervisor, which starts its gpus_per_node ranks with their
         # share of the task's CPUs (cell/supervise/).
@@ -124,7 +134,8 @@ def sbatch_script(
     cell_ids: Sequence[str] = (),
 ) -> str:
     """The sbatch script submit writes for an array of `count` cells of one shape (a plain job for
-    one); without the sweep id (its comment) before the folder's first submit."""
+    one task), packed as slurm.cells_per_task says; without the sweep id (its comment) before the
+    folder's first submit."""
     # submitit has no public call for the script text; SlurmExecutor builds it with this helper,
     # from the same parameters and the command of digested.py's executor (without the digests of
     # the pickles, which submit writes only when it queues the array).
@@ -133,11 +144,12 @@ def sbatch_script(
     from .digested import job_command
 
     folder = slurm_folder(sweep_dir)
+    per_task = min(packed(nodes, sweep.resources.cells_per_task), max(count, 1))
     return _make_sbatch_string(
         command=job_command(container_command.job_python(sweep, sweep_dir), folder),
         folder=folder,
-        map_count=count if count > 1 else None,
-        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid, cell_ids),
+        map_count=task_count(count, per_task) if task_count(count, per_task) > 1 else None,
+        **slurm_parameters(sweep, nodes, gpus_per_node, sweep_dir, uid, cell_ids, per_task),
     )
 
 
@@ -150,7 +162,8 @@ def submit_arrays(
     looks) or, without room_poll_s, stay out."""
     cap = sweep.resources.max_jobs_in_queue
     uid = folder_uid(sweep_dir) or new_uid()  # made at the folder's first Slurm submit
-    todo = arrays(cells, array_size_limit(sweep.resources.max_array_size, sweep.resources.clusters))
+    res = sweep.resources
+    todo = arrays(cells, array_size_limit(res.max_array_size, res.clusters), res.cells_per_task)
     job_ids: dict[str, str] = {}
     last_note = ""
     while todo:
@@ -168,7 +181,8 @@ def submit_arrays(
                 last_note = note
             time.sleep(room_poll_s)
             continue
-        take = len(shape_cells) if room is None else min(room, len(shape_cells))
+        per_task = packed(nodes, res.cells_per_task)  # the queue's room is counted in tasks
+        take = len(shape_cells) if room is None else min(room * per_task, len(shape_cells))
         todo[0:1] = [((nodes, gpus), shape_cells[take:])] if take < len(shape_cells) else []
         job_ids.update(_submit_array(sweep, sweep_dir, nodes, gpus, shape_cells[:take], uid, log))
     not_queued = [cell for _, left in todo for cell in left]
@@ -181,8 +195,13 @@ def submit_arrays(
     return job_ids, not_queued
 
 
+def task_count(cells: int, per_task: int) -> int:
+    """The array tasks that run this many cells, per_task at a time."""
+    return math.ceil(cells / per_task)
+
+
 def _queue_room(cap: int, cluster: str) -> int | None:
-    """How many more cells slurm.max_jobs_in_queue lets into the queue now; None: no cap."""
+    """How many more jobs (array tasks) slurm.max_jobs_in_queue lets into the queue now; None: no cap."""
     if not cap:
         return None
     queued = jobs_in_queue(cluster)
@@ -201,15 +220,17 @@ def _submit_array(
     from .digested import DigestedSlurmExecutor
     from .job import CellJob
 
-    cell_dirs = [str(cell_dir(sweep_dir, cell).absolute()) for cell in cells]
+    tasks = tasks_of(cells, packed(nodes, sweep.resources.cells_per_task))
+    task_dirs = [tuple(str(cell_dir(sweep_dir, cell).absolute()) for cell in task) for task in tasks]
     executor = DigestedSlurmExecutor(
         slurm_folder(sweep_dir),
-        cell_dirs,
+        task_dirs,
         max_num_timeout=sweep.resources.max_requeue,
         python=container_command.job_python(sweep, sweep_dir),
     )
-    params = slurm_parameters(sweep, nodes, gpus, sweep_dir, uid, [cell.id for cell in cells])
-    intent = new_intent(uid, sweep.resources.clusters, params["job_name"], [cell.id for cell in cells])
+    per_task = len(tasks[0])
+    params = slurm_parameters(sweep, nodes, gpus, sweep_dir, uid, [cell.id for cell in cells], per_task)
+    intent = new_intent(uid, sweep.resources.clusters, params["job_name"], [cell.id for cell in cells], per_task)
     executor.update_parameters(**params)
     # The CellJob itself is the submitted function, so that submitit finds its checkpoint().
     # sbatch queues the array and the manifest names it, or neither happens: signals wait until
@@ -220,7 +241,7 @@ def _submit_array(
         write_intent(sweep_dir, intent)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                jobs = executor.submit_array([CellJob(path) for path in cell_dirs])
+                jobs = executor.submit_array([CellJob(dirs) for dirs in task_dirs])
         except FailedJobError as exc:
             clear_intent(sweep_dir)
             reason = " ".join(str(exc).split()) or "no message"
@@ -228,22 +249,25 @@ def _submit_array(
                 f"sbatch refused the array of {cells_on_shape(cells, nodes, gpus)}: {reason}"
                 + shell_part_in(reason, sweep)
             ) from None
-        job_ids = {cell.id: job.job_id for cell, job in zip(cells, jobs)}
+        job_ids = {cell.id: job.job_id for task, job in zip(tasks, jobs) for cell in task}
         crash_point("submit_queued")
         update_manifest(
             sweep_dir,
             {
-                cid: {
+                cell.id: {
                     "executor": "slurm",
-                    "job_id": jid,
+                    "job_id": job.job_id,
                     "cluster": sweep.resources.clusters,
                     "submitted_at": time.time(),
                     **owned_entry(sweep_dir, uid),
+                    **task_entry([member.id for member in task]),
                 }
-                for cid, jid in job_ids.items()
+                for task, job in zip(tasks, jobs)
+                for cell in task
             },
         )
         clear_intent(sweep_dir)
     where = f" on cluster {sweep.resources.clusters}" if sweep.resources.clusters else ""
-    log(f"submitted array {jobs[0].job_id.split('_')[0]}{where}: {cells_on_shape(cells, nodes, gpus)}")
+    packing = f", {per_task} per task: {len(tasks)} task(s)" if per_task > 1 else ""
+    log(f"submitted array {jobs[0].job_id.split('_')[0]}{where}: {cells_on_shape(cells, nodes, gpus)}{packing}")
     return job_ids

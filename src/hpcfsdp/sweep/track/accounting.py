@@ -20,6 +20,7 @@ from ...contracts.names import slurm_job_of
 from ...contracts.record import ACCOUNTING_KEY, RECORD_NAME, read_record, write_record
 from ...slurm import SlurmError, Watcher
 from ..folder.layout import cell_dir, manifest_cluster
+from .packed import all_task_mates
 
 # The fields read here: the first seven of slurm.SACCT_FORMAT.
 ACCOUNTING_FIELDS = ("JobID", "State", "Submit", "Start", "End", "ElapsedRaw", "ConsumedEnergyRaw")
@@ -79,6 +80,7 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
             f"no Slurm accounting ({exc}): elapsed time, queue wait and energy not added to {len(jobs)} record(s)"
         )
     added = {}
+    shared = all_task_mates(sweep_dir, list(jobs))
     for cell_id, job in jobs.items():
         if job not in answers:
             continue
@@ -89,10 +91,12 @@ def add_accounting(sweep_dir: Path, jobs: Mapping[str, str]) -> tuple[dict[str, 
             continue
         if ACCOUNTING_KEY in record or slurm_job_of(record.get("slurm")) != job:
             continue
-        record[ACCOUNTING_KEY] = answers[job]
-        record.update(_ending_slurm_saw(record, answers[job]["state"]))
+        # A task of several cells (slurm.cells_per_task): its time and energy are all its cells', none one's.
+        found = {**answers[job], "elapsed_s": None, "consumed_energy_j": None} if cell_id in shared else answers[job]
+        record[ACCOUNTING_KEY] = found
+        record.update(_ending_slurm_saw(record, found["state"]))
         write_record(path, record)
-        added[cell_id] = answers[job]
+        added[cell_id] = found
     return added, ""
 
 

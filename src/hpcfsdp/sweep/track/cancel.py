@@ -8,7 +8,8 @@ a job of another folder of the same sweep name, is never cancelled. A copy of th
 while its jobs run holds the original's manifest: those jobs were queued from the original folder
 (layout.slurm_jobs), so the copy neither cancels them nor records them.
 scancel gets task ids (`4242_3`), never a whole array, so the tasks of other cells of the same
-array run on.
+array run on. A task of several cells (slurm.cells_per_task) is cancelled whole: naming one of its
+cells takes along those it has not run yet (`taken_along`); those it recorded keep their records.
 
 A pending cell never starts, so its record (`cancelled`) is written here. A running cell gets
 Slurm's SIGTERM and records `cancelled` itself (cell/stopping/signals.py); if its job leaves the queue
@@ -27,6 +28,7 @@ from ...contracts.spec import SpecError
 from ..folder.layout import cell_dir, planned_cell_ids, read_manifest, slurm_jobs, sweep_comment
 from .intent import reconcile_intent
 from .lost import log_tails, record_launch_failure, slurm_logs
+from .packed import NOT_RUN, all_task_mates
 from .scheduler import QueuedJob, queued_states, scancel
 from .status import cell_status
 
@@ -43,6 +45,7 @@ class Cancelled:
     left_running: dict[str, str] = field(default_factory=dict)  # running, kept (--pending-only)
     not_queued: list[str] = field(default_factory=list)  # chosen cells with no job in the queue
     still_queued: dict[str, str] = field(default_factory=dict)  # cancelled, not out of the queue in time
+    taken_along: list[str] = field(default_factory=list)  # not named, but in the task of a cell named
 
 
 def job_name(sweep_dir: Path) -> str:
@@ -61,12 +64,17 @@ def cancel_sweep(
     sweep_dir = Path(sweep_dir)
     reconcile_intent(sweep_dir, lambda line: None)  # an array a killed submit queued is the sweep's to cancel
     chosen = _chosen_cells(sweep_dir, list(cell_ids))
+    mates = all_task_mates(sweep_dir, chosen)
+    along = [m for cid in chosen for m in mates.get(cid, []) if m not in chosen]
+    chosen += list(dict.fromkeys(along))
     jobs, cluster, uid, _ = slurm_jobs(sweep_dir, chosen)  # asked and cancelled on the cluster they were queued on
     queued = _named(queued_states(jobs.values(), cluster, sweep_comment(uid) if uid else ""), job_name(sweep_dir))
-    done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in queued])
+    done = Cancelled(not_queued=[cid for cid in chosen if jobs.get(cid) not in queued and cid not in along])
     for cid, jid in jobs.items():
-        if jid not in queued:
-            continue
+        if jid not in queued or ((cid in mates or cid in along) and cell_status(sweep_dir, cid) not in NOT_RUN):
+            continue  # a cell its task has run keeps its record
+        if cid in along:
+            done.taken_along.append(cid)
         pending = queued[jid].state.startswith("PENDING")
         target = done.pending if pending else done.left_running if pending_only else done.running
         target[cid] = jid

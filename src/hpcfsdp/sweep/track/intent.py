@@ -27,6 +27,7 @@ from ...contracts.files import RecordError, open_lock, read_json_object, write_j
 from ...contracts.fs.beneath import remove
 from ..define.matrix import is_cell_id
 from ..folder.layout import SUBMIT_LOCK_NAME, array_comment, owned_entry, read_manifest, update_manifest
+from .packed import task_entry
 from .scheduler import my_jobs_named
 
 INTENT_NAME = ".submit_intent.json"
@@ -35,21 +36,23 @@ INTENT_NAME = ".submit_intent.json"
 @dataclass(frozen=True)
 class Intent:
     """An array about to be queued: the sweep id, the cluster and job name it goes to, and its
-    cells in task order (which make its comment's token: layout.array_comment)."""
+    cells in task order (which make its comment's token: layout.array_comment), cells_per_task
+    of them to a task (slurm.cells_per_task)."""
 
     uid: str
     cluster: str
     name: str
     cells: list[str]
     written_at: float
+    cells_per_task: int = 1
 
     @property
     def comment(self) -> str:
         return array_comment(self.uid, self.cells)
 
 
-def new_intent(uid: str, cluster: str, name: str, cells: list[str]) -> Intent:
-    return Intent(uid, cluster, name, list(cells), time.time())
+def new_intent(uid: str, cluster: str, name: str, cells: list[str], cells_per_task: int = 1) -> Intent:
+    return Intent(uid, cluster, name, list(cells), time.time(), cells_per_task)
 
 
 def write_intent(sweep_dir: Path, intent: Intent) -> None:
@@ -102,14 +105,23 @@ def _reconcile(sweep_dir: Path, log: Callable[[str], None]) -> None:
     arrays = {job_id.split("_")[0] for job_id, job in queued.items() if job.comment == intent.comment} - tracked
     if arrays:
         array = max(arrays, key=int)  # the latest: an earlier one of the same cells would be tracked
-        tasks = {cid: f"{array}_{index}" for index, cid in enumerate(intent.cells)}
-        if len(intent.cells) == 1 and array in queued:  # one cell: a plain job, not an array
-            tasks = {intent.cells[0]: array}
+        per = intent.cells_per_task
+        groups = [intent.cells[start : start + per] for start in range(0, len(intent.cells), per)]
+        tasks = {f"{array}_{index}": group for index, group in enumerate(groups)}
+        if len(groups) == 1 and array in queued:  # one task: a plain job, not an array
+            tasks = {array: groups[0]}
         entry = {"executor": "slurm", "cluster": intent.cluster, "submitted_at": intent.written_at}
         owned = owned_entry(sweep_dir, intent.uid)
-        update_manifest(sweep_dir, {cid: {**entry, "job_id": jid, **owned} for cid, jid in tasks.items()})
+        update_manifest(
+            sweep_dir,
+            {
+                cid: {**entry, "job_id": jid, **owned, **task_entry(group)}
+                for jid, group in tasks.items()
+                for cid in group
+            },
+        )
         log(
-            f"array {array} of {len(tasks)} cell(s) was queued by a submit stopped before it wrote "
+            f"array {array} of {len(intent.cells)} cell(s) was queued by a submit stopped before it wrote "
             f"manifest.json: tracked now"
         )
     clear_intent(sweep_dir)
@@ -127,6 +139,8 @@ def _read_intent(path: Path, sweep_dir: Path) -> Intent:
         and intent.cells
         and all(is_cell_id(cid) for cid in intent.cells)
         and type(intent.written_at) in (int, float)
+        and type(intent.cells_per_task) is int
+        and intent.cells_per_task >= 1
     ):
         raise ValueError("a value of another type or shape")
     return intent

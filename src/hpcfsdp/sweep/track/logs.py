@@ -4,7 +4,9 @@ A cell's jobs are its latest one (the manifest) and those of its earlier records
 their `slurm` object), newest first; a requeued job writes on in the same files. Each job has one
 stdout and one stderr file per task, where submitit's SlurmJob puts them
 (slurm/<job>/<job>_<task>_log.out|err). A task is a node (its supervisor, cell/supervise/, and every
-rank it starts write there), so the logs are labelled by node. For a cell whose record is not ok,
+rank it starts write there), so the logs are labelled by node. A task of several cells
+(slurm.cells_per_task) writes them all into its logs, one after another, each part beginning with
+a `[hpcfsdp] cell <id>` line: logs says so above them. For a cell whose record is not ok,
 the lines that say why come first: the record's error, then the error lines of every node's logs
 of its newest job.
 
@@ -42,6 +44,7 @@ from ..folder.layout import (
     read_manifest,
     slurm_folder,
 )
+from .packed import all_task_mates
 from .scheduler import queued_states
 from .status import cell_state, sweep_status
 
@@ -131,6 +134,12 @@ def print_logs(sweep_dir: Path, cell_id: str, stream: Stream, out: TextIO | None
         )
     if not jobs:
         return _print_local_log(sweep_dir, cell_id, sweep_status(sweep_dir, [cell_id]).cells[0].state, out)
+    if mates := all_task_mates(sweep_dir, [cell_id]).get(cell_id):
+        print(
+            f"== job {jobs[0]} runs {len(mates)} cells one after another ({', '.join(mates)}): its logs hold them "
+            f"all; {cell_id}'s part begins at the line `[hpcfsdp] cell {cell_id}`",
+            file=out,
+        )
     if state.status != "ok" and record:
         newest = rank_logs(sweep_dir, cell_id, jobs[0], "stderr") + rank_logs(sweep_dir, cell_id, jobs[0], "stdout")
         for line in telling_lines(sweep_dir, newest):

@@ -44,6 +44,7 @@ from ..folder.layout import (
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .intent import reconcile_intent
 from .lost import cell_logs, log_tails, lost_ending, record_launch_failure
+from .packed import queued_seats
 from .preemptions import preemption_note, preemptions
 from .scheduler import QueuedJob, finished_jobs, queued_states
 
@@ -195,10 +196,13 @@ def sweep_status(
     unrecorded = [jid for cid, jid in jobs.items() if states[cid].status == MISSING and jid not in queued]
     finished = finished_jobs(unrecorded, cluster, watcher)
     blocked = _blocked_jobs(queued, cluster)
+    seats = queued_seats(
+        sweep_dir, cell_ids, jobs, queued, lambda m: (states.get(m) or cell_state(sweep_dir, m)).status
+    )
     cells = []
     for cid in cell_ids:
         jid = jobs.get(cid, "")
-        job = queued.get(jid)
+        job = seats[cid] if cid in seats else queued.get(jid)  # a task of several cells: each cell's own
         spec = _cell_spec(sweep_dir, cid)
         strategy = str(spec["strategy"]) if isinstance(spec.get("strategy"), str) else "?"
         if job is None:
