@@ -53,7 +53,7 @@ def print_plan(sweep: Sweep, memory: bool = False) -> int:
         print(f"array {index}: {cells_on_shape(cells, nodes, gpus)}{tasks if per_task > 1 else ''}")
     if len(planned) > len(sweep.groups()):
         limit = "slurm.max_array_size" if size == res.max_array_size else "the cluster's MaxArraySize"
-        print(f"(an array holds at most {size} tasks: {limit})")
+        print(f"(an array holds at most {size} {'tasks' if res.cells_per_task > 1 else 'cells'}: {limit})")
     requeues = f", {res.max_requeue} requeue(s)" if res.max_requeue else ""
     print(
         f"upper bound: {rank_hours(sweep):.1f} {cells_rank_words(sweep.cells).hours} at a {res.time_min} min limit "
