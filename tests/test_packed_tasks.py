@@ -9,14 +9,18 @@ real (lr 1e12)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import slurm
+from conftest import ROOT, slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -125,6 +129,28 @@ def test_cancelling_one_cell_of_a_packed_task_takes_its_task_mates_along_and_eac
     for cell in cells[:2]:
         assert record(sweep_dir, cell, "attempts/1.json")["status"] == "cancelled"
         assert not (sweep_dir / "cells" / cell / "result.json").exists()
+    assert main(["cancel", str(sweep_dir)]) == 0
+    assert "3 cell(s) cancelled" in capsys.readouterr().out
+
+
+@pytest.mark.slurm
+def test_a_packed_array_queued_by_a_submit_sigkilled_before_the_manifest_is_tracked_task_by_task(
+    slurm_cluster, tmp_path, capsys
+):
+    """The intent of a killed submit (issue 51, item 8) names the cells per task: the next status
+    writes each cell's own task into the manifest, with its task's cells."""
+    submit, cells = held_sweep(tmp_path, "1.0e-3, 2.0e-3, 3.0e-3")
+    sweep_dir = tmp_path / "results" / "packed"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCFSDP_FAULT": "submit_queued:sigkill"}
+    done = subprocess.run([sys.executable, "-m", "hpcfsdp", *submit], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL and not (sweep_dir / "manifest.json").exists()
+    assert json.loads((sweep_dir / ".submit_intent.json").read_text())["cells_per_task"] == 2
+    assert main(["status", str(sweep_dir)]) == 4  # in flight: pending, not missing
+    assert f"{sweep_dir}: 3 cell(s): pending 3" in capsys.readouterr().out
+    entries = manifest(sweep_dir)
+    array = entries[cells[0]]["job_id"].split("_")[0]
+    assert [entries[c]["job_id"] for c in cells] == [f"{array}_0", f"{array}_0", f"{array}_1"]
+    assert [entries[c].get("task_cells") for c in cells] == [cells[:2], cells[:2], None]
     assert main(["cancel", str(sweep_dir)]) == 0
     assert "3 cell(s) cancelled" in capsys.readouterr().out
 
