@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, slurm
+from hpcfsdp.cell.supervise.entry import supervise_here
+from hpcfsdp.cell.supervise.supervisor import FORWARDED
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
@@ -153,6 +155,32 @@ def test_a_packed_array_queued_by_a_submit_sigkilled_before_the_manifest_is_trac
     assert [entries[c].get("task_cells") for c in cells] == [cells[:2], cells[:2], None]
     assert main(["cancel", str(sweep_dir)]) == 0
     assert "3 cell(s) cancelled" in capsys.readouterr().out
+
+
+def test_a_supervisor_puts_back_the_signal_handlers_it_found_so_the_next_cell_of_its_task_finds_submitits(
+    tmp_path, capsys, monkeypatch
+):
+    """A task of several cells runs a supervisor per cell in one process: each must leave SIGTERM,
+    SIGUSR2 and SIGINT as it found them (submitit's), else the next cell's time limit went to the
+    first cell's ended supervisor. Its rank is a Python that exits 1 at once (/bin/false)."""
+    jobs = tmp_path / "one.yaml"
+    jobs.write_text(textwrap.dedent(PACKED.format(lrs="1.0e-3")))
+    assert main(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    capsys.readouterr()
+    (cell,) = (tmp_path / "results" / "packed" / "cells").iterdir()
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+
+    def found(signum: int, frame: object) -> None:
+        raise AssertionError(f"signal {signum} reached the handler found before the supervisor")
+
+    before = {sig: signal.signal(sig, found) for sig in FORWARDED}
+    try:
+        assert supervise_here(str(cell), 1) == 1
+        assert {sig: signal.getsignal(sig) for sig in FORWARDED} == dict.fromkeys(FORWARDED, found)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert "exited with status 1" in record(tmp_path / "results" / "packed", cell.name)["error"]
 
 
 @pytest.mark.parametrize(("earlier", "skipped"), [("ok", True), ("diverged", True), ("cancelled", False)])

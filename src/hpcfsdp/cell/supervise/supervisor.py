@@ -77,6 +77,10 @@ class Supervisor:
         finally:
             for rank in self.ranks:  # what a rank left behind in its group (compile workers, loaders)
                 rank.signal_group(signal.SIGKILL)
+            # The next cell of the same task (slurm.cells_per_task) finds submitit's handlers, not this launch's.
+            for sig, handler in previous.items():
+                if handler is not None:  # None: a handler installed from C, which cannot be put back
+                    signal.signal(sig, handler)
         return cell_status(self.cell_dir)
 
     def _handler(self, requeue_with: Callable | object | None) -> Callable[[int, FrameType | None], None]:
