@@ -183,6 +183,18 @@ def test_a_supervisor_puts_back_the_signal_handlers_it_found_so_the_next_cell_of
     assert "exited with status 1" in record(tmp_path / "results" / "packed", cell.name)["error"]
 
 
+def test_plan_shows_the_packing_keeps_multi_node_cells_one_per_task_and_refuses_cells_per_task_0(tmp_path, capsys):
+    jobs = tmp_path / "mixed.yaml"
+    jobs.write_text(textwrap.dedent(PACKED.format(lrs="1.0e-3, 2.0e-3, 3.0e-3")) + "  nodes: [1, 2]\n")
+    assert main(["plan", str(jobs)]) == 0
+    out = capsys.readouterr().out
+    assert "array 0: 3 cell(s) on 1 node(s) x 1 process(es), 2 per task: 2 task(s) of 10 min\n" in out
+    assert "array 1: 3 cell(s) on 2 node(s) x 1 process(es)\n" in out  # srun must end a failed cell's every node
+    jobs.write_text(textwrap.dedent(PACKED.format(lrs="1.0e-3")).replace("cells_per_task: 2", "cells_per_task: 0"))
+    assert main(["plan", str(jobs)]) == 2
+    assert capsys.readouterr().err == f"error: {jobs}:5: slurm.cells_per_task: expected a positive integer, got 0\n"
+
+
 @pytest.mark.parametrize(("earlier", "skipped"), [("ok", True), ("diverged", True), ("cancelled", False)])
 def test_a_requeued_task_skips_a_cell_an_earlier_run_of_its_job_recorded_unless_the_job_ended_it(
     tmp_path, monkeypatch, earlier, skipped
