@@ -11,11 +11,9 @@ Login side: DuckDB and pandas only, no torch.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from ..contracts.errors import UserError
 from ..contracts.fields import SpecError
 from ..contracts.files import LockBusy, OwnershipError, RecordError, linked_file, open_lock, take_lock
 from ..contracts.fs.beneath import folder, make_folders, new_temp, open_file, pinned, removed_in, renamed_in
-from ..contracts.fs.ownership import holder_words, user_name, write_lock_note
+from ..contracts.fs.ownership import user_name, write_lock_note
 from ..contracts.names import has_surrogate, readable
 from .history_rows import COLUMNS, KEY
 
@@ -356,24 +354,23 @@ def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Itera
     except OSError as exc:
         raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
     try:
-        deadline = time.monotonic() + wait_s
-        said = False
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise HistoryError(f"{path}: not updated (its lock: {exc.strerror or exc})") from None
-                if time.monotonic() >= deadline:
-                    raise HistoryError(
-                        f"{path}: not updated (another DuckDB client has held it open for {wait_s:g} s: "
-                        f"{_duckdb_holder(path)})"
-                    ) from None
-                if not said:
-                    log(f"waiting up to {wait_s:g} s for the history {path}: another DuckDB client has it open")
-                    said = True
-                time.sleep(0.2)
+        try:
+            take_lock(
+                fd,
+                path,
+                wait_s,
+                lambda holder: log(
+                    f"waiting up to {wait_s:g} s for the history {path}: another DuckDB client has it open ({holder})"
+                ),
+                lock=fcntl.lockf,
+                holder=lambda fd: _duckdb_holder(path),
+            )
+        except LockBusy as exc:
+            raise HistoryError(
+                f"{path}: not updated (another DuckDB client has held it open for {wait_s:g} s: {exc.holder})"
+            ) from None
+        except OSError as exc:
+            raise HistoryError(f"{path}: not updated (its lock: {exc.strerror or exc})") from None
         yield fd if os.fstat(fd).st_size else None  # 0 bytes: an interrupted write of an older hpcfsdp
     finally:
         os.close(fd)
@@ -418,9 +415,9 @@ def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iter
                     f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})"
                 ),
             )
-        except LockBusy:
+        except LockBusy as exc:
             raise HistoryError(
-                f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder_words(fd)})"
+                f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {exc.holder})"
             ) from None
         write_lock_note(fd, f"collect: pid {os.getpid()} of {user_name(os.geteuid())} on {os.uname().nodename}")
         try:
