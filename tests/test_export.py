@@ -339,25 +339,43 @@ def test_tensorboard_dashboard_gets_each_hparam_typed_the_varying_ones_first_and
 
 
 def test_two_sweeps_exported_into_one_tensorboard_folder_are_distinct_trials(cells, tmp_path):
-    """docs/history.md's layout: each sweep in DIR/<sweep>/. The same cell id in two sweeps is two
-    trials (the HParams dashboard groups sessions by their group name), never one averaged row."""
+    """docs/history.md's layout: each sweep in DIR/<sweep>/, `tensorboard --logdir DIR`. Read as the
+    HParams dashboard reads it (tensorboard's own ListSessionGroups and GetExperiment handlers over
+    its data provider, asked as the dashboard asks by default): the same cell id in two sweeps is
+    two trials (the dashboard groups sessions by their group name), never one averaged row, and
+    strategy and status are among the 5 hparams it shows first."""
     import shutil
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import metadata
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment, list_session_groups
 
     sweep_dir, records = cells
     again = tmp_path / "t-again"
     shutil.copytree(sweep_dir, again)
     for folder in (sweep_dir, again):
         assert main(["export", str(folder), "--to", "tensorboard", str(tmp_path / "tb")]) == 0
-    groups = []
-    for run in sorted((tmp_path / "tb").glob("*/*/")):
-        events = EventAccumulator(str(run))
-        events.Reload()
-        content = events.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
-        groups.append(metadata.parse_session_start_info_plugin_data(content).group_name)
-    assert len(groups) == 2 * len(records) and len(set(groups)) == len(groups), groups
+    logdir = str(tmp_path / "tb")
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(logdir)
+    runs.Reload()
+    provider = data_provider.MultiplexerDataProvider(runs, logdir)
+    tb = backend_context.Context(base_plugin.TBContext(logdir=logdir, multiplexer=runs, data_provider=provider))
+    top = get_experiment.Handler(context.RequestContext(), tb, "", api_pb2.GetExperimentRequest(hparams_limit=5)).run()
+    assert {"strategy", "status"} <= {info.name for info in top.hparam_infos}, top.hparam_infos
+    request = api_pb2.ListSessionGroupsRequest(  # the dashboard's first request: every column, no filter
+        col_params=[api_pb2.ColParams(hparam=info.name, include_in_result=True) for info in top.hparam_infos],
+        allowed_statuses=list(api_pb2.Status.values()),
+        aggregation_type=api_pb2.AGGREGATION_AVG,
+        start_index=0,
+        slice_size=100,
+    )
+    groups = list_session_groups.Handler(context.RequestContext(), tb, "", request).run().session_groups
+    names = sorted(group.name for group in groups)
+    cell_ids = [record["cell_id"] for record in records.values()]
+    assert names == sorted(f"{sweep}/{cell}" for sweep in ("t", "t-again") for cell in cell_ids), names
+    assert all(len(group.sessions) == 1 for group in groups)
 
 
 @pytest.mark.parametrize("store", ["file", "sqlite"])

@@ -353,6 +353,30 @@ def test_a_slurm_folder_that_is_a_link_is_refused(tmp_path, capsys):
     assert line.startswith(f"error: {sweep / 'slurm'}: a symbolic link where hpcfsdp keeps a folder of its own"), line
 
 
+def test_a_cell_folder_that_is_a_link_is_no_cell_and_is_named_and_a_cells_link_lists_none(tmp_path):
+    """layout.cell_ids_with, which status, collect and logs list cells by: a cells/<id> that is a
+    link (to a folder holding a spec and a record) is passed over and named as not read; a cells/
+    that is a link lists nothing. Before, both were followed."""
+    from hpcfsdp.sweep.folder import layout
+    from hpcfsdp.sweep.folder.layout import cell_ids_with, planned_cell_ids
+
+    sweep = tmp_path / "sweep"
+    theirs = tmp_path / "theirs"
+    for folder in (sweep / "cells" / "mine", theirs / "cells" / "linked"):
+        folder.mkdir(parents=True)
+        (folder / "spec.json").write_text("{}")
+        (folder / "result.json").write_text("{}")
+    (sweep / "cells" / "linked").symlink_to(theirs / "cells" / "linked")
+    assert planned_cell_ids(sweep) == ["mine"] and cell_ids_with(sweep, "result.json") == ["mine"]
+    assert layout.unusable_cell_folders(sweep) == {
+        "linked": f"{sweep}/cells/linked: a symbolic link where a cell folder belongs (hpcfsdp follows none); not read"
+    }
+    linked = tmp_path / "linked-cells"
+    linked.mkdir()
+    (linked / "cells").symlink_to(theirs / "cells")
+    assert planned_cell_ids(linked) == [] and cell_ids_with(linked, "result.json") == []
+
+
 # ---------------------------------------------------------------------------------------------
 # The rule itself: no other module opens a path of those folders another way
 

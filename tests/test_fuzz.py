@@ -283,12 +283,19 @@ def test_hostile_records_never_crash_hang_or_win(template, store, change):
     assert time.monotonic() - started < EXAMPLE_LIMIT_S
 
 
+class Hung(Exception):
+    """An example past its time limit. Not TimeoutError, which is an OSError: the commands take an
+    OSError for a refusal of their own (cli.main: an `error:` line, exit 1), and slurm.ask for a
+    Slurm client that could not run (a watch then asks again), so a hang would pass as either."""
+
+
 @contextlib.contextmanager
 def within(seconds: float):
-    """A hang (a FIFO opened, /dev/zero read) becomes a failure of the example after `seconds`."""
+    """A hang (a FIFO opened, /dev/zero read, a wait that never ends) becomes a failure of the
+    example after `seconds` (Hung)."""
 
     def expire(signum, frame):
-        raise TimeoutError(f"an example ran past {seconds:g} s")
+        raise Hung(f"an example ran past {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -207,10 +207,15 @@ def test_collect_waits_for_another_duckdb_client_and_never_drops_its_table(tmp_p
         monkeypatch.setattr(history, "LOCK_WAIT_S", 0.5)
         second = write_sweep(results, "s1", 1, {"a": 1000.0})
         assert main(["collect", str(second), "--no-plots", "--fail-on-regression"]) == 3  # the gate fails
-        (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        said = capsys.readouterr().err.splitlines()
+        (error,) = [line for line in said if line.startswith("error:")]
         assert error.startswith(
             f"error: history {store}: not updated (another DuckDB client has held it open for 0.5 s: "
         )
+        # the one bounded wait of every lock (files.take_lock, here with lockf): its line names the holder
+        (waiting,) = [line for line in said if line.startswith("waiting up to")]
+        assert waiting.startswith(f"waiting up to 0.5 s for the history {store}: another DuckDB client has it open (")
+        assert f"(PID {client.pid})" in waiting, waiting
         assert f"(PID {client.pid})" in error and error.endswith("; --no-history collects without it")
         client.stdin.write("\n")
         client.stdin.flush()

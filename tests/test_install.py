@@ -10,6 +10,7 @@ torch and all into a fresh venv with the network cut: about 6 minutes on the 2-c
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -22,6 +23,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from hpcfsdp.cliargs import DOC_NAMED
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a user of the package needs beside it: the checkout's parts that the sdist carries.
@@ -109,8 +112,24 @@ def test_the_built_wheel_installs_into_a_fresh_venv_and_runs_the_smoke_matrix_wi
     assert "smoke: 8 cell(s) in 1 array(s)" in run([hpcfsdp, "plan", "smoke"], cwd=checkout).stdout
     run([hpcfsdp, "examples", "smoke", "--copy-to", "jobs"], cwd=checkout)  # one to start from, to edit
     assert (checkout / "jobs/smoke.yaml").read_text() == (ROOT / "jobs/smoke.yaml").read_text()
+    # Every page of docs/ that a help text names is in the wheel, and the installed help says where.
+    named = {page for text in help_texts() for page in DOC_NAMED.findall(text)}
+    assert named and {f"hpcfsdp/{page}" for page in named} <= set(names), named - set(names)
+    said = run([hpcfsdp, "submit", "--help"], cwd=checkout).stdout
+    folder = Path(said.rsplit("installed with the package in ", 1)[1].strip())
+    assert folder.is_relative_to(tmp_path / "venv")
+    assert all((folder / page.removeprefix("docs/")).is_file() for page in named), sorted(named)
     record = a_cell_of_the_smoke_matrix(python, checkout, tmp_path / "results")
     assert record["status"] == "ok" and record["spec"]["model"] == "tiny"
+
+
+def help_texts() -> list[str]:
+    """`hpcfsdp --help` and every subcommand's help, as the parser writes them."""
+    from hpcfsdp.cli import _parser
+
+    parser = _parser()
+    (commands,) = (action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return [parser.format_help(), *(sub.format_help() for sub in commands.choices.values())]
 
 
 def test_the_sdist_carries_the_checkout_and_installs_into_a_fresh_venv(dist, tmp_path):

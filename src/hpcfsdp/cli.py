@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, commands
-from .cliargs import add_json, add_max_cells, halving_factor, positive_int
+from .cliargs import add_json, add_max_cells, docs_line, halving_factor, positive_int
 from .contracts.errors import UsageError, UserError, os_error_text
 from .contracts.fields import one_line
 from .contracts.record import STATUSES
@@ -66,7 +66,8 @@ class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         if self.epilog_of is not None:
             self.epilog = self.epilog_of()
-        return super().format_help()
+        text = super().format_help()
+        return text + docs_line(text)
 
     def error(self, message: str) -> NoReturn:
         if _Parser.json_answers:

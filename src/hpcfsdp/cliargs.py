@@ -1,9 +1,28 @@
 """The pieces cli.py's subcommand parsers share: the --json and --max-cells options, worded once,
-and the checked numbers some options take (argparse types: a positive integer, tune's --eta)."""
+the checked numbers some options take (argparse types: a positive integer, tune's --eta), and
+where the pages of docs/ that help texts name are."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from importlib.resources import files
+from pathlib import Path
+
+DOC_NAMED = re.compile(r"\bdocs/[\w.-]+\.md\b")  # a page of docs/ that a help text names
+
+
+def docs_folder() -> Path:
+    """The folder of the pages help names: the package's docs/ (pyproject.toml's package data; in
+    a checkout, src/hpcfsdp/docs links to docs/), so a user of the wheel alone has them too."""
+    return Path(str(files("hpcfsdp") / "docs"))
+
+
+def docs_line(help_text: str) -> str:
+    """The line that ends a help text naming a page of docs/: where that page is installed."""
+    if not DOC_NAMED.search(help_text):
+        return ""
+    return f"\nthe docs/*.md pages named above: in a checkout, and installed with the package in {docs_folder()}\n"
 
 
 def add_json(parser: argparse.ArgumentParser, what: str) -> None:

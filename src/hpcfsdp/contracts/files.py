@@ -227,23 +227,40 @@ def open_lock(path: str | Path) -> int:
 
 
 class LockBusy(LockError):
-    """A lock another process held past the wait: one line naming the lock and its holder."""
+    """A lock another process held past the wait: one line naming the lock and its holder (holder:
+    the holder's words alone, for a caller's own line)."""
+
+    def __init__(self, line: str, holder: str) -> None:
+        super().__init__(line)
+        self.holder = holder
 
 
-def take_lock(fd: int, path: str | Path, wait_s: float, on_wait: Callable[[str], None] = lambda holder: None) -> None:
-    """Take the exclusive flock of the open lock fd, waiting up to wait_s seconds; on_wait(holder)
-    is called once when another holder makes it wait. LockBusy names the holder past the wait."""
+def take_lock(
+    fd: int,
+    path: str | Path,
+    wait_s: float,
+    on_wait: Callable[[str], None] = lambda holder: None,
+    lock: Callable[[int, int], Any] = fcntl.flock,
+    holder: Callable[[int], str] = holder_words,
+) -> None:
+    """Take the exclusive lock of the open fd with `lock` (flock, or lockf for DuckDB's own record
+    lock on the history), polling it for up to wait_s seconds; on_wait(holder(fd)) is called once
+    when another holder makes it wait. LockBusy names the holder past the wait; an error of the
+    lock other than "held" (EAGAIN, EACCES) is raised as it is."""
     deadline = time.monotonic() + wait_s
     said = False
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
-        except BlockingIOError:
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
             if time.monotonic() >= deadline:
-                raise LockBusy(f"{path}: held by {holder_words(fd)} for over {wait_s:g} s; nothing done") from None
+                words = holder(fd)
+                raise LockBusy(f"{path}: held by {words} for over {wait_s:g} s; nothing done", words) from None
             if not said:
-                on_wait(holder_words(fd))
+                on_wait(holder(fd))
                 said = True
             time.sleep(0.2)
 

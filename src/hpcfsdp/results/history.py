@@ -11,11 +11,9 @@ Login side: DuckDB and pandas only, no torch.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -356,24 +354,12 @@ def _duckdb_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Itera
     except OSError as exc:
         raise HistoryError(f"{path}: not updated ({exc.strerror or exc})") from None
     try:
-        deadline = time.monotonic() + wait_s
-        said = False
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise HistoryError(f"{path}: not updated (its lock: {exc.strerror or exc})") from None
-                if time.monotonic() >= deadline:
-                    raise HistoryError(
-                        f"{path}: not updated (another DuckDB client has held it open for {wait_s:g} s: "
-                        f"{_duckdb_holder(path)})"
-                    ) from None
-                if not said:
-                    log(f"waiting up to {wait_s:g} s for the history {path}: another DuckDB client has it open")
-                    said = True
-                time.sleep(0.2)
+        try:
+            client = "another DuckDB client"  # DuckDB's own record lock (lockf), its holder as DuckDB names it
+            held = f"{client} has held it open"
+            _take(fd, path, wait_s, log, f"{client} has it open", held, fcntl.lockf, lambda _: _duckdb_holder(path))
+        except OSError as exc:
+            raise HistoryError(f"{path}: not updated (its lock: {exc.strerror or exc})") from None
         yield fd if os.fstat(fd).st_size else None  # 0 bytes: an interrupted write of an older hpcfsdp
     finally:
         os.close(fd)
@@ -400,6 +386,31 @@ def _copy_from(fd: int, target: int) -> None:
         offset += len(chunk)
 
 
+def _take(
+    fd: int,
+    path: Path,
+    wait_s: float,
+    log: Callable[[str], None],
+    waiting: str,
+    held: str,
+    lock: Callable[[int, int], Any] = fcntl.flock,
+    holder: Callable[[int], str] = holder_words,
+) -> None:
+    """files.take_lock on one of the history's two locks: the line said once while it waits names
+    who has it (`waiting`), and past the wait a HistoryError does (`held`), both with its holder."""
+    try:
+        take_lock(
+            fd,
+            path,
+            wait_s,
+            lambda words: log(f"waiting up to {wait_s:g} s for the history {path}: {waiting} ({words})"),
+            lock=lock,
+            holder=holder,
+        )
+    except LockBusy as exc:
+        raise HistoryError(f"{path}: not updated ({held} for {wait_s:g} s: {exc.holder})") from None
+
+
 @contextmanager
 def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iterator[None]:
     """history.duckdb.lock beside the history: one collect's update at a time (files.open_lock:
@@ -409,19 +420,7 @@ def _history_lock(path: Path, log: Callable[[str], None], wait_s: float) -> Iter
     except (RecordError, OwnershipError) as exc:
         raise HistoryError(f"{path}: not updated: {exc}") from None
     try:
-        try:
-            take_lock(
-                fd,
-                path,
-                wait_s,
-                lambda holder: log(
-                    f"waiting up to {wait_s:g} s for the history {path}: another collect updates it ({holder})"
-                ),
-            )
-        except LockBusy:
-            raise HistoryError(
-                f"{path}: not updated (another collect has held its lock for {wait_s:g} s: {holder_words(fd)})"
-            ) from None
+        _take(fd, path, wait_s, log, "another collect updates it", "another collect has held its lock")
         write_lock_note(fd, f"collect: pid {os.getpid()} of {user_name(os.geteuid())} on {os.uname().nodename}")
         try:
             yield

@@ -28,7 +28,7 @@ from ..sweep.folder.layout import (
     cell_dir,
     cell_files,
     planned_cell_ids,
-    unnamed_cell_folders,
+    unusable_cell_folders,
 )
 
 METRICS = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
@@ -97,7 +97,7 @@ def load_records(
     )
     if progress:
         progress.count(len(paths))
-    unreadable = list(unnamed_cell_folders(sweep_dir).values())
+    unreadable = list(unusable_cell_folders(sweep_dir).values())
     with garbage_collection_paused():  # some million small dicts and lists, none in a cycle
         read = _read_in_two(paths, sweep_dir, progress)
     unreadable.extend(read.problems)

@@ -362,9 +362,9 @@ def remove_tree(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def entries(path: str | Path) -> list[os.DirEntry[str]]:
-    """The entries of the folder at path (os.scandir's: their kind is known without following a
-    link); an OSError where it cannot be listed."""
+def entries(path: str | Path | int) -> list[os.DirEntry[str]]:
+    """The entries of the folder at path, or of the open folder fd (os.scandir's: their kind is
+    known without following a link); an OSError where it cannot be listed."""
     with os.scandir(path) as listing:
         return list(listing)
 

@@ -38,7 +38,7 @@ from ...contracts.files import (
     write_json,
     write_text,
 )
-from ...contracts.fs.beneath import entries, make_folders, open_file, remove
+from ...contracts.fs.beneath import entries, folder, make_folders, open_file, remove
 from ...contracts.fs.ownership import user_name
 from ...contracts.names import has_surrogate, is_job_id, readable, slurm_name_problem
 from ...contracts.record import BATCH_HINT_KEYS, SPEC_NAME
@@ -64,29 +64,36 @@ def cell_dir(sweep_dir: Path, cell: Cell | str) -> Path:
 
 def cell_files(sweep_dir: Path, name: str) -> list[Path]:
     """The file `name` (result.json, spec.json) of every cell that has one, by cell id; a folder
-    whose name is not UTF-8 is no cell's (unnamed_cell_folders lists it)."""
+    whose name is not UTF-8, or a link, is no cell's (unusable_cell_folders lists it)."""
     cells = Path(sweep_dir) / CELLS_DIR
     return [Path(cells, cell_id, name) for cell_id in cell_ids_with(sweep_dir, name)]
 
 
 def cell_ids_with(sweep_dir: Path, name: str) -> list[str]:
-    """The ids (folder names) of the cells of cell_files(sweep_dir, name), without making a Path of
-    each. What Path's glob of f"cells/*/{name}" finds (a folder, or a link to one, holding `name` that
-    exists or links to what exists), sorted as it sorts them, by one scandir in a third of its time."""
-    cells = os.path.join(sweep_dir, CELLS_DIR)
+    """The ids (folder names) of the cells of cell_files(sweep_dir, name), sorted, without making a
+    Path of each: the folders of cells/ that hold an entry `name`, by one scandir. No link is
+    followed (the file layer's rule, docs/security.md): cells/ is reached through none, a
+    cells/<id> that is a link is no cell's folder, and `name` is looked at, not what it leads to
+    (its reader refuses a link in one line)."""
     try:
-        folders = sorted(entry.name for entry in entries(cells) if _is_folder(entry) and not _no_cell_id(entry.name))
+        with folder(Path(sweep_dir, CELLS_DIR), sweep_dir) as cells:
+            folders = sorted(
+                entry.name
+                for entry in entries(cells)
+                if entry.is_dir(follow_symlinks=False) and not _no_cell_id(entry.name)
+            )
+            return [cell_id for cell_id in folders if _has_entry(cells, f"{cell_id}/{name}")]
     except OSError:
         return []
-    return [folder for folder in folders if os.path.exists(os.path.join(cells, folder, name))]
 
 
-def _is_folder(entry: os.DirEntry[str]) -> bool:
-    """A folder or a link to one; False where that cannot be told (a link loop)."""
+def _has_entry(fd: int, relative: str) -> bool:
+    """Whether anything (a link too, not followed) is at the relative path below the open folder fd."""
     try:
-        return entry.is_dir()
+        os.stat(relative, dir_fd=fd, follow_symlinks=False)
     except OSError:
         return False
+    return True
 
 
 def _no_cell_id(name: str) -> bool:
@@ -98,20 +105,29 @@ def _no_cell_id(name: str) -> bool:
     return has_surrogate(name) or any(unicodedata.category(char) == "Cc" for char in name)
 
 
-def unnamed_cell_folders(sweep_dir: Path) -> dict[str, str]:
-    """The folders of cells/ whose name is no cell id (_no_cell_id): their names shown escaped (as
-    ascii() writes them) -> the line that names each. None can be written to a report, a CSV file
-    or strict JSON (issue 44, item 4): status shows such a folder as a corrupt cell, collect skips it."""
+def unusable_cell_folders(sweep_dir: Path) -> dict[str, str]:
+    """The entries of cells/ that cell_ids_with passes over: a folder whose name is no cell id
+    (_no_cell_id), which cannot be written to a report, a CSV file or strict JSON (issue 44, item
+    4), and a symbolic link, which is never followed (the file layer's rule). Their names shown
+    escaped (as ascii() writes them) -> the line that names each: status shows each as a corrupt
+    cell, collect lists it as unreadable."""
+    cells = readable(str(Path(sweep_dir) / CELLS_DIR))
     try:
-        names = [entry.name for entry in entries(Path(sweep_dir) / CELLS_DIR)]
+        with folder(Path(sweep_dir, CELLS_DIR), sweep_dir) as fd:
+            found = sorted((entry.name, entry.is_symlink()) for entry in entries(fd))
     except OSError:
         return {}
-    shown = {name: ascii(name)[1:-1] for name in sorted(names) if _no_cell_id(name)}
-    return {
-        escaped: f"{readable(str(Path(sweep_dir) / CELLS_DIR))}/{escaped}: a cell folder whose name is no cell id "
-        "(not UTF-8 text, or a control character); not read"
-        for escaped in shown.values()
-    }
+    lines = {}
+    for name, link in found:
+        if _no_cell_id(name):
+            why = "a cell folder whose name is no cell id (not UTF-8 text, or a control character)"
+        elif link:
+            why = "a symbolic link where a cell folder belongs (hpcfsdp follows none)"
+        else:
+            continue
+        escaped = ascii(name)[1:-1]
+        lines[escaped] = f"{cells}/{escaped}: {why}; not read"
+    return lines
 
 
 def planned_cell_ids(sweep_dir: Path) -> list[str]:
@@ -129,10 +145,10 @@ def job_log_files(sweep_dir: Path, job_id: str, stream: str) -> list[tuple[int, 
     are: read them through read_log."""
     if not is_job_id(job_id):
         return []
-    folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
+    job_folder = Path(str(slurm_folder(sweep_dir)).replace("%j", job_id))
     name = re.compile(re.escape(job_id) + r"_([0-9]{1,9})" + re.escape(LOG_SUFFIXES[stream]))
     try:
-        found = entries(folder) if folder.is_dir() else []
+        found = entries(job_folder) if job_folder.is_dir() else []
     except OSError:
         return []
     return sorted((int(m.group(1)), Path(e.path)) for e in found if (m := name.fullmatch(e.name)))

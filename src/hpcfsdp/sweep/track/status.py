@@ -39,7 +39,7 @@ from ..folder.layout import (
     planned_cell_ids,
     slurm_jobs,
     sweep_comment,
-    unnamed_cell_folders,
+    unusable_cell_folders,
 )
 from .cluster import never_clears, read_partitions, waits_for_nodes
 from .intent import reconcile_intent
@@ -161,7 +161,7 @@ def sweep_status(
     (asked through `watcher`, a watch's; else afresh)."""
     watcher = watcher or Watcher()
     sweep_dir = Path(sweep_dir)
-    unnamed = unnamed_cell_folders(sweep_dir) if cell_ids is None else {}
+    unnamed = unusable_cell_folders(sweep_dir) if cell_ids is None else {}
     cell_ids = list(planned_cell_ids(sweep_dir) if cell_ids is None else cell_ids)
     problems = list(unnamed.values())
     try:
