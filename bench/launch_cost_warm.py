@@ -1,6 +1,7 @@
 """A launch's fixed cost for the first cell and each later cell of one supervisor process (issue 52):
 the node's supervisor imports the ranks' code once and forks each cell's ranks, against the same
-supervisor starting every rank as a new interpreter (HPCFSDP_RANK_START=exec, as before the fork).
+supervisor starting every rank as a new interpreter (HPCFSDP_RANK_START=exec, as before the fork),
+and, with --before-src, the supervisor of another source tree (`git archive <commit> src`: before).
 
 Each side of each round is one fresh process (`--drive`) that runs CELLS cells one after another,
 as tune's probes run in their Slurm job and a CellJob of several cells would: for each, the launch's
@@ -9,7 +10,7 @@ sides alternate which goes first. A cell's fixed cost is its record's launch_spa
 start to the record's write) less its timed window; its wall, the launch's start to
 supervise_here's return. Medians per side and position (the first cell, the later ones).
 
-    python bench/launch_cost_warm.py [--rounds 3] [--cells 3] [--out DIR]          # CPU, tiny model
+    python bench/launch_cost_warm.py [--rounds 3] [--cells 3] [--before-src DIR/src] [--out DIR]  # CPU, tiny
     python bench/launch_cost_warm.py --model qwen2.5-1.5b --device cuda --precision bf16 \\
         --gpus 1 --seq-len 2048 --batch 2 --steps 10 --rounds 3 --cells 3          # 1 GPU (source bench/gpu_env.sh)
     python bench/launch_cost_warm.py --tabulate DIR/raw.jsonl
@@ -37,7 +38,7 @@ slurm: {{time_min: 10}}
 matrix:
   seed: {seeds}
 """
-SIDES = {"fork": "fork", "exec": "exec"}  # HPCFSDP_RANK_START of each side
+SIDES = ("fork", "exec", "before")  # HPCFSDP_RANK_START of each side; before: that of --before-src's tree
 
 
 def drive(cells: list[str], processes: int) -> None:
@@ -81,16 +82,19 @@ def cell_folders(out: Path, name: str, shape: dict, cells: int) -> list[str]:
     return folders
 
 
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}
+def _env(src: Path = ROOT / "src", **extra: str) -> dict[str, str]:
+    """This environment with `src` first on the path; without OMP_NUM_THREADS unless the caller set
+    it, as a Slurm task's (each rank gets its share of the CPUs from its supervisor)."""
+    path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def run_side(side: str, folders: list[str], processes: int, out: Path, index: int) -> list[dict]:
+def run_side(side: str, src: Path, folders: list[str], processes: int, out: Path, index: int) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--drive", "--gpus", str(processes), *folders]
     log = out / "logs" / f"{side}{index}.log"
+    start = "exec" if side == "exec" else "fork"
     with open(log, "w") as written:
-        subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env=_env(HPCFSDP_RANK_START=SIDES[side]))
+        subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env=_env(src, HPCFSDP_RANK_START=start))
     lines = [line[len("[warm] ") :] for line in log.read_text().splitlines() if line.startswith("[warm] ")]
     return [{"side": side, "round": index, **json.loads(line), "loadavg_1min": os.getloadavg()[0]} for line in lines]
 
@@ -128,6 +132,7 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=3, help="cells one supervisor process runs (>= 2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "launch_cost_warm")
+    parser.add_argument("--before-src", type=Path, help="a third side: the supervisor of this src folder")
     parser.add_argument("--tabulate", type=Path, help="only the table of this raw.jsonl")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
@@ -140,12 +145,15 @@ def main() -> None:
         return
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     shape = {key: getattr(args, key) for key in ("model", "device", "precision", "gpus", "seq_len", "batch", "steps")}
+    trees = {"fork": ROOT / "src", "exec": ROOT / "src"}
+    if args.before_src:
+        trees["before"] = args.before_src.resolve()
     rows = []
     with open(args.out / "raw.jsonl", "a") as raw:
         for index in range(args.rounds):
-            for side in ("fork", "exec") if index % 2 == 0 else ("exec", "fork"):
+            for side in list(trees)[index % len(trees) :] + list(trees)[: index % len(trees)]:  # turns go first
                 folders = cell_folders(args.out, f"{side}{index}", shape, args.cells)
-                for row in run_side(side, folders, args.gpus, args.out, index):
+                for row in run_side(side, trees[side], folders, args.gpus, args.out, index):
                     print(json.dumps(row), file=raw, flush=True)
                     print(f"[launch_cost_warm] {side} round {index} cell {row['position']}: {row}", flush=True)
                     rows.append(row)

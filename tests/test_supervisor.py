@@ -176,15 +176,17 @@ print(json.dumps(seen))
 def test_one_supervisor_process_imports_the_ranks_code_once_and_forks_the_ranks_of_each_of_its_cells(tmp_path):
     """The first cell's launch pays the imports (in the supervisor, before its rank is forked: the
     rank's own `imports` phase is nothing); the second cell's launch pays none, and its fixed cost
-    (launch span less the timed window) is smaller by at least a second. Each cell's ranks are the
-    supervisor's children, and its signal handlers are its own again after each cell. Before: every
-    rank a new interpreter importing torch, and the supervisor's handlers left in place."""
+    (launch span less the timed window) is smaller by at least a second. The supervisor had one
+    thread when it forked (without OMP_NUM_THREADS in its environment, torch's import would start a
+    second), and its signal handlers are its own again after each cell. Before: every rank a new
+    interpreter importing torch, and the supervisor's handlers left in place."""
     jobs = tmp_path / "two.yaml"
     jobs.write_text(LONE_CELL.format(name="two", nodes=1, steps=3, cpus=1) + "matrix: {seed: [1, 2]}\n")
     assert main(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
     cells = sorted((tmp_path / "results" / "two" / "cells").iterdir())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("HPCFSDP_RANK_START", None)
+    env = {**os.environ}
+    for name in ("HPCFSDP_RANK_START", "OMP_NUM_THREADS"):  # as a Slurm task's: torch's import starts no threads
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-c", TWO_CELLS, *map(str, cells)], capture_output=True, text=True, timeout=240, env=env
     )

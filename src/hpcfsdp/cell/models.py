@@ -71,7 +71,7 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     return AutoConfig.from_pretrained(source.path, local_files_only=True)
 
 
-def model_class(source: ModelSource) -> type:
+def model_class(source: ModelSource) -> object:
     """The class from_config builds for this model, its module imported (the node's supervisor
     imports it once, before it forks the ranks: cell/supervise/start.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -22,7 +22,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 from ...contracts.files import read_json_object
 from ...contracts.record import SPEC_NAME
@@ -30,7 +30,7 @@ from ...contracts.record import SPEC_NAME
 RANK_START_ENV = "HPCFSDP_RANK_START"  # `exec`: every rank a new interpreter (debugging); else forked
 HELD = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # blocked across the fork: no supervisor handler runs in a rank
 # What a fresh interpreter's handlers are: Python's own for SIGINT, SIGPIPE and SIGXFSZ ignored, the rest default.
-FRESH_HANDLERS = {
+FRESH_HANDLERS: dict[int, Any] = {
     signal.SIGINT: signal.default_int_handler,
     signal.SIGPIPE: signal.SIG_IGN,
     signal.SIGXFSZ: signal.SIG_IGN,
@@ -39,14 +39,18 @@ FRESH_HANDLERS = {
 Start = Literal["fork", "exec"]
 
 
+# Set while the ranks' code is imported: a torch.cuda.is_available() asks NVML, not the driver (which
+# a fork must not carry); libgomp, loaded with torch, starts no pool of threads (with more than one,
+# torch's import runs a parallel region: 2 threads on the CPU machine), each rank sets its own.
+IMPORTING_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1"}
+
+
 def warm_imports(cell_dir: Path) -> None:
-    """Import what a rank of this cell imports before its cell starts, once per process. A
-    torch.cuda.is_available() asked meanwhile asks NVML, not the driver (which a fork must not
-    carry); the cell's model class is imported from its config where it can be read (a cell whose
-    model cannot be found says so itself, in its record)."""
-    nvml_check = "PYTORCH_NVML_BASED_CUDA_CHECK"
-    found = os.environ.get(nvml_check)
-    os.environ[nvml_check] = "1"
+    """Import what a rank of this cell imports before its cell starts, once per process, with
+    IMPORTING_ENV; the cell's model class is imported from its config where it can be read (a cell
+    whose model cannot be found says so itself, in its record)."""
+    found = {name: os.environ.get(name) for name in IMPORTING_ENV}
+    os.environ.update(IMPORTING_ENV)
     try:
         from ...contracts.sources import Sources
         from .. import run  # noqa: F401  torch, transformers' modeling code, the cell's whole sequence
@@ -60,10 +64,11 @@ def warm_imports(cell_dir: Path) -> None:
             except Exception:  # the rank meets the same error, and records it
                 pass
     finally:
-        if found is None:
-            del os.environ[nvml_check]
-        else:
-            os.environ[nvml_check] = found
+        for name, value in found.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def fork_refusal(environ: Mapping[str, str]) -> str:

@@ -74,11 +74,18 @@ class Supervisor:
             finally:
                 for rank in self.ranks:  # what a rank left behind in its group (compile workers, loaders)
                     rank.signal_group(signal.SIGKILL)
-                    rank.poll()  # reaped: no zombie stays beside the next cell's ranks
+                self._reap()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         return cell_status(self.cell_dir)
+
+    def _reap(self) -> None:
+        """Wait (END_GRACE_S at most) for the killed ranks' exits: no zombie stays beside the next
+        cell's ranks in this process."""
+        deadline = time.monotonic() + END_GRACE_S
+        while any(rank.poll() is None for rank in self.ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _start_ranks(self, requeue: bool) -> None:
         """Fork the node's ranks once this process has imported their code (start.py); by exec where
