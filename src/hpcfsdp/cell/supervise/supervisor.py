@@ -93,8 +93,14 @@ class Supervisor:
         started = time.time()
         refused = fork_refusal(os.environ)
         if not refused:
-            warm_imports(self.cell_dir)
-            refused = fork_refusal(os.environ)  # the imports started a thread, or CUDA
+            try:
+                warm_imports(self.cell_dir)
+            except Exception as exc:  # a broken install: each rank meets it, and its exit is recorded
+                refused = f"the ranks' imports failed here: {type(exc).__name__}: {exc}"
+            else:
+                refused = fork_refusal(os.environ)  # the imports started a thread, or CUDA
+        if self.signalled is not None or self.requeuing:  # it came while importing: no rank to start
+            return
         node = node_here()
         for local_rank in range(self.layout.per_node):
             env = self.layout.rank_environment(local_rank, self.launch, os.environ)
