@@ -64,8 +64,10 @@ def injected(fault: str) -> str:
     return f"train_step:{fault}:0"
 
 
-def cell_processes(cell: Path) -> list[int]:
-    """Processes whose command line names the cell's folder (its supervisor and rank)."""
+def cell_processes(sweep: Path) -> list[int]:
+    """Processes whose command line names the row's sweep folder: its supervisor (under Slurm the
+    submitit task, whose command names the sweep's slurm/ folder) and its rank, which the
+    supervisor forked and which so carries the supervisor's command line."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -73,7 +75,7 @@ def cell_processes(cell: Path) -> list[int]:
         except OSError:
             continue
         pid = int(cmdline.parent.name)
-        if str(cell) in text and pid != os.getpid() and alive(pid):
+        if f"{sweep}/" in text and pid != os.getpid() and alive(pid):
             found.append(pid)
     return found
 
@@ -117,7 +119,7 @@ def run_row(work: Path, executor: str, fault: str) -> dict:
     fault_at = float(found.group(1)) if found else None
     to_record = written_at(record, path) - fault_at if fault_at is not None and path.is_file() else None
     time.sleep(2)  # the driver frees a process's memory as it ends
-    left = cell_processes(cell)
+    left = cell_processes(results / name)
     on_gpu = sorted(gpu_pids())
     job = (record.get("slurm") or {}).get("job_id")
     queued = ""

@@ -81,7 +81,9 @@ def test_a_local_launchs_record_accounts_for_its_whole_span_phase_by_phase_tear_
     record = json.loads(path.read_text())
     phases = record["phases"]
     assert set(phases) == {*LAUNCH_PHASES, "timed_window", "measurement", "teardown"}, phases
-    assert all(seconds >= 0 for seconds in phases.values()) and phases["imports"] > 0.1
+    assert all(seconds >= 0 for seconds in phases.values())
+    # torch's imports: the supervisor's before it forks the ranks (launcher_start), or a rank's own
+    assert phases["launcher_start"] + phases["imports"] > 0.1
     span = record["launch_span_s"]
     assert sum(phases.values()) - phases["teardown"] == pytest.approx(span, abs=0.01)
     assert span > record["duration_s"] + phases["imports"]

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import pytest
 
 from hpcfsdp.cell.supervise.cgroup import oom_kills
 from hpcfsdp.cell.supervise.layout import NodeLayout
+from hpcfsdp.cell.supervise.start import start_rank
+from hpcfsdp.cell.supervise.watch import RankProcess
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.launch.local import launched_in
 
@@ -152,3 +155,64 @@ def test_a_nodes_cpus_are_shared_among_its_ranks_unless_the_user_set_the_threads
 
 def test_the_oom_killers_count_is_read_from_this_machines_cgroup():
     assert isinstance(oom_kills(), int)
+
+
+# Two cells, one after another, in one process that has not imported torch: as tune's probes run in
+# their Slurm job (sweep/launch/job.launch_here), and a CellJob of several cells.
+TWO_CELLS = """
+import json, os, signal, sys, time
+from hpcfsdp.cell.supervise.entry import supervise_here
+def mine(signum, frame): pass
+signal.signal(signal.SIGTERM, mine)
+seen = {"torch_before": "torch" in sys.modules, "pid": os.getpid()}
+for name, cell in zip(("first", "second"), sys.argv[1:]):
+    os.environ["HPCFSDP_LAUNCH_STARTED"] = repr(time.time())
+    seen[name] = supervise_here(cell, 1)
+    seen[name + "_handler_kept"] = signal.getsignal(signal.SIGTERM) is mine
+print(json.dumps(seen))
+"""
+
+
+def test_one_supervisor_process_imports_the_ranks_code_once_and_forks_the_ranks_of_each_of_its_cells(tmp_path):
+    """The first cell's launch pays the imports (in the supervisor, before its rank is forked: the
+    rank's own `imports` phase is nothing); the second cell's launch pays none, and its fixed cost
+    (launch span less the timed window) is smaller by at least a second. The supervisor had one
+    thread when it forked (without OMP_NUM_THREADS in its environment, torch's import would start a
+    second), and its signal handlers are its own again after each cell. Before: every rank a new
+    interpreter importing torch, and the supervisor's handlers left in place."""
+    jobs = tmp_path / "two.yaml"
+    jobs.write_text(LONE_CELL.format(name="two", nodes=1, steps=3, cpus=1) + "matrix: {seed: [1, 2]}\n")
+    assert main(["submit", str(jobs), "--executor", "print", "--results-dir", str(tmp_path / "results")]) == 0
+    cells = sorted((tmp_path / "results" / "two" / "cells").iterdir())
+    env = {**os.environ}
+    for name in ("HPCFSDP_RANK_START", "OMP_NUM_THREADS"):  # as a Slurm task's: torch's import starts no threads
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_CELLS, *map(str, cells)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["torch_before"] is False and (seen["first"], seen["second"]) == (0, 0), proc.stdout[-3000:]
+    assert seen["first_handler_kept"] and seen["second_handler_kept"]
+    said = rf"supervisor \(pid {seen['pid']}\): rank\(s\) forked after (\d+\.\d) s of imports"
+    forked = re.findall(said, proc.stdout)
+    assert len(forked) == 2 and float(forked[0]) > 0.5 and float(forked[1]) < 0.5, proc.stdout[-3000:]
+    first, second = (json.loads((cell / "result.json").read_text()) for cell in cells)
+    assert first["status"] == second["status"] == "ok"
+    assert first["phases"]["imports"] < 0.5 and second["phases"]["imports"] < 0.5, (first["phases"], second["phases"])
+
+    def fixed(record: dict) -> float:
+        return record["launch_span_s"] - record["phases"]["timed_window"]
+
+    assert fixed(second) < fixed(first) - 1.0, (first["phases"], second["phases"])
+
+
+@pytest.mark.parametrize("how", ["fork", "exec"])
+def test_a_rank_started_either_way_exits_as_hpcfsdp_run_does_and_is_read_by_its_pid(tmp_path, capfd, how):
+    """A folder without spec.json: `hpcfsdp run --cell-dir` refuses it in one line with exit status
+    2, before it imports torch; the forked rank leaves with that status, never returning here."""
+    rank = RankProcess(0, start_rank(how, tmp_path, {**os.environ}), "here")
+    while rank.poll() is None:
+        time.sleep(0.05)
+    assert rank.returncode == 2 and rank.poll() == 2
+    assert f"{tmp_path}: no spec.json here" in capfd.readouterr().err

@@ -34,6 +34,7 @@ __all__ = [
     "init_weights",
     "load_config",
     "materialize",
+    "model_class",
     "preset_names",
     "resolve_model",
 ]
@@ -68,6 +69,14 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     if source.kind == "preset":
         return AutoConfig.for_model(**json.loads(source.path.read_text()))
     return AutoConfig.from_pretrained(source.path, local_files_only=True)
+
+
+def model_class(source: ModelSource) -> object:
+    """The class from_config builds for this model, its module imported (the node's supervisor
+    imports it once, before it forks the ranks: cell/supervise/start.py)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(load_config(source))]
 
 
 def build_model(

@@ -1,6 +1,7 @@
 """The Slurm job of a set of probes: one task on one node holds the allocation's GPUs and runs the
-probes one after another, each a torchrun of its own (probe.run_launches). Pickled by submitit on
-the login side; it imports no torch (the torchruns do)."""
+probes one after another, each a launch of its own (probe.run_launches) under a supervisor in this
+process (sweep/launch/job.launch_here), which imports the ranks' code once for all the probes and
+forks each probe's ranks. Pickled by submitit on the login side, which imports no torch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sweep.launch.environment import without_secrets
+from ..sweep.launch.job import launch_here
 from .probe import Planned, run_launches
 
 
@@ -22,7 +24,8 @@ class ProbeJob:
         job_id = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID", ""))
         if task := os.environ.get("SLURM_ARRAY_TASK_ID"):
             job_id = f"{job_id}_{task}"
-        # submitit's own task variables would tell each rank it is a one-task Slurm step: torchrun's win
+        # submitit's own task variables would tell each rank it is a one-task Slurm step: the supervisor's win
         env = {k: v for k, v in without_secrets(os.environ).items() if not k.startswith("SUBMITIT_")}
-        run_launches(list(self.planned), env, self.limit_s, Path(self.launches_dir), "slurm", job_id)
+        launches_dir = Path(self.launches_dir)
+        run_launches(list(self.planned), env, self.limit_s, launches_dir, "slurm", job_id, launch=launch_here)
         return "done"

@@ -1,9 +1,10 @@
 """A probe: the grid's cell cut short. It keeps everything that decides speed and memory, runs
 with the grid's warm-up, and stops once its tokens/s is stable (RunSpec.stop_when_stable, checked
 in cell/train.py) within a step budget that grows by eta each rung. Each probe is a launch of its
-own (a torchrun), so that a probe that fails or runs out of memory ends its processes and the next
-starts clean; several run one after another in one allocation (run_launches: here for the local
-executor, inside one Slurm job for the slurm executor: job.py).
+own (its supervisor's ranks), so that a probe that fails or runs out of memory ends its processes
+and the next starts clean; several run one after another in one allocation (run_launches: here for
+the local executor, a supervisor process each; inside one Slurm job for the slurm executor, job.py,
+whose one process imports the ranks' code once and forks each probe's ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from ..contracts.spec import RunSpec
 from ..sweep.launch.local import LOG_NAME, launch_cell
 from ..sweep.track.lost import log_tails, record_launch_failure
 from .state import INTERRUPTED, Launch, run_status, write_launch
+
+# One launch of a run: its folder, processes, environment and time limit -> its supervisor's exit
+# status, None at the limit (sweep/launch/local.launch_cell; job.launch_here inside a Slurm job).
+Launcher = Callable[[Path, int, dict[str, str], float], "int | None"]
 
 FIRST_RUNG_TIMED_STEPS = 6  # rung 0's budget of timed steps; a probe stops after half of them once stable
 
@@ -67,6 +72,7 @@ def run_launches(
     executor: str,
     job_id: str = "",
     log: Callable[[str], None] = print,
+    launch: Launcher = launch_cell,
 ) -> None:
     """Launch each planned run one after another, each under its supervisor with its own limit; record each
     launch (launcher start to end, GPUs) in launches_dir. A run whose record already stands is
@@ -78,7 +84,7 @@ def run_launches(
             continue
         log(f"[{index}/{len(planned)}] {run.stage} {directory.name} ({run.processes} process(es))")
         started = time.time()
-        returncode = launch_cell(directory, run.processes, env, limit_s)
+        returncode = launch(directory, run.processes, env, limit_s)
         ended = time.time()
         status = run_status(directory)
         if status == "missing":

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .devices import choose_device
-from .ports import SLURM_MASTER_PORTS, free_port
+from .ports import free_port, slurm_port
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def export_launcher_env() -> str:
     if "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
 
-        low, high = SLURM_MASTER_PORTS
-        os.environ.setdefault("MASTER_PORT", str(low + int(os.environ["SLURM_JOB_ID"]) % (high - low)))
+        os.environ.setdefault("MASTER_PORT", str(slurm_port(os.environ["SLURM_JOB_ID"])))
         # Slurm already narrows CUDA_VISIBLE_DEVICES to the allocation; we pick cuda:LOCAL_RANK inside it.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return "slurm"

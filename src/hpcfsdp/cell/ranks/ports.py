@@ -10,6 +10,14 @@ import socket
 # cell once could not listen on its port (EADDRINUSE) because an outgoing connection held it.
 # Consecutive job ids (an array's tasks) get consecutive ports.
 SLURM_MASTER_PORTS = (20_000, 32_000)
+CELL_PORT_STRIDE = 97  # between the ports of a job's successive cells: far from the next job's
+
+
+def slurm_port(job_id: str, cell_index: int = 0) -> int:
+    """The rendezvous port of the job's `cell_index`-th cell (each node's task runs the same cells in
+    the same order, so every node computes the same port): a fresh port for each cell of a job."""
+    low, high = SLURM_MASTER_PORTS
+    return low + (int(job_id) + CELL_PORT_STRIDE * cell_index) % (high - low)
 
 
 def free_port(address: str) -> int:

@@ -1,12 +1,17 @@
-"""The two ways a supervisor starts: on this machine for all of a cell's ranks (the local executor,
-tune's probes), or as the one Slurm task of its node (the array task's CellJob), for each of the
-task's cells in turn."""
+"""The ways a supervisor starts: on this machine for all of a cell's ranks (the local executor's
+`python -m hpcfsdp.cell.supervise`), the same inside a process that runs several launches one after
+another (tune's probes in their Slurm job: supervise_launch), or as the one Slurm task of its node
+(the array task's CellJob), for each of the task's cells in turn. Each may be called again in the same process for the next cell: the
+ranks' code, imported by the first, is not imported again (start.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ...contracts.endings import JOB_ENDING_STATUSES
@@ -14,20 +19,63 @@ from ...contracts.files import read_json_object
 from ...contracts.record import SPEC_NAME
 from ...contracts.spec import LAUNCH_STARTED_ENV
 from ..measure.provenance import launch_id
-from ..ranks.ports import free_port
+from ..ranks.ports import free_port, slurm_port
 from ..stopping.requeue import settled_before
 from .ending import launch_record
 from .layout import local_layout, slurm_layout
 from .supervisor import Supervisor, exit_code, hang_seconds
 
+_SLURM_CELLS = itertools.count()  # the cells this process ran as its node's Slurm task, for their ports
+
 
 def supervise_here(cell_dir: str, processes: int) -> int:
     """Every rank of the cell on this machine; the exit status: 0 when the cell recorded ok."""
-    directory = Path(cell_dir).absolute()
+    return exit_code(_local_supervisor(Path(cell_dir), processes, None).run())
+
+
+def supervise_launch(
+    cell_dir: Path, processes: int, environ: Mapping[str, str], output: int, deadline: float
+) -> int | None:
+    """One launch of the cell on this machine in this process, as if it were the local executor's
+    supervisor process: `environ` its environment, `output` (a file descriptor) its stdout and
+    stderr, ended as the local executor ends one at `deadline` (SIGTERM to the ranks, which record
+    `timeout`). The exit status, None when the deadline came first."""
+    with _as_process(environ, output):
+        supervisor = _local_supervisor(cell_dir, processes, deadline)
+        status = supervisor.run()
+    return None if supervisor.timed_out else exit_code(status)
+
+
+def _local_supervisor(directory: Path, processes: int, deadline: float | None) -> Supervisor:
+    directory = directory.absolute()
     spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
-    layout = local_layout(processes, free_port("127.0.0.1"), os.environ)
-    launch = f"supervisor-{os.getpid()}-{os.environ.get(LAUNCH_STARTED_ENV, '')}"
-    return exit_code(Supervisor(directory, layout, launch, hang_seconds(spec)).run())
+    layout = local_layout(processes, free_port("127.0.0.1"), os.environ)  # a fresh port each launch
+    launch = f"supervisor-{os.getpid()}-{os.environ.get(LAUNCH_STARTED_ENV) or time.time()!r}"
+    return Supervisor(directory, layout, launch, hang_seconds(spec), may_requeue=False, deadline=deadline)
+
+
+@contextlib.contextmanager
+def _as_process(environ: Mapping[str, str], output: int) -> Iterator[None]:
+    """os.environ and file descriptors 1 and 2 as a process of its own would have them; this
+    process's own back afterwards."""
+    saved_environ = dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.environ.clear()
+        os.environ.update(environ)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, kept in zip((1, 2), saved, strict=True):
+            os.dup2(kept, fd)
+            os.close(kept)
+        os.environ.clear()
+        os.environ.update(saved_environ)
 
 
 def supervise_slurm_task(cell_dir: str) -> tuple[str, bool]:
@@ -36,7 +84,8 @@ def supervise_slurm_task(cell_dir: str) -> tuple[str, bool]:
     run's record and fails nothing)."""
     directory = Path(cell_dir)
     spec = read_json_object(directory / SPEC_NAME, kind="cell spec")["spec"]
-    layout = slurm_layout(int(spec.get("gpus_per_node", 1)), os.environ)
+    port = slurm_port(os.environ["SLURM_JOB_ID"], next(_SLURM_CELLS))  # each cell of the task its own
+    layout = slurm_layout(int(spec.get("gpus_per_node", 1)), os.environ, port)
     launch = launch_id()
     status = Supervisor(directory, layout, launch, hang_seconds(spec)).run()
     return status, status != "ok" and (status == "missing" or launch_record(directory, launch) is not None)

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ...contracts.spec import LAUNCH_ID_ENV
-from ..ranks.ports import SLURM_MASTER_PORTS
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,10 @@ def local_layout(per_node: int, master_port: int, environ: Mapping[str, str]) ->
     return NodeLayout(0, 1, per_node, "127.0.0.1", master_port, task_cpus(environ))
 
 
-def slurm_layout(per_node: int, environ: Mapping[str, str]) -> NodeLayout:
+def slurm_layout(per_node: int, environ: Mapping[str, str], port: int) -> NodeLayout:
     """This node's ranks of a Slurm job whose step runs one task per node: the node's index is the
-    task's (SLURM_NODEID), the rendezvous on the allocation's first node, its port from the job id."""
+    task's (SLURM_NODEID), the rendezvous on `port` of the allocation's first node."""
     from submitit import JobEnvironment
 
     job = JobEnvironment()
-    low, high = SLURM_MASTER_PORTS
-    port = low + int(environ["SLURM_JOB_ID"]) % (high - low)
     return NodeLayout(job.node, job.num_nodes, per_node, job.hostnames[0], port, task_cpus(environ))

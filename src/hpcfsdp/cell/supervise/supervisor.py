@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from ..stopping.signals import SUPERVISOR_REQUEUES_ENV, signal_outcome, submitit
 from .cgroup import oom_kills
 from .ending import cell_status, launch_record, node_here, write_ending, write_rank_ending
 from .layout import NodeLayout
+from .start import fork_refusal, start_rank, warm_imports
 from .watch import Ending, RankProcess, exit_ending, live_ending
 
 POLL_S = 0.2  # how often each rank's process is looked at
@@ -52,36 +51,66 @@ class Supervisor:
     launch: str
     hang_s: float
     say: Callable[[str], None] = print
+    may_requeue: bool = True  # a Slurm task's: submitit may requeue it at the time limit
+    deadline: float | None = None  # a launch's time limit in this process (tune's probes): then as SIGTERM
     ranks: list[RankProcess] = field(default_factory=list)
     signalled: int | None = None  # the first ending signal passed on to the ranks
     requeuing: bool = False  # the time limit's SIGUSR2 requeues the task: no record, the next run writes it
+    timed_out: bool = False  # the deadline came first
     launched: float = field(default_factory=time.time)
 
     def run(self) -> str:
-        """Start the ranks, watch them to their end; the cell's status as its record says it."""
+        """Start the ranks, watch them to their end; the cell's status as its record says it. The
+        signal handlers found are back in place at the end, for the next cell of this process."""
         previous = {sig: signal.getsignal(sig) for sig in FORWARDED}
-        requeue = submitit_requeues({signal.SIGUSR2: previous[signal.SIGUSR2]})
-        for sig in FORWARDED:
-            signal.signal(sig, self._handler(previous[signal.SIGUSR2] if requeue else None))
-        oom_before = oom_kills()
+        requeue = self.may_requeue and submitit_requeues({signal.SIGUSR2: previous[signal.SIGUSR2]})
+        try:
+            for sig in FORWARDED:
+                signal.signal(sig, self._handler(previous[signal.SIGUSR2] if requeue else None))
+            oom_before = oom_kills()
+            self._start_ranks(requeue)
+            try:
+                self._watch(oom_before)
+            finally:
+                for rank in self.ranks:  # what a rank left behind in its group (compile workers, loaders)
+                    rank.signal_group(signal.SIGKILL)
+                self._reap()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        return cell_status(self.cell_dir)
+
+    def _reap(self) -> None:
+        """Wait (END_GRACE_S at most) for the killed ranks' exits: no zombie stays beside the next
+        cell's ranks in this process."""
+        deadline = time.monotonic() + END_GRACE_S
+        while any(rank.poll() is None for rank in self.ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _start_ranks(self, requeue: bool) -> None:
+        """Fork the node's ranks once this process has imported their code (start.py); by exec where
+        it may not fork, saying why."""
+        started = time.time()
+        refused = fork_refusal(os.environ)
+        if not refused:
+            try:
+                warm_imports(self.cell_dir)
+            except Exception as exc:  # a broken install: each rank meets it, and its exit is recorded
+                refused = f"the ranks' imports failed here: {type(exc).__name__}: {exc}"
+            else:
+                refused = fork_refusal(os.environ)  # the imports started a thread, or CUDA
+        if self.signalled is not None or self.requeuing:  # it came while importing: no rank to start
+            return
         node = node_here()
         for local_rank in range(self.layout.per_node):
             env = self.layout.rank_environment(local_rank, self.launch, os.environ)
             if requeue:
                 env[SUPERVISOR_REQUEUES_ENV] = "1"
-            command = [sys.executable, "-m", "hpcfsdp", "run", "--cell-dir", str(self.cell_dir)]
-            proc = subprocess.Popen(command, env=env, start_new_session=True)
-            self.ranks.append(RankProcess(self.layout.global_rank(local_rank), proc, node))
-        try:
-            self._watch(oom_before)
-        finally:
-            for rank in self.ranks:  # what a rank left behind in its group (compile workers, loaders)
-                rank.signal_group(signal.SIGKILL)
-            # The next cell of the same task (slurm.cells_per_task) finds submitit's handlers, not this launch's.
-            for sig, handler in previous.items():
-                if handler is not None:  # None: a handler installed from C, which cannot be put back
-                    signal.signal(sig, handler)
-        return cell_status(self.cell_dir)
+            pid = start_rank("exec" if refused else "fork", self.cell_dir, env)
+            self.ranks.append(RankProcess(self.layout.global_rank(local_rank), pid, node))
+        pids = ", ".join(str(rank.pid) for rank in self.ranks)
+        how = f"started by exec ({refused})" if refused else f"forked after {time.time() - started:.1f} s of imports"
+        self.say(f"[hpcfsdp] supervisor (pid {os.getpid()}): rank(s) {how}: pid {pids}")
 
     def _handler(self, requeue_with: Callable | object | None) -> Callable[[int, FrameType | None], None]:
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -106,13 +135,16 @@ class Supervisor:
                     self.requeuing = False
                     self.signalled = signum
                 return
-            self.signalled = signum
-            passed = signal.SIGTERM if signum == signal.SIGINT else signum
-            for rank in self.ranks:
-                if rank.poll() is None:
-                    rank.signal_group(passed)
+            self._pass_on(signum)
 
         return handler
+
+    def _pass_on(self, signum: int) -> None:
+        self.signalled = signum
+        passed = signal.SIGTERM if signum == signal.SIGINT else signum
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.signal_group(passed)
 
     def _watch(self, oom_before: int | None) -> None:
         """Until the ranks have ended. With several ranks, an ending found waits PEER_DEFER_S for a
@@ -125,6 +157,9 @@ class Supervisor:
             now = time.time()
             if self.requeuing:
                 continue  # the requeue's SIGTERM (or submitit's exit) ends this process
+            if self.deadline is not None and now >= self.deadline and self.signalled is None:
+                self.timed_out = True  # as the local executor ends a launch at its limit: SIGTERM
+                self._pass_on(signal.SIGTERM)
             running = [rank for rank in self.ranks if rank.poll() is None]
             if self.signalled is not None:
                 signalled_at = signalled_at or now

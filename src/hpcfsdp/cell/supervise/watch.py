@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,22 +34,28 @@ class Ending:
 
 @dataclass
 class RankProcess:
-    """One rank the supervisor started (in a session of its own: its process group is its own and
-    its children's) and what has been seen of it."""
+    """One rank the supervisor started (a child of its process, forked or spawned: start.py; in a
+    session of its own: its process group is its own and its children's) and what has been seen of it."""
 
     rank: int
-    proc: subprocess.Popen
+    pid: int
     node: str
     started: float = field(default_factory=time.time)
     stopped_since: float | None = None
     ended_by_supervisor: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    returncode: int | None = None
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        """Its exit as subprocess.Popen.poll says it (-N: ended by signal N); None while it runs."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): Popen's answer
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
     def signal_group(self, signum: int) -> None:
         """The rank and every process it started (compile workers, data loaders)."""

@@ -6,9 +6,17 @@ the compute side (`cell/`) only when it runs.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import submitit
+
+from ...contracts.fs.beneath import open_for_writing
+from ...contracts.record import RECORD_NAME
+from ..folder.layout import LOG_NAME
+from .local import add_teardown, launch_limits
 
 
 @dataclass(frozen=True)
@@ -33,3 +41,17 @@ class CellJob(submitit.helpers.Checkpointable):
         if failed:
             raise SystemExit(f"cell {'; cell '.join(failed)}")
         return "; ".join(statuses)
+
+def launch_here(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
+    """local.launch_cell's launch, in this process rather than a supervisor process of its own: what
+    tune's probes run inside their Slurm job, so that the allocation imports the ranks' code once and
+    forks each probe's ranks (cell/supervise/start.py). The same log, limits and tear-down; the exit
+    status, None when it reached limit_s."""
+    from ...cell.supervise.entry import supervise_launch
+
+    with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
+        launched = time.time()
+        env = env | launch_limits(directory, launched, limit_s)
+        returncode = supervise_launch(directory, processes, env, out.fileno(), launched + limit_s)
+    add_teardown(directory / RECORD_NAME, launched, time.time())
+    return returncode

@@ -203,25 +203,29 @@ def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: f
     Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
     with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
         launched = time.time()
-        # The end of its time limit, as Slurm's jobs are told it: SIGTERM before it is a cancel; the
-        # launch's start, from which the cell counts its phases and launch_span_s; and the folder that
-        # marks every process of the launch (ranks_launched_in finds them after a kill).
-        limits = {
-            JOB_END_ENV: f"{launched + limit_s:.0f}",
-            LAUNCH_STARTED_ENV: repr(launched),
-            LAUNCH_DIR_ENV: str(Path(directory).absolute()),
-        }
         proc = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, "--cell-dir", str(directory), f"--nproc-per-node={processes}"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env | limits,
+            env=env | launch_limits(directory, launched, limit_s),
             start_new_session=True,
             preexec_fn=_end_with_parent(os.getpid()),
         )
         returncode = _wait_within(proc, limit_s)
     add_teardown(directory / RECORD_NAME, launched, time.time())
     return returncode
+
+
+def launch_limits(directory: Path, launched: float, limit_s: float) -> dict[str, str]:
+    """What a launch's processes are told of it: the end of its time limit, as Slurm's jobs are told
+    it (SIGTERM before it is a cancel); the launch's start, from which the cell counts its phases and
+    launch_span_s; and the folder that marks every process of the launch (launched_in finds them
+    after a kill)."""
+    return {
+        JOB_END_ENV: f"{launched + limit_s:.0f}",
+        LAUNCH_STARTED_ENV: repr(launched),
+        LAUNCH_DIR_ENV: str(Path(directory).absolute()),
+    }
 
 
 def add_teardown(path: Path, launched: float, ended: float) -> None:
