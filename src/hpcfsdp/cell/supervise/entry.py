@@ -1,8 +1,9 @@
 """The ways a supervisor starts: on this machine for all of a cell's ranks (the local executor's
 `python -m hpcfsdp.cell.supervise`), the same inside a process that runs several launches one after
 another (tune's probes in their Slurm job: supervise_launch), or as the one Slurm task of its node
-(the array task's CellJob), for each of the task's cells in turn. Each may be called again in the same process for the next cell: the
-ranks' code, imported by the first, is not imported again (start.py)."""
+(the array task's CellJob), for each of the task's cells in turn. Each may be called again in the
+same process for the next cell: the ranks' code, imported by the first, is not imported again
+(start.py)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ class CellJob(submitit.helpers.Checkpointable):
             raise SystemExit(f"cell {'; cell '.join(failed)}")
         return "; ".join(statuses)
 
+
 def launch_here(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
     """local.launch_cell's launch, in this process rather than a supervisor process of its own: what
     tune's probes run inside their Slurm job, so that the allocation imports the ranks' code once and
