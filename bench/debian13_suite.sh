@@ -8,10 +8,13 @@
 #   nice -n 10 bench/debian13_suite.sh [--root DIR] [--commit REV] [--log FILE] [--shell] [-- PYTEST-ARGS]
 #     --root DIR     the Debian 13 root, made if missing and reused   [/var/tmp/hpcfsdp-debian13]
 #     --commit REV   the commit of this checkout to test               [HEAD]
-#     --log FILE     where pytest's output goes as well                [stdout only]
+#     --log FILE     where pytest's output goes as well, and FILE's stem + .xml pytest's JUnit XML
+#                    (each test's outcome; kept even when xdist's teardown fails) [stdout only]
 #     --shell        a shell in the root, in the clone, instead of the tests: `slurm/local/start.sh`
 #                    there starts Slurm 24.11 with MariaDB 11.8 (HPCFSDP_SLURM_RELEASE=24.11)
-#     PYTEST-ARGS    [-n 2 --dist loadfile: the README's test command]
+#     PYTEST-ARGS    [-n 2 --dist loadfile: the README's test command]; -v -rfE always go first, so
+#                    each test's name and outcome is in the log as it ends and a summary names each
+#                    failure and error, even when a crashed worker or a stop leaves no summary
 # HPCFSDP_SLURM_DIR, HPCFSDP_SLURM_PORT and HPCFSDP_SLURM_FIRST_JOB_ID pass into the root (the
 # root shares this machine's network: a cluster there needs ports of its own).
 # Needs: deb.debian.org (debootstrap and apt) and PyPI. debootstrap is taken from Debian's packages
@@ -32,7 +35,7 @@ while (($#)); do
         --log) LOG=$2; shift ;;
         --shell) SHELL_ONLY=1 ;;
         --) shift; PYTEST_ARGS=("$@"); break ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "debian13_suite.sh: unknown option '$1' (--help)" >&2; exit 2 ;;
     esac
     shift
@@ -127,18 +130,22 @@ if ((SHELL_ONLY)); then
 fi
 
 # --- the suite ------------------------------------------------------------------------------------------
+JUNIT=/tmp/debian13-junit.xml   # in the root
+PYTEST_ARGS=(-v -rfE ${LOG:+--junitxml=$JUNIT} "${PYTEST_ARGS[@]}")
 say "pytest ${PYTEST_ARGS[*]} at $SHA (Slurm 24.11, Python 3.13)"
 started=$SECONDS
 set +e
 if [[ -n $LOG ]]; then
+    rm -f "$ROOT$JUNIT"
     in_root bash -c "cd $CLONE && .venv/bin/python -m pytest $(printf '%q ' "${PYTEST_ARGS[@]}")" 2>&1 | tee "$LOG"
     code=${PIPESTATUS[0]}
+    if [[ -s $ROOT$JUNIT ]]; then cp "$ROOT$JUNIT" "${LOG%.*}.xml"; fi
 else
     in_root bash -c "cd $CLONE && .venv/bin/python -m pytest $(printf '%q ' "${PYTEST_ARGS[@]}")"
     code=$?
 fi
 set -e
-say "pytest exited $code after $((SECONDS - started)) s"
+say "pytest exited $code after $((SECONDS - started)) s at $SHA"
 # The clusters the tests started are stopped by the tests; any left (a crash) are stopped here.
 for conf in "$ROOT"/tmp/hpcfsdp-slurm*/conf/slurm.conf ${HPCFSDP_SLURM_DIR:+"$ROOT$HPCFSDP_SLURM_DIR"*/conf/slurm.conf}; do
     [[ -e $conf ]] || continue
