@@ -117,9 +117,14 @@ if [[ $(git -C "$ROOT$CLONE" rev-parse HEAD 2>/dev/null) != "$SHA" ]]; then
     git -C "$ROOT$CLONE" -c advice.detachedHead=false checkout -q -f "$SHA"
     git -C "$ROOT$CLONE" clean -q -fdx -e .venv
 fi
-if ! in_root "$CLONE/.venv/bin/python" -c 'import hpcfsdp, pytest, torch' 2>/dev/null; then
+# The venv is made again when it does not import or pyproject.toml changed since it was made (a new
+# dependency of the tests; setup.sh keeps what is installed already).
+STAMP=$ROOT$CLONE/.venv/pyproject.sha256
+if ! in_root "$CLONE/.venv/bin/python" -c 'import hpcfsdp, pytest, torch' 2>/dev/null ||
+    [[ $(cat "$STAMP" 2>/dev/null) != $(sha256sum <"$ROOT$CLONE/pyproject.toml") ]]; then
     say "env/setup.sh --dev in the root (Python 3.13)"
     in_root bash -c "cd $CLONE && bash env/setup.sh --dev" >&2
+    sha256sum <"$ROOT$CLONE/pyproject.toml" >"$STAMP"
 fi
 say "venv: $(in_root "$CLONE/.venv/bin/python" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)')"
 
