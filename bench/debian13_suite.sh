@@ -75,6 +75,14 @@ bind() {   # what where: bound once
     mount --make-rslave "$ROOT$2"
     mounted+=("$ROOT$2")
 }
+# The root a mount point of its own, bound onto itself: in a chroot into a plain folder `/` is no
+# mount point, and podman cannot run there (containers/storage makes `/` private to unpack an image
+# and runc pivots a container's root: the kernel refuses both, EINVAL). The container tests need it.
+if ! mountpoint -q "$ROOT"; then
+    mount --bind "$ROOT" "$ROOT"
+    mount --make-rslave "$ROOT"
+    mounted+=("$ROOT")
+fi
 bind /proc /proc
 bind /sys /sys
 bind /dev /dev

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, slurm
-from container_image import build_image, install_podman, podman_config
+from container_image import build_image, install_podman, podman_config, why_podman_cannot_run_here
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.launch.container_command import PODMAN_TASK
 
@@ -190,7 +190,9 @@ def test_a_bad_container_section_is_one_line_naming_its_key(container, message, 
 def podman_image(tmp_path_factory) -> Iterator[dict[str, str]]:
     """podman installed and configured for this machine, and the image built once per session:
     the environment that points podman (here and in the jobs) at its configuration. Its storage
-    (image, containers) is removed at the end."""
+    (image, containers) is removed at the end. Skipped where podman cannot run (a chroot)."""
+    if why := why_podman_cannot_run_here():
+        pytest.skip(why)
     install_podman()
     env = podman_config(tmp_path_factory.mktemp("podman"))
     build_image(IMAGE, Path(sys.prefix), env)
