@@ -36,18 +36,6 @@ ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 LDD_PATH = re.compile(r"(?:=> )?(/\S+) \(0x")
 
 
-def why_podman_cannot_run_here() -> str | None:
-    """Why podman cannot run containers on this machine, or None. In a chroot into a plain folder
-    (not a mount point, as bench/debian13_suite.sh's root was before it bound the folder onto
-    itself), `/` is no mount point: containers/storage unpacks an image after making `/` private in
-    a mount namespace of its own and runc pivots the container's root, and the kernel refuses both
-    there (EINVAL: `podman import` says "remount /, flags: 0x44000: invalid argument")."""
-    with open("/proc/self/mountinfo") as mounts:  # only the mounts this process's root reaches
-        if not any(line.split()[4] == "/" for line in mounts):
-            return "/ is no mount point here (a chroot into a folder): podman cannot unpack an image (EINVAL)"
-    return None
-
-
 def install_podman() -> None:
     """podman and runc from the distribution's packages, unless podman and runc are there."""
     if shutil.which("podman") and shutil.which("runc"):

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, slurm
-from container_image import build_image, install_podman, podman_config, why_podman_cannot_run_here
+from conftest import ROOT, skip_where_root_is_no_mount_point, slurm
+from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.launch.container_command import PODMAN_TASK
 
@@ -191,8 +191,7 @@ def podman_image(tmp_path_factory) -> Iterator[dict[str, str]]:
     """podman installed and configured for this machine, and the image built once per session:
     the environment that points podman (here and in the jobs) at its configuration. Its storage
     (image, containers) is removed at the end. Skipped where podman cannot run (a chroot)."""
-    if why := why_podman_cannot_run_here():
-        pytest.skip(why)
+    skip_where_root_is_no_mount_point("podman")
     install_podman()
     env = podman_config(tmp_path_factory.mktemp("podman"))
     build_image(IMAGE, Path(sys.prefix), env)
