@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -333,6 +334,21 @@ def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
     assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
     assert time.monotonic() - started < 120
+
+
+def test_a_rank_waiting_in_ddps_forward_waits_on_its_peers_also_in_a_checkout_cloned_as_hpcfsdp():
+    """DDP's forward waits on the peers in torch/nn/parallel/, not torch/distributed/: the training
+    step, hpcfsdp's train(), tells. With the venv in a checkout cloned as hpcfsdp (env/setup.sh's
+    .venv in ~/hpcfsdp, as in bench/debian13_suite.sh's root) torch's frames are below a folder
+    named hpcfsdp too: the rank that waits blamed itself for its stopped peer there."""
+    from hpcfsdp.cell.stopping.watchdog import PACKAGE_DIR, _waits_on_peers, _where
+
+    torch_dir = "/home/u/hpcfsdp/.venv/lib/python3.13/site-packages/torch/nn/parallel/distributed.py"
+    stack = traceback.StackSummary.from_list(
+        [(f"{PACKAGE_DIR}cell/train.py", 120, "train", None), (torch_dir, 1775, "_pre_forward", None)]
+    )
+    assert _waits_on_peers(stack)
+    assert _where(stack) == "waits at distributed.py:1775 in _pre_forward (from train.py:120 in train)"
 
 
 @pytest.mark.slurm
