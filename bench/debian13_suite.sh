@@ -8,10 +8,13 @@
 #   nice -n 10 bench/debian13_suite.sh [--root DIR] [--commit REV] [--log FILE] [--shell] [-- PYTEST-ARGS]
 #     --root DIR     the Debian 13 root, made if missing and reused   [/var/tmp/hpcfsdp-debian13]
 #     --commit REV   the commit of this checkout to test               [HEAD]
-#     --log FILE     where pytest's output goes as well                [stdout only]
+#     --log FILE     where pytest's output goes as well, and FILE's stem + .xml pytest's JUnit XML
+#                    (each test's outcome; kept even when xdist's teardown fails) [stdout only]
 #     --shell        a shell in the root, in the clone, instead of the tests: `slurm/local/start.sh`
 #                    there starts Slurm 24.11 with MariaDB 11.8 (HPCFSDP_SLURM_RELEASE=24.11)
-#     PYTEST-ARGS    [-n 2 --dist loadfile: the README's test command]
+#     PYTEST-ARGS    [-n 2 --dist loadfile: the README's test command]; -v -rfE always go first, so
+#                    each test's name and outcome is in the log as it ends and a summary names each
+#                    failure and error, even when a crashed worker or a stop leaves no summary
 # HPCFSDP_SLURM_DIR, HPCFSDP_SLURM_PORT and HPCFSDP_SLURM_FIRST_JOB_ID pass into the root (the
 # root shares this machine's network: a cluster there needs ports of its own).
 # Needs: deb.debian.org (debootstrap and apt) and PyPI. debootstrap is taken from Debian's packages
@@ -32,7 +35,7 @@ while (($#)); do
         --log) LOG=$2; shift ;;
         --shell) SHELL_ONLY=1 ;;
         --) shift; PYTEST_ARGS=("$@"); break ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "debian13_suite.sh: unknown option '$1' (--help)" >&2; exit 2 ;;
     esac
     shift
@@ -72,6 +75,14 @@ bind() {   # what where: bound once
     mount --make-rslave "$ROOT$2"
     mounted+=("$ROOT$2")
 }
+# The root a mount point of its own, bound onto itself: in a chroot into a plain folder `/` is no
+# mount point, and podman cannot run there (containers/storage makes `/` private to unpack an image
+# and runc pivots a container's root: the kernel refuses both, EINVAL). The container tests need it.
+if ! mountpoint -q "$ROOT"; then
+    mount --bind "$ROOT" "$ROOT"
+    mount --make-rslave "$ROOT"
+    mounted+=("$ROOT")
+fi
 bind /proc /proc
 bind /sys /sys
 bind /dev /dev
@@ -114,9 +125,14 @@ if [[ $(git -C "$ROOT$CLONE" rev-parse HEAD 2>/dev/null) != "$SHA" ]]; then
     git -C "$ROOT$CLONE" -c advice.detachedHead=false checkout -q -f "$SHA"
     git -C "$ROOT$CLONE" clean -q -fdx -e .venv
 fi
-if ! in_root "$CLONE/.venv/bin/python" -c 'import hpcfsdp, pytest, torch' 2>/dev/null; then
+# The venv is made again when it does not import or pyproject.toml changed since it was made (a new
+# dependency of the tests; setup.sh keeps what is installed already).
+STAMP=$ROOT$CLONE/.venv/pyproject.sha256
+if ! in_root "$CLONE/.venv/bin/python" -c 'import hpcfsdp, pytest, torch' 2>/dev/null ||
+    [[ $(cat "$STAMP" 2>/dev/null) != $(sha256sum <"$ROOT$CLONE/pyproject.toml") ]]; then
     say "env/setup.sh --dev in the root (Python 3.13)"
     in_root bash -c "cd $CLONE && bash env/setup.sh --dev" >&2
+    sha256sum <"$ROOT$CLONE/pyproject.toml" >"$STAMP"
 fi
 say "venv: $(in_root "$CLONE/.venv/bin/python" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)')"
 
@@ -127,18 +143,22 @@ if ((SHELL_ONLY)); then
 fi
 
 # --- the suite ------------------------------------------------------------------------------------------
+JUNIT=/tmp/debian13-junit.xml   # in the root
+PYTEST_ARGS=(-v -rfE ${LOG:+--junitxml=$JUNIT} "${PYTEST_ARGS[@]}")
 say "pytest ${PYTEST_ARGS[*]} at $SHA (Slurm 24.11, Python 3.13)"
 started=$SECONDS
 set +e
 if [[ -n $LOG ]]; then
+    rm -f "$ROOT$JUNIT"
     in_root bash -c "cd $CLONE && .venv/bin/python -m pytest $(printf '%q ' "${PYTEST_ARGS[@]}")" 2>&1 | tee "$LOG"
     code=${PIPESTATUS[0]}
+    if [[ -s $ROOT$JUNIT ]]; then cp "$ROOT$JUNIT" "${LOG%.*}.xml"; fi
 else
     in_root bash -c "cd $CLONE && .venv/bin/python -m pytest $(printf '%q ' "${PYTEST_ARGS[@]}")"
     code=$?
 fi
 set -e
-say "pytest exited $code after $((SECONDS - started)) s"
+say "pytest exited $code after $((SECONDS - started)) s at $SHA"
 # The clusters the tests started are stopped by the tests; any left (a crash) are stopped here.
 for conf in "$ROOT"/tmp/hpcfsdp-slurm*/conf/slurm.conf ${HPCFSDP_SLURM_DIR:+"$ROOT$HPCFSDP_SLURM_DIR"*/conf/slurm.conf}; do
     [[ -e $conf ]] || continue

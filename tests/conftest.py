@@ -184,6 +184,17 @@ def free_port_block(size: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
+def skip_where_root_is_no_mount_point(what: str) -> None:
+    """Skips the test where `/` is no mount point: in a chroot into a plain folder (not in
+    bench/debian13_suite.sh's root, which it binds onto itself). A mount namespace cannot make `/`
+    private there, the kernel refuses (EINVAL): podman cannot unpack an image (containers/storage
+    does that first: "remount /, flags: 0x44000: invalid argument"), nor `unshare --mount` start
+    ("cannot change root filesystem propagation")."""
+    with open("/proc/self/mountinfo") as mounts:  # only the mounts this process's root reaches
+        if not any(line.split()[4] == "/" for line in mounts):
+            pytest.skip(f"{what} cannot run here: / is no mount point (a chroot into a folder) to make private")
+
+
 def stop_slurm(knobs: dict[str, str], *args: str) -> None:
     stop = subprocess.run(
         ["bash", str(ROOT / "slurm/local/stop.sh"), *args],

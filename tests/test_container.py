@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, slurm
+from conftest import ROOT, skip_where_root_is_no_mount_point, slurm
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.launch.container_command import PODMAN_TASK
@@ -190,7 +190,8 @@ def test_a_bad_container_section_is_one_line_naming_its_key(container, message, 
 def podman_image(tmp_path_factory) -> Iterator[dict[str, str]]:
     """podman installed and configured for this machine, and the image built once per session:
     the environment that points podman (here and in the jobs) at its configuration. Its storage
-    (image, containers) is removed at the end."""
+    (image, containers) is removed at the end. Skipped where podman cannot run (a chroot)."""
+    skip_where_root_is_no_mount_point("podman")
     install_podman()
     env = podman_config(tmp_path_factory.mktemp("podman"))
     build_image(IMAGE, Path(sys.prefix), env)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import skip_where_root_is_no_mount_point
 from container_image import build_image, install_podman, podman_config
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.define.sbatch_options import release_of
@@ -82,6 +83,7 @@ def podman_image(tmp_path_factory):
     """podman configured for this machine and the test image (tests/container_image.py), removed at the end."""
     from test_container import IMAGE
 
+    skip_where_root_is_no_mount_point("podman")
     install_podman()
     env = podman_config(tmp_path_factory.mktemp("podman"))
     build_image(IMAGE, Path(sys.prefix), env)

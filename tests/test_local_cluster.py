@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port_block, start_slurm, stop_slurm
+from conftest import ROOT, free_port_block, skip_where_root_is_no_mount_point, start_slurm, stop_slurm
 
 # In a PID and mount namespace of its own, with a /run/munge of its own, the cluster is the only
 # one on the "machine" (as on a bare CI machine): start.sh starts munged, and stop.sh stops it
@@ -32,6 +32,7 @@ bash {stop} 2>/dev/null
 def test_start_comes_up_the_first_time_after_a_knob_change_on_a_machine_of_one_cluster(tmp_path):
     if not shutil.which("unshare"):
         pytest.skip("unshare (util-linux) is needed for a machine of one cluster")
+    skip_where_root_is_no_mount_point("unshare --mount")
     state = tempfile.mkdtemp(prefix="hpcfsdp-slurm-restart-")
     knobs = {
         "HPCFSDP_SLURM_DIR": state,

@@ -16,11 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import yaml
 
+import hpcfsdp
 from hpcfsdp.cell.stopping.watchdog import StepDeadlines
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.launch import local
@@ -210,7 +212,10 @@ def test_a_device_that_cannot_be_set_up_is_a_record_at_setup_and_one_line(tmp_pa
     assert "no GPU" in record["error"]
     log = (tmp_path / "log.txt").read_text()
     assert "failed at setup: device: cuda was asked for but torch sees no GPU" in log
-    assert not [line for line in log.splitlines() if line.strip().startswith("File") and "/hpcfsdp/" in line]
+    # no traceback through hpcfsdp's own code (torchrun's own is there: its child failed). The package's
+    # folder, not "/hpcfsdp/": a checkout cloned as hpcfsdp has the venv's torch below that too.
+    package = f"{Path(hpcfsdp.__file__).parent}/"
+    assert not [line for line in log.splitlines() if line.strip().startswith("File") and package in line]
 
 
 def fake_nvidia_smi(folder: Path, holder_pid: int) -> Path:
@@ -329,6 +334,21 @@ def test_a_rank_that_stops_answering_is_named_not_the_rank_that_waits_for_it(tmp
     assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("hang", 1, "SIGSTOP")
     assert "rank 1 (pid" in record["error"] and "stopped answering" in record["error"]
     assert time.monotonic() - started < 120
+
+
+def test_a_rank_waiting_in_ddps_forward_waits_on_its_peers_also_in_a_checkout_cloned_as_hpcfsdp():
+    """DDP's forward waits on the peers in torch/nn/parallel/, not torch/distributed/: the training
+    step, hpcfsdp's train(), tells. With the venv in a checkout cloned as hpcfsdp (env/setup.sh's
+    .venv in ~/hpcfsdp, as in bench/debian13_suite.sh's root) torch's frames are below a folder
+    named hpcfsdp too: the rank that waits blamed itself for its stopped peer there."""
+    from hpcfsdp.cell.stopping.watchdog import PACKAGE_DIR, _waits_on_peers, _where
+
+    torch_dir = "/home/u/hpcfsdp/.venv/lib/python3.13/site-packages/torch/nn/parallel/distributed.py"
+    stack = traceback.StackSummary.from_list(
+        [(f"{PACKAGE_DIR}cell/train.py", 120, "train", None), (torch_dir, 1775, "_pre_forward", None)]
+    )
+    assert _waits_on_peers(stack)
+    assert _where(stack) == "waits at distributed.py:1775 in _pre_forward (from train.py:120 in train)"
 
 
 @pytest.mark.slurm

@@ -37,6 +37,9 @@ GRACE_S = 5.0  # from a signal to the watchdog ending a rank whose main thread d
 PEER_DEFER_S = 3.0  # a rank waiting inside a collective lets the rank that stopped answering write first
 ABORT_WAIT_S = 3.0  # how long leaving waits for the communicators' abort (it may block on a dead peer)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# hpcfsdp's own frames are those below its package's folder: not any path with "/hpcfsdp/" in it, as
+# the torch of a venv in a checkout cloned as hpcfsdp (~/hpcfsdp/.venv/lib/...) has.
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
 
 # end(status, message, stack, peer): write the cell's failure record (unless an earlier one stands);
 # peer: the rank the trouble came from (heartbeats.py), when it was another.
@@ -172,7 +175,7 @@ def _waits_on_peers(stack: traceback.StackSummary) -> bool:
     the GPU): not the rank that stopped answering, which is stuck elsewhere."""
     if any("/torch/distributed/" in frame.filename for frame in stack):
         return True
-    ours = next((f for f in reversed(stack) if "/hpcfsdp/" in f.filename), None)
+    ours = next((f for f in reversed(stack) if f.filename.startswith(PACKAGE_DIR)), None)
     return ours is not None and ours.filename.endswith("train.py") and ours.name == "train"
 
 
@@ -181,7 +184,7 @@ def _where(stack: traceback.StackSummary) -> str:
     if not stack:
         return "(main thread's place unknown)"
     inner = stack[-1]
-    ours = next((f for f in reversed(stack) if "/hpcfsdp/" in f.filename), None)
+    ours = next((f for f in reversed(stack) if f.filename.startswith(PACKAGE_DIR)), None)
     text = f"waits at {os.path.basename(inner.filename)}:{inner.lineno} in {inner.name}"
     if ours is not None and ours is not inner:
         text += f" (from {os.path.basename(ours.filename)}:{ours.lineno} in {ours.name})"

@@ -23,8 +23,10 @@ counted: their size is known only once tokenised). A node holds gpus_per_node ra
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from importlib import metadata
 
 from ...contracts.sources import Source
 from ...contracts.spec import RunSpec
@@ -37,6 +39,11 @@ from .modelshape import ModelConfigError, Shape, load_shape
 # project's CI machine), and on a GPU (torch 2.11 CUDA 13, H100, 2026-11-23).
 CPU_RUNTIME_GIB = 0.42
 GPU_RUNTIME_GIB = 1.9
+# A CPU rank with torch's CUDA build (PyPI's default on Linux, the one Python 3.13 gets in
+# bench/debian13_suite.sh's root): its CUDA libraries' code is loaded though no GPU is used. Peak RSS
+# of a tiny-model rank, torch 2.13.0 cu130, Python 3.13, 2026-11-29 (importing torch and
+# transformers alone: 0.52 GiB against the CPU build's 0.23).
+CPU_RUNTIME_CUDA_BUILD_GIB = 0.71
 CHECKPOINT_BYTES = 2  # per parameter of a pretrained checkpoint (bf16, as hub checkpoints mostly are)
 # Gradients on their way to the pinned CPU copy under cpu_offload, in parameter shards: measured on
 # Qwen2.5-1.5B, FSDP2 ZeRO-3, 1 x H100 (27.8 GiB peak RSS with fused AdamW: 4.5 shards + runtime).
@@ -65,6 +72,17 @@ class HostPrediction:
         return self.ranks_per_node * self.rank_gib + self.rank0_gib
 
 
+@functools.cache
+def cpu_runtime_gib() -> float:
+    """A CPU rank's runtime with the torch installed here: a CUDA build (one that requires nvidia-*
+    wheels) loads the CUDA libraries on the CPU too. Read from torch's metadata: torch is not imported."""
+    try:
+        cuda_build = any(name.startswith("nvidia-") for name in metadata.requires("torch") or ())
+    except metadata.PackageNotFoundError:
+        cuda_build = False
+    return CPU_RUNTIME_CUDA_BUILD_GIB if cuda_build else CPU_RUNTIME_GIB
+
+
 def predict_host(spec: RunSpec, shape: Shape) -> HostPrediction:
     storage = precision_bytes(spec)[0]
     params = shape.params * storage / GIB
@@ -81,7 +99,7 @@ def predict_host(spec: RunSpec, shape: Shape) -> HostPrediction:
         step = optimizer_temporary(spec.replace(cpu_offload=False), shape, shard * GIB) / GIB
         offload = (4 + OFFLOAD_STAGING_SHARDS) * shard + step
     return HostPrediction(
-        runtime_gib=CPU_RUNTIME_GIB if on_cpu else GPU_RUNTIME_GIB,
+        runtime_gib=cpu_runtime_gib() if on_cpu else GPU_RUNTIME_GIB,
         model_gib=model,
         offload_gib=offload,
         rank0_gib=params if spec.record_param_norm else 0.0,
