@@ -1163,7 +1163,7 @@ def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind
     import csv
     import random
 
-    from hpcfsdp.results.tablefiles import write_tables
+    from hpcfsdp.results.render import write_tables
 
     rng = random.Random(45)
     tricky = [1.5e-05, 1e-05, 9.99e-05, 0.0001, 1e-07, 5e-324, 1e16, 1.5e16, 1e15, -0.0, 0.1, 2**70, -(2**63) - 1]
@@ -1187,9 +1187,9 @@ def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind
 
 def test_the_tables_a_forked_worker_writes_are_those_this_process_writes_and_its_errors_are_raised_here(tmp_path):
     """collect writes results.csv and results.parquet in a forked process at 2,000 records or more
-    (tablefiles.tables_writing): the same bytes as write_tables in this process; where the worker
+    (render.tables_writing): the same bytes as write_tables in this process; where the worker
     fails (a file where the report folder belongs), the error is this process's own, as write_tables raises it."""
-    from hpcfsdp.results.tablefiles import tables_writing, write_tables
+    from hpcfsdp.results.render import tables_writing, write_tables
 
     frame = pd.DataFrame(
         {

@@ -19,9 +19,8 @@ from ..contracts.gpus import gpu_memory_gib
 from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, drawn_configs, label_cells, load_records, ok_configs
-from .render import Section, to_html, to_markdown
+from .render import Section, tables_writing, to_html, to_markdown
 from .scaling import scaling_sections
-from .tablefiles import tables_writing
 from .tables import (
     DEFAULT_BASELINES,
     baseline_table,
