@@ -1163,7 +1163,7 @@ def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind
     import csv
     import random
 
-    from hpcfsdp.results.report import write_tables
+    from hpcfsdp.results.render import write_tables
 
     rng = random.Random(45)
     tricky = [1.5e-05, 1e-05, 9.99e-05, 0.0001, 1e-07, 5e-324, 1e16, 1.5e16, 1e15, -0.0, 0.1, 2**70, -(2**63) - 1]
@@ -1183,3 +1183,31 @@ def test_results_csv_writes_list_fields_as_json_dumps_spells_them_for_every_kind
     with open(tmp_path / "results.csv", newline="") as file:
         written = [row["losses"] for row in csv.DictReader(file)]
     assert written == [json.dumps(value) for value in values]
+
+
+def test_the_tables_a_forked_worker_writes_are_those_this_process_writes_and_its_errors_are_raised_here(tmp_path):
+    """collect writes results.csv and results.parquet in a forked process at 2,000 records or more
+    (render.tables_writing): the same bytes as write_tables in this process; where the worker
+    fails (a file where the report folder belongs), the error is this process's own, as write_tables raises it."""
+    from hpcfsdp.results.render import tables_writing, write_tables
+
+    frame = pd.DataFrame(
+        {
+            "cell_id": [f"c{i}" for i in range(2_000)],
+            "tokens_per_s_per_gpu": [float(i) for i in range(2_000)],
+            "error": ["=HYPERLINK(x)" if i % 7 == 0 else None for i in range(2_000)],
+            "losses": [[1.0, 0.5 * i] for i in range(2_000)],
+        }
+    )
+    here, forked = tmp_path / "here", tmp_path / "forked"
+    here.mkdir()
+    forked.mkdir()
+    expected = write_tables(frame, here)
+    with tables_writing(frame, forked) as tables:
+        files, notes = tables()
+    assert ([path.name for path in files], notes) == ([path.name for path in expected[0]], expected[1])
+    for name in ("results.csv", "results.parquet"):
+        assert (forked / name).read_bytes() == (here / name).read_bytes()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match="a_file"), tables_writing(frame, tmp_path / "a_file") as tables:
+        tables()

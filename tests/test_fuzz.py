@@ -68,7 +68,8 @@ from hpcfsdp.results.exports.runs import exported_runs
 from hpcfsdp.results.history import History
 from hpcfsdp.results.history_rows import history_rows
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
-from hpcfsdp.results.report import recommendation, report_folder, write_tables
+from hpcfsdp.results.render import write_tables
+from hpcfsdp.results.report import recommendation, report_folder
 from hpcfsdp.sweep.track.logs import print_logs
 from test_history import write_sweep
 

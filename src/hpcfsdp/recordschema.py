@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import types
@@ -124,18 +125,18 @@ def _ranged(schema: dict[str, Any], marks: tuple[Any, ...]) -> dict[str, Any]:
     return {**schema, **bounds}
 
 
+@functools.cache
 def declared_type(column: str) -> type | None:
     """The one JSON scalar type the declarations give a column of results.csv (a dotted column
     names a nested field: slurm.job_id, memory.end.peak_allocated_gib; a spec field is a column of
     its own): float for a number, int, bool or str; None where they give none, or several."""
-    hints = {**get_type_hints(FailedRecord), **get_type_hints(OkRecord), **get_type_hints(RunSpec)}
     head, *rest = column.split(".")
-    hint: Any = hints.get(head)
+    hint: Any = _record_hints().get(head)
     for part in rest:
         inner = [arg for arg in (get_args(hint) or (hint,)) if arg is not type(None)]
         shape = inner[0] if len(inner) == 1 else None
         if is_typeddict(shape):
-            hint = get_type_hints(shape).get(part)
+            hint = _type_hints(shape).get(part)
         elif get_origin(shape) in (dict, Mapping):
             hint = get_args(shape)[1]
         else:
@@ -146,6 +147,19 @@ def declared_type(column: str) -> type | None:
     if kinds == {int, float}:
         return float
     return next(iter(kinds)) if len(kinds) == 1 and kinds <= {int, float, bool, str} else None
+
+
+@functools.cache
+def _record_hints() -> dict[str, Any]:
+    """The annotations of a record's top-level fields and of its spec's: worked out once (typing's
+    get_type_hints evaluates every annotation anew at each call, and results.parquet asks
+    for each of its some 175 columns)."""
+    return {**get_type_hints(FailedRecord), **get_type_hints(OkRecord), **get_type_hints(RunSpec)}
+
+
+@functools.cache
+def _type_hints(shape: type) -> dict[str, Any]:
+    return get_type_hints(shape)
 
 
 def schema_text() -> str:

@@ -326,7 +326,7 @@ def read_json_object(
     deep (RecursionError) or an integer past Python's digit limit (ValueError), not an object, text
     with a lone surrogate, or reached through a symbolic link (below root, the folder the command
     was given; or at its own name). FileNotFoundError when there is no file."""
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)  # not parsed again: a collect reads 10,000
     try:
         data = read_file(path, limit or MAX_JSON_BYTES, root=root)
         value = parse_json(data)

@@ -387,7 +387,7 @@ def read_record(path: str | Path, root: str | Path | None = None) -> dict[str, A
     """The record at path, checked: RecordError (one line) when it cannot be used (larger than
     MAX_RECORD_BYTES too); FileNotFoundError when there is none. A plain dict, not a Record: only
     its Checked fields are known to hold their declared types."""
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)
     record = read_json_object(path, root, limit=MAX_RECORD_BYTES)
     version = record.get("schema_version")
     if version not in READ_SCHEMA_VERSIONS:

@@ -50,7 +50,6 @@ def invalid_reasons(record: Mapping[str, Any]) -> list[str]:
     `final_loss`, `float8_linears` with the spec's `float8`. A record without a field (an older
     hpcfsdp's) is judged on those it has."""
     reasons = []
-    losses = _finite_losses(record.get("losses"))
     unchanged = _unchanged_parameters(record)
     if record.get("optimizer_tracks_model") is False:
         reasons.append(
@@ -62,7 +61,7 @@ def invalid_reasons(record: Mapping[str, Any]) -> list[str]:
     problems = record.get("resource_problems")
     if isinstance(problems, list):
         reasons += [f"resources not as asked: {problem}" for problem in problems if isinstance(problem, str)]
-    reasons += _divergence(record, losses)
+    reasons += _divergence(record)
     spec = record.get("spec")
     float8 = spec.get("float8") if isinstance(spec, Mapping) else None
     if float8 not in (None, "none") and record.get("float8_linears") == 0:
@@ -72,15 +71,21 @@ def invalid_reasons(record: Mapping[str, Any]) -> list[str]:
     return reasons
 
 
-def _finite_losses(losses: Any) -> list[tuple[int, float]]:
-    """(step from 1, loss) for each finite loss of the record."""
+def _finite_ends(losses: Any) -> list[tuple[int, float]]:
+    """(step from 1, loss) of the record's first finite loss and of its last, where that is
+    another step: all _divergence compares, found from each end (not a walk of every step of
+    every record a collect reads)."""
     if not isinstance(losses, Sequence) or isinstance(losses, str):
         return []
-    return [
-        (step, float(loss))
-        for step, loss in enumerate(losses, 1)
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
-    ]
+    first = next(((step, loss) for step, loss in enumerate(losses, 1) if _finite(loss)), None)
+    if first is None:
+        return []
+    last = next((step, loss) for step, loss in zip(range(len(losses), 0, -1), reversed(losses)) if _finite(loss))
+    return [(step, float(loss)) for step, loss in ([first] if last[0] == first[0] else [first, last])]
+
+
+def _finite(loss: Any) -> bool:
+    return isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
 
 
 def _unchanged_parameters(record: Mapping[str, Any]) -> str:
@@ -98,7 +103,7 @@ def _loss_evidence(losses: list[tuple[int, float]]) -> str:
     return f"loss {first:.4g} at step {first_step}, {last:.4g} at step {last_step}"
 
 
-def _divergence(record: Mapping[str, Any], losses: list[tuple[int, float]]) -> list[str]:
+def _divergence(record: Mapping[str, Any]) -> list[str]:
     """A loss that was not finite in a record that still says ok, or one that grew by
     LOSS_GROWTH_DIVERGED or more from the first step to the last."""
     if record.get("status") != "ok":
@@ -108,6 +113,7 @@ def _divergence(record: Mapping[str, Any], losses: list[tuple[int, float]]) -> l
     if (isinstance(nonfinite, list) and nonfinite) or (isinstance(final, float) and not math.isfinite(final)):
         steps = ", ".join(str(s) for s in nonfinite) if isinstance(nonfinite, list) and nonfinite else "the last"
         return [f"the loss diverged: not finite at step(s) {steps}"]
+    losses = _finite_ends(record.get("losses"))
     if len(losses) >= 2 and losses[0][1] > 0 and losses[-1][1] >= LOSS_GROWTH_DIVERGED * losses[0][1]:
         return [f"the loss diverged: it grew instead of falling ({_loss_evidence(losses)})"]
     return []
@@ -130,7 +136,8 @@ def within_noise(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bo
 
 
 _DEFAULTS = RunSpec().to_dict()
-_FIELDS = tuple(_DEFAULTS)
+# json.dumps(values, sort_keys=True, separators=(",", ":")), its encoder made once, not per record
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 # Figures written by one float division each: a relative error of a few 1e-16. A thousand times a
 # millionth still passes a figure that was rounded to 7 significant digits, and no edit that matters.
 FIGURE_TOLERANCE = 1e-6
@@ -142,8 +149,8 @@ def cell_id_of(spec: Mapping[str, Any]) -> str:
     spec): a readable prefix plus a hash of the fields that differ from their defaults, so that the
     same cell keeps its id when a later hpcfsdp adds a field whose default keeps the old behaviour.
     A field the spec lacks (newer than the record) counts as its default."""
-    values = {name: value for name in _FIELDS if (value := spec.get(name, _DEFAULTS[name])) != _DEFAULTS[name]}
-    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
+    values = {name: value for name, default in _DEFAULTS.items() if (value := spec.get(name, default)) != default}
+    canonical = _CANONICAL.encode(values)
     digest = hashlib.sha1(canonical.encode()).hexdigest()[:10]
     batch = "auto" if spec.get("auto_batch") else spec.get("batch_size", _DEFAULTS["batch_size"])
     return f"{spec.get('strategy')}-b{batch}-a{spec.get('grad_accum', _DEFAULTS['grad_accum'])}-{digest}"

@@ -130,10 +130,10 @@ def _canonical_columns(names: list[str], plain: list[list[Any]]) -> tuple[list[s
     fields' texts joined in sorted order. Returns (specs, setups)."""
     spec_parts, setup_parts = [], []
     for name, values in sorted(zip(names, plain, strict=True), key=lambda pair: pair[0]):
-        spelt: dict[Any, tuple[str, str]] = {}
-        try:
-            keyed = zip(values, told_apart(values), strict=True)
-            column = [spelt.get(key) or spelt.setdefault(key, _field_texts(name, value)) for value, key in keyed]
+        keys = told_apart(values)
+        try:  # each distinct value spelt once, then every row's text looked up (in C)
+            spelt = {key: _field_texts(name, key[1]) for key in dict.fromkeys(keys)}
+            column = list(map(spelt.__getitem__, keys))
         except TypeError:  # an unhashable value (a list in a hand-edited spec.json): spell each
             column = [_field_texts(name, value) for value in values]
         spec_parts.append([spec for spec, _ in column])

@@ -5,26 +5,21 @@ docs/collector.md describes the outputs; render.py turns the sections into Markd
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
-from pydantic_core import PydanticSerializationError, to_json
 
-from ..contracts.files import atomic_output, write_text
+from ..contracts.files import write_text
 from ..contracts.fs.beneath import folder, remove_links_in
 from ..contracts.gpus import gpu_memory_gib
-from ..recordschema import declared_type
 from ..sweep.folder.layout import require_inside
 from . import plots as plotting
 from .read import METRICS, Cells, Collection, describe, drawn_configs, label_cells, load_records, ok_configs
-from .render import Section, to_html, to_markdown
+from .render import Section, tables_writing, to_html, to_markdown
 from .scaling import scaling_sections
 from .tables import (
     DEFAULT_BASELINES,
@@ -96,10 +91,9 @@ def report_started(
         if plots
         else nullcontext(plotting.nothing_drawn)
     )
-    with plotted as drawn:
+    with tables_writing(collection.cells, report) as tables, plotted as drawn:  # the tables first: no worker yet
 
         def write_rest(first_sections: tuple[Section, ...]) -> Report:
-            files, notes = write_tables(collection.cells, report)
             table = comparison_table(cells.frame, collection.spec_fields)
             # The recommendation and the cells it left out as untrusted first, then first_sections, then the rest.
             lines = recommendation(configs, cells)
@@ -114,14 +108,14 @@ def report_started(
                 Section("Environment", table=environment_table(collection.frame)),
             ]
             figures, skipped = drawn()
-            files += [path for _, path in figures]
             rest += profile_sections(sweep_dir, list(cells.frame.get("cell_id", [])), report)
             sections = [*leading, *first_sections, *([tuned] if tuned else []), *rest]
             sections += [Section("Plots", text=_plot_note(plots, skipped), images=figures), *after_plots]
             title = f"{sweep_dir.name}: {status_counts(cells, collection.unreadable)}"
             write_text(report / "summary.md", to_markdown(title, sections, relative_to=report))
             write_text(report / "index.html", to_html(title, sections))
-            files += [report / "summary.md", report / "index.html"]
+            files, notes = tables()
+            files += [*(path for _, path in figures), report / "summary.md", report / "index.html"]
             why = invalid_table(cells).rename(columns={WHY: "why"})
             untrusted = [f"{row.cell}: {row.why}" for row in why.itertuples()]
             unplanned = collection.unplanned
@@ -140,110 +134,6 @@ def report_folder(sweep_dir: Path) -> Path:
         with folder(place, sweep_dir, create=True) as fd:
             remove_links_in(fd)
     return report
-
-
-def write_tables(frame: pd.DataFrame, report: Path) -> tuple[list[Path], list[str]]:
-    """results.csv, and results.parquet when pyarrow is there; lists and objects as JSON text.
-    Returns the files and a note per column that parquet could not keep as it was."""
-    table = _exportable(frame)
-    with atomic_output(report / "results.csv") as tmp:
-        _without_formulas(table).to_csv(tmp, index=False)
-    written = [report / "results.csv"]
-    try:
-        import pyarrow  # noqa: F401  (only to know whether parquet can be written)
-    except ImportError:
-        return written, []
-    notes = _write_parquet(table, report / "results.parquet")
-    return [*written, report / "results.parquet"], notes
-
-
-def _write_parquet(table: pd.DataFrame, path: Path) -> list[str]:
-    """A parquet column holds one type. Records checked only where the collector computes can
-    still disagree elsewhere (a field text in one record, a number in another): such a column
-    is written as text, with a note naming it; results.csv keeps the values as read. A column
-    with no value at all (a GPU figure of a CPU sweep), which Arrow would type `null` (some
-    readers refuse it), gets the type the record declares for it (recordschema.declared_type),
-    else string."""
-    import pyarrow
-
-    fields, mixed, whole = [], [], {}
-    for column in table.columns:
-        try:
-            kind = pyarrow.array(table[column], from_pandas=True).type
-        except pyarrow.ArrowException:
-            mixed.append(column)
-            kind = pyarrow.string()
-        if pyarrow.types.is_null(kind):
-            kind = getattr(pyarrow, ARROW_TYPES.get(declared_type(column) or str, "string"))()
-        elif pyarrow.types.is_floating(kind) and declared_type(column) is int:
-            known = table[column].dropna()  # an int field that failed records lack, which pandas made float
-            if (known == known.round()).all():  # int64 in every sweep, null where a record has none
-                whole[column], kind = table[column].astype("Int64"), pyarrow.int64()
-        fields.append(pyarrow.field(column, kind))
-    typed = table.assign(**{column: table[column].map(_as_text) for column in mixed}, **whole)
-    with atomic_output(path) as tmp:
-        typed.to_parquet(tmp, index=False, schema=pyarrow.schema(fields))
-    return [f"{path}: column(s) {', '.join(mixed)} hold values of more than one type; written as text"] if mixed else []
-
-
-ARROW_TYPES = {float: "float64", int: "int64", bool: "bool_", str: "string"}  # declared type -> pyarrow's
-
-
-def _as_text(value: Any) -> str | None:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-
-
-# What a spreadsheet reads as the start of a formula (OWASP's CSV injection list): a record's error
-# "=HYPERLINK(...)" or "@SUM(...)" would run when results.csv is opened.
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def _without_formulas(table: pd.DataFrame) -> pd.DataFrame:
-    """The table with every text cell that a spreadsheet would take for a formula quoted by a
-    leading apostrophe, as spreadsheets themselves mark text; numbers are left as they are. A text
-    column (pandas' str) is tested in Arrow, a column at a time; only a column of other objects
-    (JSON text of lists beside NaN, true/false beside NaN) a value at a time."""
-    quoted = {}
-    for column in [c for c in table.columns if not pd.api.types.is_numeric_dtype(table[c])]:
-        values = table[column]
-        if isinstance(values.dtype, pd.StringDtype):
-            formulas = values.str.startswith(FORMULA_STARTS).fillna(False).astype(bool)
-            if formulas.any():
-                quoted[column] = values.where(~formulas, "'" + values)
-        else:
-            quoted[column] = values.map(lambda v: "'" + v if isinstance(v, str) and v.startswith(FORMULA_STARTS) else v)
-    return table.assign(**quoted) if quoted else table
-
-
-def _exportable(frame: pd.DataFrame) -> pd.DataFrame:
-    first = [c for c in ("cell_id", "sweep", "status", "stage", "error") if c in frame]
-    table = frame[first + [c for c in frame.columns if c not in first]].copy()
-    for column in table.columns[table.dtypes == "object"]:
-        values = table[column].dropna()
-        if len(values) and isinstance(values.iloc[0], (list, dict)):  # a record field holds one JSON type
-            table[column] = table[column].map(lambda v: _json_text(v) if isinstance(v, (list, dict)) else v)
-    return table
-
-
-NUMBERS_ONLY = b"0123456789.,-[]"  # JSON text of lists of numbers (and of such lists) has no other byte
-
-
-def _json_text(value: list[Any] | dict[str, Any]) -> str:
-    """json.dumps(value), written by pydantic-core's JSON writer (in Rust, ten times faster: the
-    list fields of 10,000 records) where its text is numbers and brackets alone. It spells such
-    numbers as json does, but for two: a number from 1e-05 to 1e-04 (0.00001) and an exponent
-    (1e-7 against 1e-07); and it writes no space after a comma. Text with either of those, or with
-    anything but numbers (strings, true/false/null, NaN, objects), is json.dumps' own: results.csv
-    and results.parquet keep json.dumps' bytes."""
-    try:
-        text = to_json(value)
-    except PydanticSerializationError:
-        return json.dumps(value)
-    if text.translate(None, NUMBERS_ONLY) or b"0.0000" in text:
-        return json.dumps(value)
-    return text.replace(b",", b", ").decode()
 
 
 def summary_sections(
