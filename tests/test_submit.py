@@ -242,10 +242,11 @@ def test_time_limit_ends_in_timeout_after_the_allowed_requeues(slurm_cluster, tm
         sweep_dir = results / name
         (cell,) = load_sweep(tmp_path / f"{name}.yaml").cells
         got = record(sweep_dir, cell.id)
-        # On a loaded machine the signal may come before the loop: at stage setup while the cell
-        # still imported torch (held until its handlers were in place: cell/stopping/early_signals.py),
+        # On a loaded machine the signal may come before the loop: at stage launch while the node's
+        # supervisor still imported the ranks' code (it then starts no rank and records the signal),
+        # at setup (held until the rank's handlers were in place: cell/stopping/early_signals.py),
         # or while it built the model or sharded it.
-        stages = ("setup", "data", "model", "shard", "train")
+        stages = ("launch", "setup", "data", "model", "shard", "train")
         assert got["status"] == "timeout" and got["stage"] in stages, got.get("traceback", "")[-2000:]
         assert "SIGUSR2 (time limit)" in got["error"]
         assert got["launch_id"] == f"slurm-{arrays[name]}-{restarts}"
