@@ -1,7 +1,7 @@
 """How the supervisor starts a rank: forked from its own process, which imported the rank's code
 once (torch, transformers, cell/run.py and the cell's model class) without touching CUDA, so that a
 rank pays no imports and each later cell of the same process none either (issue 52); or, where a
-fork would not be safe (a thread in this process, the CUDA driver loaded in it) or where the user
+fork would not be safe (a thread in this process, CUDA initialised in it) or where the user
 asks for it (HPCFSDP_RANK_START=exec, for debugging), a new interpreter running
 `python -m hpcfsdp run --cell-dir`, as every rank started before the fork.
 
@@ -41,8 +41,13 @@ Start = Literal["fork", "exec"]
 
 # Set while the ranks' code is imported: a torch.cuda.is_available() asks NVML, not the driver (which
 # a fork must not carry); libgomp, loaded with torch, starts no pool of threads (with more than one,
-# torch's import runs a parallel region: 2 threads on the CPU machine), each rank sets its own.
-IMPORTING_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1"}
+# torch's import runs a parallel region: 2 threads on the CPU machine), each rank sets its own;
+# pyarrow's jemalloc (loaded by the data code on the GPU image) starts no background thread.
+IMPORTING_ENV = {
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+    "OMP_NUM_THREADS": "1",
+    "JE_ARROW_MALLOC_CONF": "background_thread:false",
+}
 
 
 def warm_imports(cell_dir: Path) -> None:
@@ -78,19 +83,17 @@ def fork_refusal(environ: Mapping[str, str]) -> str:
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     if threads > 1:
         return f"{threads} threads in the supervisor's process"
-    if cuda_driver_loaded():
-        return "the CUDA driver is loaded in the supervisor's process"
+    if cuda_initialised():
+        return "CUDA is initialised in the supervisor's process"
     return ""
 
 
-def cuda_driver_loaded() -> bool:
-    """Whether libcuda is mapped into this process: something initialised CUDA, whose state a
-    forked child cannot use."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return any("libcuda.so" in line for line in maps)
-    except OSError:
-        return False
+def cuda_initialised() -> bool:
+    """Whether torch initialised CUDA in this process, whose state a forked child cannot use. The
+    driver library being mapped is not that: the GPU image's torch 2.11 maps libcuda.so at import
+    (bench/fork_threads.py), and a fork before cuInit is safe, as torch's own fork check says."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def start_rank(how: Start, cell_dir: Path, env: dict[str, str]) -> int:
