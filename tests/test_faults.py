@@ -715,8 +715,8 @@ def test_collect_neither_reads_nor_writes_through_links_out_of_the_sweep_folder(
     assert main(["collect", str(sweep_dir), "--no-plots"]) == 0
     (warning,) = capsys.readouterr().err.splitlines()
     assert warning == (
-        f"warning: skipped {sweep_dir / 'cells' / 'linked' / 'result.json'}: unreadable record "
-        "(a symbolic link where a folder belongs, not followed)"
+        f"warning: skipped {sweep_dir / 'cells' / 'linked'}: a symbolic link where a cell folder belongs "
+        "(hpcfsdp follows none); not read"
     )
     assert victim.read_text() == "not collect's to write"
     csv = sweep_dir / "report" / "results.csv"

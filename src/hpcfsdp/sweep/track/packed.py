@@ -39,7 +39,10 @@ def task_mates(manifest: Mapping[str, dict], cell_id: str) -> list[str]:
 
 
 def all_task_mates(sweep_dir: Path, cell_ids: list[str]) -> dict[str, list[str]]:
-    """task_mates of each of these cells that shares its task with others."""
+    """task_mates of each of these cells that shares its task with others (the manifest is not read
+    for none: status reports a broken one itself, and a sweep with nothing queued needs none)."""
+    if not cell_ids:
+        return {}
     manifest = read_manifest(sweep_dir)
     return {cid: mates for cid in cell_ids if len(mates := task_mates(manifest, cid)) > 1}
 
