@@ -407,8 +407,9 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     "fast""), or None: its spec, and the fields marked Checked. A wrong value elsewhere is carried
     to results.csv as it is."""
     big = integer_out_of_int64(record)
-    if big:
-        return f"{big}: expected an integer within 64 bits (-2**63 to 2**63 - 1)"
+    if big:  # its key path is the record's own text: a newline or escape in a key stays one line
+        where = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in big)
+        return f"{where}: expected an integer within 64 bits (-2**63 to 2**63 - 1)"
     problem = spec_problem(record.get("spec"))
     if problem:
         return problem
