@@ -34,7 +34,7 @@ from conftest import slurm
 from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.sweep.define.matrix import load_sweep
-from hpcfsdp.sweep.launch.local import processes_under
+from hpcfsdp.sweep.track.processes import processes_under
 
 CPU_CELL = {
     "model": "tiny",

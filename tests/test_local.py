@@ -53,6 +53,15 @@ def test_local_executor_runs_cells_and_records_failures(tmp_path, capsys):
         assert entry["submitted_at"] < record["started_at"] < entry["ended_at"], entry
     failed = records["ddp"]
     assert failed["status"] == "error" and failed["stage"] == "model" and "no-such-architecture" in failed["error"]
+    # One supervisor process launched both cells: the first paid the imports, the second forked at once.
+    said = [
+        re.search(r"supervisor \(pid (\d+)\): rank\(s\) forked after (\d+\.\d) s of imports", log).groups()
+        for log in (
+            (tmp_path / "local_e2e/cells" / records[strategy]["cell_id"] / "log.txt").read_text()
+            for strategy in ("fsdp2_zero3", "ddp")
+        )
+    ]
+    assert said[0][0] == said[1][0] and float(said[0][1]) > 0.5 and float(said[1][1]) < 0.5, said
     # The run ends in the comparison table, failed cell included.
     table = out[out.index("| strategy") :]
     assert "| ok " in table and "| error " in table

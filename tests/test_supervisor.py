@@ -24,7 +24,7 @@ from hpcfsdp.cell.supervise.layout import NodeLayout
 from hpcfsdp.cell.supervise.start import start_rank
 from hpcfsdp.cell.supervise.watch import RankProcess
 from hpcfsdp.cli import main
-from hpcfsdp.sweep.launch.local import launched_in
+from hpcfsdp.sweep.track.processes import launched_in, processes_under
 
 LONE_CELL = """
 name: {name}
@@ -53,6 +53,10 @@ def submit_cell(
         os.environ.pop("HPCFSDP_FAULT", None)
     (cell,) = (tmp_path / "results" / name / "cells").iterdir()
     return code, cell
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def fault_to_record_s(cell: Path, logs: list[Path]) -> float:
@@ -86,6 +90,36 @@ def test_a_lone_rank_sigstopped_under_the_local_executor_is_a_hang_within_train_
     assert "stopped" in record["error"] and record["stage"] == "train"
     assert fault_to_record_s(cell, [cell / "log.txt"]) < 5 + 10
     assert launched_in(tmp_path) == {}
+
+
+def test_a_local_submits_supervisor_killed_mid_cell_leaves_that_cell_a_record_and_the_next_a_fresh_one(tmp_path):
+    """The local executor keeps one supervisor process for all the cells of a submit. SIGKILLed
+    while it runs the first cell: that cell's record says so (error, the supervisor's exit), the
+    ranks it left are ended, and the second cell runs under a new supervisor and records ok."""
+    jobs = tmp_path / "killed.yaml"
+    jobs.write_text(LONE_CELL.format(name="killed", nodes=1, steps=100_000, cpus=1) + "matrix: {steps: [100000, 3]}\n")
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "local", "--results-dir"]
+    env = {k: v for k, v in os.environ.items() if k != "HPCFSDP_FAULT"}
+    submit = subprocess.Popen([*command, str(results)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 120
+    logs: list[Path] = []
+    while not any("forked after" in log.read_text(errors="replace") for log in logs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        logs = list(results.glob("killed/cells/*/log.txt"))
+    # submit's child (its forked ranks show the same command line, one level below)
+    (supervisor,) = [pid for pid in processes_under(submit.pid) if _parent(pid) == submit.pid]
+    os.kill(supervisor, signal.SIGKILL)
+    output, _ = submit.communicate(timeout=180)
+    assert submit.returncode == 3, output.decode(errors="replace")
+    records = [json.loads(path.read_text()) for path in results.glob("killed/cells/*/result.json")]
+    by_steps = {record["spec"]["steps"]: record for record in records}
+    killed, after = by_steps[100_000], by_steps[3]
+    assert killed["status"] == "error" and "its supervisor exited -9 without a record" in killed["error"], killed
+    assert after["status"] == "ok", after.get("error")
+    after_log = (results / "killed/cells" / after["cell_id"] / "log.txt").read_text()
+    assert f"supervisor (pid {supervisor})" not in after_log and "supervisor (pid " in after_log
+    assert launched_in(results) == {}
 
 
 @pytest.mark.slurm

@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, run_torchrun_cell
 from hpcfsdp.cli import main
 from hpcfsdp.sweep.define.matrix import load_sweep
-from hpcfsdp.sweep.launch.local import processes_under
+from hpcfsdp.sweep.track.processes import processes_under
 from test_faults import alive
 
 # 20 steps a cell, 7 a first-rung probe: probing 2 cells or more, then running 1 of them, can save.

@@ -27,5 +27,5 @@ class ProbeJob:
         # submitit's own task variables would tell each rank it is a one-task Slurm step: the supervisor's win
         env = {k: v for k, v in without_secrets(os.environ).items() if not k.startswith("SUBMITIT_")}
         launches_dir = Path(self.launches_dir)
-        run_launches(list(self.planned), env, self.limit_s, launches_dir, "slurm", job_id, launch=launch_here)
+        run_launches(list(self.planned), env, self.limit_s, launches_dir, "slurm", launch_here, job_id)
         return "done"

@@ -3,8 +3,9 @@ with the grid's warm-up, and stops once its tokens/s is stable (RunSpec.stop_whe
 in cell/train.py) within a step budget that grows by eta each rung. Each probe is a launch of its
 own (its supervisor's ranks), so that a probe that fails or runs out of memory ends its processes
 and the next starts clean; several run one after another in one allocation (run_launches: here for
-the local executor, a supervisor process each; inside one Slurm job for the slurm executor, job.py,
-whose one process imports the ranks' code once and forks each probe's ranks).
+the local executor, one supervisor process for the stage's probes, sweep/launch/local.py's
+WarmSupervisor; inside one Slurm job for the slurm executor, job.py); either imports the ranks'
+code once and forks each probe's ranks.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..contracts.spec import RunSpec
-from ..sweep.launch.local import LOG_NAME, launch_cell
+from ..sweep.folder.layout import LOG_NAME
 from ..sweep.track.lost import log_tails, record_launch_failure
 from .state import INTERRUPTED, Launch, run_status, write_launch
 
 # One launch of a run: its folder, processes, environment and time limit -> its supervisor's exit
-# status, None at the limit (sweep/launch/local.launch_cell; job.launch_here inside a Slurm job).
+# status, None at the limit (sweep/launch/local.WarmSupervisor here; job.launch_here inside a Slurm job).
 Launcher = Callable[[Path, int, dict[str, str], float], "int | None"]
 
 FIRST_RUNG_TIMED_STEPS = 6  # rung 0's budget of timed steps; a probe stops after half of them once stable
@@ -70,9 +71,9 @@ def run_launches(
     limit_s: float,
     launches_dir: Path,
     executor: str,
+    launch: Launcher,
     job_id: str = "",
     log: Callable[[str], None] = print,
-    launch: Launcher = launch_cell,
 ) -> None:
     """Launch each planned run one after another, each under its supervisor with its own limit; record each
     launch (launcher start to end, GPUs) in launches_dir. A run whose record already stands is

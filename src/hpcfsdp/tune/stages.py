@@ -36,9 +36,10 @@ from ..sweep.folder.layout import (
 )
 from ..sweep.launch.crashpoint import crash_point
 from ..sweep.launch.environment import job_environment, without_secrets
-from ..sweep.launch.local import end_launches_left
+from ..sweep.launch.local import WarmSupervisor
 from ..sweep.launch.submit import auto_batch_predictions
 from ..sweep.track.lost import record_launch_failure
+from ..sweep.track.processes import end_launches_left
 from .accumulation import computed_speed
 from .gridcost import probing_cannot_save
 from .probe import Planned, probe_rungs, probe_spec, run_launches
@@ -107,7 +108,8 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
                 log(f"resuming the search in {tune_dir(sweep_dir)} ({len(state.stages)} stage(s) begun)")
             if settings.executor == "local":  # a tune killed by SIGKILL leaves its probe's ranks for a while
                 end_launches_left(sweep_dir, log)
-            search(sweep, sweep_dir, state, settings, log)
+            with WarmSupervisor(sweep_dir) as launch:  # the local probes of every stage fork from one import
+                search(sweep, sweep_dir, state, settings, log, launch)
     except Interrupted as exc:
         raise Stopped(
             f"interrupted ({exc}): the running probe was stopped (Slurm: its jobs run on); "
@@ -138,8 +140,15 @@ def new_state(sweep: Sweep, log: Callable[[str], None]) -> tuple[TuneState, tupl
     return state, pruning.notes
 
 
-def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, log: Callable[[str], None]) -> None:
-    """Run (or resume) every stage until the final one has run."""
+def search(
+    sweep: Sweep,
+    sweep_dir: Path,
+    state: TuneState,
+    settings: Settings,
+    log: Callable[[str], None],
+    launch: WarmSupervisor,
+) -> None:
+    """Run (or resume) every stage until the final one has run; `launch` starts the local executor's runs."""
     cells = {cell.id: cell for cell in sweep.cells}
     if not state.stages:
         candidates = [cells[c] for c in state.grid if c not in state.pruned and c not in state.computed]
@@ -155,7 +164,7 @@ def search(sweep: Sweep, sweep_dir: Path, state: TuneState, settings: Settings, 
             _begin(sweep_dir, state, _probe_stage(sweep_dir, sweep, candidates, 0, settings.eta))
     while True:
         stage = state.stages[-1]
-        run_stage(sweep, sweep_dir, state, stage, settings, log)
+        run_stage(sweep, sweep_dir, state, stage, settings, log, launch)
         if stage.name == REPEAT:
             return
         if stage.final:
@@ -261,7 +270,13 @@ def ranking(sweep_dir: Path, stage: Stage, state: TuneState, cells: dict[str, Ce
 
 
 def run_stage(
-    sweep: Sweep, sweep_dir: Path, state: TuneState, stage: Stage, settings: Settings, log: Callable[[str], None]
+    sweep: Sweep,
+    sweep_dir: Path,
+    state: TuneState,
+    stage: Stage,
+    settings: Settings,
+    log: Callable[[str], None],
+    launch: WarmSupervisor,
 ) -> None:
     directory = stage_dir(sweep_dir, stage.name)
     launches = tune_dir(sweep_dir) / "launches"
@@ -286,7 +301,7 @@ def run_stage(
             directory,
             {cell.id: {"executor": "local", "job_id": None, "submitted_at": time.time()} for cell, _ in pending},
         )
-        run_launches([p for _, p in pending], env, sweep.resources.time_min * 60, launches, "local", log=log)
+        run_launches([p for _, p in pending], env, sweep.resources.time_min * 60, launches, "local", launch, log=log)
         return
     from .slurm import submit_stage_jobs, wait_for_jobs
 

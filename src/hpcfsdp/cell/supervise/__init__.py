@@ -2,7 +2,8 @@
 
 Under Slurm each node runs one task (the array task's CellJob; tune's ProbeJob, a supervisor per
 probe in that one process), under `--executor local` and tune's local probes one
-`python -m hpcfsdp.cell.supervise` process; either imports the ranks' code once and forks the node's
+`python -m hpcfsdp.cell.supervise --serve` process for all the launches of a submit or a tune stage
+(serve.py); either imports the ranks' code once and forks the node's
 ranks (start.py: each runs `hpcfsdp run --cell-dir`'s entry, with RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT as torchrun gives them: layout.py), watches each rank's process from
 outside it (watch.py: its exit, its signal, a stop, a heartbeat that stopped, the kernel's OOM

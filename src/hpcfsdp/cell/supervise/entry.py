@@ -1,6 +1,7 @@
-"""The ways a supervisor starts: on this machine for all of a cell's ranks (the local executor's
-`python -m hpcfsdp.cell.supervise`), the same inside a process that runs several launches one after
-another (tune's probes in their Slurm job: supervise_launch), or as the one Slurm task of its node
+"""The ways a supervisor starts: on this machine for all of a cell's ranks (`python -m
+hpcfsdp.cell.supervise --cell-dir`), the same inside a process that runs several launches one after
+another (the local executor's kept supervisor, serve.py, and tune's probes in their Slurm job:
+supervise_launch), or as the one Slurm task of its node
 (the array task's CellJob), for each of the task's cells in turn. Each may be called again in the
 same process for the next cell: the ranks' code, imported by the first, is not imported again
 (start.py)."""

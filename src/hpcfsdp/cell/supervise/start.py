@@ -37,6 +37,7 @@ FRESH_HANDLERS: dict[int, Any] = {
 }
 
 Start = Literal["fork", "exec"]
+_PRIVATE_FDS: set[int] = set()  # this process's descriptors that a forked rank closes (keep_from_ranks)
 
 
 # Set while the ranks' code is imported: a torch.cuda.is_available() asks NVML, not the driver (which
@@ -96,6 +97,12 @@ def cuda_initialised() -> bool:
     return torch is not None and bool(torch.cuda.is_initialized())
 
 
+def keep_from_ranks(fd: int) -> None:
+    """Close fd in every rank this process forks from now on (a fork copies every descriptor; an
+    exec'd rank gets none of this process's, which are not inheritable)."""
+    _PRIVATE_FDS.add(fd)
+
+
 def start_rank(how: Start, cell_dir: Path, env: dict[str, str]) -> int:
     """Start one rank of the cell with `env`; its pid."""
     if how == "exec":
@@ -120,6 +127,8 @@ def _forked_rank(cell_dir: Path, env: dict[str, str]) -> NoReturn:
     status = 1
     try:
         os.setsid()
+        for fd in _PRIVATE_FDS:
+            os.close(fd)
         for signum in signal.valid_signals():
             _fresh_handler(signum)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -44,7 +44,7 @@ class CellJob(submitit.helpers.Checkpointable):
 
 
 def launch_here(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
-    """local.launch_cell's launch, in this process rather than a supervisor process of its own: what
+    """local.WarmSupervisor's launch, in this process rather than a supervisor process of its own: what
     tune's probes run inside their Slurm job, so that the allocation imports the ranks' code once and
     forks each probe's ranks (cell/supervise/start.py). The same log, limits and tear-down; the exit
     status, None when it reached limit_s."""

@@ -1,17 +1,22 @@
-"""The local executor: one cell at a time on this machine, each under its supervisor with the cell's world
+"""The local executor: one cell at a time on this machine, each launched by one supervisor process
+kept for the whole submit (WarmSupervisor; tune's local probes use it too) with the cell's world
 size, within the sweep's time limit as under Slurm; the print executor's shell line per cell; and
-the process-tree handling that ends a cell's every process when its time is up or submit is
-interrupted (or killed)."""
+the ending of a cell's every process when its time is up or submit is interrupted (or killed)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import os
+import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,18 +29,20 @@ from ...progress import coloured
 from ..define.matrix import Cell, Sweep
 from ..folder.layout import LOG_NAME, cell_dir, records_set_aside, update_manifest, write_local_run
 from ..track.lost import log_tails, record_launch_failure
+from ..track.processes import LAUNCH_DIR_ENV, LOCAL_GRACE_S, kill_survivors, launched_in, processes_under
 from ..track.status import cell_state
 from .environment import HF_TOKEN_ENV, job_environment, secret_names, without_secrets
 from .interrupts import Interrupted
 
-LAUNCH_DIR_ENV = "HPCFSDP_LAUNCH_DIR"  # the cell folder of a launch, in each of its processes' environment
-LOCAL_GRACE_S = 30.0  # local executor: from SIGTERM at the time limit to SIGKILL
 GPU_WAIT_S = 60.0  # how long a cell waits for GPUs that other processes hold before it is not started
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TORCHRUN = "torch.distributed.run"
 # What the local executor and tune's launches start: the node's supervisor (cell/supervise/), which
 # starts the cell's ranks and watches them; the print executor prints torchrun.
 SUPERVISOR = "hpcfsdp.cell.supervise"
+IDLE_EXIT_S = 5.0  # how long a supervisor between launches takes to leave once its socket is closed
+MAX_REPLY = 4096
+LOG_TAIL_BYTES = 8000  # what a supervisor that died said on its own stderr, added to the launch's log
 
 
 def torchrun_command(directory: Path, nprocs: int, nnodes: int = 1) -> list[str]:
@@ -93,7 +100,15 @@ def srun_command(sweep: Sweep, sweep_dir: Path, cell: Cell) -> list[str]:
 def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None]) -> dict[str, str]:
     """Run the cells one at a time; cell id -> the status each recorded. Interrupted (Ctrl-C,
     SIGTERM, SIGHUP): the running cell's processes are ended, and its earlier record is current
-    again. A cell that ended without a record gets one (timeout or error) with its log's tail."""
+    again. A cell that ended without a record gets one (timeout or error) with its log's tail. One
+    supervisor process launches them all (WarmSupervisor): the ranks' code is imported once."""
+    with WarmSupervisor(sweep_dir) as launch:
+        return _run_cells(sweep, sweep_dir, cells, log, launch)
+
+
+def _run_cells(
+    sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[str], None], launch: WarmSupervisor
+) -> dict[str, str]:
     env = without_secrets(os.environ) | job_environment(sweep)
     limit_s = sweep.resources.time_min * 60
     if sweep.resources.container:
@@ -119,7 +134,7 @@ def run_local(sweep: Sweep, sweep_dir: Path, cells: list[Cell], log: Callable[[s
             continue
         try:
             with records_set_aside(sweep_dir, [cell]):
-                returncode = launch_cell(directory, cell.spec.world_size, env, limit_s)
+                returncode = launch(directory, cell.spec.world_size, env, limit_s)
         except Interrupted as exc:
             exc.running_cell = cell.id  # what submit says it stopped
             raise
@@ -196,24 +211,113 @@ def _wait_for_gpus(env: dict[str, str], log: Callable[[str], None]) -> str:
     return held
 
 
-def launch_cell(directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
-    """One launch of the cell in `directory` on this machine (its supervisor, which starts the
-    ranks), its output in the cell's log.txt:
-    its exit status, None when it reached limit_s (then ended as Slurm ends a job at its limit).
-    Also what `hpcfsdp tune` runs for each probe, here or inside its Slurm job."""
-    with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
-        launched = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", SUPERVISOR, "--cell-dir", str(directory), f"--nproc-per-node={processes}"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env | launch_limits(directory, launched, limit_s),
-            start_new_session=True,
-            preexec_fn=_end_with_parent(os.getpid()),
-        )
-        returncode = _wait_within(proc, limit_s)
-    add_teardown(directory / RECORD_NAME, launched, time.time())
-    return returncode
+class WarmSupervisor:
+    """The local executor's supervisor process, kept for every launch of one `submit` or `tune` stage
+    (`python -m hpcfsdp.cell.supervise --serve`, cell/supervise/serve.py): it imports the ranks' code
+    with the first launch and forks each later launch's ranks without importing again. Called as a
+    Launcher: one launch of the cell in `directory` on this machine, its output in the cell's
+    log.txt; its exit status, None when it reached limit_s (then ended as Slurm ends a job at its
+    limit: SIGTERM to the ranks, which record `timeout`, SIGKILL after the supervisor's grace). A
+    supervisor that ended or hung is replaced by a fresh one at the next launch.
+
+    `folder` marks the process (LAUNCH_DIR_ENV, which launched_in reads), and its forked ranks with
+    it: the sweep (or tune's) folder that every launch of it is in."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder).absolute()
+        self.proc: subprocess.Popen | None = None
+        self.channel: socket.socket | None = None
+        # Its own stdout and stderr (between launches: a launch's are its log), read when it failed.
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115  closed with the supervisor, on __exit__
+
+    def __enter__(self) -> WarmSupervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self.errors.close()
+
+    def __call__(self, directory: Path, processes: int, env: dict[str, str], limit_s: float) -> int | None:
+        with os.fdopen(open_for_writing(directory / LOG_NAME), "w") as out:  # never through a link
+            launched = time.time()
+            request = {
+                "cell_dir": str(Path(directory).absolute()),
+                "processes": processes,
+                "env": env | launch_limits(directory, launched, limit_s),
+                "deadline": launched + limit_s,
+            }
+            returncode = self._launch(env, request, out.fileno(), limit_s)
+        add_teardown(directory / RECORD_NAME, launched, time.time())
+        return returncode
+
+    def _launch(self, env: dict[str, str], request: dict, log: int, limit_s: float) -> int | None:
+        proc, channel = self._started(env)
+        try:
+            socket.send_fds(channel, [json.dumps(request).encode()], [log])
+            reply = _answer(proc, channel, limit_s + LOCAL_GRACE_S)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP of submit: each rank records `cancelled`
+            self.close(LOCAL_GRACE_S, launching=True)
+            raise
+        except OSError:  # it ended before it took the request
+            reply = None
+        if reply is None:  # it ended or hung without an answer: this launch ends with it
+            with contextlib.suppress(subprocess.TimeoutExpired):  # its socket closes before its exit is seen
+                proc.wait(timeout=IDLE_EXIT_S)
+            timed_out = proc.poll() is None
+            self.close(grace_s=0.0, launching=True)
+            self.errors.seek(0)
+            os.write(log, self.errors.read()[-LOG_TAIL_BYTES:])  # what it said, for the record's log tail
+            return None if timed_out else proc.returncode
+        return reply["exit"]
+
+    def _started(self, env: dict[str, str]) -> tuple[subprocess.Popen, socket.socket]:
+        if self.proc is not None and self.channel is not None and self.proc.poll() is None:
+            return self.proc, self.channel
+        self.errors.seek(0)
+        self.errors.truncate()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", SUPERVISOR, "--serve", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=self.errors,
+                stderr=subprocess.STDOUT,
+                env=env | {LAUNCH_DIR_ENV: str(self.folder)},
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                preexec_fn=_end_with_parent(os.getpid()),
+            )
+        self.channel = ours
+        return self.proc, ours
+
+    def close(self, grace_s: float = LOCAL_GRACE_S, launching: bool = False) -> None:
+        """End the supervisor: between launches, by closing its socket; during one (`launching`: an
+        interrupt, a hang), by ending its session (_end_session). Then no process this run launched
+        is left: a supervisor that died leaves its ranks running in their own sessions."""
+        proc, self.proc = self.proc, None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if proc is not None and proc.poll() is None:
+            if not launching:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=IDLE_EXIT_S)
+            if proc.poll() is None:
+                _end_session(proc, grace_s)
+        kill_survivors(launched_in(self.folder))
+
+
+def _answer(proc: subprocess.Popen, channel: socket.socket, wait_s: float) -> dict | None:
+    """The supervisor's reply to a launch; None when it ended without one, or gave none within wait_s."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([channel], [], [], min(1.0, max(0.0, deadline - time.monotonic())))
+        if ready:
+            message = channel.recv(MAX_REPLY)
+            return json.loads(message) if message else None
+        if proc.poll() is not None:  # a rank it forked may hold nothing of the socket, but check
+            return None
+    return None
 
 
 def launch_limits(directory: Path, launched: float, limit_s: float) -> dict[str, str]:
@@ -257,26 +361,11 @@ def _end_with_parent(parent: int) -> Callable[[], None]:
     return request
 
 
-def _wait_within(proc: subprocess.Popen, limit_s: float, grace_s: float = LOCAL_GRACE_S) -> int | None:
-    """The cell's exit status; None when it reached its time limit. Then, as Slurm does, the cell
-    gets SIGTERM (the supervisor passes it to each rank, which records `timeout`: the time limit's end
-    has come), and SIGKILL after grace_s. An interrupt of submit (Ctrl-C, SIGTERM, SIGHUP: its
-    own session no longer gets the terminal's signals) ends the cell the same way, before its end
-    time, so that each rank records `cancelled`."""
-    try:
-        return proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        _end_session(proc, grace_s)
-        return None
-    except KeyboardInterrupt:
-        _end_session(proc, grace_s)
-        raise
-
-
 def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the supervisor's session, which passes it on to the ranks; SIGKILL after grace_s,
-    or at once on a second interrupt, to the supervisor and to every process that was under it (the
-    ranks run in sessions of their own, and outlive a killed supervisor)."""
+    """SIGTERM to the supervisor's session, which passes it on to the ranks (each records `timeout`
+    at the time limit's end, else `cancelled`); SIGKILL after grace_s, or at once on a second
+    interrupt, to the supervisor and to every process that was under it (the ranks run in sessions
+    of their own, and outlive a killed supervisor)."""
     under = processes_under(proc.pid)  # now: once the supervisor has ended, its ranks are no longer under it
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -285,91 +374,7 @@ def _end_session(proc: subprocess.Popen, grace_s: float) -> None:
         under |= processes_under(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        _kill_survivors(under)
+        kill_survivors(under)
         if isinstance(exc, KeyboardInterrupt):
             raise
-    _kill_survivors(under)
-
-
-def launched_in(folder: Path) -> dict[int, str]:
-    """The live processes (pid -> start time) of launches made in `folder` (a cell folder or one
-    above it) by launch_cell, found by the LAUNCH_DIR_ENV it gave them: a supervisor and its ranks
-    outlive a `tune` or `submit` killed by SIGKILL for a while (they end on the SIGTERM Linux
-    sends, after recording `cancelled`), and no later launch must start beside them."""
-    root = Path(os.path.realpath(folder))
-    found = {}
-    for pid, (_, started, state) in _proc_table().items():
-        if pid == os.getpid() or state == "Z":
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or another user's
-            continue
-        marks = [
-            entry[len(LAUNCH_DIR_ENV) + 1 :] for entry in environ if entry.startswith(LAUNCH_DIR_ENV.encode() + b"=")
-        ]
-        if marks and Path(os.path.realpath(os.fsdecode(marks[0]))).is_relative_to(root):
-            found[pid] = started
-    return found
-
-
-def end_launches_left(folder: Path, log: Callable[[str], None], grace_s: float = LOCAL_GRACE_S) -> None:
-    """Wait for the processes a killed command's launch left in `folder` (launched_in) to end, up
-    to grace_s (they got SIGTERM when it died), then end them with SIGKILL; say so in one line."""
-    left = launched_in(folder)
-    if not left:
-        return
-    pids = ", ".join(map(str, sorted(left)))
-    log(
-        f"waiting for {len(left)} process(es) of a launch a killed run left in {folder} (pids {pids}) to end "
-        f"(SIGKILL after {grace_s:g} s) before launching anything there"
-    )
-    deadline = time.monotonic() + grace_s
-    while _alive(left) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    _kill_survivors(left)
-    while _alive(left):
-        time.sleep(0.1)
-
-
-def _alive(processes: dict[int, str]) -> bool:
-    table = _proc_table()
-    return any(pid in table and table[pid][1] == started and table[pid][2] != "Z" for pid, started in processes.items())
-
-
-def _proc_table() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, start time, state: Z for a zombie, ended) of every process, from /proc (Linux)."""
-    table = {}
-    for pid in (name for name in os.listdir("/proc") if name.isdigit()):
-        try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-            fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        except (OSError, IndexError):
-            continue
-        table[int(pid)] = (int(fields[1]), fields[19], fields[0])
-    return table
-
-
-def processes_under(pid: int) -> dict[int, str]:
-    """The processes under pid (children, theirs, ...): pid -> start time, which tells a process
-    from a later one that reuses its pid."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for child, (parent, *_) in table.items():
-        children.setdefault(parent, []).append(child)
-    found, todo = {}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = table[child][1]
-            todo.append(child)
-    return found
-
-
-def _kill_survivors(processes: dict[int, str]) -> None:
-    table = _proc_table()
-    for pid, started in processes.items():
-        if pid in table and table[pid][1] == started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_survivors(under)
