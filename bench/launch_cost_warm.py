@@ -1,7 +1,9 @@
 """A launch's fixed cost for the first cell and each later cell of one supervisor process (issue 52):
 the node's supervisor imports the ranks' code once and forks each cell's ranks, against the same
 supervisor starting every rank as a new interpreter (HPCFSDP_RANK_START=exec, as before the fork),
-and, with --before-src, the supervisor of another source tree (`git archive <commit> src`: before).
+and, with --before-src, the supervisor of another source tree (`git archive <commit> src`: before);
+with --local, `hpcfsdp submit --executor local` of the same cells (local: one supervisor process
+kept for the submit's cells, sweep/launch/local.WarmSupervisor).
 
 Each side of each round is one fresh process (`--drive`) that runs CELLS cells one after another,
 as tune's probes run in their Slurm job and a CellJob of several cells would: for each, the launch's
@@ -38,7 +40,7 @@ slurm: {{time_min: 10}}
 matrix:
   seed: {seeds}
 """
-SIDES = ("fork", "exec", "before")  # HPCFSDP_RANK_START of each side; before: that of --before-src's tree
+SIDES = ("fork", "exec", "before", "local")  # HPCFSDP_RANK_START of each side; before: --before-src's tree
 
 
 def drive(cells: list[str], processes: int) -> None:
@@ -99,6 +101,47 @@ def run_side(side: str, src: Path, folders: list[str], processes: int, out: Path
     return [{"side": side, "round": index, **json.loads(line), "loadavg_1min": os.getloadavg()[0]} for line in lines]
 
 
+def run_local_side(out: Path, shape: dict, cells: int, index: int) -> list[dict]:
+    """The cells in one `submit --executor local`: a row each, in the order they ran; the wall from
+    the manifest's submitted_at to ended_at (the local executor's own bounds of a launch)."""
+    name = f"local{index}"
+    jobs = out / f"{name}.yaml"
+    jobs.write_text(SWEEP.format(name=name, seeds=list(range(1, cells + 1)), **shape))
+    command = [sys.executable, "-m", "hpcfsdp", "submit", str(jobs), "--executor", "local"]
+    with open(out / "logs" / f"{name}.log", "w") as written:
+        subprocess.run(
+            [*command, "--results-dir", str(out / "results")], stdout=written, stderr=subprocess.STDOUT, env=_env()
+        )
+    manifest = json.loads((out / "results" / name / "manifest.json").read_text())
+    records = sorted(
+        (json.loads(path.read_text()) for path in (out / "results" / name / "cells").glob("*/result.json")),
+        key=lambda record: manifest[record["cell_id"]]["submitted_at"],
+    )
+    rows = []
+    for position, record in enumerate(records):
+        phases, span, entry = record.get("phases") or {}, record.get("launch_span_s"), manifest[record["cell_id"]]
+        window = phases.get("timed_window", 0.0)
+        rows.append(
+            {
+                "side": "local",
+                "round": index,
+                "position": position,
+                "exit": None,
+                "status": record["status"],
+                "fixed_s": span - window if span is not None else None,
+                "wall_fixed_s": entry["ended_at"] - entry["submitted_at"] - window,
+                "launch_span_s": span,
+                "launcher_start": phases.get("launcher_start"),
+                "imports": phases.get("imports"),
+                "timed_window": window,
+                "tokens_per_s_per_gpu": record.get("tokens_per_s_per_gpu"),
+                "peak_memory_gib": record.get("peak_memory_gib"),
+                "loadavg_1min": os.getloadavg()[0],
+            }
+        )
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     columns = ["fixed_s", "wall_fixed_s", "launch_span_s", "launcher_start", "imports", "timed_window"]
     lines = [
@@ -133,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "launch_cost_warm")
     parser.add_argument("--before-src", type=Path, help="a third side: the supervisor of this src folder")
+    parser.add_argument("--local", action="store_true", help="a side more: the cells in one local submit")
     parser.add_argument("--tabulate", type=Path, help="only the table of this raw.jsonl")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
@@ -148,12 +192,18 @@ def main() -> None:
     trees = {"fork": ROOT / "src", "exec": ROOT / "src"}
     if args.before_src:
         trees["before"] = args.before_src.resolve()
+    if args.local:
+        trees["local"] = ROOT / "src"
     rows = []
     with open(args.out / "raw.jsonl", "a") as raw:
         for index in range(args.rounds):
             for side in list(trees)[index % len(trees) :] + list(trees)[: index % len(trees)]:  # turns go first
-                folders = cell_folders(args.out, f"{side}{index}", shape, args.cells)
-                for row in run_side(side, trees[side], folders, args.gpus, args.out, index):
+                if side == "local":
+                    side_rows = run_local_side(args.out, shape, args.cells, index)
+                else:
+                    folders = cell_folders(args.out, f"{side}{index}", shape, args.cells)
+                    side_rows = run_side(side, trees[side], folders, args.gpus, args.out, index)
+                for row in side_rows:
                     print(json.dumps(row), file=raw, flush=True)
                     print(f"[launch_cost_warm] {side} round {index} cell {row['position']}: {row}", flush=True)
                     rows.append(row)
