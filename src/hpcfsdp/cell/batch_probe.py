@@ -49,6 +49,7 @@ class ProbeResult(TypedDict):
     step_s: float  # median of the steps after the first; 0 when it did not train through
     error: str
     failed_at: float | None  # when (time.time()) it failed: the earliest failure is the cause, the rest follow it
+    parent_pid: int | None  # who started the probe process: the rank's probe starter, or the rank (probe_start.py)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -104,6 +105,7 @@ def main(result_path: Path) -> None:
         "step_s": step_s,
         "error": error,
         "failed_at": failed_at,
+        "parent_pid": os.getppid(),
     }
     write_json(result_path, result)
     if status != "ok":
