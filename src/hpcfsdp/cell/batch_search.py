@@ -14,9 +14,10 @@ with the batch), else the midpoint; a wrong guess only narrows the gap like a mi
 a right one saves the probes that halving would spend. The limit is the device memory free when
 the search starts, less `batch_margin` of it; on a CPU there is none, and the midpoint is used.
 
-A probe runs in processes of its own, one per rank (batch_probe.py), with a process group of
-their own: a rank that runs out of memory mid-step leaves its peers inside a collective that,
-under NCCL, nothing in their process could end. Here, each rank waits for its probe process and
+A probe runs in processes of its own, one per rank (batch_probe.py; forked by the rank's probe
+starter, probe_start.py, else a new interpreter), with a process group of their own: a rank that
+runs out of memory mid-step leaves its peers inside a collective that, under NCCL, nothing in
+their process could end. Here, each rank waits for its probe process and
 watches the cell's store: when one rank's probe fails, every rank ends its own probe process
 (SIGKILL; the driver frees its memory), and the cell's processes, which never entered the
 probe's collectives, agree on the outcome over a gloo group and go on to the next probe. A probe
@@ -345,7 +346,7 @@ def _result_if_written(child: ProbeProcess, path: Path) -> ProbeResult | None:
     the probe that ran out of memory still says so (under load, 2026-11-27: the probe was taken
     for the peer's "Connection closed by peer" error, and the cell ended instead of searching on)."""
     _end(child)
-    return _read_result(path, child.returncode) if path.exists() else None
+    return _read_result(path, child.wait()) if path.exists() else None
 
 
 def _read_result(path: Path, code: int) -> ProbeResult:

@@ -83,11 +83,8 @@ class ProbeStarter:
         return self._ended.pop(pid)
 
     def close(self) -> None:
-        """Close the socket: the starter ends its probes left, if any, and leaves; reap it."""
-        self._conn.close()
-        self.gone = self.gone or "closed"
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        """End the starter (its probes, if any, go with it) and reap it."""
+        self._lost("closed")
 
     def _send(self, message: Mapping[str, Any]) -> bool:
         try:
@@ -103,8 +100,8 @@ class ProbeStarter:
             if not self._conn.poll(timeout):
                 return None
             message = json.loads(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            self._lost("it ended")
+        except (EOFError, OSError, ValueError):  # ValueError: a message cut by a signal's exception
+            self._lost("its socket ended")
             return None
         if "ended" in message:
             self._ended[int(message["ended"])] = int(message["status"])
@@ -113,9 +110,17 @@ class ProbeStarter:
         return message
 
     def _lost(self, why: str) -> None:
-        self.gone = self.gone or f"the probe starter (pid {self.pid}) is gone: {why}"
+        """No more probes from the starter: kill it (a process the rank forked since may hold its
+        socket open, so that it would never see the end) and reap it; its probes get their
+        parent-death signal."""
+        if self.gone:
+            return
+        self.gone = f"the probe starter (pid {self.pid}) is gone: {why}"
+        self._conn.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, os.WNOHANG)  # no zombie of it under the rank
+            os.waitpid(self.pid, 0)
 
 
 class ForkedProbe:
@@ -175,8 +180,10 @@ def how_probes_start() -> str:
 
 def start_probe(result: Path, env: Mapping[str, str]) -> ProbeProcess:
     """This rank's probe process for one probe: forked by the starter, else a new interpreter."""
-    if _starter is not None and not _starter.gone and (forked := _starter.start(result, env)) is not None:
-        return forked
+    if _starter is not None and not _starter.gone:
+        if (forked := _starter.start(result, env)) is not None:
+            return forked
+        print(f"[hpcfsdp] batch search: probe processes started by exec from now on: {_starter.gone}", flush=True)
     command = [sys.executable, "-m", "hpcfsdp.cell.batch_probe", str(result)]
     return subprocess.Popen(command, env=dict(env), start_new_session=True)
 
@@ -192,7 +199,7 @@ def _serve(conn: Connection, ranks_end: Connection) -> NoReturn:
         while True:
             try:
                 message = json.loads(conn.recv_bytes()) if conn.poll(IDLE_POLL_S if running else None) else {}
-            except (EOFError, OSError):  # the rank is gone: so are its probes
+            except (EOFError, OSError, ValueError):  # the rank is gone (or its message cut): so are its probes
                 for pid in running:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
@@ -206,7 +213,8 @@ def _serve(conn: Connection, ranks_end: Connection) -> NoReturn:
                 running.add(pid)
                 conn.send_bytes(json.dumps({"started": pid}).encode())
             elif "reap" in message:
-                os.waitpid(int(message["reap"]), 0)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(int(message["reap"]), 0)
             for pid in list(running):
                 ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
                 if ended is not None and ended.si_pid:  # kept a zombie until the rank asks to reap it

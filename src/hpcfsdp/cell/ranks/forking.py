@@ -18,6 +18,9 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
+# pyarrow's jemalloc (loaded by the data code on the GPU image) starts no background thread: with it
+# a rank that torchrun exec'd has two threads and may not fork its probe starter (H200, 2026-11-29).
+NO_ALLOCATOR_THREAD = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
 RANK_START_ENV = "HPCFSDP_RANK_START"  # `exec`: ranks and probes each a new interpreter (debugging); else forked
 # What a fresh interpreter's handlers are: Python's own for SIGINT, SIGPIPE and SIGXFSZ ignored, the rest default.
 FRESH_HANDLERS: dict[int, Any] = {

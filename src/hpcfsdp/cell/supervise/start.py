@@ -5,7 +5,8 @@ fork would not be safe (a thread in this process, CUDA initialised in it) or whe
 asks for it (HPCFSDP_RANK_START=exec, for debugging), a new interpreter running
 `python -m hpcfsdp run --cell-dir`, as every rank started before the fork.
 
-A forked rank starts as that command would: a session of its own, the signal handlers of a fresh
+A forked rank starts as that command would (ranks/forking.py, which a rank's probe starter uses
+too, and which says when a fork is refused): a session of its own, the signal handlers of a fresh
 interpreter, its environment (layout.rank_environment) in os.environ, torch's threads from its
 OMP_NUM_THREADS (which libgomp read once, when the supervisor imported torch), stdout and stderr
 the supervisor's; then it runs `python -m hpcfsdp` itself (runpy: the command's own __main__, the
@@ -24,7 +25,7 @@ from typing import Literal, NoReturn
 
 from ...contracts.files import read_json_object
 from ...contracts.record import SPEC_NAME
-from ..ranks.forking import fork_into, leave_after, start_fresh
+from ..ranks.forking import NO_ALLOCATOR_THREAD, fork_into, leave_after, start_fresh
 
 HELD = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # blocked across the fork: no supervisor handler runs in a rank
 
@@ -34,12 +35,8 @@ Start = Literal["fork", "exec"]
 # Set while the ranks' code is imported: a torch.cuda.is_available() asks NVML, not the driver (which
 # a fork must not carry); libgomp, loaded with torch, starts no pool of threads (with more than one,
 # torch's import runs a parallel region: 2 threads on the CPU machine), each rank sets its own;
-# pyarrow's jemalloc (loaded by the data code on the GPU image) starts no background thread.
-IMPORTING_ENV = {
-    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-    "OMP_NUM_THREADS": "1",
-    "JE_ARROW_MALLOC_CONF": "background_thread:false",
-}
+# pyarrow's jemalloc starts no background thread (forking.NO_ALLOCATOR_THREAD).
+IMPORTING_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", **NO_ALLOCATOR_THREAD}
 
 
 def warm_imports(cell_dir: Path) -> None:
