@@ -5,6 +5,8 @@ in every probe (and cell) above a per-device batch of N."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,34 @@ def test_a_probe_ended_for_its_peers_failure_after_writing_that_it_ran_out_of_me
 
     silent = probe(tmp_path / "0-rank0.json", writes=False)
     assert _result_if_written(silent, tmp_path / "0-rank0.json") is None and silent.returncode is not None
+
+
+@pytest.mark.parametrize(("start", "max_batch"), [("fork", 2), ("exec", 1)])
+def test_probes_are_forked_by_the_ranks_probe_starter_or_started_by_exec_when_asked(
+    tmp_path, monkeypatch, start, max_batch
+):
+    """The rank forks its probe starter before its process group forms; the starter forks each
+    probe (no imports paid), and ends with the rank. HPCFSDP_RANK_START=exec starts each probe as a
+    new interpreter of the rank's, as before, and the log says why."""
+    monkeypatch.setenv("HPCFSDP_RANK_START", start)
+    record, proc = torchrun_cell(
+        tmp_path, 1, strategy="ddp", batch_size="auto", max_batch_size=max_batch, comm_profile_steps=0
+    )
+    assert record["status"] == "ok", record.get("error")
+    assert [p["status"] for p in record["batch_search"]["probes"]] == ["ok"] * max_batch
+    cell = tmp_path / "results" / "t" / "cells" / record["cell_id"]
+    parents = {json.loads(path.read_text())["parent_pid"] for path in (cell / "batch_search").glob("*-rank0.json")}
+    if start == "fork":
+        said = re.search(
+            r"probe processes forked by the probe starter \(pid (\d+)\) of this rank \(pid (\d+)\)", proc.stdout
+        )
+        assert said, proc.stdout[-3000:]
+        starter, rank = int(said[1]), int(said[2])
+        assert parents == {starter} != {rank}  # both probes, from the one starter
+        assert not Path(f"/proc/{starter}").exists()  # the rank ended it with the search, and reaped it
+    else:
+        said = re.search(
+            r"probe processes started by exec from this rank \(pid (\d+)\): HPCFSDP_RANK_START=exec", proc.stdout
+        )
+        assert said, proc.stdout[-3000:]
+        assert parents == {int(said[1])}

@@ -179,7 +179,11 @@ def print_json(document: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
+    from .cell.ranks.forking import NO_ALLOCATOR_THREAD
     from .cell.stopping import early_signals
+
+    for name, value in NO_ALLOCATOR_THREAD.items():  # before the imports: one thread, to fork the probe starter
+        os.environ.setdefault(name, value)
 
     with early_signals.held():  # from before torch is imported: a signal now still ends in a record
         status = _run_one_cell(args)

@@ -1,8 +1,10 @@
 """One probe of `batch_size: auto`, in processes of its own: `python -m hpcfsdp.cell.batch_probe RESULT`.
 
-Each rank of the cell starts one such process per probe (batch_search.py). The probe forms a
-process group of its own, builds the cell's model, strategy and optimizer at the probe's batch,
-trains `batch_probe_steps` steps of the one training loop, and writes what it saw to RESULT.
+Each rank of the cell starts one such process per probe (batch_search.py): forked by the rank's
+probe starter (probe_start.py), which pays no imports and calls `main`, or, where the rank may not
+fork, as that command. The probe forms a process group of its own, builds the cell's model,
+strategy and optimizer at the probe's batch, trains `batch_probe_steps` steps of the one training
+loop, and writes what it saw to RESULT.
 
 Why a process of its own: a rank that runs out of memory in the middle of a step leaves its peers
 waiting inside a collective, and under NCCL nothing in that process can free them (the
@@ -49,6 +51,7 @@ class ProbeResult(TypedDict):
     step_s: float  # median of the steps after the first; 0 when it did not train through
     error: str
     failed_at: float | None  # when (time.time()) it failed: the earliest failure is the cause, the rest follow it
+    parent_pid: int | None  # who started the probe process: the rank's probe starter, or the rank (probe_start.py)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -104,6 +107,7 @@ def main(result_path: Path) -> None:
         "step_s": step_s,
         "error": error,
         "failed_at": failed_at,
+        "parent_pid": os.getppid(),
     }
     write_json(result_path, result)
     if status != "ok":

@@ -14,9 +14,10 @@ with the batch), else the midpoint; a wrong guess only narrows the gap like a mi
 a right one saves the probes that halving would spend. The limit is the device memory free when
 the search starts, less `batch_margin` of it; on a CPU there is none, and the midpoint is used.
 
-A probe runs in processes of its own, one per rank (batch_probe.py), with a process group of
-their own: a rank that runs out of memory mid-step leaves its peers inside a collective that,
-under NCCL, nothing in their process could end. Here, each rank waits for its probe process and
+A probe runs in processes of its own, one per rank (batch_probe.py; forked by the rank's probe
+starter, probe_start.py, else a new interpreter), with a process group of their own: a rank that
+runs out of memory mid-step leaves its peers inside a collective that, under NCCL, nothing in
+their process could end. Here, each rank waits for its probe process and
 watches the cell's store: when one rank's probe fails, every rank ends its own probe process
 (SIGKILL; the driver frees its memory), and the cell's processes, which never entered the
 probe's collectives, agree on the outcome over a gloo group and go on to the next probe. A probe
@@ -33,8 +34,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -51,6 +50,7 @@ from ..contracts.record import BatchProbe, BatchSearchRecord
 from ..contracts.sources import Sources
 from ..contracts.spec import RunSpec
 from .batch_probe import PROBE_SPEC_ENV, ProbeOutcome, ProbeResult
+from .probe_start import ProbeProcess, close_probe_starter, how_probes_start, start_probe
 from .ranks.distributed import DistEnv
 from .ranks.ports import free_port
 
@@ -215,12 +215,18 @@ def search_batch_size(
         log(f"starting at the predicted batch {search.predicted_batch}")
     folder = cell_dir / PROBE_FOLDER
     make_folders(folder)
+    log(f"probe processes {how_probes_start()}")
     predicted = search.predicted_batch is not None
-    while (batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib, predicted)) is not None:
-        probe = _probe(spec, sources, env, folder, len(search.probes), batch, search.limit_gib, group)
-        search.probes.append(probe)
-        speed = f", {probe.tokens_per_s_per_gpu:,.0f} tokens/s/gpu" if probe.tokens_per_s_per_gpu else ""
-        log(f"batch {batch}: {probe.status} (peak {probe.peak_memory_gib:.2f} GiB{speed}, {probe.wall_s:.1f} s)")
+    try:
+        while (
+            batch := next_batch(search.probes, search.first_batch, search.cap, search.limit_gib, predicted)
+        ) is not None:
+            probe = _probe(spec, sources, env, folder, len(search.probes), batch, search.limit_gib, group)
+            search.probes.append(probe)
+            speed = f", {probe.tokens_per_s_per_gpu:,.0f} tokens/s/gpu" if probe.tokens_per_s_per_gpu else ""
+            log(f"batch {batch}: {probe.status} (peak {probe.peak_memory_gib:.2f} GiB{speed}, {probe.wall_s:.1f} s)")
+    finally:
+        close_probe_starter()
     search.wall_s = time.perf_counter() - started
     dist.destroy_process_group(group)
     fitting = search.largest_fitting_batch
@@ -297,9 +303,7 @@ def _run_probe_process(
     }
     deadline = time.monotonic() + spec.init_timeout_s + spec.batch_probe_steps * spec.train_timeout_s
     failed_key, done_keys = f"{key}/failed", [f"{key}/done/{rank}" for rank in range(env.world_size)]
-    child = subprocess.Popen(
-        [sys.executable, "-m", "hpcfsdp.cell.batch_probe", str(path)], env=child_env, start_new_session=True
-    )
+    child = start_probe(path, child_env)
     result: ProbeResult | None = None
     try:
         while (code := child.poll()) is None and not store.check([failed_key]) and time.monotonic() < deadline:
@@ -328,21 +332,21 @@ def _deadline_text(spec: RunSpec) -> str:
     return f"init_timeout_s {spec.init_timeout_s:g} + {steps}"
 
 
-def _end(child: subprocess.Popen) -> None:
+def _end(child: ProbeProcess) -> None:
     if child.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # its session: compile workers too
     child.wait()
 
 
-def _result_if_written(child: subprocess.Popen, path: Path) -> ProbeResult | None:
+def _result_if_written(child: ProbeProcess, path: Path) -> ProbeResult | None:
     """End a probe process for a peer's failure; what it wrote of its own outcome, if it had.
     A probe that ran out of memory writes its result and then leaves; its peer's probe, seeing the
     connection close, fails too and may be recorded first. Ended between its write and its end,
     the probe that ran out of memory still says so (under load, 2026-11-27: the probe was taken
     for the peer's "Connection closed by peer" error, and the cell ended instead of searching on)."""
     _end(child)
-    return _read_result(path, child.returncode) if path.exists() else None
+    return _read_result(path, child.wait()) if path.exists() else None
 
 
 def _read_result(path: Path, code: int) -> ProbeResult:
@@ -361,6 +365,7 @@ def _error_result(error: str, status: ProbeOutcome = "error") -> ProbeResult:
         "step_s": 0.0,
         "error": error,
         "failed_at": time.time(),
+        "parent_pid": None,
     }
 
 

@@ -59,6 +59,7 @@ from .measure.phases import PhaseClock
 from .measure.provenance import launch_id, launch_rank, provenance
 from .measure.steps import ProgressFile, print_step
 from .measure.summary import summary_line
+from .probe_start import open_probe_starter
 from .profiling import memory_snapshot, profile_communication, write_trace
 from .ranks.distributed import DistEnv, StartupError, init_distributed, set_collective_timeout, shutdown
 from .ranks.resources import Seen, gather, node_name
@@ -138,6 +139,8 @@ def run_cell(
     end_with_launcher(LAUNCHER_GONE)
     node = node_name()
     path = cell_dir / RECORD_NAME
+    if spec.auto_batch and BATCH_FOUND_KEY not in (batch_hints or {}):
+        open_probe_starter()  # before the process group's threads: the probes are forked from a copy of this rank
     try:
         env = init_distributed(spec.device, spec.init_timeout_s)
     except Exception as exc:  # a device another process holds, a rendezvous that failed: one line, recorded

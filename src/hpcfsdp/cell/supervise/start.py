@@ -5,7 +5,8 @@ fork would not be safe (a thread in this process, CUDA initialised in it) or whe
 asks for it (HPCFSDP_RANK_START=exec, for debugging), a new interpreter running
 `python -m hpcfsdp run --cell-dir`, as every rank started before the fork.
 
-A forked rank starts as that command would: a session of its own, the signal handlers of a fresh
+A forked rank starts as that command would (ranks/forking.py, which a rank's probe starter uses
+too, and which says when a fork is refused): a session of its own, the signal handlers of a fresh
 interpreter, its environment (layout.rank_environment) in os.environ, torch's threads from its
 OMP_NUM_THREADS (which libgomp read once, when the supervisor imported torch), stdout and stderr
 the supervisor's; then it runs `python -m hpcfsdp` itself (runpy: the command's own __main__, the
@@ -19,22 +20,14 @@ import os
 import runpy
 import signal
 import sys
-import traceback
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Literal, NoReturn
 
 from ...contracts.files import read_json_object
 from ...contracts.record import SPEC_NAME
+from ..ranks.forking import NO_ALLOCATOR_THREAD, fork_into, leave_after, start_fresh
 
-RANK_START_ENV = "HPCFSDP_RANK_START"  # `exec`: every rank a new interpreter (debugging); else forked
 HELD = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)  # blocked across the fork: no supervisor handler runs in a rank
-# What a fresh interpreter's handlers are: Python's own for SIGINT, SIGPIPE and SIGXFSZ ignored, the rest default.
-FRESH_HANDLERS: dict[int, Any] = {
-    signal.SIGINT: signal.default_int_handler,
-    signal.SIGPIPE: signal.SIG_IGN,
-    signal.SIGXFSZ: signal.SIG_IGN,
-}
 
 Start = Literal["fork", "exec"]
 _PRIVATE_FDS: set[int] = set()  # this process's descriptors that a forked rank closes (keep_from_ranks)
@@ -43,12 +36,8 @@ _PRIVATE_FDS: set[int] = set()  # this process's descriptors that a forked rank 
 # Set while the ranks' code is imported: a torch.cuda.is_available() asks NVML, not the driver (which
 # a fork must not carry); libgomp, loaded with torch, starts no pool of threads (with more than one,
 # torch's import runs a parallel region: 2 threads on the CPU machine), each rank sets its own;
-# pyarrow's jemalloc (loaded by the data code on the GPU image) starts no background thread.
-IMPORTING_ENV = {
-    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
-    "OMP_NUM_THREADS": "1",
-    "JE_ARROW_MALLOC_CONF": "background_thread:false",
-}
+# pyarrow's jemalloc starts no background thread (forking.NO_ALLOCATOR_THREAD).
+IMPORTING_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", **NO_ALLOCATOR_THREAD}
 
 
 def warm_imports(cell_dir: Path) -> None:
@@ -77,26 +66,6 @@ def warm_imports(cell_dir: Path) -> None:
                 os.environ[name] = value
 
 
-def fork_refusal(environ: Mapping[str, str]) -> str:
-    """Why this process starts its ranks by exec rather than fork; "" when it forks them."""
-    if environ.get(RANK_START_ENV, "fork") == "exec":
-        return f"{RANK_START_ENV}=exec"
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    if threads > 1:
-        return f"{threads} threads in the supervisor's process"
-    if cuda_initialised():
-        return "CUDA is initialised in the supervisor's process"
-    return ""
-
-
-def cuda_initialised() -> bool:
-    """Whether torch initialised CUDA in this process, whose state a forked child cannot use. The
-    driver library being mapped is not that: the GPU image's torch 2.11 maps libcuda.so at import
-    (bench/fork_threads.py), and a fork before cuInit is safe, as torch's own fork check says."""
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
-
-
 def keep_from_ranks(fd: int) -> None:
     """Close fd in every rank this process forks from now on (a fork copies every descriptor; an
     exec'd rank gets none of this process's, which are not inheritable)."""
@@ -109,64 +78,18 @@ def start_rank(how: Start, cell_dir: Path, env: dict[str, str]) -> int:
         command = [sys.executable, "-m", "hpcfsdp", "run", "--cell-dir", str(cell_dir)]
         # as subprocess.Popen(start_new_session=True) started it: SIGPIPE and SIGXFSZ back to default
         return os.posix_spawn(sys.executable, command, env, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
-    sys.stdout.flush()  # what this process buffered is not printed again by the rank
-    sys.stderr.flush()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
-    try:
-        pid = os.fork()
-        if pid == 0:
-            _forked_rank(cell_dir, env)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return pid
+    return fork_into(lambda: _forked_rank(cell_dir, env), HELD)
 
 
 def _forked_rank(cell_dir: Path, env: dict[str, str]) -> NoReturn:
     """The rank, in the forked child: as `python -m hpcfsdp run --cell-dir` would start; SIGTERM and
     SIGUSR2 stay blocked until `run` holds them itself (early_signals), as from its first line."""
-    status = 1
-    try:
-        os.setsid()
+
+    def run() -> None:
         for fd in _PRIVATE_FDS:
             os.close(fd)
-        for signum in signal.valid_signals():
-            _fresh_handler(signum)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        os.environ.clear()
-        os.environ.update(env)
-        threads = env.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            import torch
-
-            torch.set_num_threads(int(threads))
+        start_fresh(env, unblock={signal.SIGINT})
         sys.argv = [sys.argv[0], "run", "--cell-dir", str(cell_dir)]
         runpy.run_module("hpcfsdp", run_name="__main__", alter_sys=True)
-        status = 0
-    except SystemExit as exc:
-        status = _exit_status(exc.code)
-    except BaseException:  # what the interpreter would print before exiting 1
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
 
-
-def _fresh_handler(signum: int) -> None:
-    """Put back the handler a new interpreter has for signum (the supervisor's and submitit's go)."""
-    fresh = FRESH_HANDLERS.get(signum, signal.SIG_DFL)
-    try:
-        if signal.getsignal(signum) not in (None, fresh):
-            signal.signal(signum, fresh)
-    except (OSError, ValueError):  # SIGKILL, SIGSTOP, and the numbers glibc keeps for itself
-        pass
-
-
-def _exit_status(code: object) -> int:
-    """The exit status SystemExit(code) gives an interpreter (its message printed as it prints it)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
+    leave_after(run)

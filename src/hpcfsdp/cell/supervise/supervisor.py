@@ -19,13 +19,14 @@ from pathlib import Path
 from types import FrameType
 
 from ...contracts.spec import RunSpec
+from ..ranks.forking import fork_refusal
 from ..stopping.heartbeats import own_output_tail
 from ..stopping.requeue import requeued_too_often
 from ..stopping.signals import SUPERVISOR_REQUEUES_ENV, signal_outcome, submitit_requeues
 from .cgroup import oom_kills
 from .ending import cell_status, launch_record, node_here, write_ending, write_rank_ending
 from .layout import NodeLayout
-from .start import fork_refusal, start_rank, warm_imports
+from .start import start_rank, warm_imports
 from .watch import Ending, RankProcess, exit_ending, live_ending
 
 POLL_S = 0.2  # how often each rank's process is looked at
@@ -91,14 +92,14 @@ class Supervisor:
         """Fork the node's ranks once this process has imported their code (start.py); by exec where
         it may not fork, saying why."""
         started = time.time()
-        refused = fork_refusal(os.environ)
+        refused = fork_refusal(os.environ, "the supervisor's process")
         if not refused:
             try:
                 warm_imports(self.cell_dir)
             except Exception as exc:  # a broken install: each rank meets it, and its exit is recorded
                 refused = f"the ranks' imports failed here: {type(exc).__name__}: {exc}"
             else:
-                refused = fork_refusal(os.environ)  # the imports started a thread, or CUDA
+                refused = fork_refusal(os.environ, "the supervisor's process")  # the imports started a thread, or CUDA
         if self.signalled is not None or self.requeuing:  # it came while importing: no rank to start
             return
         node = node_here()
