@@ -195,6 +195,27 @@ def test_a_probe_ended_for_its_peers_failure_after_writing_that_it_ran_out_of_me
     assert _result_if_written(silent, tmp_path / "0-rank0.json") is None and silent.returncode is not None
 
 
+def test_a_lone_rank_forked_by_its_supervisor_forks_its_probes_though_torch_runs_two_threads_there(
+    tmp_path, monkeypatch
+):
+    """A rank forked by its supervisor sets torch's threads (OMP_NUM_THREADS, here the user's 2)
+    only after it forked its probe starter: torch starts them at once, and a process with threads
+    is refused the fork. Before: the lone rank's probes were exec'd ("2 threads in the rank's process")."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("HPCFSDP_RANK_START", raising=False)
+    jobs = tmp_path / "lone.yaml"
+    jobs.write_text(
+        "name: lone\nbase: {model: tiny, device: cpu, precision: fp32, seq_len: 32, steps: 3, gpus_per_node: 1,\n"
+        "       strategy: ddp, batch_size: auto, max_batch_size: 2, comm_profile_steps: 0}\n"
+    )
+    assert main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)]) == 0
+    (cell,) = (tmp_path / "lone" / "cells").iterdir()
+    record = json.loads((cell / "result.json").read_text())
+    assert record["status"] == "ok" and record["environment"]["OMP_NUM_THREADS"] == "2", record.get("error")
+    log = (cell / "log.txt").read_text()
+    assert "rank(s) forked after" in log and "probe processes forked by the probe starter" in log, log[-3000:]
+
+
 @pytest.mark.parametrize(("start", "max_batch"), [("fork", 2), ("exec", 1)])
 def test_probes_are_forked_by_the_ranks_probe_starter_or_started_by_exec_when_asked(
     tmp_path, monkeypatch, start, max_batch

@@ -62,6 +62,7 @@ from .measure.summary import summary_line
 from .probe_start import open_probe_starter
 from .profiling import memory_snapshot, profile_communication, write_trace
 from .ranks.distributed import DistEnv, StartupError, init_distributed, set_collective_timeout, shutdown
+from .ranks.forking import set_torch_threads
 from .ranks.resources import Seen, gather, node_name
 from .stopping import early_signals
 from .stopping.faults import inject_fault
@@ -141,6 +142,7 @@ def run_cell(
     path = cell_dir / RECORD_NAME
     if spec.auto_batch and BATCH_FOUND_KEY not in (batch_hints or {}):
         open_probe_starter()  # before the process group's threads: the probes are forked from a copy of this rank
+    set_torch_threads()  # a rank forked by its supervisor starts torch's threads only now, after its probe starter
     try:
         env = init_distributed(spec.device, spec.init_timeout_s)
     except Exception as exc:  # a device another process holds, a rendezvous that failed: one line, recorded

@@ -68,11 +68,12 @@ def fork_into(child: Callable[[], NoReturn], held: Iterable[int] = ()) -> int:
     return pid
 
 
-def start_fresh(env: Mapping[str, str], unblock: set[int] | None = None) -> None:
+def start_fresh(env: Mapping[str, str], unblock: set[int] | None = None, threads: bool = True) -> None:
     """In a forked child: become what a new interpreter started with `env` and
     start_new_session=True would be: a session of its own, a fresh interpreter's signal handlers,
     `env` as os.environ, torch's threads from its OMP_NUM_THREADS (libgomp read the variable once,
-    when the parent imported torch). `unblock`: the signals to unblock; None: every one."""
+    when the parent imported torch; `threads` False: later, by set_torch_threads, for a child that
+    may fork again first: torch starts its pool at once). `unblock`: the signals to unblock; None: every one."""
     os.setsid()
     for signum in signal.valid_signals():
         _fresh_handler(signum)
@@ -82,7 +83,15 @@ def start_fresh(env: Mapping[str, str], unblock: set[int] | None = None) -> None
         signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
     os.environ.clear()
     os.environ.update(env)
-    threads = env.get("OMP_NUM_THREADS", "")
+    if threads:
+        set_torch_threads()
+
+
+def set_torch_threads() -> None:
+    """torch's intra-op threads from this process's OMP_NUM_THREADS (where torch is imported): what a
+    new interpreter gets from libgomp at import. torch starts the threads here, so a process that
+    forks after this point is refused (fork_refusal)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
 
