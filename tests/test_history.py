@@ -25,6 +25,7 @@ from hpcfsdp.cli import main
 from hpcfsdp.contracts.record import write_record
 from hpcfsdp.contracts.spec import RunSpec
 from hpcfsdp.results import defaults, references, regressions
+from hpcfsdp.results import history as history_store
 from hpcfsdp.results.history_rows import history_rows, setup_fields, setup_key, spec_values
 from hpcfsdp.results.read import Collection
 from hpcfsdp.sweep.define.matrix import cell_id
@@ -417,6 +418,22 @@ def test_the_history_is_written_for_duckdb_1_1_also_over_one_duckdb_2_wrote_in_i
         )
         assert keys.fetchall() == [(["sweep_dir", "cell_id", "attempt"],)]
     assert not list(results.glob(".history.duckdb*")) and "History: 1 new row(s)" in capsys.readouterr().out
+
+
+def test_a_history_already_in_storage_version_64_is_updated_without_being_written_anew(results, monkeypatch):
+    """Every collect leaves the history at 64; the next one updates it as it is: writing the whole
+    database anew was 0.3 s of every collect of 10,000 records (issue 54)."""
+    history = results / "history.duckdb"
+    assert storage_version_number(history) == 64
+
+    def written_anew(copy: Path) -> None:
+        raise AssertionError(f"{copy}: written anew")
+
+    monkeypatch.setattr(history_store, "_rewrite_at_storage_version", written_anew)
+    assert collect(write_sweep(results, "nightly-3", 3, {"a": 1000})) == 0
+    assert storage_version_number(history) == 64
+    with duckdb.connect(str(history), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM runs").fetchone() == (13,)
 
 
 def lowest_pinned_duckdb() -> str:

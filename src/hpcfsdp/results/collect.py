@@ -179,7 +179,8 @@ def resource_warnings(frame: Any) -> list[str]:
     """A line for each cell whose record says it ran on other resources than it asked for."""
     if "resource_problems" not in frame:
         return []
-    lines = (resources_line(cell, problems) for cell, problems in zip(frame["cell_id"], frame["resource_problems"]))
+    cells, problems = frame["cell_id"].tolist(), frame["resource_problems"].tolist()
+    lines = (resources_line(cell, problem) for cell, problem in zip(cells, problems, strict=True))
     return [line for line in lines if line]
 
 

@@ -36,6 +36,7 @@ TABLE = "runs"
 # every later one open it (DuckDB 2.0 writes by default a format that 1.5 and older cannot read).
 # The file's header then says storage version 64. docs/history.md; pyproject pins the writers tested.
 STORAGE_VERSION = "v1.1.0"
+STORAGE_VERSION_NUMBER = 64  # what the header of a file in STORAGE_VERSION's format says (DuckDB 1.0 to 1.4 write it)
 
 
 class HistoryError(UserError, RuntimeError):
@@ -248,7 +249,8 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
         try:
             if current is not None:
                 _copy_from(current, fd)
-                _rewrite_at_storage_version(scratch)
+                if _storage_version_number(fd) != STORAGE_VERSION_NUMBER:  # a file any collect wrote is
+                    _rewrite_at_storage_version(scratch)
             else:  # DuckDB makes its file where none is (an empty one is no database to it)
                 removed_in(parent, name)
             with History(scratch) as store:
@@ -293,6 +295,14 @@ def _rewrite_at_storage_version(copy: Path) -> None:
     finally:
         con.close()
     os.replace(fresh, copy)
+
+
+def _storage_version_number(fd: int) -> int:
+    """The storage version a DuckDB file's header names: after its magic (DUCKDB_MAGIC), a
+    little-endian 64-bit integer. Read from the open file: a second open and close of the history
+    in this process would drop DuckDB's lock on it (_duckdb_lock)."""
+    offset, magic = DUCKDB_MAGIC
+    return int.from_bytes(os.pread(fd, 8, offset + len(magic)), "little")
 
 
 def _rewritten(copy: Path) -> Path:

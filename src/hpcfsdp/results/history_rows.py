@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..contracts.fields import told_apart
+from ..contracts.fields import one_value, told_apart
 from ..contracts.files import garbage_collection_paused
 from ..contracts.record import ACCOUNTING_KEY
 from ..contracts.recordspec import MEASUREMENT_FIELDS
@@ -130,6 +130,11 @@ def _canonical_columns(names: list[str], plain: list[list[Any]]) -> tuple[list[s
     fields' texts joined in sorted order. Returns (specs, setups)."""
     spec_parts, setup_parts = [], []
     for name, values in sorted(zip(names, plain, strict=True), key=lambda pair: pair[0]):
+        if one_value(values):  # most fields: one value in every row
+            spec, setup = _field_texts(name, values[0])
+            spec_parts.append([spec] * len(values))
+            setup_parts.append([setup] * len(values))
+            continue
         keys = told_apart(values)
         try:  # each distinct value spelt once, then every row's text looked up (in C)
             spelt = {key: _field_texts(name, key[1]) for key in dict.fromkeys(keys)}
@@ -229,7 +234,7 @@ def accounting_jobs(frame: pd.DataFrame) -> dict[str, str]:
     known = frame.reindex(columns=[f"{ACCOUNTING_KEY}.state"]).iloc[:, 0].map(pd.notna)
     return {
         cell_id: job
-        for cell_id, job, has in zip(frame["cell_id"], slurm_jobs(frame), known, strict=True)
+        for cell_id, job, has in zip(frame["cell_id"].tolist(), slurm_jobs(frame), known.tolist(), strict=True)
         if job and not has
     }
 
@@ -268,13 +273,17 @@ def _history_rows(collection: Collection, sweep_dir: Path) -> pd.DataFrame:
     rows["sweep_dir"] = str(Path(sweep_dir).resolve())
     rows["cell_id"] = frame["cell_id"]
     rows["attempt"] = [
-        attempt_of(launch, started) for launch, started in zip(column("launch_id"), column("started_at"), strict=True)
+        attempt_of(launch, started)
+        for launch, started in zip(column("launch_id").tolist(), column("started_at").tolist(), strict=True)
     ]
     rows["sweep"] = column("sweep")
     rows["setup"] = [setups.get(text) or setups.setdefault(text, _setup_key(text)) for text in fields]
     rows["setup_fields"] = fields
     rows["spec"] = specs
-    rows["cluster"] = [system_of(c, h) for c, h in zip(column("slurm.cluster_name"), column("hostnames"), strict=True)]
+    rows["cluster"] = [
+        system_of(c, h)
+        for c, h in zip(column("slurm.cluster_name").tolist(), column("hostnames").tolist(), strict=True)
+    ]
     rows["gpu"] = column("device_name")
     rows["hostnames"] = column("hostnames").map(lambda hs: ",".join(map(str, hs)) if isinstance(hs, list) else None)
     rows["started_at"] = pd.to_datetime(pd.to_numeric(column("started_at"), errors="coerce"), unit="s")

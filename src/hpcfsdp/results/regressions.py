@@ -18,6 +18,7 @@ deltas, regressions beyond a threshold, and the run-to-run noise that bounds it.
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..sweep.folder.layout import planned_cell_ids
 from .defaults import DEFAULT_TOLERANCE
 from .history import HistoryError, updated_history
 from .history_rows import KEY, history_rows
-from .read import INVALID_OUTCOME, METRICS, Collection, load_records, outcomes, value_text
+from .read import INVALID_OUTCOME, METRICS, Collection, frame_rows, load_records, outcomes, value_text
 from .references import Reference, References
 from .render import Section, to_markdown
 from .report import ROW_LIMIT, report_folder
@@ -116,7 +117,8 @@ def check(rows: pd.DataFrame, earlier: pd.DataFrame | None, references: Referenc
         "history_runs",
         "invalid_reasons",
     ]
-    records: list[Any] = list(rows[needed].itertuples(index=False))  # one named tuple per history row
+    row_of = namedtuple("Row", needed)  # type: ignore[misc]  # one named tuple per history row
+    records: list[Any] = [row_of._make(values) for values in frame_rows(rows[needed])]
     invalid = [row.cell_id for row in records if isinstance(row.invalid_reasons, str)]
     for row in records:
         if isinstance(row.invalid_reasons, str):

@@ -36,7 +36,7 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from ..contracts.files import atomic_output, garbage_collection_paused, read_regular_file
 from ..recordschema import declared_type
-from .read import SPLIT_MIN_RECORDS
+from .read import SPLIT_MIN_RECORDS, frame_rows
 
 MAX_FIGURE_BYTES = 64 << 20  # a figure of the report is some 100 KB; more is no figure hpcfsdp drew
 
@@ -116,7 +116,7 @@ def _html_table(table: pd.DataFrame) -> str:
 
 def _rows(table: pd.DataFrame) -> list[list]:
     """Header then data rows, with a blank for a missing value (None, or NaN: the value unequal to itself)."""
-    blanked = ([("" if v is None or v != v else v) for v in row] for row in table.itertuples(index=False))
+    blanked = ([("" if v is None or v != v else v) for v in row] for row in frame_rows(table))
     return [list(table.columns), *blanked]
 
 

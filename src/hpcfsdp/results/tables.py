@@ -17,7 +17,7 @@ from ..contracts.record import (
     STATUSES,
 )
 from ..contracts.recordspec import knob_applies
-from .read import INVALID, MARK, SHORT, SPREAD, Cells, describe, marked, value_text
+from .read import INVALID, MARK, SHORT, SPREAD, Cells, describe, frame_rows, marked, value_text
 from .render import markdown_table
 
 METRIC_NAMES = {"tokens_per_s_per_gpu": "tokens/s/gpu", "mfu": "MFU", "peak_memory_gib": "peak GiB"}
@@ -62,13 +62,14 @@ def comparison_table(frame: pd.DataFrame, spec_fields: tuple[str, ...]) -> pd.Da
     if frame.empty:
         return pd.DataFrame(columns=headers)
     ranked = _ranked(frame)
+    strategies = ranked["strategy"].tolist()
     columns = {"strategy": ranked["strategy"].map(value_text)}
     columns.update(
         {
             SHORT.get(f, f): pd.Series(
                 [
                     value_text(v) if knob_applies(f, s) else ""
-                    for v, s in zip(ranked[f], ranked["strategy"], strict=True)
+                    for v, s in zip(ranked[f].tolist(), strategies, strict=True)
                 ],
                 index=ranked.index,
             )
@@ -114,7 +115,7 @@ def _outcome(frame: pd.DataFrame) -> pd.Series:
 def frame_rank_words(frame: pd.DataFrame) -> RankWords:
     """GPU words, or process words where every record's device_type says cpu (cells without a
     record aside): what the tables and the report call a rank of these cells."""
-    return rank_words(frame.get("device_type", ()))
+    return rank_words(frame["device_type"].tolist() if "device_type" in frame else ())
 
 
 def metric_name(metric: str, frame: pd.DataFrame) -> str:
@@ -360,7 +361,7 @@ def slurm_jobs(frame: pd.DataFrame) -> list[str | None]:
     for an array task), from the frame's dotted columns."""
     ids = frame.reindex(columns=list(SLURM_ID_COLUMNS))
     keys = ("job_id", "array_job_id", "array_task_id")
-    return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in ids.itertuples(index=False)]
+    return [slurm_job_of(dict(zip(keys, row, strict=True))) for row in frame_rows(ids)]
 
 
 def first_line(error: Any, limit: int = 160) -> str:
