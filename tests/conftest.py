@@ -94,6 +94,28 @@ def torchrun_cell(tmp_path: Path, nprocs: int, **fields) -> tuple[dict, subproce
     return json.loads(records[-1].read_text()), proc
 
 
+def local_cells(tmp_path: Path, cells: dict[str, dict]) -> dict[str, dict]:
+    """Train these cells (name -> RunSpec fields over TINY_CPU; gpus_per_node and nodes give the
+    ranks) in ONE `hpcfsdp submit --executor local`: a supervisor per cell that forks its ranks,
+    not torchrun and a Python per rank as run_torchrun_cell starts (each imports torch). Their
+    records by name, a failed cell's included: the caller asserts each one's status."""
+    import yaml
+
+    from hpcfsdp.cli import main
+    from hpcfsdp.sweep.define.matrix import parse_sweep
+
+    jobs = tmp_path / "cells.yaml"
+    jobs.write_text(yaml.safe_dump({"name": "cells", "base": TINY_CPU, "include": list(cells.values())}))
+    main(["submit", str(jobs), "--executor", "local", "--results-dir", str(tmp_path)])
+    records = {}
+    for name, fields in cells.items():
+        (cell,) = parse_sweep({"base": TINY_CPU, "include": [fields]}).cells
+        path = tmp_path / "cells" / "cells" / cell.id / "result.json"
+        assert path.is_file(), f"{name}: no record in {path.parent}"
+        records[name] = json.loads(path.read_text())
+    return records
+
+
 def slurm(*args: str) -> str:
     """A Slurm client command (sbatch, squeue, sacct, scontrol, ...): its output; it must succeed
     (a failure names the command and its stderr)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_torchrun_cell
+from conftest import local_cells, run_torchrun_cell
 from hpcfsdp.cell.levers import install_loss, require
 from hpcfsdp.cell.models import build_model, resolve_model
 from hpcfsdp.cell.strategies import apply_activation_checkpointing
@@ -153,23 +153,34 @@ def test_a_cce_variant_the_installed_release_lacks_is_one_line_naming_the_releas
     assert "pip install 'cut-cross-entropy @ https://github.com/apple/ml-cross-entropy/" in message
 
 
+ZERO2 = {"strategy": "fsdp2_zero2", "gpus_per_node": 2, "record_param_norm": True}
+
+
 @pytest.fixture(scope="module")
-def zero2_default(tmp_path_factory):
-    return run_torchrun_cell(tmp_path_factory.mktemp("zero2"), 2, strategy="fsdp2_zero2", record_param_norm=True)
-
-
-def test_op_checkpointing_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
-    record = run_torchrun_cell(
-        tmp_path, 2, strategy="fsdp2_zero2", activation_checkpointing="op", record_param_norm=True
+def trained(tmp_path_factory) -> dict[str, dict]:
+    """The defaults and each lever that runs on the CPU, trained once in one local submit: whichever
+    test runs first pays for all of them."""
+    return local_cells(
+        tmp_path_factory.mktemp("levers"),
+        {
+            "default": ZERO2,
+            "op": {**ZERO2, "activation_checkpointing": "op"},
+            "cce": {**ZERO2, "loss": "cce"},
+            "compiled": {**ZERO2, "loss": "compiled"},
+        },
     )
+
+
+def test_op_checkpointing_trains_the_same_model_under_fsdp2_and_is_recorded(trained):
+    record = trained["op"]
     assert record["spec"]["activation_checkpointing"] == "op"
-    assert_same_training(zero2_default, record)
+    assert_same_training(trained["default"], record)
 
 
-def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
+def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(trained):
     """The replaced forward still runs FSDP2's root hooks: the tied LM head is gathered for the
     loss and its gradient reduced, so the parameters end where the model's own loss takes them."""
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", loss="cce", record_param_norm=True)
+    zero2_default, record = trained["default"], trained["cce"]
     assert record["spec"]["loss"] == "cce"
     assert (record["spec"]["attention"], record["spec"]["float8"]) == ("sdpa", "none")
     assert "float8_linears" not in record
@@ -177,10 +188,10 @@ def test_cut_cross_entropy_trains_the_same_model_under_fsdp2_and_is_recorded(tmp
     assert zero2_default["losses"][0] != zero2_default["losses"][-1]
 
 
-def test_the_compiled_loss_trains_the_same_model_under_fsdp2_and_is_recorded(tmp_path, zero2_default):
-    record = run_torchrun_cell(tmp_path, 2, strategy="fsdp2_zero2", loss="compiled", record_param_norm=True)
+def test_the_compiled_loss_trains_the_same_model_under_fsdp2_and_is_recorded(trained):
+    record = trained["compiled"]
     assert record["status"] == "ok" and record["spec"]["loss"] == "compiled"
-    assert_same_training(zero2_default, record)
+    assert_same_training(trained["default"], record)
 
 
 def test_a_gpu_lever_on_a_node_without_a_gpu_records_why(tmp_path):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_torchrun_cell
+from conftest import ROOT, local_cells
 from hpcfsdp.contracts.files import RecordError
 from hpcfsdp.contracts.record import read_record
 from hpcfsdp.recordschema import main, schema_text
@@ -25,13 +25,19 @@ def test_the_checked_in_record_schema_is_the_one_the_record_declarations_generat
 
 @pytest.fixture(scope="module")
 def real_records(tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("records")
+    """A real record of each ending: ok and diverged from one local submit, oom from another whose
+    cell gets an injected out-of-memory."""
+    two = {"gpus_per_node": 2, "steps": 3, "warmup_steps": 1}
+    records = local_cells(
+        tmp_path_factory.mktemp("records"),
+        {
+            "ok": {"strategy": "fsdp2_zero3", **two},
+            "diverged": {**two, "strategy": "ddp", "lr": 1.0e12, "steps": 6, "comm_profile_steps": 0},
+        },
+    )
     with pytest.MonkeyPatch.context() as env:
-        ok = run_torchrun_cell(tmp / "ok", 2, strategy="fsdp2_zero3", steps=3, warmup_steps=1)
         env.setenv("HPCFSDP_FAULT", "train_step:oom")
-        oom = run_torchrun_cell(tmp / "oom", 2, strategy="ddp", steps=3, warmup_steps=1)
-    diverged = run_torchrun_cell(tmp / "diverged", 2, strategy="ddp", lr=1.0e12, steps=6, comm_profile_steps=0)
-    return {"ok": ok, "oom": oom, "diverged": diverged}
+        return records | local_cells(tmp_path_factory.mktemp("oom"), {"oom": {"strategy": "ddp", **two}})
 
 
 def test_real_records_of_every_ending_validate_against_the_published_schema_and_bad_ones_do_not(real_records):
