@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hpcfsdp.results import plots
 from hpcfsdp.results.read import label_cells, load_records, ok_configs
 from hpcfsdp.results.report import write_report
 from hpcfsdp.results.tables import reference_cells
 from test_collect import CPU_BASE, GPU_BASE, ok_record, put, rows, section, spec_of
+
+# The scaling table's joins use no keyword pandas has deprecated (rsuffix warned on every collect).
+pytestmark = pytest.mark.filterwarnings("error::pandas.errors.Pandas4Warning")
 
 
 def test_a_sweep_at_one_two_and_four_gpus_reports_each_strategys_efficiency_against_one_gpu(tmp_path):

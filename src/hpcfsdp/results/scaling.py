@@ -59,7 +59,7 @@ def scaling_table(ok: pd.DataFrame) -> pd.DataFrame:
     own = at_base.loc[at_base.groupby([*keys, "strategy"], dropna=False)[RATE].idxmax()]
     own = own.set_index([*keys, "strategy"])[[RATE, *spread]]
     rows = rows.join(fastest.rename(columns=names), on=keys)
-    mine = rows.join(own.rename(columns=names), on=[*keys, "strategy"], rsuffix="_own")
+    mine = rows.join(own.rename(columns={c: f"{n}_own" for c, n in names.items()}), on=[*keys, "strategy"])
     for column in names.values():  # the strategy's own cell at the base count, where it ran there
         rows[column] = mine[f"{column}_own"].where(mine[f"{column}_own"].notna(), rows[column])
     rows[EFFICIENCY] = rows[RATE] / rows[BASE_RATE]
