@@ -115,7 +115,9 @@ def test_a_local_submits_supervisor_killed_mid_cell_leaves_that_cell_a_record_an
     records = [json.loads(path.read_text()) for path in results.glob("killed/cells/*/result.json")]
     by_steps = {record["spec"]["steps"]: record for record in records}
     killed, after = by_steps[100_000], by_steps[3]
-    assert killed["status"] == "error" and "its supervisor exited -9 without a record" in killed["error"], killed
+    # Whichever writes first: the rank, told by its parent-death signal, or the local executor.
+    said = {"cancelled": "the rank's launcher (the node's supervisor) is gone", "error": "its supervisor exited -9"}
+    assert killed["status"] in said and said[killed["status"]] in killed["error"], killed
     assert after["status"] == "ok", after.get("error")
     after_log = (results / "killed/cells" / after["cell_id"] / "log.txt").read_text()
     assert f"supervisor (pid {supervisor})" not in after_log and "supervisor (pid " in after_log

@@ -55,7 +55,15 @@ class PeerFailed(SignalEnding):
 # Linux's parent-death signal of a rank under torchrun (watchdog.end_with_launcher): not SIGTERM, which
 # would read as a cancel or the time limit, while this says the launcher died (SIGKILLed, its node lost).
 LAUNCHER_GONE = signal.SIGHUP
-LAUNCHER_GONE_TEXT = "received SIGHUP: the rank's launcher (torchrun) is gone"
+
+
+def launcher_gone_text() -> str:
+    """What a rank whose launcher died records: torchrun's (its workers carry TORCHELASTIC_RUN_ID),
+    else the node's supervisor (hpcfsdp's executors)."""
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "the node's supervisor"
+    return f"received SIGHUP: the rank's launcher ({launcher}) is gone"
+
+
 # Set by the node's supervisor in its ranks' environment while it requeues the task at the time
 # limit's SIGUSR2 (cell/supervise/supervisor.py): the rank leaves that signal to it.
 SUPERVISOR_REQUEUES_ENV = "HPCFSDP_SUPERVISOR_REQUEUES"
@@ -118,7 +126,7 @@ def handle_time_limit(blame: Callable[[str], PeerTrouble | None] | None = None) 
             return
         ended = True
         if signum == LAUNCHER_GONE:
-            raise CellCancelled(LAUNCHER_GONE_TEXT, "cancelled")
+            raise CellCancelled(launcher_gone_text(), "cancelled")
         if signum == signal.SIGTERM:
             if blame is not None and (peer := blame("error")) is not None:
                 raise PeerFailed(peer, LAUNCHERS_SIGTERM)
@@ -150,7 +158,7 @@ def signal_outcome(signum: int, requeue: bool) -> tuple[str, str] | None:
         return None  # not an ending: srun's SIGCONT before the SIGTERM that ends a step whose task died
     name = signal.Signals(signum).name
     if signum == LAUNCHER_GONE:
-        return "cancelled", LAUNCHER_GONE_TEXT
+        return "cancelled", launcher_gone_text()
     if signum == signal.SIGTERM:
         try:
             _raise_if_not_time_limit()
