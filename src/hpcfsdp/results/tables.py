@@ -434,7 +434,7 @@ def reference_cells(cells: Cells) -> tuple[pd.DataFrame, str]:
         return ok, ""
     keys = list(cells.workload)
     groups = ok.groupby(keys, dropna=False, sort=True)
-    best = int(groups["variant"].nunique().to_numpy().argmax())
+    best = int(groups["variant"].nunique().to_numpy().argmax(axis=0))
     chosen = ok[groups.ngroup() == best]
     first = chosen.iloc[0]
     same = pd.Series(True, index=invalid.index)
