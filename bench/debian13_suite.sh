@@ -103,8 +103,9 @@ in_root() {   # a command in the root, with a plain environment and the cluster'
 # --- Debian 13's packages ---------------------------------------------------------------------------
 # What the suite needs beside what the tests install themselves: Python 3.13 and git; Slurm, munge
 # and MariaDB (start.sh would install them too, one worker at a time). No service starts in the
-# root (policy-rc.d: 101).
-PACKAGES=(ca-certificates git python3 python3-venv python3-dev procps iproute2 slurm-wlm slurmdbd munge mariadb-server)
+# root (policy-rc.d: 101). g++: inductor compiles on CPU (the compiled loss, cut-cross-entropy's
+# kernels), as on the Debian 12 machine, which has it.
+PACKAGES=(ca-certificates git python3 python3-venv python3-dev procps iproute2 g++ slurm-wlm slurmdbd munge mariadb-server)
 if ! in_root dpkg -s "${PACKAGES[@]}" >/dev/null 2>&1; then
     say "apt-get install ${PACKAGES[*]}"
     printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
