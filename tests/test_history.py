@@ -473,7 +473,8 @@ print(json.dumps({"version": duckdb.__version__, "rows": list(rows), "storage": 
 def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_installed_duckdb(tmp_path, capsys):
     """The range the docs promise: a history written by the lowest duckdb pyproject takes, then
     updated by the one installed here, and one the installed duckdb makes, are opened by DuckDB
-    1.1.0 (the oldest) and 1.5.6 (the newest 1.x, which cannot read DuckDB 2.0's own format)."""
+    1.1.3 (the oldest 1.1 with a wheel for every Python the project takes: 1.1.0 has none for
+    3.13) and 1.5.6 (the newest 1.x, which cannot read DuckDB 2.0's own format)."""
     results = tmp_path / "results"
     history = results / "history.duckdb"
     lowest = lowest_pinned_duckdb()
@@ -489,7 +490,7 @@ def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_install
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == lowest, proc.stdout + proc.stderr[-2000:]
-    readers = {version: installed_duckdb(version, tmp_path / f"duckdb-{version}") for version in ("1.1.0", "1.5.6")}
+    readers = {version: installed_duckdb(version, tmp_path / f"duckdb-{version}") for version in ("1.1.3", "1.5.6")}
 
     def read(version: str, history: Path = history) -> dict:
         proc = subprocess.run(
@@ -502,13 +503,13 @@ def test_duckdb_1_1_and_1_5_open_a_history_written_by_the_lowest_and_the_install
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
-    assert read("1.1.0") == {"version": "1.1.0", "rows": [2, 1], "storage": None, "utc": "0:00:00"}
+    assert read("1.1.3") == {"version": "1.1.3", "rows": [2, 1], "storage": None, "utc": "0:00:00"}
     assert read("1.5.6") == {"version": "1.5.6", "rows": [2, 1], "storage": "v1.0.0+", "utc": "0:00:00"}
     assert collect(write_sweep(results, "nightly-1", 1, {"a": 1010})) == 0  # the duckdb installed here
-    assert read("1.1.0")["rows"] == [3, 2] and read("1.5.6")["rows"] == [3, 2]
+    assert read("1.1.3")["rows"] == [3, 2] and read("1.5.6")["rows"] == [3, 2]
     fresh = tmp_path / "fresh.duckdb"  # a history the duckdb installed here makes
     assert collect(results / "nightly-1", "--history", str(fresh)) == 0
-    assert read("1.1.0", fresh)["rows"] == [1, 1] and read("1.5.6", fresh)["rows"] == [1, 1]
+    assert read("1.1.3", fresh)["rows"] == [1, 1] and read("1.5.6", fresh)["rows"] == [1, 1]
 
 
 def test_the_historys_times_carry_their_zone_and_an_older_files_zoneless_utc_is_read_as_utc(results, capsys):
