@@ -15,6 +15,7 @@ that a search stopped at any point and started again runs only what is not done.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -106,9 +107,11 @@ def tune(sweep: Sweep, results_dir: Path, settings: Settings, log: Callable[[str
                 )
             else:
                 log(f"resuming the search in {tune_dir(sweep_dir)} ({len(state.stages)} stage(s) begun)")
-            if settings.executor == "local":  # a tune killed by SIGKILL leaves its probe's ranks for a while
+            local = settings.executor == "local"
+            if local:  # a tune killed by SIGKILL leaves its probe's ranks for a while
                 end_launches_left(sweep_dir, log)
-            with WarmSupervisor(sweep_dir) as launch:  # the local probes of every stage fork from one import
+            # The local probes of every stage fork from one import; Slurm's jobs launch their own.
+            with WarmSupervisor(sweep_dir) if local else contextlib.nullcontext() as launch:
                 search(sweep, sweep_dir, state, settings, log, launch)
     except Interrupted as exc:
         raise Stopped(
@@ -146,9 +149,10 @@ def search(
     state: TuneState,
     settings: Settings,
     log: Callable[[str], None],
-    launch: WarmSupervisor,
+    launch: WarmSupervisor | None,
 ) -> None:
-    """Run (or resume) every stage until the final one has run; `launch` starts the local executor's runs."""
+    """Run (or resume) every stage until the final one has run; `launch` starts the local executor's
+    runs (None under Slurm)."""
     cells = {cell.id: cell for cell in sweep.cells}
     if not state.stages:
         candidates = [cells[c] for c in state.grid if c not in state.pruned and c not in state.computed]
@@ -276,7 +280,7 @@ def run_stage(
     stage: Stage,
     settings: Settings,
     log: Callable[[str], None],
-    launch: WarmSupervisor,
+    launch: WarmSupervisor | None,
 ) -> None:
     directory = stage_dir(sweep_dir, stage.name)
     launches = tune_dir(sweep_dir) / "launches"
@@ -295,7 +299,7 @@ def run_stage(
     pending = todo()
     done = len(stage.runs) - len(pending)
     log(f"{stage.name}: {len(stage.runs)} run(s)" + (f", {done} done before (not repeated)" if done else ""))
-    if settings.executor == "local":
+    if launch is not None:  # the local executor
         env = without_secrets(os.environ) | job_environment(sweep)
         update_manifest(
             directory,

@@ -88,6 +88,7 @@ def _forked_rank(cell_dir: Path, env: dict[str, str]) -> NoReturn:
     def run() -> None:
         for fd in _PRIVATE_FDS:
             os.close(fd)
+        _PRIVATE_FDS.clear()  # their numbers are free again in the rank
         start_fresh(env, unblock={signal.SIGINT}, threads=False)  # run_cell sets them, after its probe starter
         sys.argv = [sys.argv[0], "run", "--cell-dir", str(cell_dir)]
         runpy.run_module("hpcfsdp", run_name="__main__", alter_sys=True)
