@@ -53,23 +53,27 @@ def drive(cells: list[str], processes: int) -> None:
         code = supervise_here(cell, processes)
         ended = time.time()
         record = json.loads((Path(cell) / "result.json").read_text())
-        phases = record.get("phases") or {}
-        span = record.get("launch_span_s")
-        window = phases.get("timed_window", 0.0)
-        line = {
-            "position": index,
-            "exit": code,
-            "status": record["status"],
-            "fixed_s": span - window if span is not None else None,
-            "wall_fixed_s": ended - started - window,
-            "launch_span_s": span,
-            "launcher_start": phases.get("launcher_start"),
-            "imports": phases.get("imports"),
-            "timed_window": window,
-            "tokens_per_s_per_gpu": record.get("tokens_per_s_per_gpu"),
-            "peak_memory_gib": record.get("peak_memory_gib"),
-        }
+        line = {"position": index, "exit": code, **launch_figures(record, ended - started)}
         print("[warm] " + json.dumps(line), flush=True)
+
+
+def launch_figures(record: dict, wall_s: float) -> dict:
+    """A launch's figures from its record and its wall (the launching side's start to end): the
+    fixed cost is the span (or the wall) less the timed window."""
+    phases = record.get("phases") or {}
+    span = record.get("launch_span_s")
+    window = phases.get("timed_window", 0.0)
+    return {
+        "status": record["status"],
+        "fixed_s": span - window if span is not None else None,
+        "wall_fixed_s": wall_s - window,
+        "launch_span_s": span,
+        "launcher_start": phases.get("launcher_start"),
+        "imports": phases.get("imports"),
+        "timed_window": window,
+        "tokens_per_s_per_gpu": record.get("tokens_per_s_per_gpu"),
+        "peak_memory_gib": record.get("peak_memory_gib"),
+    }
 
 
 def cell_folders(out: Path, name: str, shape: dict, cells: int) -> list[str]:
@@ -117,29 +121,21 @@ def run_local_side(out: Path, shape: dict, cells: int, index: int) -> list[dict]
         (json.loads(path.read_text()) for path in (out / "results" / name / "cells").glob("*/result.json")),
         key=lambda record: manifest[record["cell_id"]]["submitted_at"],
     )
-    rows = []
-    for position, record in enumerate(records):
-        phases, span, entry = record.get("phases") or {}, record.get("launch_span_s"), manifest[record["cell_id"]]
-        window = phases.get("timed_window", 0.0)
-        rows.append(
-            {
-                "side": "local",
-                "round": index,
-                "position": position,
-                "exit": None,
-                "status": record["status"],
-                "fixed_s": span - window if span is not None else None,
-                "wall_fixed_s": entry["ended_at"] - entry["submitted_at"] - window,
-                "launch_span_s": span,
-                "launcher_start": phases.get("launcher_start"),
-                "imports": phases.get("imports"),
-                "timed_window": window,
-                "tokens_per_s_per_gpu": record.get("tokens_per_s_per_gpu"),
-                "peak_memory_gib": record.get("peak_memory_gib"),
-                "loadavg_1min": os.getloadavg()[0],
-            }
-        )
-    return rows
+    entries = [manifest[record["cell_id"]] for record in records]
+    walls = [entry["ended_at"] - entry["submitted_at"] for entry in entries]
+    return [
+        {
+            "side": "local",
+            "round": index,
+            "position": position,
+            "exit": None,
+            **launch_figures(
+                record, manifest[record["cell_id"]]["ended_at"] - manifest[record["cell_id"]]["submitted_at"]
+            ),
+            "loadavg_1min": os.getloadavg()[0],
+        }
+        for position, (record, wall) in enumerate(zip(records, walls, strict=True))
+    ]
 
 
 def table(rows: list[dict]) -> str:
