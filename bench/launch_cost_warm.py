@@ -3,7 +3,10 @@ the node's supervisor imports the ranks' code once and forks each cell's ranks, 
 supervisor starting every rank as a new interpreter (HPCFSDP_RANK_START=exec, as before the fork),
 and, with --before-src, the supervisor of another source tree (`git archive <commit> src`: before);
 with --local, `hpcfsdp submit --executor local` of the same cells (local: one supervisor process
-kept for the submit's cells, sweep/launch/local.WarmSupervisor).
+kept for the submit's cells, sweep/launch/local.WarmSupervisor); with --bytecode, the fork side
+against the same with HPCFSDP_BYTECODE_CACHE=off (nocache), after one process has filled the
+supervisor's bytecode folder as an earlier allocation would (cell/supervise/bytecode.py: where the
+install has no bytecode, as on the lent GPU image, every first cell compiles torch without it).
 
 Each side of each round is one fresh process (`--drive`) that runs CELLS cells one after another,
 as tune's probes run in their Slurm job and a CellJob of several cells would: for each, the launch's
@@ -40,7 +43,8 @@ slurm: {{time_min: 10}}
 matrix:
   seed: {seeds}
 """
-SIDES = ("fork", "exec", "before", "local")  # HPCFSDP_RANK_START of each side; before: --before-src's tree
+SIDES = ("fork", "exec", "before", "local", "nocache")  # HPCFSDP_RANK_START of each side; before: --before-src's tree
+FILL = "import os; from hpcfsdp.cell.supervise.bytecode import use_bytecode_cache as use; print(use(os.environ))"
 
 
 def drive(cells: list[str], processes: int) -> None:
@@ -99,8 +103,9 @@ def run_side(side: str, src: Path, folders: list[str], processes: int, out: Path
     command = [sys.executable, str(Path(__file__).resolve()), "--drive", "--gpus", str(processes), *folders]
     log = out / "logs" / f"{side}{index}.log"
     start = "exec" if side == "exec" else "fork"
+    env = _env(src, HPCFSDP_RANK_START=start, **({"HPCFSDP_BYTECODE_CACHE": "off"} if side == "nocache" else {}))
     with open(log, "w") as written:
-        subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env=_env(src, HPCFSDP_RANK_START=start))
+        subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env=env)
     lines = [line[len("[warm] ") :] for line in log.read_text().splitlines() if line.startswith("[warm] ")]
     return [{"side": side, "round": index, **json.loads(line), "loadavg_1min": os.getloadavg()[0]} for line in lines]
 
@@ -173,6 +178,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "launch_cost_warm")
     parser.add_argument("--before-src", type=Path, help="a third side: the supervisor of this src folder")
     parser.add_argument("--local", action="store_true", help="a side more: the cells in one local submit")
+    parser.add_argument(
+        "--bytecode", action="store_true", help="fork against fork without the bytecode folder (no exec side)"
+    )
     parser.add_argument("--tabulate", type=Path, help="only the table of this raw.jsonl")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("folders", nargs="*", help=argparse.SUPPRESS)
@@ -190,6 +198,18 @@ def main() -> None:
         trees["before"] = args.before_src.resolve()
     if args.local:
         trees["local"] = ROOT / "src"
+    if args.bytecode:  # fork against nocache only
+        trees.pop("exec")
+        trees["nocache"] = ROOT / "src"
+        started = time.time()
+        filled = subprocess.run(
+            [sys.executable, "-c", FILL + "; from hpcfsdp.cell import run"], env=_env(), text=True, capture_output=True
+        )
+        print(
+            f"[launch_cost_warm] bytecode folder filled in {time.time() - started:.1f} s: {filled.stdout.strip()!r} "
+            f"(exit {filled.returncode}) {filled.stderr[-500:]}",
+            flush=True,
+        )
     rows = []
     with open(args.out / "raw.jsonl", "a") as raw:
         for index in range(args.rounds):

@@ -23,6 +23,7 @@ from ..ranks.forking import fork_refusal
 from ..stopping.heartbeats import own_output_tail
 from ..stopping.requeue import requeued_too_often
 from ..stopping.signals import SUPERVISOR_REQUEUES_ENV, signal_outcome, submitit_requeues
+from .bytecode import use_bytecode_cache
 from .cgroup import oom_kills
 from .ending import cell_status, launch_record, node_here, write_ending, write_rank_ending
 from .layout import NodeLayout
@@ -92,6 +93,8 @@ class Supervisor:
         """Fork the node's ranks once this process has imported their code (start.py); by exec where
         it may not fork, saying why."""
         started = time.time()
+        if bytecode := use_bytecode_cache(os.environ):
+            self.say(bytecode)
         refused = fork_refusal(os.environ, "the supervisor's process")
         if not refused:
             try:
