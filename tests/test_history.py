@@ -567,3 +567,26 @@ def test_the_historys_spec_setup_and_setup_key_of_each_row_are_those_of_the_row_
     first, second = made["spec"][0], made["spec"][1]
     assert '"compile":true' in first and '"compile":1' in second and '"weight_decay":-0.0' in second
     assert '"lr":3e-05' in first and '"model":"qw\\u00e9n"' in first and '"seed"' not in made["setup_fields"][0]
+
+
+def test_collect_where_duckdb_cannot_be_imported_says_so_in_one_line_and_writes_the_report(results, tmp_path):
+    """duckdb is a dependency, but a wheelhouse carried to a node may lack it (the GPU acceptance of
+    2026-11-29 did): collect then fails the history check in one line, not a traceback, and still
+    writes its tables. Before: ModuleNotFoundError's traceback, and no report."""
+    sweep = write_sweep(results, "nightly-3", 3, {"a": 500})
+    blocked = (
+        "import sys; sys.modules['duckdb'] = None; from hpcfsdp.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", blocked, "collect", str(sweep), "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert (
+        f"{results / 'history.duckdb'}: not updated: duckdb is not installed (pip install duckdb)"
+        in proc.stdout + proc.stderr
+    )
+    assert (sweep / "report" / "results.csv").is_file()

@@ -229,9 +229,11 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     beside it, which is checkpointed and renamed over it: a full disk, a crash or Ctrl-C leaves the
     old file as it was (or none, before the first collect) and no half-written one. A failure is a
     HistoryError naming the file and why, never a traceback."""
-    import duckdb
-
     path = _history_file(_utf8_path(Path(path)))
+    try:
+        import duckdb
+    except ImportError:  # a dependency, but an image without network may lack it: collect carries on
+        raise HistoryError(f"{path}: not updated: duckdb is not installed (pip install duckdb)") from None
     try:
         make_folders(path.parent)
     except OSError as exc:
