@@ -63,7 +63,13 @@ def _bytecode_folder(choice: str, probe: str) -> tuple[str | None, str]:
         missing = _installed_bytecode_missing(probe)
         if not missing:
             return None, ""
-        folder, reason = Path.home() / ".cache" / "hpcfsdp" / "bytecode", missing
+        try:
+            folder, reason = Path.home() / ".cache" / "hpcfsdp" / "bytecode", missing
+        except (RuntimeError, KeyError):  # no HOME, and no passwd entry to find it in
+            return (
+                None,
+                f"[hpcfsdp] supervisor: no bytecode folder ({missing}): no home; name one in {BYTECODE_CACHE_ENV}",
+            )
     problem = _private_folder_problem(folder)
     if problem:
         return None, (
