@@ -18,9 +18,14 @@ ROOT=${2:?the root folder}
 COMMIT=${3:-HEAD}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SHA=$(git -C "$REPO" rev-parse --verify "$COMMIT^{commit}")
+# The test command starts Slurm's daemons (with cgroups for its memory limits) and podman for the
+# container tests, as root on a machine would: the container gets a machine's rights
+# (--privileged) and a /tmp on this machine's file system (podman's overlay storage cannot sit on
+# the container's own overlay).
+MACHINE=()
 case ${README_COMMAND:-main} in
     main) COMMAND='bash env/setup.sh && .venv/bin/hpcfsdp submit jobs/smoke.yaml --wait' ;;
-    tests) COMMAND='bash .ci/run' ;;
+    tests) COMMAND='bash .ci/run'; scratch=$(mktemp -d /var/tmp/readme-tmp.XXXXXX); MACHINE=(--privileged -v "$scratch:/tmp") ;;
     *) echo "readme_container.sh: README_COMMAND is main or tests, not '$README_COMMAND'" >&2; exit 2 ;;
 esac
 
@@ -37,7 +42,7 @@ fi
 image=localhost/hpcfsdp-readme-$SUITE
 tar -C "$ROOT" -c . | podman import -q - "$image" >/dev/null
 clone=$(mktemp -d)
-trap 'rm -rf "$clone"; podman rmi -f "$image" >/dev/null 2>&1 || true' EXIT
+trap 'rm -rf "$clone" ${scratch:+"$scratch"}; podman rmi -f "$image" >/dev/null 2>&1 || true' EXIT
 git clone -q "$REPO" "$clone/repo"
 git -C "$clone/repo" -c advice.detachedHead=false checkout -q "$SHA"
 
@@ -51,7 +56,7 @@ set +e
 # events (no systemd, no journald), and ulimits no higher than this shell's (root without
 # CAP_SYS_RESOURCE cannot raise them: "error setting rlimit type 7"), as tests/container_image.py.
 podman --runtime runc --cgroup-manager cgroupfs --events-backend file run --rm --network host \
-    --ulimit "nofile=$(ulimit -Sn):$(ulimit -Hn)" --ulimit "nproc=32768:32768" -v "$clone/repo:/repo" -v /etc/ssl/certs/ca-certificates.crt:/host-ca.crt:ro \
+    --ulimit "nofile=$(ulimit -Sn):$(ulimit -Hn)" --ulimit "nproc=32768:32768" "${MACHINE[@]}" -v "$clone/repo:/repo" -v /etc/ssl/certs/ca-certificates.crt:/host-ca.crt:ro \
     -e PIP_CERT=/host-ca.crt -w /repo "$image" bash -c "$COMMAND" 2>&1
 code=$?
 set -e
