@@ -36,7 +36,7 @@ from hpcfsdp.sweep.predict.modelshape import load_shape
 from hpcfsdp.sweep.track.cluster import Node, Partition, tres_counts
 
 TINY = "model: tiny, device: cpu, precision: fp32, seq_len: 16, steps: 2, warmup_steps: 1, comm_profile_steps: 0"
-DEF_MEM_PER_CPU_MB = 2000  # above a CPU rank's node (the rank and its supervisor, either torch build), below a GPU rank's
+DEF_MEM_PER_CPU_MB = 2000  # above a CPU rank and its supervisor (either torch build), below a GPU rank's
 
 
 @pytest.fixture(scope="module")
