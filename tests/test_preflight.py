@@ -92,6 +92,7 @@ def node_gib(**fields) -> float:
 
 OFFLOAD = dict(model="qwen2.5-1.5b", strategy="fsdp2_zero3", cpu_offload=True, gpus_per_node=1)
 TINY_2 = dict(model="tiny", device="cpu", precision="fp32", seq_len=16, gpus_per_node=2)
+TINY_1 = {**TINY_2, "gpus_per_node": 1}
 TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
 
 
@@ -144,6 +145,16 @@ TINY_GPU = dict(model="tiny", precision="fp32", seq_len=16, gpus_per_node=1)
             "batch_size: [1]",
             "{jobs}:4: slurm.extra_sbatch: Slurm refuses the array of 1 cell(s) on 1 node(s) x 1 process(es) (sbatch "
             "--test-only): Requested reservation is invalid",
+        ),
+        (  # a CPU rank alone would fit in 700 MB, not with the supervisor it is forked from (predicted once
+            # per node: 0.83 GiB with torch's CPU build, 1.38 with the CUDA build, which used 1.10 in the
+            # Debian 13 root: OUT_OF_MEMORY under 1000 MB, after a prediction of 0.71 without it)
+            "{account: research, extra_sbatch: {mem_per_cpu: 700}}",
+            "batch_size: [1]",
+            f"{{jobs}}: slurm.mem_gb: 1 cell(s) on 1 node(s) x 1 process(es) are predicted to need "
+            f"{node_gib(**TINY_1):.1f} GiB of host memory per node, above the 0.7 GiB they get "
+            f"(extra_sbatch.mem_per_cpu 700 x 1); raise slurm.mem_gb to at least {math.ceil(node_gib(**TINY_1))} "
+            "(or mem_gb: auto)",
         ),
         (  # no mem_gb: the partition's DefMemPerCPU x the job's CPUs; a GPU rank's runtime is above it
             "{account: research}",
