@@ -269,8 +269,11 @@ def test_a_preempted_cell_is_requeued_by_slurm_until_its_max_requeue_is_used_up(
 def test_a_cell_over_its_memory_gets_a_host_oom_record_with_the_mem_gb_to_ask_for(
     site_cluster, tmp_path, capsys, monkeypatch
 ):
-    """The cell passes the preflight (predicted under mem_gb); rank 0 then takes 3 GiB that no
-    prediction sees (HPCFSDP_FAULT=train_step:hostmem:0), and Slurm's OverMemoryKill ends the step."""
+    """The cell passes the preflight (mem_gb: auto, the prediction and its margin); rank 0 then takes
+    3 GiB that no prediction sees (HPCFSDP_FAULT=train_step:hostmem:0), and Slurm's OverMemoryKill
+    ends the step. The prediction depends on the torch installed (a fixed mem_gb 2 fits 4 ranks of
+    torch's CPU build, 1.7 GiB predicted, and the preflight rightly refuses it under the CUDA build
+    that Python 3.13 gets from PyPI in the Debian 13 root, 2.8 GiB: sweep/predict/hostmemory.py)."""
     monkeypatch.setenv("HPCFSDP_FAULT", "train_step:hostmem:0")
     oom_dir, oom, _ = submit(
         tmp_path,
@@ -278,7 +281,7 @@ def test_a_cell_over_its_memory_gets_a_host_oom_record_with_the_mem_gb_to_ask_fo
         f"""
         name: memory
         base: {{{TINY}, gpus_per_node: 4}}
-        slurm: {{time_min: 10, mem_gb: 2}}
+        slurm: {{time_min: 10, mem_gb: auto}}
         """,
         capsys,
     )

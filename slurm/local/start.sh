@@ -47,7 +47,7 @@
 #   HPCFSDP_SLURM_PREEMPT  1: partition `urgent` (PriorityTier 2) on the nodes of `gpu` (PriorityTier
 #                          1) preempts its jobs (preempt/partition_prio, PreemptMode=REQUEUE,
 #                          KillWait 20 s)                                                   [0]
-#   HPCFSDP_SLURM_MEMORY_LIMIT  1: memory is a consumable (CR_CPU_Memory, DefMemPerNode 1000) and a
+#   HPCFSDP_SLURM_MEMORY_LIMIT  1: memory is a consumable (CR_CPU_Memory, DefMemPerNode 2000) and a
 #                          step above its job's memory is killed (jobacct_gather/linux every
 #                          second, OverMemoryKill): OUT_OF_MEMORY without cgroups        [0]
 #   HPCFSDP_SLURM_POWER_SAVE  1: power saving whose ResumeProgram fails (a node that does not boot):
@@ -378,7 +378,7 @@ EOF
         echo "NodeName=${NODES[i-1]} NodeHostname=${NODES[i-1]} NodeAddr=127.0.0.1 Port=$((PORT + i)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:$GPUS${FEATURES:+ Features=$FEATURES} State=UNKNOWN"
     done
     partition="Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=$MAX_TIME${DEF_MEM_PER_CPU:+ DefMemPerCPU=$DEF_MEM_PER_CPU} State=UP OverSubscribe=NO"
-    if ((MEMORY_LIMIT)) && [[ -z $DEF_MEM_PER_CPU ]]; then partition+=" DefMemPerNode=1000"; fi
+    if ((MEMORY_LIMIT)) && [[ -z $DEF_MEM_PER_CPU ]]; then partition+=" DefMemPerNode=2000"; fi
     if ((PREEMPT)); then
         echo "PartitionName=gpu $partition Default=YES PriorityTier=1"
         echo "PartitionName=urgent $partition PriorityTier=2"

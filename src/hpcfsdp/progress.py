@@ -9,12 +9,13 @@ terminal (`escaped_output`): with every control character escaped, whatever file
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TextIO
 
 from .contracts.names import printable_text
@@ -161,10 +162,20 @@ class EscapedStream:
 
 @contextmanager
 def escaped_output() -> Iterator[None]:
-    """sys.stdout and sys.stderr are EscapedStreams while the block runs (a command of the CLI)."""
+    """sys.stdout and sys.stderr are EscapedStreams while the block runs (a command of the CLI),
+    and line-buffered as on a terminal: into a pipe or a file too each line goes out as it is
+    printed, so that a command killed outright (SIGKILL, the OOM killer) has left every line it
+    printed, and `| tee` shows a long tune or submit --wait as it goes (Python block-buffers them
+    there unless PYTHONUNBUFFERED is set)."""
     saved = sys.stdout, sys.stderr
+    buffered = [s for s in saved if isinstance(s, io.TextIOWrapper) and not s.line_buffering]
+    for stream in buffered:
+        stream.reconfigure(line_buffering=True)
     sys.stdout, sys.stderr = (s if isinstance(s, EscapedStream) else EscapedStream(s) for s in saved)
     try:
         yield
     finally:
         sys.stdout, sys.stderr = saved
+        for stream in buffered:
+            with suppress(ValueError):  # closed meanwhile
+                stream.reconfigure(line_buffering=False)

@@ -15,7 +15,11 @@ the model's config.json and the cell's RunSpec and imports no torch. Units are G
             pinned host memory, half a shard more of gradients on their way to it, and the
             optimizer step's temporary (foreach AdamW's, as on the GPU: memory.py)
 
-and once per job, on the first node: record_param_norm gathers the full model into rank 0's host
+and once per node the supervisor (cell/supervise/), which imports the ranks' code and forks them
+from there and stays beside them: Slurm's memory accounting without cgroups (jobacct_gather/linux,
+OverMemoryKill) sums the RSS of the step's processes, so it counts the supervisor, and again in each
+rank the pages of the imports that rank touched (the prediction is for a rank of its own, which
+covers them). Once per job, on the first node: record_param_norm gathers the full model into rank 0's host
 memory at the end. No DataLoader workers: the data is tokenised before the cell runs and each
 rank reads its batches in the training process (the packed tokens of a real data set are not
 counted: their size is known only once tokenised). A node holds gpus_per_node ranks.
@@ -44,6 +48,14 @@ GPU_RUNTIME_GIB = 1.9
 # of a tiny-model rank, torch 2.13.0 cu130, Python 3.13, 2026-11-29 (importing torch and
 # transformers alone: 0.52 GiB against the CPU build's 0.23).
 CPU_RUNTIME_CUDA_BUILD_GIB = 0.71
+# The node's supervisor after the ranks' imports (cell.run and the model class: RSS, 2026-11-29):
+# 0.41 GiB with torch's CPU build (this project's CI machine, Python 3.11), 0.67 GiB with the CUDA
+# build (the Debian 13 root, Python 3.13, on the CPU). A GPU node's takes the CUDA build's: the
+# supervisor initialises no CUDA (it may not fork after that: cell/ranks/forking.py). Without it a
+# one-rank CPU cell of the CUDA build was predicted 0.71 GiB and used 1.10 (slurmstepd's kill line
+# under the local cluster's DefMemPerNode=1000 then, Slurm 24.11 in that root).
+SUPERVISOR_GIB = 0.41
+SUPERVISOR_CUDA_BUILD_GIB = 0.67
 CHECKPOINT_BYTES = 2  # per parameter of a pretrained checkpoint (bf16, as hub checkpoints mostly are)
 # Gradients on their way to the pinned CPU copy under cpu_offload, in parameter shards: measured on
 # Qwen2.5-1.5B, FSDP2 ZeRO-3, 1 x H100 (27.8 GiB peak RSS with fused AdamW: 4.5 shards + runtime).
@@ -62,6 +74,7 @@ class HostPrediction:
     offload_gib: float
     rank0_gib: float  # on the first node only: record_param_norm's full model
     ranks_per_node: int
+    supervisor_gib: float  # once per node
 
     @property
     def rank_gib(self) -> float:
@@ -69,18 +82,27 @@ class HostPrediction:
 
     @property
     def node_gib(self) -> float:
-        return self.ranks_per_node * self.rank_gib + self.rank0_gib
+        return self.supervisor_gib + self.ranks_per_node * self.rank_gib + self.rank0_gib
 
 
 @functools.cache
-def cpu_runtime_gib() -> float:
-    """A CPU rank's runtime with the torch installed here: a CUDA build (one that requires nvidia-*
-    wheels) loads the CUDA libraries on the CPU too. Read from torch's metadata: torch is not imported."""
+def torch_cuda_build() -> bool:
+    """Whether the torch installed here is a CUDA build (one that requires nvidia-* wheels), which
+    loads the CUDA libraries on the CPU too. Read from torch's metadata: torch is not imported."""
     try:
-        cuda_build = any(name.startswith("nvidia-") for name in metadata.requires("torch") or ())
+        return any(name.startswith("nvidia-") for name in metadata.requires("torch") or ())
     except metadata.PackageNotFoundError:
-        cuda_build = False
-    return CPU_RUNTIME_CUDA_BUILD_GIB if cuda_build else CPU_RUNTIME_GIB
+        return False
+
+
+def cpu_runtime_gib() -> float:
+    """A CPU rank's runtime with the torch installed here."""
+    return CPU_RUNTIME_CUDA_BUILD_GIB if torch_cuda_build() else CPU_RUNTIME_GIB
+
+
+def supervisor_gib(on_cpu: bool) -> float:
+    """The node's supervisor: the CUDA build's on a GPU node, else the torch installed here decides."""
+    return SUPERVISOR_CUDA_BUILD_GIB if not on_cpu or torch_cuda_build() else SUPERVISOR_GIB
 
 
 def predict_host(spec: RunSpec, shape: Shape) -> HostPrediction:
@@ -104,6 +126,7 @@ def predict_host(spec: RunSpec, shape: Shape) -> HostPrediction:
         offload_gib=offload,
         rank0_gib=params if spec.record_param_norm else 0.0,
         ranks_per_node=spec.gpus_per_node,
+        supervisor_gib=supervisor_gib(on_cpu),
     )
 
 
