@@ -397,6 +397,8 @@ NOT_FOLDER_FILES = {
     "cell/models.py": "a model's config.json (package data, or a model folder the user names)",
     "cell/data.py": "a data file the user names",
     "cell/supervise/cgroup.py": "the cgroup's memory.events under /sys/fs/cgroup, a file of the kernel",
+    "cell/supervise/bytecode.py": "the installed torch's own .pyc header; the user's bytecode folder, never under a "
+    "sweep folder or the cache, made 0700 and held to its owner and mode by lstat (no link) before Python uses it",
     "results/plots.py": "the drawing code's own source (its digest)",
     "results/exports/wandb.py": "W&B's own folder under the export's destination",
     "results/exports/tensorboard.py": "TensorBoard's own folder under the export's destination",
