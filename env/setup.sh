@@ -135,12 +135,14 @@ run "${torch_pip[@]}" "$torch_spec"
 echo "[setup] installing hpcfsdp$extras (editable)${wheelhouse:+ from $wheelhouse}" >&2
 run "${pip[@]}" -e "$root$extras"
 [[ -z "$dry" ]] || exit 0
-# torch.compile on the CPU (the compiled loss; cut-cross-entropy's CPU path) builds C++ with
-# Python's headers: tests/test_levers.py needs both, and a minbase Debian has neither.
-if [[ -n "$dev" ]] && { ! command -v g++ >/dev/null 2>&1 || [[ ! -e "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]]; } \
+# The tests' tools a minbase Debian lacks: g++ and Python's headers (torch.compile builds C++ on
+# the CPU: the compiled loss, cut-cross-entropy's CPU path in tests/test_levers.py), and git (the
+# provenance and export tests make checkouts; a container of a checkout bound in has none).
+if [[ -n "$dev" ]] && { ! command -v g++ >/dev/null 2>&1 || ! command -v git >/dev/null 2>&1 \
+    || [[ ! -e "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]]; } \
     && [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
-  echo "[setup] installing Debian's g++ and python3-dev (inductor compiles C++ on the CPU in the tests)" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ python3-dev >/dev/null
+  echo "[setup] installing Debian's g++, python3-dev and git (the tests compile C++ and make checkouts)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ python3-dev git >/dev/null
 fi
 if [[ -n "$dev" ]] && ! command -v chromium >/dev/null 2>&1 && [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
   echo "[setup] installing Debian's chromium (headless rendering test of the HTML report)" >&2

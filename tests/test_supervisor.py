@@ -193,6 +193,36 @@ def test_the_oom_killers_count_is_read_from_this_machines_cgroup():
     assert isinstance(oom_kills(), int)
 
 
+@pytest.mark.parametrize(
+    ("cgroup", "shown", "folder", "kind"),
+    [
+        # a podman container on cgroup v1 (a fresh Debian 12 one here, 2026-11-29): the host's path,
+        # and a mount that shows only the container's own cgroup; before, no count was found there
+        ("4:memory:/libpod_parent/libpod-ab12\n0::/\n", "/libpod_parent/libpod-ab12", "", "cgroup"),
+        ("4:memory:/process_api/job 7\n0::/\n", "/", "process_api/job 7", "cgroup"),  # this machine's layout
+        ("0::/slurm/uid_0/job_9/step_0\n", "/slurm", "uid_0/job_9/step_0", "cgroup2"),  # v2, mounted below its root
+    ],
+)
+def test_the_oom_killers_count_is_found_through_the_mount_that_shows_the_processs_cgroup(
+    tmp_path, cgroup, shown, folder, kind
+):
+    """The process's cgroup path is read below the mount of its hierarchy that shows it, as
+    /proc/PID/mountinfo says (its fourth field), with the mount point's escapes undone."""
+    point = tmp_path / "sys fs" / "memory"
+    (point / folder).mkdir(parents=True)
+    events = "memory.events" if kind == "cgroup2" else "memory.oom_control"
+    (point / folder / events).write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_text(cgroup)
+    escaped = str(point).replace(" ", "\\040")
+    (tmp_path / "4242" / "mountinfo").write_text(
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+        f"35 31 0:32 {shown.replace(' ', chr(92) + '040')} {escaped} rw,relatime - {kind} {kind} rw,memory\n"
+    )
+    assert oom_kills(4242, proc=tmp_path) == 3
+
+
 # Two cells, one after another, in one process that has not imported torch: as tune's probes run in
 # their Slurm job (sweep/launch/job.launch_here), and a CellJob of several cells.
 TWO_CELLS = """
