@@ -98,15 +98,22 @@ def parse_day(text: str, option: str, end_of_day: bool = False) -> datetime:
 # The store
 
 
+def _duckdb(path: Path, doing: str = "") -> Any:
+    """The duckdb module, imported on first use; a dependency, but a wheelhouse carried to a node
+    may lack it: then a HistoryError naming the file, and collect carries on."""
+    try:
+        import duckdb
+    except ImportError:
+        raise HistoryError(f"{path}: {doing}duckdb is not installed (pip install duckdb)") from None
+    return duckdb
+
+
 class History:
     """The DuckDB file; use as a context manager. Read-only for `hpcfsdp history` (it must exist);
     collect writes through `updated_history`, never into the file itself."""
 
     def __init__(self, path: Path, read_only: bool = False):
-        try:
-            import duckdb
-        except ImportError:  # a dependency, but an image without network may lack it: collect carries on
-            raise HistoryError(f"{path}: duckdb is not installed (pip install duckdb)") from None
+        duckdb = _duckdb(path)
         self.path = _utf8_path(Path(path))
         if read_only and not self.path.is_file():
             raise HistoryError(
@@ -230,10 +237,7 @@ def updated_history(path: Path, log: Callable[[str], None], wait_s: float | None
     old file as it was (or none, before the first collect) and no half-written one. A failure is a
     HistoryError naming the file and why, never a traceback."""
     path = _history_file(_utf8_path(Path(path)))
-    try:
-        import duckdb
-    except ImportError:  # a dependency, but an image without network may lack it: collect carries on
-        raise HistoryError(f"{path}: not updated: duckdb is not installed (pip install duckdb)") from None
+    duckdb = _duckdb(path, "not updated: ")
     try:
         make_folders(path.parent)
     except OSError as exc:
