@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -421,6 +422,47 @@ def test_a_cell_given_fewer_gpus_than_it_asked_says_so_in_its_record_status_and_
 def test_a_cell_given_the_gpus_it_asked_for_has_no_resource_problems(slurm_cluster, tmp_path):
     record = srun_cell(tmp_path, 2)
     assert (record["status"], record["resource_problems"]) == ("ok", [])
+
+
+def test_a_peer_killed_while_this_rank_is_busy_is_named_with_its_signal_though_torchrun_reaped_it_first(tmp_path):
+    """Rank 0 is busy outside any collective (`hang` sleeps in Python) when rank 1 is SIGKILLed:
+    torchrun reaps rank 1 within its 0.1 s poll and only then sends rank 0 SIGTERM, and writes its
+    "failed (exitcode: -9)" line once rank 0 has ended. Rank 0's handler found rank 1 gone from /proc
+    and no line to read: "died without a record", no signal (a ddp row, once, on a loaded machine).
+    Its watchdog thread now holds a pidfd of rank 1 and reads the exit code as rank 1 exits."""
+    proc = start_cell(tmp_path, "strategy=ddp", "train_timeout_s=300", fault="train_step:hang:0")
+    try:
+        wait_for_line(tmp_path, "fault hang", timeout_s=120)
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        wait_until_blocked(ranks[1], timeout_s=120)  # rank 1 waits for rank 0 in the step's collective
+        os.kill(ranks[1], signal.SIGKILL)
+        proc.wait(timeout=90)
+    finally:
+        stop(proc)
+    record = the_record(tmp_path)
+    assert (record["status"], record["failed_rank"], record.get("failed_signal")) == ("error", 1, "SIGKILL"), record[
+        "error"
+    ]
+    assert record["error"].startswith(f"rank 1 (pid {ranks[1]} "), record["error"]
+
+
+def test_a_watched_process_killed_and_reaped_at_once_still_has_its_exit_code():
+    """PeerExits: the pidfd wakes the watcher as the process exits, before its parent reaps it."""
+    from hpcfsdp.cell.stopping.processes import PeerExits, process_start
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exits = PeerExits()
+    exits.watch(child.pid, process_start(child.pid))
+    assert len(exits.fds()) == 1
+    exits.watch(child.pid, "0")  # a start time that is not the process's: a reused pid, not watched
+    assert len(exits.fds()) == 1
+    child.kill()
+    ready, _, _ = select.select(exits.fds(), [], [], 10)
+    exits.exited(ready)
+    child.wait()  # reaped: /proc no longer knows it
+    assert not Path(f"/proc/{child.pid}").exists()
+    assert (exits.code(child.pid), exits.fds()) == (signal.SIGKILL, [])
 
 
 def test_a_rank_whose_output_shares_its_launchers_file_reads_there_the_signal_that_ended_a_reaped_peer(tmp_path):

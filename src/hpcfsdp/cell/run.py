@@ -152,7 +152,7 @@ def run_cell(
             failure.update(start_context(spec, cell_id, sweep, node, clock))
             write_record(path, failure)
         raise SystemExit(f"cell {cell_id} failed at setup: {error}") from None
-    heartbeat = Heartbeat(cell_dir, launch_id(), env.rank, node)
+    heartbeat = Heartbeat(cell_dir, launch_id(), env.rank, node, env.world_size, env.local_world_size - 1)
     progress = _Progress(
         clock, batch_hints=batch_hints or {}, blame=heartbeat.peer_trouble if env.world_size > 1 else None
     )
@@ -180,7 +180,12 @@ def run_cell(
 
     # Started while the entry point still holds the signals: its thread never takes them itself.
     progress.watchdog = Watchdog(
-        env.rank, end, lambda signum: signal_outcome(signum, requeue), beat=heartbeat.beat, blame=progress.blame
+        env.rank,
+        end,
+        lambda signum: signal_outcome(signum, requeue),
+        beat=heartbeat.beat,
+        blame=progress.blame,
+        peers=heartbeat.exits,
     )
     try:
         record, spec = _trained_record(spec, sources, env, cell_dir, cell_id, progress)

@@ -33,6 +33,7 @@ from typing import IO, Any
 from ...contracts.files import RecordError, read_json_object, write_json
 from ...contracts.fs.beneath import make_folders, matching, open_for_writing, read_file
 from ...contracts.record import FailedRecord
+from .processes import PeerExits, process_start, process_state
 
 HEARTBEATS_DIR = "heartbeats"
 BEAT_S = 0.5  # how often the watchdog touches the rank's file
@@ -86,7 +87,7 @@ class Beat:
 class Heartbeat:
     """This rank's heartbeat file: written at start, touched by `beat`, marked by `left`."""
 
-    def __init__(self, cell_dir: Path, launch: str, rank: int, node: str):
+    def __init__(self, cell_dir: Path, launch: str, rank: int, node: str, world_size: int = 1, local_peers: int = 0):
         self.folder = cell_dir / HEARTBEATS_DIR
         self.launch, self.rank = launch, rank
         self.path = self.folder / f"rank{rank}.json"
@@ -99,6 +100,10 @@ class Heartbeat:
             "start": process_start(os.getpid()),
         }
         self._fault: IO[str] | None = None
+        # The peers on this machine, watched for their exit (processes.py) once their files are read.
+        self.exits = PeerExits()
+        self._unread = {r for r in range(world_size) if r != rank}
+        self._local_peers = local_peers
         with contextlib.suppress(OSError):  # a folder it cannot write: no heartbeat, the cell runs on
             make_folders(self.folder)
             write_json(self.path, {**self._fields, "left": False})
@@ -108,8 +113,18 @@ class Heartbeat:
             faulthandler.enable(self._fault)
 
     def beat(self) -> None:
+        """Touch this rank's file; until every peer on this machine is watched, look for their files
+        (each peer's read once: a launch's ranks at most)."""
         with contextlib.suppress(OSError):
             os.utime(self.path)
+        if self._local_peers and self._unread:
+            here = socket.gethostname()
+            for beat in read_beats(self.folder, self.launch):
+                if beat.rank in self._unread:
+                    self._unread.discard(beat.rank)
+                    if beat.machine == here:
+                        self._local_peers -= 1
+                        self.exits.watch(beat.pid, beat.start)
 
     def left(self) -> None:
         """This rank leaves by itself, its record written: no peer blames it for being gone."""
@@ -122,7 +137,7 @@ class Heartbeat:
         a rank that died and one that stopped look alike."""
         peers = [b for b in read_beats(self.folder, self.launch) if b.rank != self.rank and not b.left]
         here = socket.gethostname()
-        found = [t for b in peers if b.machine == here and (t := _local_trouble(b)) is not None]
+        found = [t for b in peers if b.machine == here and (t := _local_trouble(b, self.exits)) is not None]
         if found:
             return found[0]
         elsewhere = [b for b in peers if b.machine != here]
@@ -166,14 +181,15 @@ def _read_beat(path: Path) -> Beat | None:
         return None
 
 
-def _local_trouble(beat: Beat) -> PeerTrouble | None:
-    """A peer on this machine: its crash's signal, its process gone (killed), a zombie's signal,
-    or stopped."""
+def _local_trouble(beat: Beat, exits: PeerExits) -> PeerTrouble | None:
+    """A peer on this machine: its crash's signal, its process gone (killed: the exit code caught
+    as it exited, else the launcher's word), a zombie's signal, or stopped."""
     crash = crash_signal(beat.path.with_suffix(".fault"))
     if crash:
         where = beat.path.with_suffix(".fault").name
         return PeerTrouble(beat.rank, "error", f"{beat.who} died of {crash} (its stack: {where})", crash)
-    state = process_state(beat.pid, beat.start)
+    caught = exits.code(beat.pid)
+    state = process_state(beat.pid, beat.start) or (None if caught is None else ("X", caught))
     if state is not None and state[0] in "Tt":
         stopped = f"{beat.who} stopped answering: its process is stopped (SIGSTOP)"
         return PeerTrouble(beat.rank, "hang", stopped, "SIGSTOP")
@@ -207,33 +223,6 @@ def crash_signal(fault_file: Path) -> str | None:
         return None
     found = re.search(r"Fatal Python error: ([A-Za-z -]+)", text)
     return SIGNAL_WORDS.get(found.group(1).strip()) if found else None
-
-
-def process_start(pid: int) -> str:
-    """The process's start time in clock ticks since boot (/proc/PID/stat), which tells it from a
-    later process that reuses its pid; "" where it cannot be read."""
-    fields = _stat(pid)
-    return fields[19] if fields else ""
-
-
-def process_state(pid: int, start: str) -> tuple[str, int] | None:
-    """(state letter, exit code as waitpid reports it) of the process that started at `start`;
-    None when it is gone (reaped, or its pid reused). The kernel sets the exit code as the process
-    begins to exit, before it closes its sockets: a peer that sees the connection drop reads the
-    signal here even while the process is still ending, not yet a zombie."""
-    fields = _stat(pid)
-    if fields is None or (start and fields[19] != start):
-        return None
-    exit_code = int(fields[49]) if len(fields) > 49 and fields[49].isdigit() else 0
-    return fields[0], exit_code
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command's name: state is [0], starttime [19], exit_code [49]."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def signal_name(number: int) -> str | None:

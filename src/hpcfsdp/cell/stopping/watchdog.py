@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ...contracts.spec import LAUNCH_ID_ENV
 from .heartbeats import BEAT_S, LAUNCHERS_SIGTERM, PeerTrouble
+from .processes import PeerExits
 
 GRACE_S = 5.0  # from a signal to the watchdog ending a rank whose main thread did not end it
 PEER_DEFER_S = 3.0  # a rank waiting inside a collective lets the rank that stopped answering write first
@@ -87,9 +88,10 @@ class Watchdog:
         grace_s: float = GRACE_S,
         beat: Callable[[], None] | None = None,
         blame: Blame | None = None,
+        peers: PeerExits | None = None,
     ):
         self._rank, self._end, self._on_signal, self._grace_s = rank, end, on_signal, grace_s
-        self._beat, self._blame = beat, blame
+        self._beat, self._blame, self._peers = beat, blame, peers
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._deadline: float | None = None
@@ -118,12 +120,23 @@ class Watchdog:
         signal.set_wakeup_fd(self._previous_fd)
 
     def _watch(self) -> None:
+        try:
+            self._watch_until_done()
+        finally:
+            if self._peers is not None:
+                self._peers.close()
+
+    def _watch_until_done(self) -> None:
+        """Each BEAT_S, and at once when a signal comes or a watched peer exits (its pidfd)."""
         while not self._done.is_set():
             if self._beat is not None:
                 self._beat()
-            ready, _, _ = select.select([self._read], [], [], BEAT_S)
+            peers = self._peers.fds() if self._peers is not None else []
+            ready, _, _ = select.select([self._read, *peers], [], [], BEAT_S)
             now = time.monotonic()
-            if ready:
+            if self._peers is not None:
+                self._peers.exited([fd for fd in ready if fd != self._read])
+            if self._read in ready:
                 for signum in os.read(self._read, 64):
                     if self._signalled is None and self._on_signal(signum) is not None:
                         self._signalled = (now, signum)

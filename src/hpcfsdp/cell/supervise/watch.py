@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...contracts.files import RecordError, read_json_object
-from ..stopping.heartbeats import BEAT_S, HEARTBEATS_DIR, oom_killed, process_state, signal_name
+from ..stopping.heartbeats import BEAT_S, HEARTBEATS_DIR, oom_killed, signal_name
+from ..stopping.processes import process_state
 from .cgroup import oom_kills
 
 
