@@ -131,8 +131,13 @@ def test_meta_init_refuses_a_parameter_the_model_does_not_initialise() -> None:
         materialize(meta, CPU, seed=0)
 
 
+# The probe leaves as a rank its supervisor forked does (cell/ranks/forking.leave_after): the process
+# group destroyed, then os._exit, with no interpreter teardown nor C++ static destructors after it.
+# CI once saw rank 1 abort as it ended ("terminate called without an active exception", stop 58's
+# run); faulthandler names where, should it come again.
 FSDP2_SCRIPT = r"""
-import json, sys
+import faulthandler, json, os, sys
+faulthandler.enable()
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from hpcfsdp.cell.data import synthetic_batches
@@ -164,6 +169,9 @@ if env.is_main:
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
 shutdown()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
