@@ -131,8 +131,10 @@ class Watchdog:
         while not self._done.is_set():
             if self._beat is not None:
                 self._beat()
-            peers = self._peers.fds() if self._peers is not None else []
-            ready, _, _ = select.select([self._read, *peers], [], [], BEAT_S)
+            waits = select.poll()  # not select(): a rank with NCCL's sockets may hold fds past 1024
+            for fd in [self._read, *(self._peers.fds() if self._peers is not None else [])]:
+                waits.register(fd, select.POLLIN)
+            ready = [fd for fd, _ in waits.poll(BEAT_S * 1000)]
             now = time.monotonic()
             if self._peers is not None:
                 self._peers.exited([fd for fd in ready if fd != self._read])
