@@ -465,6 +465,44 @@ def test_a_watched_process_killed_and_reaped_at_once_still_has_its_exit_code():
     assert (exits.code(child.pid), exits.fds()) == (signal.SIGKILL, [])
 
 
+def test_a_peer_on_this_node_is_watched_once_its_heartbeat_is_read_and_a_lost_folder_stops_nothing(tmp_path):
+    """Heartbeat.beat (the watchdog thread's) reads the peers' files until every peer on this node
+    is watched; a folder gone under it is no exception in that thread, which would end its watch."""
+    import socket
+
+    from hpcfsdp.cell.stopping.heartbeats import HEARTBEATS_DIR, Heartbeat
+    from hpcfsdp.cell.stopping.processes import process_start
+    from hpcfsdp.contracts.files import write_json
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        heartbeat = Heartbeat(tmp_path, "launch", 0, "n1", world_size=3, local_peers=1)
+        heartbeat.beat()
+        assert heartbeat.exits.fds() == []  # no peer has written its file yet
+        fields = {"launch_id": "launch", "node": "n1", "machine": socket.gethostname(), "left": False}
+        write_json(
+            tmp_path / HEARTBEATS_DIR / "rank1.json",
+            {**fields, "rank": 1, "pid": peer.pid, "start": process_start(peer.pid)},
+        )
+        heartbeat.beat()
+        assert len(heartbeat.exits.fds()) == 1
+        peer.kill()
+        ready, _, _ = select.select(heartbeat.exits.fds(), [], [], 10)
+        heartbeat.exits.exited(ready)
+        peer.wait()
+        trouble = heartbeat.peer_trouble("error")
+        assert trouble is not None and (trouble.rank, trouble.signal) == (1, "SIGKILL"), trouble
+    finally:
+        peer.kill()
+        peer.wait()
+    lost = Heartbeat(tmp_path / "lost", "launch", 0, "n1", world_size=2, local_peers=1)
+    (tmp_path / "lost" / HEARTBEATS_DIR / "rank0.json").unlink()
+    (tmp_path / "lost" / HEARTBEATS_DIR / "rank0.fault").unlink()
+    (tmp_path / "lost" / HEARTBEATS_DIR).rmdir()
+    lost.beat()
+    assert lost.exits.fds() == []
+
+
 def test_a_rank_whose_output_shares_its_launchers_file_reads_there_the_signal_that_ended_a_reaped_peer(tmp_path):
     """torchrun writes "failed (exitcode: -9) ... (pid: N)" as it reaps a rank, before it sends the
     others SIGTERM, and srun "task N: Segmentation fault": a peer gone from /proc still gets its

@@ -118,13 +118,17 @@ class Heartbeat:
         with contextlib.suppress(OSError):
             os.utime(self.path)
         if self._local_peers and self._unread:
-            here = socket.gethostname()
-            for beat in read_beats(self.folder, self.launch):
-                if beat.rank in self._unread:
-                    self._unread.discard(beat.rank)
-                    if beat.machine == here:
-                        self._local_peers -= 1
-                        self.exits.watch(beat.pid, beat.start)
+            with contextlib.suppress(OSError):  # a folder gone or not ours: no peer watched, as before
+                self._watch_new_peers()
+
+    def _watch_new_peers(self) -> None:
+        here = socket.gethostname()
+        for beat in read_beats(self.folder, self.launch):
+            if beat.rank in self._unread:
+                self._unread.discard(beat.rank)
+                if beat.machine == here:
+                    self._local_peers -= 1
+                    self.exits.watch(beat.pid, beat.start)
 
     def left(self) -> None:
         """This rank leaves by itself, its record written: no peer blames it for being gone."""
