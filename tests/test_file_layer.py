@@ -127,6 +127,29 @@ def test_a_history_link_another_user_planted_never_rewrites_the_database_it_lead
     assert other.read_bytes() == before
 
 
+@as_root
+def test_history_never_reads_a_database_through_a_link_another_user_planted(tmp_path, capsys, co_user):
+    """`hpcfsdp history` followed any link to the file it opens: another user's link in a shared
+    results folder made it read (and show) the database the link led to, the user's other history.
+    It follows a link as collect does: the user's own only."""
+    mine = write_sweep(tmp_path / "mine", "s0", 0, {name: values[0] for name, values in EARLIER.items()})
+    assert main(["collect", str(mine), "--no-plots"]) == 0
+    other = mine.parent / "history.duckdb"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    link = planted_link(co_user, shared / "history.duckdb", other)
+    capsys.readouterr()
+    assert main(["history", "--history", str(link)]) == 1
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err)
+    assert line.startswith(f"error: {link}: a link to {other} that {CO_USER} made, not you; not followed"), line
+    assert line.endswith("; not read") and "s0" not in captured.out, captured
+    os.unlink(link)
+    os.symlink(other, link)  # the user's own link (a team's history on another disk) is read where it leads
+    assert main(["history", "--history", str(link)]) == 0
+    assert "s0" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # Item 4: log.txt and heartbeats/rank<r>.fault are never opened through a link
 

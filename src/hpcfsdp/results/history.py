@@ -115,6 +115,8 @@ class History:
     def __init__(self, path: Path, read_only: bool = False):
         duckdb = _duckdb(path)
         self.path = _utf8_path(Path(path))
+        if read_only:  # a link is followed as collect follows it: the user's own, to a file of theirs
+            self.path = _linked_history(self.path, "not read")
         if read_only and not self.path.is_file():
             raise HistoryError(
                 f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
@@ -327,15 +329,21 @@ def _history_file(path: Path) -> Path:
     """The file a history path names: a symbolic link (to a shared disk, say) is followed, so that
     the update replaces the file it leads to, never the link with a file of its own; what it
     names is a DuckDB file or none (files.linked_file: never a device, a FIFO or another file)."""
-    try:
-        target = linked_file(path)
-    except (RecordError, OwnershipError) as exc:
-        raise HistoryError(f"{exc}; the history is not updated") from None
+    target = _linked_history(path, "the history is not updated")
     size = target.stat().st_size if target.is_file() else 0
     if size and not _is_duckdb(target):
         where = f"{path} (a link to {target})" if target != path else str(path)
         raise HistoryError(f"{where}: not a DuckDB file; not updated, left as it is")
     return target
+
+
+def _linked_history(path: Path, refused: str) -> Path:
+    """files.linked_file of the history: where a link of the user's own leads; a link another user
+    put there, or a file not the user's, is a HistoryError ending in `refused`."""
+    try:
+        return linked_file(path)
+    except (RecordError, OwnershipError) as exc:
+        raise HistoryError(f"{exc}; {refused}") from None
 
 
 DUCKDB_MAGIC = (8, b"DUCK")  # where every DuckDB database file says what it is
