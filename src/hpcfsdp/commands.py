@@ -339,8 +339,8 @@ def collect(args: argparse.Namespace) -> int:
 
 
 def history(args: argparse.Namespace) -> int:
-    from .results.history import Filters, History, medians_by_setup, parse_day
-    from .results.history_rows import history_document, history_table
+    from .results.history import Filters, History, parse_day
+    from .results.history_rows import history_document, history_table, medians_by_setup
     from .results.references import references_of, write_references
     from .results.render import markdown_table
     from .results.tables import printable

@@ -207,24 +207,6 @@ class History:
         return found if not found.empty else empty
 
 
-def medians_by_setup(rows: pd.DataFrame) -> pd.DataFrame:
-    """Ok rows grouped by system and setup: median tokens/s per GPU and peak memory, the number of
-    runs, and the setup's fields (of its latest run). For `hpcfsdp history --set-reference`."""
-    ok = rows[(rows["status"] == "ok") & rows["tokens_per_s_per_gpu"].notna() & rows["invalid_reasons"].isna()]
-    if ok.empty:
-        return pd.DataFrame(
-            columns=["cluster", "gpu", "setup", "setup_fields", "tokens_per_s_per_gpu", "peak_memory_gib", "runs"]
-        )
-    ok = ok.sort_values("started_at", na_position="first")
-    groups = ok.groupby(["cluster", "gpu", "setup"], dropna=False, sort=True)
-    return groups.agg(
-        setup_fields=("setup_fields", "last"),
-        tokens_per_s_per_gpu=("tokens_per_s_per_gpu", "median"),
-        peak_memory_gib=("peak_memory_gib", "median"),
-        runs=("cell_id", "size"),
-    ).reset_index()
-
-
 # ---------------------------------------------------------------------------------------------
 # Updating: one collect at a time, and the file replaced whole or not at all
 

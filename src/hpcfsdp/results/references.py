@@ -249,7 +249,7 @@ def write_references(path: Path, new: list[Reference]) -> References:
 
 
 def references_of(medians: Any, tolerance: float | None) -> list[Reference]:
-    """`history --set-reference`: one entry per row of history.medians_by_setup, dated today;
+    """`history --set-reference`: one entry per row of history_rows.medians_by_setup, dated today;
     UserError when there is none."""
     if medians.empty:
         raise UserError("no ok run matches these filters: no reference written")
