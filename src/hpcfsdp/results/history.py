@@ -117,11 +117,11 @@ class History:
         self.path = _utf8_path(Path(path))
         if read_only:  # a link is followed as collect follows it: the user's own, to a file of theirs
             self.path = _linked_history(self.path, "not read")
-        if read_only and not self.path.is_file():
-            raise HistoryError(
-                f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
-                "--history PATH names another)"
-            )
+            if not self.path.is_file():
+                raise HistoryError(
+                    f"{self.path}: no history here yet (every `hpcfsdp collect` appends to it; "
+                    "--history PATH names another)"
+                )
         # A new file is made in STORAGE_VERSION's format; an existing one keeps its own.
         config: dict[str, Any] = {} if read_only else {"storage_compatibility_version": STORAGE_VERSION}
         try:

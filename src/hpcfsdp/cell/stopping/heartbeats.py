@@ -113,22 +113,23 @@ class Heartbeat:
             faulthandler.enable(self._fault)
 
     def beat(self) -> None:
-        """Touch this rank's file; until every peer on this machine is watched, look for their files
-        (each peer's read once: a launch's ranks at most)."""
+        """Touch this rank's file; until every peer on this machine is watched, read the files of
+        the peers not yet found (a file missing, half written or of another launch: again next beat)."""
         with contextlib.suppress(OSError):
             os.utime(self.path)
-        if self._local_peers and self._unread:
-            with contextlib.suppress(OSError):  # a folder gone or not ours: no peer watched, as before
-                self._watch_new_peers()
+        if self._local_peers:
+            self._watch_new_peers()
 
     def _watch_new_peers(self) -> None:
         here = socket.gethostname()
-        for beat in read_beats(self.folder, self.launch):
-            if beat.rank in self._unread:
-                self._unread.discard(beat.rank)
-                if beat.machine == here:
-                    self._local_peers -= 1
-                    self.exits.watch(beat.pid, beat.start)
+        for rank in sorted(self._unread):
+            beat = _read_beat(self.folder / f"rank{rank}.json")  # None where it cannot be read
+            if beat is None or beat.launch != self.launch:
+                continue
+            self._unread.discard(rank)
+            if beat.machine == here:
+                self._local_peers -= 1
+                self.exits.watch(beat.pid, beat.start)
 
     def left(self) -> None:
         """This rank leaves by itself, its record written: no peer blames it for being gone."""
